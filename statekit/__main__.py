@@ -1,0 +1,3 @@
+from statekit.cli import main
+
+main()
