@@ -13,6 +13,16 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 
+def _mode_for(path: str) -> int:
+    """Keep an existing target's permissions; new files get the usual 0666 & ~umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path = os.fspath(path)
@@ -23,6 +33,7 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -56,7 +56,9 @@ class TensorRef:
         if self.loader is not None:
             return memoryview(self.loader()).cast("B")
         arr = np.ascontiguousarray(self.numpy())
-        return memoryview(arr).cast("B") if arr.size else memoryview(b"")
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
 
     def numpy(self) -> np.ndarray:
         """The values as a numpy array of the statekit dtype (read-only when memory mapped)."""

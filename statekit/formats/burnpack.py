@@ -1,0 +1,452 @@
+"""burn's burnpack container (``.bpk``): header, CBOR metadata, 256-byte aligned tensor data.
+
+Layout (``shared/docs/burn-formats.md`` §1)::
+
+    0   u32 LE magic 0x4255524E ("NRUB" on disk)
+    4   u16 LE version (1)
+    6   u32 LE metadata size N
+    10  N bytes CBOR {"tensors": {name: {dtype, shape, data_offsets, [param_id]}},
+                      ["metadata": {str: str}], ["scalars": {name: {"Int"|"UInt"|"Float"|"Bool": v}}]}
+    D = ceil((10 + N) / 256) * 256: tensor data, offsets relative to D, each start 256-aligned
+
+burn 0.19 wrote the same header without alignment (data right after the metadata, tensors back to
+back); such files are recognised and read, and written back in their own layout.
+
+This module knows nothing about optimizers: it maps bytes to named tensors, scalars and strings.
+Opening a file reads the header and metadata only; tensor bytes are memory-mapped on demand.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from statekit import dtypes
+from statekit.atomic import atomic_write
+from statekit.errors import FormatError
+from statekit.formats import cbor
+from statekit.tensor import TensorRef
+
+MAGIC = b"NRUB"
+VERSION = 1
+HEADER_SIZE = 10
+ALIGNMENT = 256
+MAX_METADATA_SIZE = 100 * 1024 * 1024
+MAX_TENSOR_COUNT = 100_000
+MAX_TENSOR_SIZE = 10 * 1024**3
+MAX_RANK = 64
+SCALAR_KINDS = ("Int", "UInt", "Float", "Bool")
+_BOOL_STORES = {"Native": "?", "U8": "u1", "U32": "<u4"}
+
+
+def aligned(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A burnpack scalar with its variant (``Int``/``UInt``/``Float``/``Bool``) kept for writing."""
+
+    kind: str
+    value: int | float | bool
+
+    def to_cbor(self) -> dict:
+        return {self.kind: self.value}
+
+    @staticmethod
+    def of(value: int | float | bool) -> Scalar:
+        """The variant burn would write for a Rust field holding ``value``."""
+        if isinstance(value, bool):
+            return Scalar("Bool", value)
+        if isinstance(value, int):
+            return Scalar("UInt" if value >= 0 else "Int", value)
+        return Scalar("Float", float(value))
+
+
+@dataclass
+class TensorEntry:
+    """One tensor descriptor: the CBOR dtype value as written, shape, byte range, param id."""
+
+    name: str
+    burn_dtype: object  # "F32", {"Bool": "Native"}, {"QFloat": {...}}, "Bool" (0.19/0.20)
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    param_id: int | None = None
+
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self.burn_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def dtype_name(burn_dtype: object) -> str:
+    """statekit's dtype name for a burnpack dtype value (raises ValueError when unknown)."""
+    if isinstance(burn_dtype, str):
+        if burn_dtype in dtypes.DTYPE_NAMES and burn_dtype != "QFloat":
+            return burn_dtype
+    elif isinstance(burn_dtype, dict) and len(burn_dtype) == 1:
+        (key, value), = burn_dtype.items()
+        if key == "Bool" and value in _BOOL_STORES:
+            return "Bool"
+        if key == "QFloat" and isinstance(value, dict):
+            return "QFloat"
+    raise ValueError(f"unknown burnpack dtype {burn_dtype!r}")
+
+
+def burn_dtype_for(name: str) -> object:
+    """The CBOR dtype value burn 0.22 writes for a statekit dtype name."""
+    if name == "Bool":
+        return {"Bool": "Native"}
+    if name == "QFloat":
+        raise ValueError("QFloat tensors need their scheme; copy the burn dtype from the source")
+    dtypes.numpy_dtype(name)
+    return name
+
+
+def _element_numpy_dtype(burn_dtype: object) -> np.dtype:
+    if isinstance(burn_dtype, dict) and "Bool" in burn_dtype:
+        return np.dtype(_BOOL_STORES[burn_dtype["Bool"]])
+    return dtypes.numpy_dtype(dtype_name(burn_dtype))
+
+
+class BurnpackFile:
+    """A burnpack file opened for reading: metadata parsed and validated, tensors lazy.
+
+    Use as a context manager or call :meth:`close`. ``tensors`` is in metadata (name) order;
+    ``data_order`` lists names in the order their bytes appear in the file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._fh = None
+        self._map: mmap.mmap | None = None
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as exc:
+            raise FormatError(f"cannot open: {exc.strerror}", self.path) from None
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ parsing
+    def _error(self, message: str) -> FormatError:
+        return FormatError(message, self.path)
+
+    def _parse(self) -> None:
+        size = os.fstat(self._fh.fileno()).st_size
+        self.file_size = size
+        header = self._fh.read(HEADER_SIZE)
+        if len(header) < HEADER_SIZE:
+            raise self._error(f"file is {size} bytes, too short for a burnpack header (10 bytes)")
+        magic, self.version, self.metadata_size = header[:4], *struct.unpack("<HI", header[4:])
+        if magic != MAGIC:
+            raise self._error(
+                f"not a burnpack file: magic bytes are {magic.hex(' ')}, expected 4e 52 55 42 ('NRUB')"
+            )
+        if self.version > VERSION:
+            raise self._error(f"burnpack version {self.version} is newer than supported (1)")
+        if self.metadata_size > MAX_METADATA_SIZE:
+            raise self._error(
+                f"metadata size {self.metadata_size} exceeds burn's limit of {MAX_METADATA_SIZE} bytes"
+            )
+        if HEADER_SIZE + self.metadata_size > size:
+            raise self._error(
+                f"truncated: header claims {self.metadata_size} bytes of metadata, "
+                f"file has {size - HEADER_SIZE} after the header"
+            )
+        self.raw_metadata = self._fh.read(self.metadata_size)
+        try:
+            meta = cbor.decode(self.raw_metadata)
+        except cbor.CborError as exc:
+            raise self._error(f"invalid CBOR metadata: {exc}") from None
+        if not isinstance(meta, dict) or "tensors" not in meta:
+            raise self._error("metadata has no 'tensors' map")
+        tensors, strings, scalars = meta["tensors"], meta.get("metadata", {}), meta.get("scalars", {})
+        if not isinstance(tensors, dict) or not isinstance(strings, dict) or not isinstance(scalars, dict):
+            raise self._error("metadata 'tensors', 'metadata' and 'scalars' must be maps")
+        if len(tensors) > MAX_TENSOR_COUNT:
+            raise self._error(f"{len(tensors)} tensors exceed burn's limit of {MAX_TENSOR_COUNT}")
+        self.tensors = {name: self._entry(name, desc) for name, desc in tensors.items()}
+        self.metadata = self._strings(strings)
+        self.scalars = {name: self._scalar(name, value) for name, value in scalars.items()}
+        self.extra_keys = [k for k in meta if k not in ("tensors", "metadata", "scalars")]
+        self.data_order = sorted(self.tensors, key=lambda n: (self.tensors[n].start, self.tensors[n].end))
+        self._place_data(size)
+        self.canonical = self.raw_metadata == encode_metadata(self.tensors, self.metadata, self.scalars)
+
+    def _entry(self, name: object, desc: object) -> TensorEntry:
+        if not isinstance(name, str) or not isinstance(desc, dict):
+            raise self._error(f"tensor descriptor {name!r} is not a name → map entry")
+        missing = [k for k in ("dtype", "shape", "data_offsets") if k not in desc]
+        if missing:
+            raise self._error(f"tensor {name!r} has no {', '.join(missing)}")
+        try:
+            dtype = dtype_name(desc["dtype"])
+        except ValueError as exc:
+            raise self._error(f"tensor {name!r}: {exc}") from None
+        shape, offsets, pid = desc["shape"], desc["data_offsets"], desc.get("param_id")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise self._error(f"tensor {name!r}: shape {shape!r} is not a list of unsigned integers")
+        if len(shape) > MAX_RANK:
+            raise self._error(f"tensor {name!r}: rank {len(shape)} is not plausible")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and o >= 0 for o in offsets)
+        ):
+            raise self._error(f"tensor {name!r}: data_offsets {offsets!r} is not [start, end]")
+        start, end = offsets
+        if end < start:
+            raise self._error(f"tensor {name!r}: data_offsets end {end} is before start {start}")
+        if end - start > MAX_TENSOR_SIZE:
+            raise self._error(f"tensor {name!r}: {end - start} bytes exceed burn's 10 GiB tensor limit")
+        if pid is not None and not (isinstance(pid, int) and 0 <= pid < 1 << 64):
+            raise self._error(f"tensor {name!r}: param_id {pid!r} is not a u64")
+        if dtype != "QFloat":
+            expected = math.prod(shape) * _element_numpy_dtype(desc["dtype"]).itemsize
+            if expected != end - start:
+                raise self._error(
+                    f"tensor {name!r}: {end - start} bytes of data but shape {shape} of {dtype} needs {expected}"
+                )
+        return TensorEntry(name, desc["dtype"], tuple(shape), start, end, pid)
+
+    def _strings(self, strings: dict) -> dict[str, str]:
+        for key, value in strings.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise self._error(f"string metadata entry {key!r} is not text → text")
+        return dict(strings)
+
+    def _scalar(self, name: object, value: object) -> Scalar:
+        if isinstance(name, str) and isinstance(value, dict) and len(value) == 1:
+            (kind, v), = value.items()
+            ok = {
+                "Int": isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < 1 << 63,
+                "UInt": isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64,
+                "Float": isinstance(v, float | int) and not isinstance(v, bool),
+                "Bool": isinstance(v, bool),
+            }.get(kind, False)
+            if ok:
+                return Scalar(kind, float(v) if kind == "Float" else v)
+        raise self._error(f"scalar {name!r} has value {value!r}, expected {{Int|UInt|Float|Bool: value}}")
+
+    def _place_data(self, size: int) -> None:
+        """Find the data section (aligned ≥0.20 or unaligned 0.19) and check every range."""
+        header_end = HEADER_SIZE + self.metadata_size
+        data_end = max((e.end for e in self.tensors.values()), default=0)
+        aligned_start = aligned(header_end)
+        unaligned = (
+            aligned_start != header_end
+            and size == header_end + data_end
+            and size < aligned_start + data_end
+        )
+        self.layout = "0.19-unaligned" if unaligned else "aligned"
+        self.data_start = header_end if unaligned else aligned_start
+        if self.tensors and self.data_start + data_end > size:
+            raise self._error(
+                f"truncated: tensor data ends at byte {self.data_start + data_end}, file has {size} bytes"
+            )
+        self.trailing_bytes = max(0, size - (self.data_start + data_end)) if self.tensors else 0
+        previous = None
+        for name in self.data_order:
+            entry = self.tensors[name]
+            if not unaligned and entry.start % ALIGNMENT:
+                raise self._error(f"tensor {name!r} starts at offset {entry.start}, not 256-byte aligned")
+            if previous is not None and entry.start < previous.end and entry.nbytes and previous.nbytes:
+                raise self._error(f"tensors {previous.name!r} and {name!r} overlap in the data section")
+            previous = entry if entry.nbytes or previous is None else previous
+
+    # ------------------------------------------------------------------ access
+    def _mapped(self) -> mmap.mmap | bytes:
+        if self._map is None:
+            if self.file_size == 0:
+                return b""
+            self._map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map
+
+    def raw(self, name: str) -> memoryview:
+        entry = self._get(name)
+        lo = self.data_start + entry.start
+        return memoryview(self._mapped())[lo : lo + entry.nbytes]
+
+    def _get(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise self._error(f"no tensor named {name!r}") from None
+
+    def tensor(self, name: str) -> TensorRef:
+        """A lazy view of one tensor; values are read from the memory map when asked for."""
+        entry = self._get(name)
+        info = {"burn_dtype": entry.burn_dtype, "param_id": entry.param_id, "name": name}
+        ref = TensorRef(
+            dtype=entry.dtype,
+            shape=entry.shape,
+            loader=lambda: self.raw(name),
+            nbytes_hint=entry.nbytes,
+            info=info,
+        )
+        if entry.dtype == "Bool":
+            store = _element_numpy_dtype(entry.burn_dtype)
+            ref.array_loader = lambda: np.frombuffer(self.raw(name), dtype=store).reshape(entry.shape) != 0
+        return ref
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # arrays still view the map; it closes when they go
+                pass
+            self._map = None
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> BurnpackFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@dataclass
+class PackTensor:
+    """A tensor to write: its burnpack name, dtype value, shape, param id and byte source."""
+
+    name: str
+    source: TensorRef
+    burn_dtype: object = None
+    param_id: int | None = None
+    shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.burn_dtype is None:
+            self.burn_dtype = self.source.info.get("burn_dtype") or burn_dtype_for(self.source.dtype)
+        if self.shape is None:
+            self.shape = tuple(self.source.shape)
+
+
+@dataclass
+class Layout:
+    """Where each tensor lands: offsets relative to the data section, in write order."""
+
+    offsets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    metadata: bytes = b""
+    data_start: int = 0
+    file_size: int = 0
+
+
+def encode_metadata(
+    tensors: dict[str, TensorEntry], strings: dict[str, str], scalars: dict[str, Scalar]
+) -> bytes:
+    """CBOR metadata exactly as burn writes it: sorted maps, tensors/metadata/scalars order."""
+    def sort(d: dict) -> dict:
+        return {k: d[k] for k in sorted(d, key=lambda s: s.encode("utf-8"))}
+
+    desc = {}
+    for name, e in sort(tensors).items():
+        item = {"dtype": e.burn_dtype, "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+        if e.param_id is not None:
+            item["param_id"] = e.param_id
+        desc[name] = item
+    top: dict = {"tensors": desc}
+    if strings:
+        top["metadata"] = sort(strings)
+    if scalars:
+        top["scalars"] = {k: v.to_cbor() for k, v in sort(scalars).items()}
+    return cbor.encode(top)
+
+
+def plan_layout(
+    tensors: list[PackTensor],
+    strings: dict[str, str],
+    scalars: dict[str, Scalar],
+    unaligned: bool = False,
+) -> tuple[Layout, dict[str, TensorEntry]]:
+    entries: dict[str, TensorEntry] = {}
+    cursor = 0
+    for t in tensors:
+        if t.name in entries:
+            raise ValueError(f"duplicate tensor name {t.name!r}")
+        nbytes = t.source.nbytes
+        if dtype_name(t.burn_dtype) != "QFloat":
+            need = math.prod(t.shape) * _element_numpy_dtype(t.burn_dtype).itemsize
+            if need != nbytes:
+                raise ValueError(f"tensor {t.name!r}: {nbytes} bytes but shape {list(t.shape)} needs {need}")
+        start = cursor if unaligned else aligned(cursor)
+        entries[t.name] = TensorEntry(t.name, t.burn_dtype, tuple(t.shape), start, start + nbytes, t.param_id)
+        cursor = start + nbytes
+    meta = encode_metadata(entries, strings, scalars)
+    if len(meta) > 0xFFFFFFFF:
+        raise ValueError("metadata longer than 4 GiB")
+    header_end = HEADER_SIZE + len(meta)
+    data_start = header_end if unaligned else aligned(header_end)
+    layout = Layout({n: (e.start, e.end) for n, e in entries.items()}, meta, data_start, data_start + cursor)
+    return layout, entries
+
+
+def write_burnpack(
+    path: str | os.PathLike,
+    tensors: Iterable[PackTensor],
+    metadata: dict[str, str] | None = None,
+    scalars: dict[str, Scalar] | None = None,
+    *,
+    unaligned: bool = False,
+    version: int = VERSION,
+    progress=None,
+) -> int:
+    """Write a burnpack file atomically, tensor by tensor, in the order given. Returns its size.
+
+    ``progress``, when given, is called with the byte count of each tensor after it is written.
+    """
+    tensors = list(tensors)
+    metadata, scalars = metadata or {}, scalars or {}
+    layout, _ = plan_layout(tensors, metadata, scalars, unaligned)
+    with atomic_write(path) as out:
+        out.write(MAGIC + struct.pack("<HI", version, len(layout.metadata)) + layout.metadata)
+        position = HEADER_SIZE + len(layout.metadata)
+        for t in tensors:
+            start, end = layout.offsets[t.name]
+            gap = layout.data_start + start - position
+            out.write(b"\0" * gap)
+            data = t.source.raw()
+            if len(data) != end - start:
+                raise ValueError(f"tensor {t.name!r} produced {len(data)} bytes, expected {end - start}")
+            out.write(data)
+            position = layout.data_start + end
+            if progress is not None:
+                progress(end - start)
+        if not tensors:
+            out.write(b"\0" * (layout.data_start - position))
+    return layout.file_size
+
+
+def copy_burnpack(src: BurnpackFile, dst: str | os.PathLike, progress=None) -> int:
+    """Rewrite an opened burnpack file with burn's writer rules (byte-identical for burn's files)."""
+    tensors = [
+        PackTensor(n, src.tensor(n), src.tensors[n].burn_dtype, src.tensors[n].param_id)
+        for n in src.data_order
+    ]
+    return write_burnpack(
+        dst,
+        tensors,
+        src.metadata,
+        src.scalars,
+        unaligned=src.layout == "0.19-unaligned",
+        version=src.version,
+        progress=progress,
+    )

@@ -1,0 +1,208 @@
+"""burn 0.22 records in burnpack files ⇄ the neutral state model.
+
+An optimizer record (``shared/docs/burn-formats.md`` §2) stores, per parameter id ``P``, tensors
+``P.<field path>`` (each with ``param_id = P``), scalars ``P.__rank`` and e.g. ``P.momentum.time``,
+and string metadata ``P → module path``. Model records store one tensor per module path with its
+``param_id``; scheduler records store only scalars; L-BFGS stores one global state without ids.
+"""
+
+from __future__ import annotations
+
+from statekit import naming, paramid
+from statekit.errors import FormatError, MappingError
+from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+
+FORMAT = "burnpack"
+META_PREFIX = "statekit."
+
+
+def _split(name: str) -> tuple[str, str] | None:
+    head, dot, rest = name.partition(".")
+    if dot and rest and paramid.is_decimal_id(head):
+        return head, rest
+    return None
+
+
+def _kind(pack: BurnpackFile) -> str:
+    names = list(pack.tensors) + list(pack.scalars)
+    if not names:
+        return "empty"
+    if set(naming.BURN_GLOBAL_FAMILIES["lbfgs"]) <= set(pack.scalars):
+        return "optimizer"
+    if all(_split(n) for n in names) and any(n.endswith("." + naming.BURN_RANK) for n in pack.scalars):
+        return "optimizer"
+    if not pack.tensors:
+        return "scheduler"
+    if all(e.param_id is not None for e in pack.tensors.values()) and not any(_split(n) for n in pack.tensors):
+        return "model"
+    return "tensors"
+
+
+def read(pack: BurnpackFile) -> Checkpoint:
+    """Interpret an opened burnpack file (does not read tensor data)."""
+    kind = _kind(pack)
+    ckpt = Checkpoint(
+        path=pack.path,
+        format=FORMAT,
+        kind=kind,
+        version=pack.version,
+        n_tensors=len(pack.tensors),
+        n_scalars=len(pack.scalars),
+        nbytes=sum(e.nbytes for e in pack.tensors.values()),
+        container=pack,
+    )
+    if pack.layout != "aligned":
+        ckpt.warnings.append("burn 0.19 layout: tensor data is not 256-byte aligned (read as such)")
+    if pack.trailing_bytes:
+        ckpt.warnings.append(f"{pack.trailing_bytes} bytes follow the last tensor (burn writes none)")
+    if not pack.canonical:
+        ckpt.warnings.append("metadata is not encoded as burn encodes it; a rewrite will differ in bytes")
+    if kind == "optimizer":
+        if set(naming.BURN_GLOBAL_FAMILIES["lbfgs"]) <= set(pack.scalars):
+            ckpt.optimizer = _read_lbfgs(pack)
+        else:
+            ckpt.optimizer = _read_optimizer(pack)
+        ckpt.metadata = {k: v for k, v in pack.metadata.items() if not paramid.is_decimal_id(k)}
+    elif kind == "model":
+        ckpt.model = ModelInfo(
+            [
+                ModelParam(n, pack.tensors[n].shape, pack.tensors[n].dtype, id=pack.tensors[n].param_id,
+                           tensor=pack.tensor(n))
+                for n in pack.data_order
+            ]
+        )
+        ckpt.metadata = dict(pack.metadata)
+    else:
+        ckpt.metadata = dict(pack.metadata)
+        ckpt.scalars = {k: v.value for k, v in pack.scalars.items()}
+    return ckpt
+
+
+def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
+    params: dict[str, ParamState] = {}
+    fields: dict[str, dict[str, object]] = {}
+
+    def param(key: str) -> ParamState:
+        if key not in params:
+            pid = int(key)
+            params[key] = ParamState(key=key, id=pid, path=pack.metadata.get(key))
+            fields[key] = {}
+        return params[key]
+
+    for name in pack.data_order:  # data order = the order burn wrote (its hash map's)
+        key, leaf = _split(name)
+        param(key)
+        entry = pack.tensors[name]
+        if entry.param_id is not None and entry.param_id != int(key):
+            raise FormatError(f"tensor {name!r} carries param_id {entry.param_id}, not {key}", pack.path)
+        fields[key][leaf] = pack.tensor(name)
+    for name, scalar in pack.scalars.items():
+        key, leaf = _split(name)
+        p = param(key)
+        if leaf == naming.BURN_RANK:
+            p.rank = int(scalar.value)
+        else:
+            fields[key][leaf] = scalar
+    families = set()
+    for key, p in params.items():
+        leaves = fields[key]
+        if not leaves:
+            lay = naming.layout("burn", naming.BURN_STATELESS)
+        else:
+            lay = naming.classify("burn", set(leaves))
+        if lay is None:
+            p.extra = dict(leaves)
+            families.add(None)
+            continue
+        p.family = lay.family
+        families.add(lay.family)
+        for leaf, value in leaves.items():
+            if leaf == lay.step:
+                p.step = value.value
+                p.extra["__step_kind"] = value.kind
+            elif leaf in lay.slots:
+                p.slots[lay.slots[leaf]] = value
+        if p.rank is None and p.shape is not None:
+            p.rank = len(p.shape)
+    state = OptimizerState(family=None, params=list(params.values()), framework="burn")
+    if len(families) == 1 and None not in families:
+        family = families.pop()
+        state.family = family
+        state.candidates = (family, *naming.layout("burn", family).also)
+    elif families:
+        state.family = "mixed" if None not in families else None
+        state.notes.append("parameters hold different optimizer layouts (several parameter groups?)")
+    if state.family is None:
+        state.notes.append("unrecognised state layout: fields are kept under their burn names")
+    if len(state.candidates) > 1:
+        state.notes.append(
+            f"{' and '.join(state.candidates)} store identical state in burn; the file cannot tell them apart"
+        )
+    hp = {k[len(META_PREFIX):]: v for k, v in pack.metadata.items() if k.startswith(META_PREFIX)}
+    state.hyperparams_stored = bool(hp)
+    state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+    return state
+
+
+def _read_lbfgs(pack: BurnpackFile) -> OptimizerState:
+    state = OptimizerState(family="lbfgs", candidates=("lbfgs",), framework="burn")
+    state.global_slots = {n: pack.tensor(n) for n in pack.data_order}
+    state.global_scalars = {k: v.value for k, v in pack.scalars.items()}
+    state.notes.append("L-BFGS keeps one global state over all parameters, tied to parameter order")
+    return state
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
+    """The tensors, string metadata and scalars of a burn 0.22 optimizer record for ``state``.
+
+    Raises :class:`MappingError` naming the parameter and field when the state cannot be expressed
+    in burn (a slot burn has no field for, a parameter without a ParamId).
+    """
+    if state.family == "lbfgs":
+        tensors = [PackTensor(n, ref) for n, ref in state.global_slots.items()]
+        scalars = {k: Scalar.of(v) for k, v in state.global_scalars.items()}
+        return tensors, dict(metadata or {}), scalars
+    tensors: list[PackTensor] = []
+    strings: dict[str, str] = dict(metadata or {})
+    scalars: dict[str, Scalar] = {}
+    for p in state.params:
+        if p.id is None:
+            raise MappingError(f"parameter {p.label()} has no burn ParamId (give --model MODEL.bpk)")
+        key = str(p.id)
+        family = p.family or state.family
+        if family is None or family == "mixed":
+            for leaf, value in p.extra.items():
+                _put(tensors, scalars, key, leaf, value, p.id)
+        else:
+            lay = naming.layout("burn", family)
+            native = {neutral: leaf for leaf, neutral in lay.slots.items()}
+            for slot, ref in p.slots.items():
+                if slot not in native:
+                    raise MappingError(f"parameter {p.label()}: burn's {family} state has no field for {slot!r}")
+                tensors.append(PackTensor(f"{key}.{native[slot]}", ref, param_id=p.id))
+            if lay.step is not None:
+                if p.step is None:
+                    raise MappingError(f"parameter {p.label()}: burn's {family} state needs a step count")
+                if float(p.step) != int(p.step) or p.step < 0:
+                    raise MappingError(f"parameter {p.label()}: step {p.step} is not a whole count")
+                scalars[f"{key}.{lay.step}"] = Scalar(p.extra.get("__step_kind", "UInt"), int(p.step))
+        rank = p.rank if p.rank is not None else (len(p.shape) if p.shape is not None else None)
+        if rank is None:
+            raise MappingError(f"parameter {p.label()}: rank unknown")
+        scalars[f"{key}.{naming.BURN_RANK}"] = Scalar("UInt", rank)
+        if p.path:
+            strings[key] = p.path
+    return tensors, strings, scalars
+
+
+def _put(tensors, scalars, key, leaf, value, pid) -> None:
+    if isinstance(value, Scalar):
+        scalars[f"{key}.{leaf}"] = value
+    elif leaf.startswith("__"):
+        return
+    else:
+        tensors.append(PackTensor(f"{key}.{leaf}", value, param_id=pid))

@@ -1,0 +1,117 @@
+"""Every framework's names for optimizer state, in one table.
+
+statekit's framework-neutral slot names are PyTorch's (``exp_avg``, ``exp_avg_sq``, …). Each
+framework maps its own field names onto them here, and nowhere else: readers, writers and
+converters look names up in :data:`FAMILIES` instead of testing names in code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One optimizer family's per-parameter state in one framework.
+
+    ``slots``: native field name → neutral slot name. ``required``: native names that must all be
+    present for a parameter to belong to this family. ``step``: native name of the step counter.
+    """
+
+    family: str
+    slots: dict[str, str]
+    required: frozenset[str]
+    step: str | None = None
+    also: tuple[str, ...] = ()  # other families with byte-identical state (cannot be told apart)
+    derived: frozenset[str] = field(default_factory=frozenset)  # slots recomputable from others
+
+
+BURN: tuple[Layout, ...] = (
+    Layout(
+        "adam",
+        {"momentum.moment_1": "exp_avg", "momentum.moment_2": "exp_avg_sq",
+         "momentum.max_moment_2": "max_exp_avg_sq"},
+        frozenset({"momentum.moment_1", "momentum.moment_2", "momentum.time"}),
+        step="momentum.time",
+        also=("adamw",),
+    ),
+    Layout(
+        "adan",
+        {"momentum.exp_avg": "exp_avg", "momentum.exp_avg_sq": "exp_avg_sq",
+         "momentum.exp_avg_diff": "exp_avg_diff", "momentum.neg_pre_grad": "neg_pre_grad"},
+        frozenset({"momentum.exp_avg", "momentum.exp_avg_sq", "momentum.exp_avg_diff",
+                   "momentum.neg_pre_grad", "momentum.time"}),
+        step="momentum.time",
+    ),
+    Layout(
+        "sgd",
+        {"momentum.velocity": "momentum_buffer"},
+        frozenset({"momentum.velocity"}),
+        also=("muon",),
+    ),
+    Layout("adagrad", {"lr_decay.sum": "sum"}, frozenset({"lr_decay.sum", "lr_decay.time"}),
+           step="lr_decay.time"),
+    Layout(
+        "rmsprop",
+        {"square_avg.square_avg": "square_avg", "centered.grad_avg": "grad_avg",
+         "centered.avg": "avg", "momentum.buf": "momentum_buffer"},
+        frozenset({"square_avg.square_avg", "centered.avg"}),
+        derived=frozenset({"avg"}),
+    ),
+)
+
+# burn's SGD without momentum keeps no state at all: each parameter only has ``__rank``.
+BURN_STATELESS = "sgd"
+BURN_RANK = "__rank"
+BURN_GLOBAL_FAMILIES = {
+    # L-BFGS flattens one global state with an empty prefix (no param ids, no __rank).
+    "lbfgs": frozenset({"history_s.len", "history_y.len", "g_iter"}),
+}
+
+TORCH: tuple[Layout, ...] = (
+    Layout("adam", {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "max_exp_avg_sq"},
+           frozenset({"exp_avg", "exp_avg_sq", "step"}), step="step", also=("adamw",)),
+    Layout("nadam", {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "mu_product": "mu_product"},
+           frozenset({"exp_avg", "exp_avg_sq", "mu_product", "step"}), step="step"),
+    Layout("adamax", {"exp_avg": "exp_avg", "exp_inf": "exp_inf"},
+           frozenset({"exp_avg", "exp_inf", "step"}), step="step"),
+    Layout("adafactor", {"row_var": "row_var", "col_var": "col_var", "variance": "variance"},
+           frozenset({"step"}), step="step"),
+    Layout("rmsprop", {"square_avg": "square_avg", "grad_avg": "grad_avg", "momentum_buffer": "momentum_buffer"},
+           frozenset({"square_avg", "step"}), step="step"),
+    Layout("adagrad", {"sum": "sum"}, frozenset({"sum", "step"}), step="step"),
+    Layout("sgd", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
+)
+
+FRAMEWORKS = {"burn": BURN, "torch": TORCH}
+
+# Families the torch side can hold for each neutral family (RAdam shares Adam's slots).
+TORCH_OPTIMIZER_CLASSES = {
+    "adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad",
+    "nadam": "NAdam", "radam": "RAdam", "adamax": "Adamax", "adafactor": "Adafactor",
+}
+
+
+def layout(framework: str, family: str) -> Layout:
+    for item in FRAMEWORKS[framework]:
+        if item.family == family or family in item.also:
+            return item
+    raise KeyError(f"{framework} has no optimizer family {family!r}")
+
+
+def classify(framework: str, fields: set[str]) -> Layout | None:
+    """The first layout whose required fields are all present and that explains every field."""
+    for item in FRAMEWORKS[framework]:
+        known = set(item.slots) | ({item.step} if item.step else set())
+        if item.required <= fields and fields <= known:
+            return item
+    return None
+
+
+def native_name(framework: str, family: str, slot: str) -> str:
+    """The framework's field name for a neutral slot (KeyError when it has none)."""
+    lay = layout(framework, family)
+    for native, neutral in lay.slots.items():
+        if neutral == slot:
+            return native
+    raise KeyError(f"{framework} {family} has no field for slot {slot!r}")

@@ -1,0 +1,138 @@
+"""``inspect``: describe a checkpoint as one JSON-able dict (the CLI renders it as a table).
+
+Without ``stats`` only the header and metadata are used; with it, each field is streamed in
+blocks to compute min / max / mean / RMS and NaN / Inf counts, so memory stays one block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from statekit import dtypes, naming
+from statekit.state import Checkpoint, OptimizerState, ParamState
+from statekit.tensor import TensorRef
+
+BLOCK = 1 << 20
+
+
+def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
+    """min / max / mean / rms / nan / inf of a tensor, streaming over ``block`` elements at a time."""
+    if ref.dtype == "QFloat":
+        return {}
+    arr = ref.numpy().reshape(-1)
+    n = arr.size
+    lo, hi, total, squares, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0
+    for i in range(0, n, block):
+        chunk = arr[i : i + block].astype(np.float64)
+        if dtypes.is_float(ref.dtype):
+            bad_nan, bad_inf = np.isnan(chunk), np.isinf(chunk)
+            nan += int(bad_nan.sum())
+            inf += int(bad_inf.sum())
+            finite = chunk[~(bad_nan | bad_inf)]
+        else:
+            finite = chunk
+        if finite.size:
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+            total += float(finite.sum())
+            squares += float(np.dot(finite, finite))
+    count = n - nan - inf
+    out = {"min": lo if count else None, "max": hi if count else None,
+           "mean": total / count if count else None, "rms": math.sqrt(squares / count) if count else None,
+           "nan": nan, "inf": inf}
+    return out
+
+
+def _native(state: OptimizerState, p: ParamState) -> dict[str, str]:
+    family = p.family or state.family
+    if state.framework in naming.FRAMEWORKS and family not in (None, "mixed"):
+        lay = naming.layout(state.framework, family)
+        return {neutral: native for native, neutral in lay.slots.items()}
+    return {}
+
+
+def describe_param(state: OptimizerState, p: ParamState, stats: bool = False) -> dict:
+    native = _native(state, p)
+    fields: dict[str, dict] = {}
+    for slot, ref in p.slots.items():
+        item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
+        if stats:
+            item["stats"] = tensor_stats(ref)
+        fields[native.get(slot, slot)] = item
+    for name, value in p.extra.items():
+        if isinstance(value, TensorRef):
+            item = {"shape": list(value.shape), "dtype": value.dtype}
+            if stats:
+                item["stats"] = tensor_stats(value)
+            fields[name] = item
+    out = {
+        "id": None if p.id is None else str(p.id),
+        "display_id": p.display_id,
+        "index": p.index,
+        "path": p.path,
+        "rank": p.rank,
+        "shape": None if p.shape is None else list(p.shape),
+        "dtype": p.dtype,
+        "step": p.step,
+        "group": p.group,
+        "family": p.family,
+        "fields": fields,
+    }
+    if state.framework == "burn":
+        out.pop("index")
+    return out
+
+
+def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] | None = None) -> dict:
+    """The description of ``ckpt`` that ``statekit inspect --json`` prints."""
+    out: dict = {
+        "path": ckpt.path,
+        "format": ckpt.format,
+        "version": ckpt.version,
+        "kind": ckpt.kind,
+        "family": None,
+        "family_candidates": [],
+        "tensors": ckpt.n_tensors,
+        "scalars": ckpt.n_scalars,
+        "bytes": ckpt.nbytes,
+        "metadata": ckpt.metadata,
+        "hyperparameters_stored": False,
+        "groups": [],
+        "params": [],
+        "warnings": list(ckpt.warnings),
+        "notes": [],
+    }
+    state = ckpt.optimizer
+    if state is not None:
+        out["family"] = state.family
+        out["family_candidates"] = list(state.candidates)
+        out["hyperparameters_stored"] = state.hyperparams_stored
+        out["notes"] = list(state.notes)
+        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
+        for p in state.params:
+            out["params"].append(describe_param(state, p, stats))
+            if on_param:
+                on_param()
+        if state.global_slots or state.global_scalars:
+            out["global"] = {
+                "tensors": {n: {"shape": list(r.shape), "dtype": r.dtype} for n, r in state.global_slots.items()},
+                "scalars": state.global_scalars,
+            }
+        if ckpt.format == "burnpack" and not state.hyperparams_stored:
+            out["notes"].append("burn optimizer files store no hyperparameters (lr, betas, eps, decay)")
+    elif ckpt.model is not None:
+        for m in ckpt.model.params:
+            item = {"id": None if m.id is None else str(m.id), "display_id": m.display_id, "path": m.path,
+                    "rank": len(m.shape), "shape": list(m.shape), "dtype": m.dtype}
+            if m.buffer:
+                item["buffer"] = True
+            if stats and m.tensor is not None:
+                item["stats"] = tensor_stats(m.tensor)
+            out["params"].append(item)
+            if on_param:
+                on_param()
+    if ckpt.scalars:
+        out["scalar_values"] = ckpt.scalars
+    return out

@@ -1,0 +1,73 @@
+"""The CLI's one output module: human tables or JSON on stdout, one-line errors on stderr.
+
+Everything a command shows goes through :class:`Output`, so ``--json`` and the human mode stay
+in step and errors always look the same: ``statekit: error: <file>: <problem>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item"):  # numpy scalars
+        return _jsonable(value.item())
+    return value
+
+
+class Output:
+    def __init__(self, json_mode: bool = False, quiet: bool = False):
+        self.json_mode = json_mode
+        self.quiet = quiet
+        # Tables are wide: when stdout is not a terminal (a pipe, a file) do not squeeze to 80.
+        probe = Console()
+        width = None if probe.is_terminal else max(probe.width, 160)
+        self.console = Console(highlight=False, width=width)
+        self.err = Console(stderr=True, highlight=False)
+
+    def json(self, obj: object) -> None:
+        sys.stdout.write(json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
+
+    def print(self, *objects: object) -> None:
+        if not self.json_mode and not self.quiet:
+            self.console.print(*objects)
+
+    def info(self, message: str) -> None:
+        """A remark for humans (stderr in JSON mode so stdout stays parseable)."""
+        if self.quiet:
+            return
+        (self.err if self.json_mode else self.console).print(message)
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"[yellow]warning:[/yellow] {message}")
+
+    @contextlib.contextmanager
+    def progress(self, description: str, total: int | None, unit_bytes: bool = False) -> Iterator:
+        """A transient progress bar on stderr when it is a terminal; a no-op callback otherwise."""
+        if self.quiet or not self.err.is_terminal or not total:
+            yield lambda advance=1: None
+            return
+        columns = [TextColumn("{task.description}"), BarColumn()]
+        columns += [DownloadColumn()] if unit_bytes else [TextColumn("{task.completed}/{task.total}")]
+        with Progress(*columns, TimeRemainingColumn(), console=self.err, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda advance=1: bar.advance(task, advance)
+
+
+def error_line(message: str) -> None:
+    """Print one error line on stderr, never wrapped."""
+    sys.stderr.write(f"statekit: error: {' '.join(message.split())}\n")
+    sys.stderr.flush()

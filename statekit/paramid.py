@@ -1,0 +1,61 @@
+"""burn's ParamId: a u64 written in decimal in burnpack names, displayed as 13 base32hex characters.
+
+The display form (``Display`` in burn, and the key of legacy records) is RFC 4648 *base32hex*
+(``0-9a-v``), lower case, unpadded, of the id's 8 little-endian bytes:
+``18402649998147242804`` ⇄ ``6j5mg0dcb1hvu``. Older burn ids were 6 bytes (10 characters); they are
+zero-extended, as burn does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+
+U64_MAX = (1 << 64) - 1
+_DISPLAY = re.compile(r"^[0-9a-vA-V]{10}$|^[0-9a-vA-V]{13}$")
+
+
+def to_display(value: int) -> str:
+    """The 13-character string burn displays for a ParamId."""
+    if not 0 <= value <= U64_MAX:
+        raise ValueError(f"ParamId {value} is not a u64")
+    return base64.b32hexencode(value.to_bytes(8, "little")).decode().lower().rstrip("=")
+
+
+def from_display(text: str) -> int:
+    """Decode burn's base32hex display form (10 or 13 characters, any case) to the u64."""
+    if not _DISPLAY.match(text):
+        raise ValueError(f"{text!r} is not a burn ParamId string (13 base32hex characters)")
+    padded = text.upper() + "=" * (-len(text) % 8)
+    try:
+        raw = base64.b32hexdecode(padded)
+    except binascii.Error as exc:
+        raise ValueError(f"{text!r} is not a burn ParamId string: {exc}") from None
+    if to_display(int.from_bytes(raw.ljust(8, b"\0")[:8], "little"))[: len(text)] != text.lower():
+        raise ValueError(f"{text!r} is not a canonical burn ParamId string (trailing bits set)")
+    return int.from_bytes(raw.ljust(8, b"\0")[:8], "little")
+
+
+def parse(text: str | int) -> int:
+    """Accept either spelling a user may type: decimal u64 or the 13-character display form.
+
+    A 13-character all-digit string is ambiguous in principle; decimal wins when it is a valid
+    u64 of that length, since burnpack names use decimal.
+    """
+    if isinstance(text, int):
+        if not 0 <= text <= U64_MAX:
+            raise ValueError(f"ParamId {text} is not a u64")
+        return text
+    text = text.strip()
+    if text.isdigit():
+        value = int(text)
+        if value > U64_MAX:
+            raise ValueError(f"{text} is larger than a u64 ParamId")
+        return value
+    return from_display(text)
+
+
+def is_decimal_id(text: str) -> bool:
+    """True when ``text`` is how burnpack spells an id: a decimal u64 without sign or padding."""
+    return text.isdigit() and (text == "0" or not text.startswith("0")) and int(text) <= U64_MAX

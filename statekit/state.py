@@ -1,0 +1,196 @@
+"""The framework-neutral state model.
+
+A file is opened into a :class:`Checkpoint`: what kind of file it is, and depending on the kind an
+:class:`OptimizerState` (per-parameter typed state plus parameter groups), a :class:`ModelInfo`
+(a model's parameters: path, id, shape, dtype) or loose scalars (an LR scheduler). Tensors stay
+:class:`~statekit.tensor.TensorRef` s — lazy — until an operation asks for values.
+
+Slot names are neutral (PyTorch's: ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+``momentum_buffer``, …); :mod:`statekit.naming` maps each framework's field names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from statekit import paramid
+from statekit.tensor import TensorRef
+
+KINDS = ("optimizer", "model", "scheduler", "tensors", "empty")
+
+
+@dataclass
+class ParamState:
+    """One parameter's optimizer state.
+
+    ``key`` identifies the parameter inside its state: burn's decimal ParamId, or torch's position
+    as a string. ``id`` is burn's u64 ParamId when known, ``index`` torch's position when known.
+    ``step`` is the parameter's step counter (burn ``time``, torch ``step``), None when the family
+    keeps none. ``extra`` holds native fields that are not slots, kept for faithful round trips.
+    """
+
+    key: str
+    id: int | None = None
+    index: int | None = None
+    path: str | None = None
+    rank: int | None = None
+    step: int | float | None = None
+    slots: dict[str, TensorRef] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
+    group: int = 0
+    declared_shape: tuple[int, ...] | None = None
+    family: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        for ref in self.slots.values():
+            return tuple(ref.shape)
+        return self.declared_shape
+
+    @property
+    def dtype(self) -> str | None:
+        for ref in self.slots.values():
+            return ref.dtype
+        return None
+
+    @property
+    def display_id(self) -> str | None:
+        return None if self.id is None else paramid.to_display(self.id)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ref.nbytes for ref in self.slots.values())
+
+    @property
+    def numel(self) -> int:
+        return sum(ref.numel for ref in self.slots.values())
+
+    def label(self) -> str:
+        """How messages name this parameter: path, then id, then key."""
+        if self.path:
+            return self.path
+        if self.id is not None:
+            return f"{self.id} ({self.display_id})"
+        return f"#{self.key}"
+
+
+@dataclass
+class ParamGroup:
+    """A parameter group: hyperparameters (framework's names) and the keys of its parameters."""
+
+    hyperparams: dict[str, object] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OptimizerState:
+    """Typed optimizer state, framework-neutral.
+
+    ``family`` is the optimizer family when the state determines it (``adam``, ``sgd``, …);
+    ``candidates`` lists every family whose state looks the same (burn's Adam and AdamW, SGD with
+    momentum and Muon) so that nobody guesses silently. ``hyperparams_stored`` is False for burn
+    files, which keep no hyperparameters at all.
+    """
+
+    family: str | None
+    candidates: tuple[str, ...] = ()
+    params: list[ParamState] = field(default_factory=list)
+    groups: list[ParamGroup] = field(default_factory=list)
+    global_slots: dict[str, TensorRef] = field(default_factory=dict)
+    global_scalars: dict[str, object] = field(default_factory=dict)
+    hyperparams_stored: bool = False
+    framework: str = "neutral"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def family_label(self) -> str:
+        if not self.family:
+            return "unknown"
+        if len(self.candidates) > 1:
+            return "/".join(self.candidates)
+        return self.family
+
+    def find(self, name: str) -> ParamState:
+        """The parameter a user names: by path, decimal or display ParamId, key, or ``#index``."""
+        for p in self.params:
+            if name in (p.path, p.key):
+                return p
+        text = name[1:] if name.startswith("#") else name
+        if text.isdigit():
+            for p in self.params:
+                if p.index == int(text) and p.id is None:
+                    return p
+        try:
+            wanted = paramid.parse(name)
+        except ValueError:
+            wanted = None
+        for p in self.params:
+            if wanted is not None and p.id == wanted:
+                return p
+        raise KeyError(name)
+
+    def steps(self) -> set:
+        return {p.step for p in self.params if p.step is not None}
+
+
+@dataclass
+class ModelParam:
+    """A model tensor: module path, ParamId (burn), shape, dtype; ``buffer`` for non-parameters."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    id: int | None = None
+    index: int | None = None
+    buffer: bool = False
+    tensor: TensorRef | None = None
+
+    @property
+    def display_id(self) -> str | None:
+        return None if self.id is None else paramid.to_display(self.id)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ModelInfo:
+    params: list[ModelParam] = field(default_factory=list)
+
+    def by_path(self) -> dict[str, ModelParam]:
+        return {p.path: p for p in self.params}
+
+    def by_id(self) -> dict[int, ModelParam]:
+        return {p.id: p for p in self.params if p.id is not None}
+
+
+@dataclass
+class Checkpoint:
+    """What one file holds, as statekit understands it."""
+
+    path: str
+    format: str
+    kind: str
+    version: int | str | None = None
+    optimizer: OptimizerState | None = None
+    model: ModelInfo | None = None
+    scalars: dict[str, object] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    n_tensors: int = 0
+    n_scalars: int = 0
+    nbytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+    container: object = None
+
+    def close(self) -> None:
+        closer = getattr(self.container, "close", None)
+        if closer is not None:
+            closer()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,206 @@
+"""The burnpack container: a real burn file, our fixtures, the writer's byte rules, bad input."""
+
+import hashlib
+import math
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statekit.errors import FormatError
+from statekit.formats import cbor
+from statekit.formats.burnpack import (
+    BurnpackFile,
+    PackTensor,
+    Scalar,
+    copy_burnpack,
+    write_burnpack,
+)
+from statekit.frameworks import burn
+from statekit.tensor import TensorRef
+
+ROOT = Path(__file__).resolve().parent.parent
+MNIST = ROOT / "fixtures/burn/mnist-model.bpk"
+VALID = sorted((ROOT / "fixtures").glob("*.bpk")) + [MNIST]
+MALFORMED = sorted((ROOT / "fixtures/malformed").glob("*.bpk"))
+
+
+def sha(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def test_mnist_model_as_burn_wrote_it():
+    with BurnpackFile(MNIST) as pack:
+        assert (pack.version, pack.metadata_size, pack.data_start) == (1, 1398, 1536)
+        assert len(pack.tensors) == 18 and not pack.metadata and not pack.scalars
+        bias = pack.tensors["conv1.conv.bias"]
+        assert bias.param_id == 9505838338724798577
+        assert (bias.start, bias.end) == (2304, 2560)
+        assert pack.data_order[:2] == ["conv1.conv.weight", "conv1.conv.bias"]  # traversal order
+        assert pack.tensors["fc1.weight"].shape == (1600, 128)
+        w = pack.tensor("conv1.conv.weight").numpy()
+        # the first four data bytes at 0x600 are 42 c3 10 be (burn-formats.md §1.9)
+        assert w.reshape(-1)[:1].view(np.uint8).tobytes() == bytes.fromhex("42c310be")
+        assert w.shape == (64, 1, 3, 3) and w.dtype == np.float32
+        assert pack.tensor("conv1.norm.running_var").numpy().min() > 0
+        assert pack.canonical
+
+
+@pytest.mark.parametrize("path", VALID, ids=lambda p: p.name)
+def test_rewrite_is_byte_identical(path, tmp_path):
+    out = tmp_path / "copy.bpk"
+    with BurnpackFile(path) as pack:
+        copy_burnpack(pack, out)
+    assert sha(out) == sha(path)
+
+
+@pytest.mark.parametrize("name", ["hand-optim.bpk", "hand-optim-amsgrad.bpk", "hand-optim-rmsprop.bpk",
+                                  "hand-optim-sgd.bpk", "hand-optim-adagrad.bpk", "hand-optim-bf16.bpk"])
+def test_rewrite_through_the_state_model_is_byte_identical(name, tmp_path):
+    src = ROOT / "fixtures" / name
+    with BurnpackFile(src) as pack:
+        state = burn.read(pack).optimizer
+        tensors, strings, scalars = burn.to_pack(state)
+        write_burnpack(tmp_path / "out.bpk", tensors, strings, scalars)
+    assert sha(tmp_path / "out.bpk") == sha(src)
+
+
+def test_empty_pack_is_exactly_the_header_block(tmp_path):
+    # An optimizer that never stepped: metadata A1 67 "tensors" A0, padded to 256 bytes (§2.1).
+    write_burnpack(tmp_path / "e.bpk", [])
+    data = (tmp_path / "e.bpk").read_bytes()
+    meta = bytes.fromhex("a1") + bytes([0x67]) + b"tensors" + bytes.fromhex("a0")
+    assert data == b"NRUB" + struct.pack("<HI", 1, len(meta)) + meta + b"\0" * (256 - 10 - len(meta))
+
+
+def test_unaligned_019_layout_reads_the_same_values():
+    with BurnpackFile(ROOT / "fixtures/hand-optim-019.bpk") as old, BurnpackFile(ROOT / "fixtures/hand-optim.bpk") as new:
+        assert old.layout == "0.19-unaligned" and new.layout == "aligned"
+        assert old.data_start == 10 + old.metadata_size
+        for name in new.tensors:
+            assert np.array_equal(old.tensor(name).numpy(), new.tensor(name).numpy())
+
+
+def test_bf16_fixture_holds_the_f32_values_rounded():
+    with BurnpackFile(ROOT / "fixtures/hand-optim-bf16.bpk") as b16, BurnpackFile(ROOT / "fixtures/hand-optim.bpk") as f32:
+        for name in f32.tensors:
+            got = b16.tensor(name).numpy()
+            assert got.dtype == ml_dtypes.bfloat16
+            assert np.array_equal(got, f32.tensor(name).numpy().astype(ml_dtypes.bfloat16))
+
+
+def test_fixture_values_are_the_training_state():
+    truth = np.load(ROOT / "fixtures/hand-train-adam.npz")
+    with BurnpackFile(ROOT / "fixtures/hand-optim.bpk") as pack:
+        state = burn.read(pack).optimizer
+        for p in state.params:
+            assert np.array_equal(p.slots["exp_avg"].numpy(), truth[f"{p.path}/moment_1"])
+            assert np.array_equal(p.slots["exp_avg_sq"].numpy(), truth[f"{p.path}/moment_2"])
+            assert p.step == int(truth[f"{p.path}/time"]) == 21
+
+
+@pytest.mark.parametrize("path", MALFORMED, ids=lambda p: p.name)
+def test_malformed_files_are_refused(path):
+    with pytest.raises(FormatError) as info:
+        with BurnpackFile(path) as pack:
+            for name in pack.tensors:
+                pack.tensor(name).numpy()
+    message = str(info.value)
+    assert message.startswith(str(path)) and "\n" not in message
+
+
+def test_bool_stores_and_qfloat(tmp_path):
+    bools = np.array([True, False, True])
+    as_u32 = TensorRef(dtype="Bool", shape=(3,), loader=lambda: np.array([1, 0, 1], "<u4").tobytes(), nbytes_hint=12)
+    qbytes = bytes(range(10))
+    qfloat = {"QFloat": {"value": "Q8S", "store": "Native", "mode": "Symmetric", "tensor": "F32", "block": None}}
+    tensors = [
+        PackTensor("native", TensorRef.from_array(bools)),
+        PackTensor("u32", as_u32, burn_dtype={"Bool": "U32"}),
+        PackTensor("q", TensorRef(dtype="QFloat", shape=(2, 4), loader=lambda: qbytes, nbytes_hint=10), burn_dtype=qfloat),
+    ]
+    write_burnpack(tmp_path / "b.bpk", tensors)
+    with BurnpackFile(tmp_path / "b.bpk") as pack:
+        assert pack.tensors["native"].burn_dtype == {"Bool": "Native"}
+        assert np.array_equal(pack.tensor("native").numpy(), bools)
+        assert np.array_equal(pack.tensor("u32").numpy(), bools)
+        assert bytes(pack.tensor("q").raw()) == qbytes and pack.tensors["q"].burn_dtype == qfloat
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    def boom():
+        raise RuntimeError("disk on fire")
+
+    bad = TensorRef(dtype="F32", shape=(4,), loader=boom)
+    target = tmp_path / "out.bpk"
+    target.write_bytes(b"previous")
+    with pytest.raises(RuntimeError):
+        write_burnpack(target, [PackTensor("a", TensorRef.from_array(np.ones(3, np.float32))), PackTensor("b", bad)])
+    assert target.read_bytes() == b"previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bpk"]
+
+
+def test_too_many_tensors_is_refused(tmp_path):
+    desc = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    meta = cbor.encode({"tensors": {f"t{i}": desc for i in range(100_001)}})
+    (tmp_path / "many.bpk").write_bytes(b"NRUB" + struct.pack("<HI", 1, len(meta)) + meta)
+    with pytest.raises(FormatError, match="100000"):
+        BurnpackFile(tmp_path / "many.bpk")
+
+
+DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "Bool"]
+
+
+@st.composite
+def packs(draw):
+    n = draw(st.integers(0, 5))
+    tensors = []
+    for i in range(n):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+        from statekit import dtypes
+
+        raw = draw(st.binary(min_size=math.prod(shape) * dtypes.itemsize(dtype),
+                             max_size=math.prod(shape) * dtypes.itemsize(dtype)))
+        if dtype == "Bool":
+            raw = bytes(b & 1 for b in raw)
+        pid = draw(st.none() | st.integers(0, 2**64 - 1))
+        tensors.append((f"{i}.{draw(st.text('abc._', min_size=1, max_size=6))}", dtype, shape, raw, pid))
+    scalars = draw(st.dictionaries(
+        st.text(min_size=1, max_size=6),
+        st.builds(Scalar, st.just("UInt"), st.integers(0, 2**64 - 1))
+        | st.builds(Scalar, st.just("Int"), st.integers(-(2**63), -1))
+        | st.builds(Scalar, st.just("Float"), st.floats(allow_nan=False))
+        | st.builds(Scalar, st.just("Bool"), st.booleans()),
+        max_size=4))
+    meta = draw(st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=3))
+    return tensors, scalars, meta
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(packs())
+def test_write_read_roundtrip(tmp_path, case):
+    tensors, scalars, meta = case
+    path = tmp_path / "p.bpk"
+    items = [
+        PackTensor(name, TensorRef(dtype=dt, shape=shape, loader=(lambda r=raw: r), nbytes_hint=len(raw)), param_id=pid)
+        for name, dt, shape, raw, pid in tensors
+    ]
+    size = write_burnpack(path, items, meta, scalars)
+    data = path.read_bytes()
+    assert len(data) == size
+    with BurnpackFile(path) as pack:
+        assert pack.metadata == meta and pack.scalars == scalars and pack.canonical
+        end = 0
+        for name, dt, shape, raw, pid in tensors:
+            e = pack.tensors[name]
+            assert (e.dtype, e.shape, e.param_id) == (dt, shape, pid)
+            assert e.start % 256 == 0 and (pack.data_start + e.start) % 256 == 0
+            assert bytes(pack.raw(name)) == raw
+            assert data[pack.data_start + end : pack.data_start + e.start] == b"\0" * (e.start - end)
+            end = e.end
+        assert len(data) == pack.data_start + end

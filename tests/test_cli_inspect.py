@@ -1,0 +1,142 @@
+"""statekit inspect / convert from the user's side: the installed command on real files."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HAND = {
+    "18402649998147242804": ("6j5mg0dcb1hvu", "l1.weight", [4, 16]),
+    "4872954564708272749": (None, "l1.bias", [16]),
+    "708128169117982014": (None, "l2.weight", [16, 1]),
+    "2021826497617271949": (None, "l2.bias", [1]),
+}
+
+
+def test_inspect_table(cli):
+    r = cli("inspect", "fixtures/hand-optim.bpk")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "burnpack v1" in out and "optimizer (adam/adamw)" in out and "8 tensors, 8 scalars" in out
+    for line in ("l1.weight", "18402649998147242804", "6j5mg0dcb1hvu", "4×16"):
+        assert line in out
+    assert "l1: 160 elements, 640 B" in out  # 2 moments × (64 + 16) f32 elements
+    assert "store no hyperparameters" in out
+
+
+def test_inspect_json_schema(cli):
+    r = cli("inspect", "fixtures/hand-optim.bpk", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["format"], d["version"], d["kind"], d["family"]) == ("burnpack", 1, "optimizer", "adam")
+    assert (d["tensors"], d["scalars"]) == (8, 8)
+    assert d["family_candidates"] == ["adam", "adamw"]
+    params = {p["id"]: p for p in d["params"]}
+    assert set(params) == set(HAND)
+    l1 = params["18402649998147242804"]
+    assert l1["display_id"] == "6j5mg0dcb1hvu" and l1["path"] == "l1.weight"
+    assert (l1["rank"], l1["shape"], l1["dtype"], l1["step"]) == (2, [4, 16], "F32", 21)
+    assert l1["fields"]["momentum.moment_1"] == {"shape": [4, 16], "dtype": "F32", "slot": "exp_avg"}
+    assert set(l1["fields"]) == {"momentum.moment_1", "momentum.moment_2"}
+    for pid, (_, path, shape) in HAND.items():
+        assert params[pid]["path"] == path and params[pid]["shape"] == shape
+    assert sum(len(p["fields"]) for p in d["params"]) == 8
+
+
+def test_inspect_real_burn_model(cli):
+    r = cli("inspect", "../shared/fixtures/burn/mnist-model.bpk" if (ROOT.parent / "shared").exists()
+            else "fixtures/burn/mnist-model.bpk", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["kind"] == "model" and len(d["params"]) == 18
+    bias = next(p for p in d["params"] if p["path"] == "conv1.conv.bias")
+    assert (bias["id"], bias["display_id"]) == ("9505838338724798577", "e4gfnnsqgnlo6")
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "family"),
+    [("hand-optim-amsgrad.bpk", "optimizer", "adam"), ("hand-optim-sgd.bpk", "optimizer", "sgd"),
+     ("hand-optim-rmsprop.bpk", "optimizer", "rmsprop"), ("hand-optim-adagrad.bpk", "optimizer", "adagrad"),
+     ("hand-scheduler.bpk", "scheduler", None), ("hand-model.bpk", "model", None),
+     ("empty-optim.bpk", "empty", None)],
+)
+def test_kinds_and_families(cli, name, kind, family):
+    d = json.loads(cli("inspect", f"fixtures/{name}", "--json").stdout)
+    assert (d["kind"], d["family"]) == (kind, family)
+
+
+def test_amsgrad_has_max_moment(cli):
+    d = json.loads(cli("inspect", "fixtures/hand-optim-amsgrad.bpk", "--json").stdout)
+    assert all("momentum.max_moment_2" in p["fields"] for p in d["params"])
+
+
+def test_stats(cli):
+    r = cli("inspect", "fixtures/hand-optim.bpk", "--stats", "--json")
+    d = json.loads(r.stdout)
+    import numpy as np
+
+    truth = np.load(ROOT / "fixtures/hand-train-adam.npz")
+    l1 = next(p for p in d["params"] if p["path"] == "l1.weight")
+    s = l1["fields"]["momentum.moment_2"]["stats"]
+    v = truth["l1.weight/moment_2"].astype(np.float64)
+    assert s["min"] == pytest.approx(v.min()) and s["max"] == pytest.approx(v.max())
+    assert s["rms"] == pytest.approx(np.sqrt((v * v).mean())) and s["nan"] == 0
+    assert "field statistics" in cli("inspect", "fixtures/hand-optim.bpk", "--stats").stdout
+
+
+MALFORMED = sorted((ROOT / "fixtures/malformed").glob("*.bpk"))
+
+
+@pytest.mark.parametrize("path", MALFORMED, ids=lambda p: p.name)
+def test_malformed_one_line_error(cli, path):
+    r = cli("inspect", path)
+    assert r.returncode == 1
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("statekit: error: ") and path.name in lines[0]
+
+
+def test_debug_shows_traceback(cli):
+    r = cli("inspect", "fixtures/malformed/bad-magic.bpk", env={"STATEKIT_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_usage_errors_keep_exit_2(cli):
+    assert cli("inspect").returncode == 2
+    assert cli("inspect", "fixtures/hand-optim.bpk", "--nope").returncode == 2
+
+
+def test_missing_file(cli):
+    r = cli("inspect", "does-not-exist.bpk")
+    assert r.returncode == 1 and "does-not-exist.bpk" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("name", ["hand-optim.bpk", "hand-optim-019.bpk", "burn/mnist-model.bpk", "hand-scheduler.bpk"])
+def test_convert_bpk_to_bpk_is_byte_identical(cli, tmp_path, name):
+    src = ROOT / "fixtures" / name
+    r = cli("convert", src, tmp_path / "out.bpk")
+    assert r.returncode == 0, r.stderr
+    assert hashlib.sha256((tmp_path / "out.bpk").read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
+
+
+def test_convert_dry_run_writes_nothing(cli, tmp_path):
+    r = cli("convert", "fixtures/hand-optim.bpk", tmp_path / "out.bpk", "--dry-run")
+    assert r.returncode == 0 and not (tmp_path / "out.bpk").exists()
+
+
+def test_python_module_entry_point():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "statekit", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "inspect" in r.stdout
+
+
+def test_help_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from statekit.cli import app; import statekit.io; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
