@@ -7,7 +7,7 @@ Containers hand out :class:`TensorRef` objects; operations call :meth:`TensorRef
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +30,7 @@ class TensorRef:
     array_loader: Callable[[], np.ndarray] | None = field(default=None, repr=False)
     nbytes_hint: int | None = None
     info: dict = field(default_factory=dict)
+    chunk_reader: Callable[[int], Iterator[bytes]] | None = field(default=None, repr=False)
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:
@@ -59,6 +60,15 @@ class TensorRef:
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         return memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+
+    def iter_bytes(self, chunk: int = 16 << 20) -> Iterator[bytes | memoryview]:
+        """The raw bytes in pieces of at most ``chunk`` bytes (bounded memory for copies)."""
+        if self.chunk_reader is not None:
+            yield from self.chunk_reader(chunk)
+            return
+        data = self.raw()
+        for lo in range(0, len(data), chunk):
+            yield data[lo : lo + chunk]
 
     def numpy(self) -> np.ndarray:
         """The values as a numpy array of the statekit dtype (read-only when memory mapped)."""

@@ -22,7 +22,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -280,6 +280,17 @@ class BurnpackFile:
         lo = self.data_start + entry.start
         return memoryview(self._mapped())[lo : lo + entry.nbytes]
 
+    def read_chunks(self, name: str, size: int) -> Iterator[bytes]:
+        """A tensor's bytes read with ``pread`` in pieces: copies never map the whole file."""
+        entry = self._get(name)
+        lo, end = self.data_start + entry.start, self.data_start + entry.end
+        while lo < end:
+            piece = os.pread(self._fh.fileno(), min(size, end - lo), lo)
+            if not piece:
+                raise self._error(f"tensor {name!r}: file ended while reading")
+            yield piece
+            lo += len(piece)
+
     def _get(self, name: str) -> TensorEntry:
         try:
             return self.tensors[name]
@@ -296,6 +307,7 @@ class BurnpackFile:
             loader=lambda: self.raw(name),
             nbytes_hint=entry.nbytes,
             info=info,
+            chunk_reader=lambda size: self.read_chunks(name, size),
         )
         if entry.dtype == "Bool":
             store = _element_numpy_dtype(entry.burn_dtype)
@@ -423,10 +435,12 @@ def write_burnpack(
             start, end = layout.offsets[t.name]
             gap = layout.data_start + start - position
             out.write(b"\0" * gap)
-            data = t.source.raw()
-            if len(data) != end - start:
-                raise ValueError(f"tensor {t.name!r} produced {len(data)} bytes, expected {end - start}")
-            out.write(data)
+            written = 0
+            for piece in t.source.iter_bytes():
+                out.write(piece)
+                written += len(piece)
+            if written != end - start:
+                raise ValueError(f"tensor {t.name!r} produced {written} bytes, expected {end - start}")
             position = layout.data_start + end
             if progress is not None:
                 progress(end - start)
