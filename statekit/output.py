@@ -36,7 +36,7 @@ class Output:
         probe = Console()
         width = None if probe.is_terminal else max(probe.width, 160)
         self.console = Console(highlight=False, width=width)
-        self.err = Console(stderr=True, highlight=False)
+        self.err = Console(stderr=True, highlight=False, width=None if Console(stderr=True).is_terminal else 1000)
 
     def json(self, obj: object) -> None:
         sys.stdout.write(json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")

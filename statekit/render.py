@@ -137,3 +137,41 @@ def _itemsize(dtype: str | None) -> int:
         return dtypes.itemsize(dtype) if dtype else 0
     except ValueError:
         return 0
+
+
+def plan_table(plan) -> list:
+    """Renderables for a convert/remap plan: a header line, one row per parameter, rules."""
+    head = Text(f"{plan.operation}: {plan.source} ({plan.source_format}) → {plan.target} ({plan.target_format})",
+                style="bold")
+    items: list = [head, Text(f"optimizer {plan.family} · {plan.summary()}")]
+    table = Table(header_style="bold", pad_edge=False)
+    for col in ("action", "source", "target", "id / index", "shape", "changes"):
+        table.add_column(col, no_wrap=col in ("source", "target"))
+    styles = {"drop": "red", "new": "green", "rename": "cyan"}
+    for a in plan.params:
+        changes = []
+        if a.transpose:
+            changes.append("transpose")
+        if a.resize:
+            changes.append("resize")
+        if a.cast:
+            changes.append(f"cast {a.cast}")
+        if a.reset_step:
+            changes.append("reset step")
+        changes += [n for n in a.notes if not n.startswith(("transposed", "resized"))]
+        ident = a.dst_id if a.dst_id is not None else (f"#{a.dst_index}" if a.dst_index is not None else "-")
+        shape = _shape(a.dst_shape) if a.dst_shape is not None else _shape(a.src_shape) if a.src_shape else "-"
+        table.add_row(a.action, a.src_path or (f"#{a.src_key}" if a.src_key else "-"), a.dst_path or "-", ident,
+                      shape, ", ".join(changes), style=styles.get(a.action))
+    items.append(table)
+    if plan.hyperparams:
+        for i, g in enumerate(plan.hyperparams):
+            shown = ", ".join(f"{k}={v}{'*' if k in plan.assumed else ''}" for k, v in g.items()
+                              if k not in ("foreach", "fused", "capturable", "differentiable"))
+            items.append(Text(f"group {i}: {shown}"))
+        if plan.assumed:
+            items.append(Text("* assumed: not stored in the source, filled with its framework's defaults", style="dim"))
+    for r in plan.rules:
+        items.append(Text(f"rule ({r['origin']}) {r['pattern']} → {r['replacement']}: {r['matches']} matched",
+                          style="dim"))
+    return items

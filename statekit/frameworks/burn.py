@@ -8,13 +8,16 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
-from statekit import naming, paramid
+from statekit import hyper, naming, paramid
 from statekit.errors import FormatError, MappingError
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 
 FORMAT = "burnpack"
 META_PREFIX = "statekit."
+# A step count for families whose burn state has none (RMSProp): kept as an extra scalar, which
+# burn ignores on load, so that torch → burn → torch keeps torch's counter.
+STEP_KEY = "statekit.step"
 
 
 def _split(name: str) -> tuple[str, str] | None:
@@ -102,6 +105,8 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         p = param(key)
         if leaf == naming.BURN_RANK:
             p.rank = int(scalar.value)
+        elif leaf == STEP_KEY:
+            p.step = scalar.value  # a step burn's layout has no field for, kept by statekit
         else:
             fields[key][leaf] = scalar
     families = set()
@@ -139,8 +144,12 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.notes.append(
             f"{' and '.join(state.candidates)} store identical state in burn; the file cannot tell them apart"
         )
-    hp = {k[len(META_PREFIX):]: v for k, v in pack.metadata.items() if k.startswith(META_PREFIX)}
+    stored_family, hp = hyper.from_metadata(pack.metadata)
     state.hyperparams_stored = bool(hp)
+    if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
+        state.family, state.candidates = stored_family, (stored_family,)
+        state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
+        state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
     state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
     return state
 
@@ -184,7 +193,9 @@ def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
                 if slot not in native:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state has no field for {slot!r}")
                 tensors.append(PackTensor(f"{key}.{native[slot]}", ref, param_id=p.id))
-            if lay.step is not None:
+            if lay.step is None and p.step is not None and float(p.step) == int(p.step) and p.step >= 0:
+                scalars[f"{key}.{STEP_KEY}"] = Scalar("UInt", int(p.step))
+            elif lay.step is not None:
                 if p.step is None:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state needs a step count")
                 if float(p.step) != int(p.step) or p.step < 0:

@@ -1,39 +1,142 @@
-"""``convert``: rewrite optimizer state into another format or file.
+"""``convert``: move optimizer state to another format (and framework), through a plan.
 
-For now: burnpack → burnpack (byte-identical for burn-written files).
+burnpack → burnpack with nothing to change copies the file with burn's writer rules (byte-identical
+for burn's own files). Everything else builds a :class:`~statekit.ops.plan.Plan` from the source
+state and the options, shows it, and (unless ``dry_run``) writes the target atomically.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 
 from statekit import io
-from statekit.errors import UsageError
+from statekit.errors import MappingError, UsageError
+from statekit.ops.build import Options, build_plan
+from statekit.ops.execute import write
+from statekit.ops.plan import Plan
 from statekit.output import Output
+from statekit.state import Checkpoint, ModelInfo
 
-FORMATS_BY_EXTENSION = {".bpk": "burnpack"}
+FORMATS_BY_EXTENSION = {
+    ".bpk": "burnpack",
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",
+    ".safetensors": "safetensors",
+}
+TARGET_FORMATS = ("burnpack", "torch", "safetensors", "candle")
 
 
-def output_format(path: str | os.PathLike) -> str:
+def output_format(path: str | os.PathLike, explicit: str | None = None) -> str:
+    if explicit:
+        if explicit not in TARGET_FORMATS:
+            raise UsageError(f"unknown output format {explicit!r} (known: {', '.join(TARGET_FORMATS)})")
+        return explicit
     ext = os.path.splitext(os.fspath(path))[1].lower()
     try:
         return FORMATS_BY_EXTENSION[ext]
     except KeyError:
         known = ", ".join(sorted(FORMATS_BY_EXTENSION))
-        raise UsageError(f"cannot tell the output format from {os.fspath(path)!r} (known: {known})") from None
+        raise UsageError(f"cannot tell the output format from {os.fspath(path)!r} (known: {known}; or --to)") from None
 
 
-def convert_file(src, dst, out: Output | None = None, dry_run: bool = False) -> None:
+def read_names(path: str) -> list[str]:
+    """A names file: a JSON list, or one name per line, in model.named_parameters() order."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read names: {exc.strerror}") from None
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            names = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}: names file is not a JSON list: {exc}") from None
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"{path}: names must be distinct strings")
+    return names
+
+
+def load_model(path: str) -> ModelInfo:
+    with io.open_checkpoint(path) as ckpt:
+        if ckpt.model is None:
+            raise UsageError(f"{path}: not a model file (it holds {ckpt.format} {ckpt.kind} data)")
+        return ckpt.model
+
+
+@dataclass
+class Result:
+    plan: Plan | None
+    written: int | None
+    copied: bool = False
+
+
+def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
+    return ckpt.format == fmt == "burnpack" and opts == Options()
+
+
+def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None = None, key: str | None = None,
+            dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
+            out: Output | None = None) -> Result:
+    """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``."""
     out = out or Output(quiet=True)
-    fmt = output_format(dst)
+    opts = opts or Options()
+    fmt = output_format(dst, to)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("source and destination are the same file")
-    with io.open_checkpoint(src) as ckpt:
-        if dry_run:
-            out.info(f"would write {ckpt.format} {ckpt.kind} {src} → {fmt} {dst}")
-            return
-        from statekit.frameworks import burn_io
+    with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
+        if plan_in is None and is_plain_copy(ckpt, fmt, opts):
+            if dry_run:
+                out.info(f"would copy {src} → {dst} byte for byte (burnpack → burnpack, nothing to change)")
+                return Result(None, None, copied=True)
+            from statekit.frameworks import burn_io
 
+            with out.progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
+                size = burn_io.save_checkpoint(ckpt, dst, progress=advance)
+            out.info(f"wrote {dst} ({size} bytes, an exact copy)")
+            return Result(None, size, copied=True)
+        if ckpt.kind != "optimizer" or ckpt.optimizer is None:
+            raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
+        state = ckpt.optimizer
+        if opts.names is not None and state.framework == "torch" and not all(p.path for p in state.params):
+            from statekit.frameworks.torch_state import apply_names
+
+            shapes = {m.path: m.shape for m in opts.model.params} if opts.model else None
+            apply_names(state, opts.names, shapes, src)
+        if plan_in:
+            plan = Plan.load(plan_in)
+            if plan.target_format != fmt:
+                raise UsageError(f"the plan writes {plan.target_format}, but {dst} asks for {fmt}")
+            plan.source, plan.target = src, dst
+        else:
+            plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+        if plan_out:
+            from statekit.atomic import atomic_write
+
+            with atomic_write(plan_out) as fh:
+                fh.write(plan.dumps().encode() + b"\n")
+        show_plan(plan, out)
+        if dry_run:
+            out.info("dry run: nothing written")
+            return Result(plan, None)
         with out.progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
-            size = burn_io.save_checkpoint(ckpt, os.fspath(dst), progress=advance)
+            size = write(plan, state, dst, progress=advance)
         out.info(f"wrote {dst} ({size} bytes)")
+        return Result(plan, size)
+
+
+def show_plan(plan: Plan, out: Output) -> None:
+    if out.json_mode:
+        out.json(plan.to_json())
+        return
+    from statekit.render import plan_table
+
+    for item in plan_table(plan):
+        out.print(item)
+    for w in plan.warnings:
+        out.warn(w)

@@ -1,0 +1,219 @@
+"""PyTorch ``torch.optim`` state_dicts ⇄ the neutral state model.
+
+A state_dict is ``{"state": {int: {name: value}}, "param_groups": [{hyperparameters..., "params":
+[int], ["param_names": [str]]}]}``; ids number parameters across groups in group order, and
+torch pairs them with live parameters *by position* (torch-candle-numerics.md §1.1, §1.4). This
+module reads such dicts (also inside a training checkpoint) and builds them, knowing nothing of
+the ``.pt`` container.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from statekit import hyper, naming
+from statekit.errors import FormatError, MappingError
+from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
+
+MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
+BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
+STEP_NOT_IN_UPDATE = frozenset({"rmsprop"})  # torch counts steps there but its update never reads it
+
+
+def is_optimizer_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("param_groups"), list) and isinstance(obj.get("state"), dict)
+
+
+def is_tensor_dict(obj: object) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(
+        isinstance(k, str) and isinstance(v, TensorRef) for k, v in obj.items()
+    )
+
+
+def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None, str | None]:
+    """The optimizer state_dict in ``obj`` (itself, or one entry of a checkpoint dict)."""
+    if key is not None:
+        node = obj
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise FormatError(f"no entry {key!r} in the checkpoint", path)
+            node = node[part]
+        if not is_optimizer_dict(node):
+            raise FormatError(f"entry {key!r} is not an optimizer state_dict", path)
+        return node, key
+    if is_optimizer_dict(obj):
+        return obj, None
+    if not isinstance(obj, dict):
+        return None, None
+    found = [k for k, v in obj.items() if is_optimizer_dict(v)]
+    if len(found) > 1:
+        raise FormatError(
+            f"several optimizer state_dicts in the checkpoint ({', '.join(map(str, found))}); choose one with --key",
+            path,
+        )
+    return (obj[found[0]], str(found[0])) if found else (None, None)
+
+
+def find_model(obj: object) -> dict | None:
+    """A model state_dict (name → tensor) in ``obj``, itself or under a usual checkpoint key."""
+    if is_tensor_dict(obj):
+        return obj
+    if isinstance(obj, dict):
+        for key in MODEL_KEYS:
+            if is_tensor_dict(obj.get(key)):
+                return obj[key]
+    return None
+
+
+def is_buffer(name: str, ref: TensorRef) -> bool:
+    """Buffers in a state_dict (BatchNorm statistics, integer tensors) are not parameters."""
+    return name.rsplit(".", 1)[-1] in BUFFER_SUFFIXES or ref.dtype not in ("F64", "F32", "F16", "BF16")
+
+
+def read_model(sd: dict) -> ModelInfo:
+    params: list[ModelParam] = []
+    index = 0
+    for name, ref in sd.items():
+        buf = is_buffer(name, ref)
+        params.append(ModelParam(name, tuple(ref.shape), ref.dtype, index=None if buf else index, buffer=buf, tensor=ref))
+        index += 0 if buf else 1
+    return ModelInfo(params)
+
+
+def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]:
+    if isinstance(value, TensorRef):
+        if value.numel != 1:
+            raise FormatError(f"{where}: step has {value.numel} elements, expected one", path)
+        return value.numpy().reshape(-1)[0].item(), value.dtype
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value, "python"
+    raise FormatError(f"{where}: step is {type(value).__name__}, expected a number or 0-dim tensor", path)
+
+
+def read_optimizer(sd: dict, path: str) -> OptimizerState:
+    """Interpret a torch optimizer state_dict (no tensor data is read, except 0-dim steps)."""
+    state_map = sd["state"]
+    notes: list[str] = []
+    if any(isinstance(k, str) for k in state_map):
+        notes.append("state is keyed by strings: torch ignores such entries on load and restarts from step 1")
+    params: list[ParamState] = []
+    groups: list[ParamGroup] = []
+    families: set[str | None] = set()
+    seen: set[int] = set()
+    for g, group in enumerate(sd["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise FormatError(f"param_groups[{g}] has no 'params' list", path)
+        ids = group["params"]
+        names = group.get("param_names")
+        if names is not None and (not isinstance(names, list) or len(names) != len(ids)):
+            raise FormatError(f"param_groups[{g}]: param_names does not match params", path)
+        hp = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        slots_seen: set[str] = set()
+        keys = []
+        for pos, idx in enumerate(ids):
+            if not isinstance(idx, int) or idx in seen:
+                raise FormatError(f"param_groups[{g}]: parameter id {idx!r} is not a fresh integer", path)
+            seen.add(idx)
+            p = ParamState(key=str(idx), index=idx, path=names[pos] if names else None, group=g)
+            entry = state_map.get(idx, state_map.get(str(idx)))
+            if entry is not None:
+                if not isinstance(entry, dict):
+                    raise FormatError(f"state[{idx}] is not a dict", path)
+                for name, value in entry.items():
+                    if name == "step":
+                        p.step, p.extra["__step_dtype"] = _step_value(value, f"state[{idx}]", path)
+                    elif isinstance(value, TensorRef) and value.shape == () and name == "mu_product":
+                        p.slots[name] = value
+                    elif isinstance(value, TensorRef):
+                        p.slots[name] = value
+                    else:
+                        p.extra[name] = value
+                slots_seen |= set(p.slots)
+                if p.shape is not None:
+                    p.rank = len(p.shape)
+            params.append(p)
+            keys.append(p.key)
+        family = hyper.torch_family(hp, slots_seen)
+        if family is None and slots_seen:
+            lay = naming.classify("torch", slots_seen | {"step"}) or naming.classify("torch", slots_seen)
+            family = lay.family if lay else None
+        for p in params[len(params) - len(keys):]:
+            p.family = family
+        families.add(family)
+        groups.append(ParamGroup(hyperparams=hp, keys=keys))
+    extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
+    if extra_ids:
+        notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
+    family = families.pop() if len(families) == 1 else ("mixed" if families else None)
+    return OptimizerState(
+        family=family,
+        candidates=(family,) if family and family != "mixed" else (),
+        params=params,
+        groups=groups,
+        hyperparams_stored=True,
+        framework="torch",
+        notes=notes,
+    )
+
+
+def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple] | None, path: str) -> None:
+    """Give positional parameters their names (named_parameters order), checking counts and shapes."""
+    if len(names) != len(state.params):
+        raise MappingError(
+            f"{len(names)} names for {len(state.params)} optimizer parameters; the names must list exactly "
+            "the parameters the optimizer was built with, in model.named_parameters() order", path)
+    for p, name in zip(state.params, names, strict=True):
+        if p.path and p.path != name:
+            raise MappingError(f"parameter #{p.index} is named {p.path!r} in the file but {name!r} in the names list", path)
+        want = shapes.get(name) if shapes else None
+        if want is not None and p.shape is not None and tuple(want) != tuple(p.shape):
+            raise MappingError(
+                f"parameter #{p.index}: its state has shape {list(p.shape)} but {name!r} has shape {list(want)}; "
+                "the names are not in the optimizer's order", path)
+        p.path = name
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def step_tensor(step: float | int) -> TensorRef:
+    return TensorRef.from_array(np.array(step, dtype=np.float32), "F32")
+
+
+def to_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> dict:
+    """A torch state_dict for ``state``: ids 0..N-1 in ``state.params`` order, one group per entry
+    of ``groups`` (each a full hyperparameter dict; parameters join the group of their ``group``).
+    """
+    out_state: dict[int, dict] = {}
+    out_groups = [dict(g, params=[]) for g in groups]
+    names_known = all(p.path for p in state.params)
+    if names_known:
+        for g in out_groups:
+            g["param_names"] = []
+    torch_layout = naming.layout("torch", family)
+    for idx, p in enumerate(state.params):
+        group = out_groups[p.group]
+        group["params"].append(idx)
+        if names_known:
+            group["param_names"].append(p.path)
+        if not p.slots and p.step is None:
+            continue  # a parameter without state: torch creates it lazily
+        entry: dict[str, object] = {}
+        if torch_layout.step is not None:
+            if p.step is None and family in STEP_NOT_IN_UPDATE:
+                p.step = 0  # burn keeps no count; torch's is a counter its update never reads
+            if p.step is None:
+                raise MappingError(f"parameter {p.label()}: torch's {family} state needs a step count")
+            if p.step > MAX_EXACT_STEP:
+                raise MappingError(f"parameter {p.label()}: step {p.step} exceeds 2^24, which float32 cannot hold exactly")
+            entry["step"] = step_tensor(p.step)
+        for slot in p.slots:
+            if slot not in torch_layout.slots.values():
+                raise MappingError(f"parameter {p.label()}: torch's {family} state has no field for {slot!r}")
+        for slot in torch_layout.slots.values():  # torch's own key order
+            if slot in p.slots:
+                entry[slot] = p.slots[slot]
+        out_state[idx] = entry
+    return {"state": out_state, "param_groups": out_groups}

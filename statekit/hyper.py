@@ -1,0 +1,128 @@
+"""Hyperparameters: each framework's defaults per optimizer, and how a conversion fills them.
+
+burn stores no hyperparameters in its optimizer files, and its defaults differ from torch's (Adam
+eps 1e-5 against 1e-8; AdamW weight decay 1e-4 against 1e-2; SGD dampening 0.1 against 0). A
+wrong eps is not caught by any later number, so conversions write every value explicitly and say
+which ones were assumed rather than given.
+"""
+
+from __future__ import annotations
+
+import json
+
+# Defaults of burn 0.22's optimizer configs (burn-formats.md §2.5). The learning rate is not part
+# of burn's optimizer config (it comes from the LR scheduler); 1e-3 is assumed and reported.
+BURN_DEFAULTS: dict[str, dict[str, object]] = {
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 0.0, "amsgrad": False},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 1e-4, "amsgrad": False},
+    "sgd": {"lr": 1e-3, "momentum": 0.9, "dampening": 0.1, "nesterov": False, "weight_decay": 0.0},
+    "rmsprop": {"lr": 1e-2, "alpha": 0.99, "eps": 1e-5, "momentum": 0.9, "centered": False, "weight_decay": 0.0},
+    "adagrad": {"lr": 1e-2, "lr_decay": 0.0, "eps": 1e-5, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
+}
+
+# torch 2.13's param_group keys in insertion order, with the constructor defaults
+# (torch-candle-numerics.md §1.2).
+TORCH_GROUPS: dict[str, dict[str, object]] = {
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "amsgrad": False,
+             "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+             "fused": None, "decoupled_weight_decay": False},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
+              "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+              "fused": None, "decoupled_weight_decay": True},
+    "sgd": {"lr": 1e-3, "momentum": 0, "dampening": 0, "weight_decay": 0, "nesterov": False,
+            "maximize": False, "foreach": None, "differentiable": False, "fused": None},
+    "rmsprop": {"lr": 1e-2, "momentum": 0, "alpha": 0.99, "eps": 1e-8, "centered": False,
+                "weight_decay": 0, "capturable": False, "foreach": None, "maximize": False,
+                "differentiable": False},
+    "adagrad": {"lr": 1e-2, "lr_decay": 0, "eps": 1e-10, "weight_decay": 0, "initial_accumulator_value": 0,
+                "foreach": None, "maximize": False, "differentiable": False, "fused": None},
+    "nadam": {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "momentum_decay": 4e-3,
+              "decoupled_weight_decay": False, "maximize": False, "foreach": None, "capturable": False,
+              "differentiable": False},
+    "radam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "maximize": False,
+              "foreach": None, "capturable": False, "decoupled_weight_decay": False, "differentiable": False},
+    "adamax": {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "foreach": None,
+               "maximize": False, "differentiable": False, "capturable": False},
+}
+
+# The group key that only one torch optimizer has: identifies the family from a saved group.
+TORCH_SIGNATURES: tuple[tuple[str, str], ...] = (
+    ("momentum_decay", "nadam"),
+    ("beta2_decay", "adafactor"),
+    ("rho", "adadelta"),
+    ("initial_accumulator_value", "adagrad"),
+    ("centered", "rmsprop"),
+    ("nesterov", "sgd"),
+    ("amsgrad", "adam"),
+)
+
+CLI_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
+            "alpha", "centered", "lr_decay")
+
+
+def torch_family(group: dict, slots: set[str]) -> str | None:
+    """Which torch optimizer saved a param group (by its hyperparameter keys and state slots)."""
+    for key, family in TORCH_SIGNATURES:
+        if key in group:
+            if family == "adam" and group.get("decoupled_weight_decay"):
+                return "adamw"
+            return family
+    if "betas" in group:
+        return "adamax" if "exp_inf" in slots else "radam"
+    return None
+
+
+def resolve(family: str, given: dict[str, object], base: dict[str, object] | None = None,
+            defaults: dict[str, dict[str, object]] = BURN_DEFAULTS) -> tuple[dict[str, object], list[str]]:
+    """Fill a family's hyperparameters: ``given`` (the user's) over ``base`` (stored) over defaults.
+
+    Returns the values and the names that were assumed (taken from ``defaults``).
+    """
+    values: dict[str, object] = {}
+    assumed: list[str] = []
+    for key, default in defaults.get(family, {}).items():
+        if given.get(key) is not None:
+            values[key] = given[key]
+        elif base and key in base:
+            values[key] = base[key]
+        else:
+            values[key] = default
+            assumed.append(key)
+    for key, value in given.items():
+        if value is not None and key not in values:
+            values[key] = value
+    return values, assumed
+
+
+def torch_group(family: str, values: dict[str, object]) -> dict[str, object]:
+    """A complete torch param group (without ``params``) for ``family`` with ``values`` applied."""
+    if family not in TORCH_GROUPS:
+        raise KeyError(family)
+    group = dict(TORCH_GROUPS[family])
+    for key, value in values.items():
+        if key in group or key in CLI_KEYS:
+            group[key] = tuple(value) if key == "betas" else value
+    return group
+
+
+def to_metadata(family: str, values: dict[str, object]) -> dict[str, str]:
+    """burnpack string metadata keys (``statekit.*``) that keep hyperparameters beside burn state."""
+    out = {"statekit.optimizer": family}
+    for key, value in values.items():
+        if key in ("params", "param_names", "foreach", "fused", "capturable", "differentiable"):
+            continue
+        out[f"statekit.{key}"] = json.dumps(list(value) if isinstance(value, tuple) else value)
+    return out
+
+
+def from_metadata(metadata: dict[str, str]) -> tuple[str | None, dict[str, object]]:
+    family = metadata.get("statekit.optimizer")
+    values: dict[str, object] = {}
+    for key, text in metadata.items():
+        if key.startswith("statekit.") and key != "statekit.optimizer":
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                value = text
+            values[key[len("statekit."):]] = tuple(value) if key.endswith(".betas") else value
+    return family, values

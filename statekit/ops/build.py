@@ -1,0 +1,319 @@
+"""Build a :class:`~statekit.ops.plan.Plan` from a source state and the user's options.
+
+The same builder serves ``convert`` (a new format, same model) and ``remap`` (a new model): it
+decides every parameter's target path (rename rules, presets), identity (burn ParamId or torch
+position), layout (transpose), shape (resize) and the target hyperparameters, and refuses
+whatever it would otherwise have to guess, listing every conflict at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from statekit import hyper, naming
+from statekit.errors import MappingError, UsageError
+from statekit.ops.plan import ParamAction, Plan
+from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
+from statekit.state import ModelInfo, OptimizerState, ParamState
+
+FRAMEWORK_OF_FORMAT = {"burnpack": "burn", "burn-legacy": "burn", "torch": "torch", "candle": "candle",
+                       "safetensors": "neutral"}
+
+
+@dataclass
+class Options:
+    """What the user asked for (the CLI's flags, the Python API's keywords)."""
+
+    optimizer: str | None = None
+    hyperparams: dict[str, object] = field(default_factory=dict)
+    renames: list[str] = field(default_factory=list)
+    preset: bool = True
+    transpose: list[str] = field(default_factory=list)
+    no_transpose: list[str] = field(default_factory=list)
+    names: list[str] | None = None
+    model: ModelInfo | None = None  # the target model (ids, order, shapes)
+    old_model: ModelInfo | None = None  # remap: the source's model, to learn paths by id
+    resize: bool = False
+    reset_step: list[str] = field(default_factory=list)  # globs; remap: reset the step of resized params
+    allow_drop: bool = False
+    dtype: str | None = None
+    step_policy: str | None = None
+
+
+def generated_id(path: str) -> int:
+    """A stable ParamId for a path that has none (the same path always gets the same id)."""
+    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")
+
+
+def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
+    family = state.family
+    if family in (None, "mixed"):
+        raise MappingError("the optimizer family could not be determined from the file (mixed or unknown layouts)")
+    if opts.optimizer:
+        wanted = opts.optimizer.lower()
+        allowed = set(state.candidates) | {family}
+        if wanted not in allowed:
+            raise UsageError(f"--optimizer {wanted}: the file holds {state.family_label} state, not {wanted}")
+        return wanted
+    if crossing and len(state.candidates) > 1:
+        raise UsageError(
+            f"{' and '.join(state.candidates)} keep identical state in {state.framework}; "
+            f"say which with --optimizer {'|'.join(state.candidates)}"
+        )
+    return family
+
+
+def _slots_check(p: ParamState, family: str, target: str, plan_warnings: list[str]) -> None:
+    if target not in naming.FRAMEWORKS:
+        return
+    try:
+        lay = naming.layout(target, family)
+    except KeyError:
+        raise MappingError(f"{target} has no {family} optimizer") from None
+    neutral = set(lay.slots.values())
+    missing = [s for s in p.slots if s not in neutral and s not in _derived(p, family)]
+    if missing:
+        raise MappingError(f"parameter {p.label()}: {target}'s {family} state has no field for {', '.join(missing)}")
+
+
+def _derived(p: ParamState, family: str) -> set[str]:
+    """Slots a target can drop because they are recomputed from others (burn RMSProp's ``avg``)."""
+    return {"avg"} if family == "rmsprop" else set()
+
+
+def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
+               opts: Options, operation: str = "convert") -> Plan:
+    src_fw = state.framework
+    dst_fw = FRAMEWORK_OF_FORMAT.get(target_format, target_format)
+    crossing = src_fw != dst_fw and dst_fw != "neutral"
+    family = _family(state, opts, crossing)
+    plan = Plan(operation, source, source_format, target, target_format, family)
+
+    # --- rename rules: the user's, then the norm preset when crossing burn ⇄ torch
+    rules = [RenameRule.parse(r) for r in opts.renames]
+    if opts.preset and src_fw == "burn" and dst_fw in ("torch", "candle"):
+        rules += [RenameRule(pat, rep, origin="preset") for pat, rep in NORM_PRESET]
+    old_paths = opts.old_model.by_id() if opts.old_model else {}
+    problems: list[str] = []
+    actions: list[ParamAction] = []
+    for p in state.params:
+        src_path = p.path
+        if src_path is None and p.id is not None and p.id in old_paths:
+            src_path = old_paths[p.id].path
+        dst_path = rename(src_path, rules)
+        if dst_path is None and dst_fw == "torch" and opts.names is None and opts.model is None:
+            dst_path = None
+        action = ParamAction(
+            action="keep" if dst_path == src_path else "rename",
+            src_key=p.key, src_path=src_path, src_shape=list(p.shape) if p.shape is not None else None,
+            dst_path=dst_path, group=p.group,
+        )
+        if p.slots or p.step is not None:
+            try:
+                _slots_check(p, family, dst_fw, plan.warnings)
+            except MappingError as exc:
+                problems.append(exc.message)
+        actions.append(action)
+    for rule in rules:
+        if rule.matches == 0 and rule.origin == "user":
+            plan.warnings.append(f"rename rule {rule.pattern!r} matched no parameter")
+    plan.rules = [r.to_json() for r in rules]
+
+    # --- target identity, order and shapes
+    target_shapes: dict[str, tuple] = {}
+    if opts.model is not None:
+        target_shapes = {m.path: tuple(m.shape) for m in opts.model.params if not m.buffer}
+    if dst_fw == "torch":
+        actions = _order_for_torch(state, actions, opts, problems, plan)
+    elif dst_fw in ("burn", "candle", "neutral"):
+        _ids_for_burn(state, actions, opts, problems, plan, dst_fw)
+
+    # --- duplicates: two sources onto one target
+    seen: dict[str, str] = {}
+    for a in actions:
+        if a.action in ("drop", "new") or a.dst_path is None:
+            continue
+        if a.dst_path in seen:
+            problems.append(f"{seen[a.dst_path]} and {a.src_path or a.src_key} both map to {a.dst_path}")
+        seen[a.dst_path] = a.src_path or a.src_key
+
+    # --- layout: transposes and shape checks
+    by_key = {p.key: p for p in state.params}
+    undecided: list[str] = []
+    for a in actions:
+        if a.action in ("drop", "new") or a.src_shape is None:
+            continue
+        shape = tuple(a.src_shape)
+        want = target_shapes.get(a.dst_path) if a.dst_path else None
+        cross_layout = crossing and {src_fw, dst_fw} in ({"burn", "torch"}, {"burn", "candle"})
+        if len(shape) == 2 and cross_layout:
+            if matches_any(a.dst_path, opts.transpose) or matches_any(a.src_path, opts.transpose):
+                a.transpose = True
+            elif matches_any(a.dst_path, opts.no_transpose) or matches_any(a.src_path, opts.no_transpose):
+                a.transpose = False
+            elif want is not None and shape[0] != shape[1] and tuple(want) == shape[::-1]:
+                a.transpose = True
+                a.notes.append("transposed: the target model's shape is the reverse")
+            elif want is not None and shape[0] != shape[1] and tuple(want) == shape:
+                a.transpose = False
+            else:
+                undecided.append(f"{a.src_path or a.src_key} {list(shape)}")
+                continue
+        out_shape = shape[::-1] if a.transpose else shape
+        a.dst_shape = list(out_shape)
+        if want is not None and tuple(want) != out_shape:
+            if opts.resize and len(want) == len(out_shape):
+                a.resize = True
+                a.dst_shape = list(want)
+                a.notes.append(f"resized {list(out_shape)} → {list(want)}")
+                if matches_any(a.dst_path, opts.reset_step) or "*" in opts.reset_step:
+                    a.reset_step = True
+            else:
+                problems.append(f"{a.dst_path}: state shape {list(out_shape)} but the target model has {list(want)}"
+                                + ("" if opts.resize else " (use --resize to pad or truncate)"))
+        if opts.dtype and by_key[a.src_key].dtype != opts.dtype:
+            a.cast = opts.dtype
+    if undecided:
+        problems.append(
+            "cannot tell which rank-2 parameters are Linear weights (burn stores them [d_in, d_out], "
+            f"torch and candle [out, in]): {', '.join(undecided)}; give --transpose GLOB for Linear weights "
+            "and --no-transpose GLOB for the others (embeddings), or --model with the target shapes"
+        )
+    if any(a.resize for a in actions):
+        plan.warnings.append(
+            "padded rows of resized parameters inherit the parameter's step: their first Adam update is about "
+            "(1-β1)/√(1-β2) ≈ 3.16× a fresh parameter's with default betas; --reset-step resets those steps"
+        )
+    if problems:
+        raise MappingError("; ".join(problems), source)
+    plan.params = actions
+    _hyperparams(state, family, src_fw, dst_fw, opts, plan)
+    return plan
+
+
+def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
+    """torch pairs state with parameters by position: fix that position from names or a model."""
+    names = opts.names
+    if names is None and opts.model is not None:
+        names = [m.path for m in opts.model.params if not m.buffer]
+    if names is None:
+        if state.framework == "torch":
+            for i, a in enumerate(actions):
+                a.dst_index = i
+            return actions
+        problems.append(
+            "PyTorch pairs optimizer state with parameters by position: give --names FILE "
+            "(model.named_parameters() order) or --model MODEL.pt so statekit can order them")
+        return actions
+    by_path = {a.dst_path: a for a in actions if a.dst_path}
+    unnamed = [a for a in actions if not a.dst_path]
+    if unnamed and state.framework == "torch" and len(unnamed) == len(actions) and len(names) == len(actions):
+        for a, name in zip(actions, names, strict=True):
+            a.dst_path = name
+            a.action = "rename" if a.src_path else "keep"
+        by_path = {a.dst_path: a for a in actions}
+    elif unnamed:
+        problems.append(f"{len(unnamed)} parameters have no path to match against the names "
+                        f"({', '.join('#' + a.src_key for a in unnamed[:5])})")
+    ordered: list[ParamAction] = []
+    for i, name in enumerate(names):
+        a = by_path.pop(name, None)
+        if a is None:
+            a = ParamAction(action="new", dst_path=name, notes=["no state: torch starts it at step 0"])
+        a.dst_index = i
+        ordered.append(a)
+    for a in by_path.values():
+        if opts.allow_drop:
+            a.action = "drop"
+            ordered.append(a)
+        else:
+            problems.append(f"{a.dst_path} (from {a.src_path or a.src_key}) is not among the target's parameters")
+    return ordered
+
+
+def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
+    model_ids = {m.path: m.id for m in opts.model.params if m.id is not None} if opts.model else {}
+    model_paths = {m.path for m in opts.model.params} if opts.model else set()
+    by_key = {p.key: p for p in state.params}
+    generated = []
+    for a in actions:
+        p = by_key[a.src_key]
+        if opts.model is not None and a.dst_path not in model_paths:
+            if state.framework == "torch" and a.dst_path and _reverse_preset(a.dst_path) in model_paths:
+                a.dst_path = _reverse_preset(a.dst_path)
+                a.action = "rename"
+                a.notes.append("torch weight/bias → burn gamma/beta (the target model's names)")
+            elif opts.allow_drop:
+                a.action = "drop"
+                continue
+            else:
+                problems.append(f"{a.dst_path or a.src_key} is not in the target model")
+                continue
+        if a.dst_path in model_ids:
+            a.dst_id = str(model_ids[a.dst_path])
+        elif dst_fw == "burn" and p.id is not None and opts.model is None:
+            a.dst_id = str(p.id)
+        elif dst_fw == "burn":
+            if not a.dst_path:
+                problems.append(f"parameter #{a.src_key} has neither a path nor an id")
+                continue
+            a.dst_id = str(generated_id(a.dst_path))
+            generated.append(a.dst_path)
+        elif p.id is not None:
+            a.dst_id = str(p.id)
+    if generated:
+        plan.warnings.append(f"generated ParamIds for {len(generated)} parameters (no --model given): "
+                             "burn will only match them to a model saved with the same ids")
+    if opts.model is not None:
+        present = {a.dst_path for a in actions if a.action != "drop"}
+        for m in opts.model.params:
+            if m.path not in present and not m.buffer:
+                actions.append(ParamAction(action="new", dst_path=m.path,
+                                           dst_id=None if m.id is None else str(m.id),
+                                           dst_shape=list(m.shape), notes=["no state: initialised at its first step"]))
+
+
+def _reverse_preset(path: str) -> str:
+    for suffix, burn in ((".weight", ".gamma"), (".bias", ".beta")):
+        if path.endswith(suffix):
+            return path[: -len(suffix)] + burn
+    return path
+
+
+def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
+    """Target groups' hyperparameters: given > stored > the source framework's defaults."""
+    given = {k: v for k, v in opts.hyperparams.items() if v is not None}
+    has_max = any("max_exp_avg_sq" in p.slots for p in state.params)
+    if family in ("adam", "adamw"):
+        if given.get("amsgrad") is False and has_max:
+            raise MappingError("--no-amsgrad, but the state holds max_exp_avg_sq (AMSGrad) moments")
+        if given.get("amsgrad") and not has_max:
+            raise MappingError("--amsgrad, but the state holds no max_exp_avg_sq moments; torch would fail at step()")
+        given.setdefault("amsgrad", has_max)
+    if family == "rmsprop" and src_fw == "burn":
+        given.setdefault("centered", any("grad_avg" in p.slots for p in state.params))
+        if not any("momentum_buffer" in p.slots for p in state.params):
+            given.setdefault("momentum", 0.0)
+    groups = state.groups or []
+    if src_fw == "burn" or not groups:
+        stored = groups[0].hyperparams if groups else {}
+        values, assumed = hyper.resolve(family, given, stored or None)
+        plan.assumed = assumed
+        plan.hyperparams = [values]
+    else:
+        plan.hyperparams = []
+        for g in groups:
+            values = dict(g.hyperparams)
+            values.update(given)
+            plan.hyperparams.append(values)
+    if dst_fw == "torch":
+        plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
+    if dst_fw == "burn":
+        if len({tuple(sorted((k, str(v)) for k, v in g.items())) for g in plan.hyperparams}) > 1:
+            plan.warnings.append("burn files keep no parameter groups: the first group's hyperparameters are kept "
+                                 "in the statekit.* metadata")
+        plan.metadata = hyper.to_metadata(family, plan.hyperparams[0] if plan.hyperparams else {})
+    if plan.assumed and src_fw == "burn" and dst_fw != "burn":
+        shown = ", ".join(f"{k}={plan.hyperparams[0][k]}" for k in plan.assumed if k in plan.hyperparams[0])
+        plan.warnings.append(f"burn files store no hyperparameters; assumed burn's defaults: {shown}")

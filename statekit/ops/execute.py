@@ -1,0 +1,139 @@
+"""Carry out a :class:`~statekit.ops.plan.Plan`: map a source state onto the target, lazily.
+
+Tensors are transformed (transposed, resized, cast) only when the writer asks for their bytes,
+one at a time, so memory stays one tensor. The plan is checked against the state first: a plan
+saved for another file is refused rather than half-applied.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from statekit import dtypes
+from statekit.errors import MappingError
+from statekit.ops.plan import ParamAction, Plan
+from statekit.state import OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
+
+WRITERS = {
+    "burnpack": "statekit.frameworks.burn_io",
+    "torch": "statekit.frameworks.torch_io",
+    "safetensors": "statekit.frameworks.safetensors_io",
+    "candle": "statekit.frameworks.candle",
+}
+
+
+def transformed(ref: TensorRef, transpose: bool = False, shape: tuple | None = None, cast: str | None = None) -> TensorRef:
+    """A lazy view of ``ref`` transposed, zero-padded/truncated to ``shape``, and cast."""
+    if not (transpose or cast or (shape is not None and tuple(shape) != _after_t(ref.shape, transpose))):
+        return ref
+    out_dtype = cast or ref.dtype
+    out_shape = tuple(shape) if shape is not None else _after_t(ref.shape, transpose)
+
+    def load() -> np.ndarray:
+        arr = ref.numpy()
+        if transpose:
+            arr = arr.T
+        if tuple(arr.shape) != out_shape:
+            arr = _resize(arr, out_shape)
+        if cast:
+            arr = arr.astype(dtypes.numpy_dtype(cast))
+        return np.ascontiguousarray(arr)
+
+    return TensorRef(dtype=out_dtype, shape=out_shape, array_loader=load)
+
+
+def _after_t(shape, transpose: bool) -> tuple:
+    return tuple(shape)[::-1] if transpose else tuple(shape)
+
+
+def _resize(arr: np.ndarray, shape: tuple) -> np.ndarray:
+    """Zero-pad or truncate each axis to ``shape`` (vocabulary growth, a wider head)."""
+    out = np.zeros(shape, dtype=arr.dtype)
+    region = tuple(slice(0, min(a, b)) for a, b in zip(arr.shape, shape, strict=True))
+    out[region] = arr[region]
+    return out
+
+
+def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
+    by_key = {p.key: p for p in state.params}
+    for a in plan.params:
+        if a.src_key is None:
+            continue
+        p = by_key.get(a.src_key)
+        if p is None:
+            raise MappingError(f"the plan names source parameter {a.src_key!r}, which the input does not have", plan.source)
+        if a.src_shape is not None and p.shape is not None and list(p.shape) != list(a.src_shape):
+            raise MappingError(f"the plan expects {a.src_path or a.src_key} of shape {a.src_shape}, the input has "
+                               f"{list(p.shape)}", plan.source)
+    return by_key
+
+
+def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
+    """The target state the plan describes (tensors still lazy)."""
+    by_key = _check(plan, state)
+    target_fw = {"burnpack": "burn", "torch": "torch"}.get(plan.target_format, plan.target_format)
+    params: list[ParamState] = []
+    for a in plan.params:
+        if a.action == "drop":
+            continue
+        if a.action == "new":
+            if target_fw == "torch":
+                params.append(ParamState(key=str(a.dst_index), index=a.dst_index, path=a.dst_path, group=a.group))
+            continue
+        params.append(_move(a, by_key[a.src_key], plan, target_fw))
+    groups = [ParamGroup(hyperparams=dict(h), keys=[]) for h in plan.hyperparams] or [ParamGroup()]
+    for p in params:
+        if p.group >= len(groups):
+            p.group = 0
+        groups[p.group].keys.append(p.key)
+    return OptimizerState(family=plan.family, candidates=(plan.family,), params=params, groups=groups,
+                          hyperparams_stored=target_fw != "burn", framework=target_fw)
+
+
+def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamState:
+    shape = tuple(a.dst_shape) if a.dst_shape is not None else None
+    slots = {name: transformed(ref, a.transpose, shape, a.cast) for name, ref in p.slots.items()}
+    if target_fw != "burn":
+        slots.pop("avg", None)  # burn RMSProp's derived copy; torch recomputes it
+    elif plan.family == "rmsprop" and "avg" not in slots and "square_avg" in slots:
+        slots = _with_burn_avg(slots)
+    step = p.step
+    if a.reset_step:
+        step = 0
+    if step is not None and target_fw == "burn":
+        if float(step) != int(step):
+            raise MappingError(f"{a.label()}: step {step} is not a whole number; burn counts steps in integers")
+        step = int(step)
+    dst_id = int(a.dst_id) if a.dst_id is not None else None
+    key = str(dst_id) if dst_id is not None else str(a.dst_index if a.dst_index is not None else p.key)
+    extra = {k: v for k, v in p.extra.items() if k == "__step_kind"} if target_fw == "burn" else {}
+    return ParamState(key=key, id=dst_id, index=a.dst_index, path=a.dst_path,
+                      rank=len(shape) if shape is not None else p.rank, step=step, slots=slots, extra=extra,
+                      group=a.group, family=plan.family)
+
+
+def _with_burn_avg(slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """burn RMSProp stores ``centered.avg`` = square_avg − grad_avg² (or square_avg): compute it."""
+    sa, ga = slots["square_avg"], slots.get("grad_avg")
+
+    def avg() -> np.ndarray:
+        square = sa.numpy()
+        return square - ga.numpy() * ga.numpy() if ga is not None else np.array(square)
+
+    ordered = {"square_avg": sa}
+    if ga is not None:
+        ordered["grad_avg"] = ga
+    ordered["avg"] = TensorRef(dtype=sa.dtype, shape=tuple(sa.shape), array_loader=avg)
+    ordered.update({k: v for k, v in slots.items() if k not in ordered})
+    return ordered
+
+
+def write(plan: Plan, state: OptimizerState, path: str, progress=None) -> int:
+    """Apply the plan and write the result with the target format's writer (atomically)."""
+    target = apply_plan(plan, state)
+    module = importlib.import_module(WRITERS[plan.target_format])
+    return module.save_optimizer(target, path, family=plan.family, groups=plan.hyperparams,
+                                 metadata=dict(plan.metadata), progress=progress)

@@ -1,0 +1,71 @@
+"""Rename and transpose rules shared by ``convert`` and ``remap``.
+
+Rename rules are ordered ``REGEX=REPLACEMENT`` pairs applied in sequence to each path (like
+burn-store's KeyRemapper); ``$1`` in a replacement is the first group. Transpose rules are
+shell-style globs over target paths.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+from statekit.errors import UsageError
+
+# burn's norm layers call their affine parameters gamma/beta; torch calls them weight/bias.
+NORM_PRESET = (("(.*)\\.gamma$", "$1.weight"), ("(.*)\\.beta$", "$1.bias"))
+
+
+@dataclass
+class RenameRule:
+    pattern: str
+    replacement: str
+    origin: str = "user"  # "user" or "preset"
+    matches: int = 0
+    regex: re.Pattern = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self.regex = re.compile(self.pattern)
+        except re.error as exc:
+            raise UsageError(f"rename rule {self.pattern!r}: {exc}") from None
+        self._python = re.sub(r"\$(\d+)", r"\\g<\1>", self.replacement)
+
+    @classmethod
+    def parse(cls, text: str, origin: str = "user") -> RenameRule:
+        if "=" not in text:
+            raise UsageError(f"rename rule {text!r} is not REGEX=REPLACEMENT")
+        pattern, replacement = text.split("=", 1)
+        return cls(pattern, replacement, origin)
+
+    def apply(self, path: str) -> str:
+        new, count = self.regex.subn(self._python, path)
+        if count:
+            self.matches += 1
+        return new
+
+    def to_json(self) -> dict:
+        return {"pattern": self.pattern, "replacement": self.replacement, "origin": self.origin,
+                "matches": self.matches}
+
+
+def read_rules_file(path: str) -> list[str]:
+    """Rules one per line (``#`` comments and blank lines ignored)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read rules: {exc.strerror}") from None
+
+
+def rename(path: str | None, rules: list[RenameRule]) -> str | None:
+    if path is None:
+        return None
+    for rule in rules:
+        path = rule.apply(path)
+    return path
+
+
+def matches_any(path: str | None, globs: list[str]) -> bool:
+    return path is not None and any(fnmatch.fnmatchcase(path, g) for g in globs)
