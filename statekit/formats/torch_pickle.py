@@ -1,0 +1,995 @@
+"""The pickle inside PyTorch's ``.pt`` files: an allow-listing reader and a minimal writer.
+
+``torch.save`` pickles the saved object (protocol 2) and replaces each tensor by a call::
+
+    torch._utils._rebuild_tensor_v2(
+        <persistent id ('storage', torch.FloatStorage, key, location, numel)>,
+        storage_offset, size, stride, requires_grad, collections.OrderedDict())
+
+(``_rebuild_tensor_v3`` with a ``torch.storage.UntypedStorage`` id, whose numel counts bytes, and
+a trailing dtype global such as ``torch.uint16`` for dtypes without a legacy storage class;
+``_rebuild_parameter(tensor, requires_grad, OrderedDict())`` around it for an ``nn.Parameter``).
+The persistent id names the storage's bytes, which the container (``torch_pt``) supplies.
+
+Reading never imports anything. :class:`_Unpickler` is a small opcode interpreter; every GLOBAL
+is looked up in :data:`_ALLOWED`, which holds statekit's own stand-ins for exactly the globals
+``torch.load(weights_only=True)`` needs for state dicts and checkpoints. Any other global raises
+:class:`~statekit.errors.UnsafePickleError` before anything runs, and REDUCE calls only those
+stand-ins. Tensors come back as lazy :class:`~statekit.tensor.TensorRef` objects;
+``OrderedDict`` becomes ``dict`` (order kept), ``torch.Size`` a tuple, a torch dtype a
+:class:`TorchDtype`.
+
+Writing (:func:`dumps`) emits protocol-2 opcodes that torch's ``weights_only`` unpickler
+accepts, and only globals on its allow-list.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import pickle
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
+
+from statekit import dtypes
+from statekit.errors import FormatError, MappingError, UnsafePickleError
+from statekit.tensor import TensorRef
+
+# --------------------------------------------------------------------------------------------
+# dtypes
+
+# torch dtype name -> statekit dtype name, for the dtypes statekit can hold.
+TORCH_TO_STATEKIT = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "Bool",
+}
+STATEKIT_TO_TORCH = {v: k for k, v in TORCH_TO_STATEKIT.items()} | {"Flex32": "float32"}
+
+# Legacy storage classes (the persistent-id type torch writes) -> torch dtype name.
+_STORAGE_CLASSES = {
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+    "QInt8Storage": "qint8",
+    "QInt32Storage": "qint32",
+    "QUInt8Storage": "quint8",
+    "QUInt4x2Storage": "quint4x2",
+    "QUInt2x4Storage": "quint2x4",
+}
+_STORAGE_CLASS_FOR = {v: k for k, v in _STORAGE_CLASSES.items()}
+
+# Every other torch dtype a pickle may name (as a value, or as _rebuild_tensor_v3's dtype).
+_OTHER_TORCH_DTYPES = (
+    "complex32 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu "
+    "float4_e2m1fn_x2 bits1x8 bits2x4 bits4x2 bits8 bits16 "
+    + " ".join(f"uint{i} int{i}" for i in range(1, 8))
+).split()
+TORCH_DTYPE_NAMES = (
+    frozenset(TORCH_TO_STATEKIT) | frozenset(_STORAGE_CLASSES.values()) | frozenset(_OTHER_TORCH_DTYPES)
+)
+
+
+@dataclass(frozen=True)
+class TorchDtype:
+    """A ``torch.dtype`` value found in a pickle (``torch.float32`` → ``TorchDtype("float32")``)."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+
+def statekit_dtype(torch_dtype: str) -> str:
+    """statekit's dtype name for a torch dtype name; FormatError naming it when unsupported."""
+    try:
+        return TORCH_TO_STATEKIT[torch_dtype]
+    except KeyError:
+        pass
+    if torch_dtype.startswith("complex"):
+        kind = "complex tensors are"
+    elif torch_dtype.startswith(("qint", "quint")):
+        kind = "quantized tensors are"
+    else:
+        kind = "this dtype is"
+    raise FormatError(f"tensor dtype torch.{torch_dtype} is not supported: {kind} not handled by statekit")
+
+
+# --------------------------------------------------------------------------------------------
+# storages and tensors
+
+
+class StorageId(NamedTuple):
+    """A storage reference parsed from a persistent id: what the container must supply."""
+
+    key: str
+    dtype: str  # torch dtype name of the storage class ("uint8" for UntypedStorage)
+    numel: int  # elements of ``dtype``
+    location: str  # "cpu", "cuda:0", ...
+    view: tuple | None  # legacy format only: (view_key, offset, numel) of a storage view
+
+    @property
+    def itemsize(self) -> int:
+        return dtypes.itemsize(TORCH_TO_STATEKIT[self.dtype])
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+class Storage:
+    """The bytes of one storage, resolved lazily (``resolve()`` returns a buffer of ``nbytes``)."""
+
+    def __init__(self, sid: StorageId, resolve: Callable[[], memoryview], big_endian: bool = False):
+        self.key = sid.key
+        self.dtype = sid.dtype
+        self.nbytes = sid.nbytes
+        self.location = sid.location
+        self.resolve = resolve
+        self.big_endian = big_endian
+
+    def array(self, dtype: np.dtype) -> np.ndarray:
+        """The whole storage as a 1-D little-endian array of ``dtype`` (read-only unless swapped)."""
+        count = self.nbytes // dtype.itemsize
+        if not self.big_endian or dtype.itemsize == 1:
+            return np.frombuffer(self.resolve(), dtype=dtype, count=count)
+        swapped = np.frombuffer(self.resolve(), dtype=f">u{dtype.itemsize}", count=count)
+        return swapped.astype(f"<u{dtype.itemsize}").view(dtype)
+
+
+def _int_tuple(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or not all(type(v) is int and v >= 0 for v in value):
+        raise FormatError(f"tensor {what} {value!r} is not a tuple of non-negative integers")
+    return tuple(value)
+
+
+def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _tensor(
+    storage: object, offset: object, size: object, stride: object, torch_dtype: str | None = None
+) -> TensorRef:
+    """A TensorRef viewing ``storage`` like ``torch.Tensor.set_(storage, offset, size, stride)``.
+
+    The tensor's dtype is the storage's unless ``torch_dtype`` says otherwise (untyped storages).
+    """
+    if not isinstance(storage, Storage):
+        raise FormatError(f"tensor storage is {type(storage).__name__}, not a storage reference")
+    torch_dtype = torch_dtype or storage.dtype
+    name = statekit_dtype(torch_dtype)
+    np_dtype = dtypes.numpy_dtype(name)
+    itemsize = np_dtype.itemsize
+    size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
+    if len(size) != len(stride) or type(offset) is not int or offset < 0:
+        raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
+    numel = math.prod(size)
+    capacity = storage.nbytes // itemsize
+    if numel:
+        needed = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+        if needed > capacity:
+            raise FormatError(
+                f"a tensor of size {list(size)} needs {needed} elements of storage '{storage.key}', "
+                f"which holds {capacity}"
+            )
+    info = {
+        "torch_dtype": torch_dtype,
+        "parameter": False,
+        "requires_grad": False,
+        "device": storage.location,
+        "storage_key": storage.key,
+        "storage_offset": offset,
+        "stride": stride,
+    }
+    if numel == 0 or (_is_contiguous(size, stride) and not storage.big_endian):
+        start, stop = offset * itemsize, (offset + numel) * itemsize
+        return TensorRef(name, size, loader=lambda: storage.resolve()[start:stop], info=info)
+
+    def strided() -> np.ndarray:
+        base = storage.array(np_dtype)[offset:]
+        strides = tuple(s * itemsize for s in stride)
+        return np.lib.stride_tricks.as_strided(base, size, strides, writeable=False)
+
+    return TensorRef(name, size, array_loader=strided, info=info)
+
+
+def _python_state(state: object) -> dict:
+    """A tensor's Python attributes from pickled object state: a dict or (dict, slots dict)."""
+    if isinstance(state, tuple) and len(state) == 2:
+        parts = state
+    else:
+        parts = (state,)
+    merged: dict = {}
+    for part in parts:
+        if part is None:
+            continue
+        if not isinstance(part, dict):
+            raise FormatError(f"tensor state {state!r} is not a dict of attributes")
+        merged.update(part)
+    return merged
+
+
+def _with_info(tensor: object, **info: object) -> TensorRef:
+    if not isinstance(tensor, TensorRef):
+        raise FormatError(f"expected a tensor, got {type(tensor).__name__}")
+    return replace(tensor, info={**tensor.info, **info})
+
+
+def _check_hooks(hooks: object) -> None:
+    if hooks is not None and not isinstance(hooks, dict):
+        raise FormatError(f"tensor backward hooks {hooks!r} are not a dict")
+
+
+def _check_metadata(metadata: object) -> None:
+    """``get_tensor_metadata``: only ``{}`` or all-False flags (no conjugate/negative bit)."""
+    if metadata is None or (isinstance(metadata, dict) and not any(metadata.values())):
+        return
+    raise FormatError(f"tensor metadata {metadata!r} (conjugate/negative bit) is not supported")
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    return _tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
+    _check_hooks(backward_hooks)
+    _check_metadata(metadata)
+    tensor = _rebuild_tensor(storage, storage_offset, size, stride)
+    tensor.info["requires_grad"] = bool(requires_grad)
+    return tensor
+
+
+def _rebuild_tensor_v3(
+    storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None
+):
+    _check_hooks(backward_hooks)
+    _check_metadata(metadata)
+    if not isinstance(dtype, TorchDtype):
+        raise FormatError(f"_rebuild_tensor_v3 dtype {dtype!r} is not a torch dtype")
+    tensor = _tensor(storage, storage_offset, size, stride, dtype.name)
+    tensor.info["requires_grad"] = bool(requires_grad)
+    return tensor
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks):
+    _check_hooks(backward_hooks)
+    return _with_info(data, parameter=True, requires_grad=bool(requires_grad))
+
+
+def _rebuild_parameter_with_state(data, requires_grad, backward_hooks, state):
+    param = _rebuild_parameter(data, requires_grad, backward_hooks)
+    attributes = _python_state(state)
+    return _with_info(param, python_state=attributes) if attributes else param
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    """A tensor (sub)class with Python attributes: ``func(*args)`` then the attributes."""
+    if (
+        not isinstance(func, _Callable)
+        or not isinstance(new_type, _TensorType)
+        or not isinstance(args, tuple)
+    ):
+        raise FormatError(f"unsupported _rebuild_from_type_v2 call for {new_type!r}")
+    tensor = _with_info(func.fn(*args))
+    if new_type.name == "Parameter":
+        tensor.info["parameter"] = True
+    attributes = _python_state(state)
+    return _with_info(tensor, python_state=attributes) if attributes else tensor
+
+
+def _rebuild_qtensor(*_args):
+    """Allowed only so that a quantized tensor is refused by its storage's dtype, read first."""
+    raise FormatError("quantized tensors are not supported by statekit")
+
+
+# --------------------------------------------------------------------------------------------
+# the allow-list
+
+
+@dataclass(frozen=True)
+class _Callable:
+    """An allowed global that REDUCE may call: statekit's stand-in ``fn`` for ``name``."""
+
+    name: str
+    fn: Callable
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """A ``torch.*Storage`` class named in a persistent id; ``dtype`` is a torch dtype name."""
+
+    dtype: str
+
+
+@dataclass(frozen=True)
+class _TensorType:
+    """``torch.Tensor`` or ``torch.nn.parameter.Parameter`` as ``_rebuild_from_type_v2``'s type."""
+
+    name: str
+
+
+def _ordered_dict(items=()):
+    if isinstance(items, dict):
+        return dict(items)
+    if not isinstance(items, list | tuple) or not all(
+        isinstance(p, list | tuple) and len(p) == 2 for p in items
+    ):
+        raise FormatError("OrderedDict arguments are not a list of pairs")
+    return dict(items)
+
+
+def _size(dims=()):
+    return _int_tuple(dims, "torch.Size")
+
+
+def _set(items=()):
+    if not isinstance(items, list | tuple | set | frozenset):
+        raise FormatError(f"set() argument is {type(items).__name__}, not a list")
+    return set(items)
+
+
+def _complex(real=0.0, imag=0.0):
+    if not all(type(v) in (int, float) for v in (real, imag)):
+        raise FormatError("complex() arguments are not numbers")
+    return complex(real, imag)
+
+
+def _encode(text, encoding="utf-8"):
+    """``_codecs.encode``: how protocol 2 pickles bytes (``encode(str, 'latin1')``)."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise FormatError(f"_codecs.encode is allowed only for str with 'latin1', not {encoding!r}")
+    return text.encode("latin1")
+
+
+def _bytearray(data=b"", encoding=None):
+    if isinstance(data, str) and encoding is not None:
+        return bytearray(_encode(data, encoding))
+    if isinstance(data, bytes | bytearray) and encoding is None:
+        return bytearray(data)
+    raise FormatError("bytearray() is allowed only from bytes or a latin1 str")
+
+
+def _allowed_globals() -> dict[str, object]:
+    allowed: dict[str, object] = {}
+    for fn in (
+        _rebuild_tensor,
+        _rebuild_tensor_v2,
+        _rebuild_tensor_v3,
+        _rebuild_parameter,
+        _rebuild_parameter_with_state,
+        _rebuild_qtensor,
+    ):
+        allowed[f"torch._utils.{fn.__name__}"] = _Callable(fn.__name__, fn)
+    allowed["torch._tensor._rebuild_from_type_v2"] = _Callable("_rebuild_from_type_v2", _rebuild_from_type_v2)
+    for full, fn in {
+        "collections.OrderedDict": _ordered_dict,
+        "torch.Size": _size,
+        "builtins.set": _set,
+        "builtins.complex": _complex,
+        "builtins.bytearray": _bytearray,
+        "_codecs.encode": _encode,
+    }.items():
+        allowed[full] = _Callable(full, fn)
+    allowed["torch.Tensor"] = _TensorType("Tensor")
+    allowed["torch.nn.parameter.Parameter"] = _TensorType("Parameter")
+    for cls, dtype in _STORAGE_CLASSES.items():
+        allowed[f"torch.{cls}"] = allowed[f"torch.cuda.{cls}"] = _StorageType(dtype)
+    allowed["torch.UntypedStorage"] = allowed["torch.storage.UntypedStorage"] = _StorageType("uint8")
+    for name in TORCH_DTYPE_NAMES:
+        allowed[f"torch.{name}"] = TorchDtype(name)
+    return allowed
+
+
+_ALLOWED = _allowed_globals()
+_MODULE_RENAMES = {"__builtin__": "builtins"}  # Python 2 spellings that protocol 2 still writes
+
+
+def find_global(module: str, name: str) -> object:
+    """statekit's stand-in for global ``module.name``; UnsafePickleError when not allowed."""
+    full = f"{_MODULE_RENAMES.get(module, module)}.{name}"
+    try:
+        return _ALLOWED[full]
+    except KeyError:
+        raise UnsafePickleError(
+            f"refusing to load global '{full}' from pickle: not on statekit's allow-list"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+StorageLoader = Callable[[StorageId], Storage]
+_OPS: dict[int, Callable[[_Unpickler], None]] = {}
+_STOP = pickle.STOP[0]
+_I32, _U16, _U32, _U64, _F64 = (struct.Struct(f) for f in ("<i", "<H", "<I", "<Q", ">d"))
+
+
+def _op(*codes: bytes):
+    def register(fn):
+        for code in codes:
+            _OPS[code[0]] = fn
+        return fn
+
+    return register
+
+
+class _Unpickler:
+    """Interprets one pickle from ``data[pos:]`` using only the opcodes registered in ``_OPS``."""
+
+    def __init__(self, data: bytes | mmap.mmap, pos: int, storage_loader: StorageLoader | None):
+        self.data = data
+        self.pos = pos
+        self.code = 0  # the opcode being interpreted
+        self.storage_loader = storage_loader
+        self.stack: list = []
+        self.metastack: list[list] = []
+        self.memo: dict[int, object] = {}
+
+    def truncated(self, n: int) -> FormatError:
+        return FormatError(
+            f"pickle is truncated: needs {n} bytes at offset {self.pos}, data ends at {len(self.data)}"
+        )
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            raise self.truncated(1)
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def read(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise self.truncated(n)
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def unpack(self, fmt: struct.Struct) -> int | float:
+        if self.pos + fmt.size > len(self.data):
+            raise self.truncated(fmt.size)
+        self.pos += fmt.size
+        return fmt.unpack_from(self.data, self.pos - fmt.size)[0]
+
+    def readline(self) -> str:
+        end = self.data.find(b"\n", self.pos, self.pos + 1024)
+        if end < 0 and self.pos + 1024 >= len(self.data):
+            raise self.truncated(len(self.data) - self.pos + 1)
+        if end < 0:
+            raise FormatError(f"pickle GLOBAL name at offset {self.pos} is unterminated")
+        line, self.pos = self.data[self.pos : end], end + 1
+        return line.decode("utf-8")
+
+    def pop_mark(self) -> list:
+        if not self.metastack:
+            raise FormatError("malformed pickle: no MARK on the stack")
+        items, self.stack = self.stack, self.metastack.pop()
+        return items
+
+    def target(self, kind: type) -> object:
+        top = self.stack[-1]
+        if not isinstance(top, kind):
+            raise FormatError(f"malformed pickle: cannot add items to a {type(top).__name__}")
+        return top
+
+    def load(self) -> object:
+        while True:
+            start = self.pos
+            self.code = code = self.byte()
+            if code == _STOP:
+                if not self.stack:
+                    raise FormatError("malformed pickle: empty stack at STOP")
+                return self.stack.pop()
+            handler = _OPS.get(code)
+            if handler is None:
+                raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
+            try:
+                handler(self)
+            except (
+                AttributeError,
+                IndexError,
+                KeyError,
+                OverflowError,
+                TypeError,
+                ValueError,
+                struct.error,
+            ) as exc:
+                raise FormatError(
+                    f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}"
+                ) from None
+
+
+def loads(
+    data: bytes | mmap.mmap, pos: int = 0, storage_loader: StorageLoader | None = None
+) -> tuple[object, int]:
+    """Read one pickle from ``data`` at ``pos``; returns ``(object, offset after its STOP)``.
+
+    ``storage_loader`` supplies the storage for each persistent id; a pickle with persistent ids
+    and no loader is a FormatError.
+    """
+    unpickler = _Unpickler(data, pos, storage_loader)
+    try:
+        return unpickler.load(), unpickler.pos
+    except RecursionError:
+        raise FormatError("malformed pickle: nesting too deep") from None
+
+
+@_op(pickle.PROTO)
+def _proto(u: _Unpickler) -> None:
+    if u.byte() > pickle.HIGHEST_PROTOCOL:
+        raise FormatError("unsupported pickle protocol")
+
+
+@_op(pickle.FRAME)
+def _frame(u: _Unpickler) -> None:
+    u.read(8)  # frames only group opcodes; their contents follow inline
+
+
+@_op(pickle.MARK)
+def _mark(u: _Unpickler) -> None:
+    u.metastack.append(u.stack)
+    u.stack = []
+
+
+@_op(pickle.POP)
+def _pop(u: _Unpickler) -> None:
+    if u.stack:
+        u.stack.pop()
+    else:
+        u.pop_mark()
+
+
+@_op(pickle.POP_MARK)
+def _pop_mark(u: _Unpickler) -> None:
+    u.pop_mark()
+
+
+@_op(pickle.DUP)
+def _dup(u: _Unpickler) -> None:
+    u.stack.append(u.stack[-1])
+
+
+_CONSTANTS = {pickle.NONE[0]: None, pickle.NEWTRUE[0]: True, pickle.NEWFALSE[0]: False}
+
+
+@_op(pickle.NONE, pickle.NEWTRUE, pickle.NEWFALSE)
+def _constant(u: _Unpickler) -> None:
+    u.stack.append(_CONSTANTS[u.code])
+
+
+@_op(pickle.BININT)
+def _binint(u: _Unpickler) -> None:
+    u.stack.append(u.unpack(_I32))
+
+
+@_op(pickle.BININT1)
+def _binint1(u: _Unpickler) -> None:
+    u.stack.append(u.byte())
+
+
+@_op(pickle.BININT2)
+def _binint2(u: _Unpickler) -> None:
+    u.stack.append(u.unpack(_U16))
+
+
+@_op(pickle.LONG1)
+def _long1(u: _Unpickler) -> None:
+    u.stack.append(int.from_bytes(u.read(u.byte()), "little", signed=True))
+
+
+@_op(pickle.LONG4)
+def _long4(u: _Unpickler) -> None:
+    n = u.unpack(_I32)
+    if n < 0:
+        raise FormatError("malformed pickle: negative LONG4 length")
+    u.stack.append(int.from_bytes(u.read(n), "little", signed=True))
+
+
+@_op(pickle.BINFLOAT)
+def _binfloat(u: _Unpickler) -> None:
+    u.stack.append(u.unpack(_F64))
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogatepass")
+
+
+@_op(pickle.SHORT_BINUNICODE)
+def _short_binunicode(u: _Unpickler) -> None:
+    u.stack.append(_text(u.read(u.byte())))
+
+
+@_op(pickle.BINUNICODE)
+def _binunicode(u: _Unpickler) -> None:
+    u.stack.append(_text(u.read(u.unpack(_U32))))
+
+
+@_op(pickle.BINUNICODE8)
+def _binunicode8(u: _Unpickler) -> None:
+    u.stack.append(_text(u.read(u.unpack(_U64))))
+
+
+@_op(pickle.SHORT_BINSTRING)
+def _short_binstring(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.byte()).decode("utf-8"))  # Python 2 str, as torch.load decodes it
+
+
+@_op(pickle.BINSTRING)
+def _binstring(u: _Unpickler) -> None:
+    n = u.unpack(_I32)
+    if n < 0:
+        raise FormatError("malformed pickle: negative BINSTRING length")
+    u.stack.append(u.read(n).decode("utf-8"))
+
+
+@_op(pickle.SHORT_BINBYTES)
+def _short_binbytes(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.byte()))
+
+
+@_op(pickle.BINBYTES)
+def _binbytes(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.unpack(_U32)))
+
+
+@_op(pickle.BINBYTES8)
+def _binbytes8(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.unpack(_U64)))
+
+
+_EMPTY = {
+    pickle.EMPTY_TUPLE[0]: tuple,
+    pickle.EMPTY_LIST[0]: list,
+    pickle.EMPTY_DICT[0]: dict,
+    pickle.EMPTY_SET[0]: set,
+}
+
+
+@_op(pickle.EMPTY_TUPLE, pickle.EMPTY_LIST, pickle.EMPTY_DICT, pickle.EMPTY_SET)
+def _empty(u: _Unpickler) -> None:
+    u.stack.append(_EMPTY[u.code]())
+
+
+@_op(pickle.TUPLE)
+def _tuple(u: _Unpickler) -> None:
+    items = u.pop_mark()  # before touching u.stack: pop_mark replaces it
+    u.stack.append(tuple(items))
+
+
+@_op(pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
+def _tuple_n(u: _Unpickler) -> None:
+    n = u.code - pickle.TUPLE1[0] + 1
+    if len(u.stack) < n:
+        raise FormatError("malformed pickle: stack underflow in TUPLE")
+    u.stack[-n:] = [tuple(u.stack[-n:])]
+
+
+@_op(pickle.LIST)
+def _list(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.stack.append(items)
+
+
+@_op(pickle.DICT)
+def _dict(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.stack.append(dict(zip(items[::2], items[1::2], strict=True)))
+
+
+@_op(pickle.APPEND)
+def _append(u: _Unpickler) -> None:
+    item = u.stack.pop()
+    u.target(list).append(item)
+
+
+@_op(pickle.APPENDS)
+def _appends(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.target(list).extend(items)
+
+
+@_op(pickle.SETITEM)
+def _setitem(u: _Unpickler) -> None:
+    value, key = u.stack.pop(), u.stack.pop()
+    u.target(dict)[key] = value
+
+
+@_op(pickle.SETITEMS)
+def _setitems(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.target(dict).update(zip(items[::2], items[1::2], strict=True))
+
+
+@_op(pickle.ADDITEMS)
+def _additems(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.target(set).update(items)
+
+
+@_op(pickle.BINGET)
+def _binget(u: _Unpickler) -> None:
+    u.stack.append(u.memo[u.byte()])
+
+
+@_op(pickle.LONG_BINGET)
+def _long_binget(u: _Unpickler) -> None:
+    u.stack.append(u.memo[u.unpack(_U32)])
+
+
+@_op(pickle.BINPUT)
+def _binput(u: _Unpickler) -> None:
+    u.memo[u.byte()] = u.stack[-1]
+
+
+@_op(pickle.LONG_BINPUT)
+def _long_binput(u: _Unpickler) -> None:
+    u.memo[u.unpack(_U32)] = u.stack[-1]
+
+
+@_op(pickle.MEMOIZE)
+def _memoize(u: _Unpickler) -> None:
+    u.memo[len(u.memo)] = u.stack[-1]
+
+
+@_op(pickle.GLOBAL)
+def _global(u: _Unpickler) -> None:
+    module = u.readline()
+    u.stack.append(find_global(module, u.readline()))
+
+
+@_op(pickle.STACK_GLOBAL)
+def _stack_global(u: _Unpickler) -> None:
+    name, module = u.stack.pop(), u.stack.pop()
+    if not isinstance(module, str) or not isinstance(name, str):
+        raise FormatError("malformed pickle: STACK_GLOBAL names are not strings")
+    u.stack.append(find_global(module, name))
+
+
+@_op(pickle.REDUCE)
+def _reduce(u: _Unpickler) -> None:
+    args = u.stack.pop()
+    func = u.stack[-1]
+    if not isinstance(func, _Callable):
+        raise UnsafePickleError(f"refusing to call {func!r} from pickle: not an allowed callable")
+    if not isinstance(args, tuple):
+        raise FormatError(f"malformed pickle: arguments of {func.name} are not a tuple")
+    try:
+        u.stack[-1] = func.fn(*args)
+    except TypeError as exc:
+        raise FormatError(f"bad arguments to {func.name}: {exc}") from None
+
+
+@_op(pickle.BUILD)
+def _build(u: _Unpickler) -> None:
+    state = u.stack.pop()
+    inst = u.stack[-1]
+    if isinstance(inst, TensorRef):
+        attributes = _python_state(state)
+        if attributes:
+            u.stack[-1] = _with_info(inst, python_state={**inst.info.get("python_state", {}), **attributes})
+    elif isinstance(inst, dict):
+        _python_state(state)  # OrderedDict instance attributes: validated, not kept
+    else:
+        raise FormatError(f"malformed pickle: BUILD on a {type(inst).__name__}")
+
+
+@_op(pickle.BINPERSID)
+def _binpersid(u: _Unpickler) -> None:
+    u.stack.append(_persistent_load(u, u.stack.pop()))
+
+
+def _persistent_load(u: _Unpickler, pid: object) -> Storage:
+    """Parse ``('storage', type, key, location, numel[, view])`` and ask the container for it."""
+    if not isinstance(pid, tuple) or len(pid) not in (5, 6) or pid[0] not in ("storage", b"storage"):
+        raise FormatError(f"unsupported persistent id {pid!r}: only tensor storages are allowed")
+    if u.storage_loader is None:
+        raise FormatError("pickle refers to a tensor storage, but this part of the file has none")
+    _, stype, key, location, numel, *view = pid
+    if not isinstance(stype, _StorageType):
+        raise FormatError(f"persistent id storage type {stype!r} is not a torch storage class")
+    statekit_dtype(stype.dtype)
+    key, location = (v.decode("ascii") if isinstance(v, bytes) else v for v in (key, location))
+    if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
+        raise FormatError(f"malformed storage persistent id {pid!r}")
+    return u.storage_loader(StorageId(key, stype.dtype, numel, location, view[0] if view else None))
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+_TUPLE_OPS = (pickle.EMPTY_TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
+
+
+class _Pickler:
+    """Protocol-2 writer for torch.save-style pickles (see :func:`dumps`)."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = [pickle.PROTO + b"\x02"]
+        self.globals: dict[str, int] = {}
+        self.tensors: list[TensorRef] = []
+        self.keys: dict[int, str] = {}
+        self.active: set[int] = set()
+
+    def emit(self, *parts: bytes) -> None:
+        self.out.extend(parts)
+
+    def global_(self, module: str, name: str) -> None:
+        """GLOBAL once, memoized (BINPUT) and fetched with BINGET after; fewer than 256 exist."""
+        full = f"{module}.{name}"
+        if full in self.globals:
+            self.emit(pickle.BINGET, bytes([self.globals[full]]))
+            return
+        index = len(self.globals)
+        self.globals[full] = index
+        self.emit(pickle.GLOBAL, f"{module}\n{name}\n".encode(), pickle.BINPUT, bytes([index]))
+
+    def save(self, obj: object, where: str) -> None:
+        if obj is None:
+            self.emit(pickle.NONE)
+        elif obj is True or obj is False:
+            self.emit(pickle.NEWTRUE if obj else pickle.NEWFALSE)
+        elif type(obj) is int:
+            self.save_int(obj, where)
+        elif type(obj) is float:
+            self.emit(pickle.BINFLOAT, struct.pack(">d", obj))
+        elif type(obj) is str:
+            self.save_str(obj)
+        elif isinstance(obj, np.generic):
+            self.save(obj.item(), where)
+        elif isinstance(obj, np.ndarray):
+            self.save_tensor(TensorRef.from_array(obj), where)
+        elif isinstance(obj, TensorRef):
+            self.save_tensor(obj, where)
+        elif isinstance(obj, TorchDtype):
+            self.global_("torch", obj.name)
+        elif type(obj) in (bytes, bytearray):
+            self.call("_codecs", "encode", (bytes(obj).decode("latin1"), "latin1"), where)
+        elif type(obj) is complex:
+            self.call("builtins", "complex", (obj.real, obj.imag), where)
+        elif isinstance(obj, tuple | list | dict | set):
+            self.save_container(obj, where)
+        else:
+            raise MappingError(f"cannot write a {type(obj).__name__} to a .pt file (at {where})")
+
+    def save_int(self, value: int, where: str) -> None:
+        if 0 <= value < 1 << 8:
+            self.emit(pickle.BININT1, bytes([value]))
+        elif 0 <= value < 1 << 16:
+            self.emit(pickle.BININT2, struct.pack("<H", value))
+        elif -(1 << 31) <= value < 1 << 31:
+            self.emit(pickle.BININT, struct.pack("<i", value))
+        else:
+            raw = pickle.encode_long(value)
+            if len(raw) > 255:
+                raise MappingError(f"integer at {where} is too large for a .pt file")
+            self.emit(pickle.LONG1, bytes([len(raw)]), raw)
+
+    def save_str(self, text: str) -> None:
+        raw = text.encode("utf-8", "surrogatepass")
+        self.emit(pickle.BINUNICODE, struct.pack("<I", len(raw)), raw)
+
+    def save_tuple(self, items: tuple, where: str) -> None:
+        if len(items) > 3:
+            self.emit(pickle.MARK)
+        for i, item in enumerate(items):
+            self.save(item, f"{where}[{i}]")
+        self.emit(_TUPLE_OPS[len(items)] if len(items) <= 3 else pickle.TUPLE)
+
+    def call(self, module: str, name: str, args: tuple, where: str) -> None:
+        self.global_(module, name)
+        self.save_tuple(args, where)
+        self.emit(pickle.REDUCE)
+
+    def save_container(self, obj: tuple | list | dict | set, where: str) -> None:
+        if id(obj) in self.active:
+            raise MappingError(f"cannot write a self-referencing structure to a .pt file (at {where})")
+        self.active.add(id(obj))
+        if isinstance(obj, tuple):
+            self.save_tuple(obj, where)
+        elif isinstance(obj, set):
+            self.call("builtins", "set", (list(obj),), where)
+        elif isinstance(obj, list):
+            self.emit(pickle.EMPTY_LIST)
+            if obj:
+                self.emit(pickle.MARK)
+                for i, item in enumerate(obj):
+                    self.save(item, f"{where}[{i}]")
+                self.emit(pickle.APPENDS)
+        else:
+            self.emit(pickle.EMPTY_DICT)
+            if obj:
+                self.emit(pickle.MARK)
+                for key, value in obj.items():
+                    self.save(key, f"{where} key")
+                    self.save(value, f"{where}[{key!r}]")
+                self.emit(pickle.SETITEMS)
+        self.active.discard(id(obj))
+
+    def save_tensor(self, tensor: TensorRef, where: str) -> None:
+        torch_dtype = STATEKIT_TO_TORCH.get(tensor.dtype)
+        if torch_dtype is None:
+            raise MappingError(f"cannot write a {tensor.dtype} tensor to a .pt file (at {where})")
+        key = self.keys.get(id(tensor))
+        if key is None:  # self.tensors keeps the object alive, so its id stays unique
+            key = self.keys[id(tensor)] = str(len(self.tensors))
+            self.tensors.append(tensor)
+        parameter = bool(tensor.info.get("parameter", False))
+        requires_grad = bool(tensor.info.get("requires_grad", False))
+        if parameter:  # _rebuild_parameter(<tensor without grad>, requires_grad, OrderedDict())
+            self.global_("torch._utils", "_rebuild_parameter")
+            self.emit(pickle.MARK)
+        storage_class = _STORAGE_CLASS_FOR.get(torch_dtype)
+        self.global_("torch._utils", "_rebuild_tensor_v2" if storage_class else "_rebuild_tensor_v3")
+        self.emit(pickle.MARK, pickle.MARK)
+        self.save_str("storage")
+        if storage_class:
+            self.global_("torch", storage_class)
+            numel = tensor.numel
+        else:
+            self.global_("torch.storage", "UntypedStorage")
+            numel = tensor.numel * dtypes.itemsize(tensor.dtype)
+        self.save_str(key)
+        self.save_str("cpu")
+        self.save_int(numel, where)
+        self.emit(pickle.TUPLE, pickle.BINPERSID)
+        self.save_int(0, where)
+        self.save_tuple(tensor.shape, where)
+        self.save_tuple(_contiguous_strides(tensor.shape), where)
+        self.emit(pickle.NEWTRUE if requires_grad and not parameter else pickle.NEWFALSE)
+        self.call("collections", "OrderedDict", (), where)
+        if not storage_class:
+            self.global_("torch", torch_dtype)
+        self.emit(pickle.TUPLE, pickle.REDUCE)
+        if parameter:
+            self.emit(pickle.NEWTRUE if requires_grad else pickle.NEWFALSE)
+            self.call("collections", "OrderedDict", (), where)
+            self.emit(pickle.TUPLE, pickle.REDUCE)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def dumps(obj: object) -> tuple[bytes, list[TensorRef]]:
+    """Pickle ``obj`` like ``torch.save`` does; returns the pickle and the tensors to store.
+
+    ``obj`` may nest dict/list/tuple/set, None/bool/int/float/str/bytes/complex, numpy scalars
+    (written as Python numbers), :class:`TorchDtype`, numpy arrays and TensorRefs. Tensor ``i`` of
+    the returned list is storage key ``str(i)`` (one storage per tensor object, C-contiguous,
+    location ``cpu``); a TensorRef whose ``info`` says ``parameter`` becomes an ``nn.Parameter``.
+    Anything else raises MappingError naming where it is.
+    """
+    pickler = _Pickler()
+    pickler.save(obj, "top level")
+    pickler.emit(pickle.STOP)
+    return b"".join(pickler.out), pickler.tensors
