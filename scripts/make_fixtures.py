@@ -205,10 +205,46 @@ def main() -> None:
     write("hand-optim-adagrad.bpk", *optimizer_record(st, [("lr_decay.sum", "sum")], ("lr_decay.time", "time")))
 
     # LR scheduler record: Noam base scheduler (f64 step) and a cosine group scheduler.
+    tiny_lm()
+
     write("hand-scheduler.bpk", [], None,
           {"0.step": Scalar("Float", 21.0), "1.current_iter": Scalar("UInt", 20), "2.iter_idx": Scalar("Int", -1)})
     write("empty-optim.bpk", [])
     malformed()
+
+
+def tiny_lm() -> None:
+    """A tiny language model's Adam state and two versions of its model, for the remap guide.
+
+    v1: embed.weight [10, 8], ff.weight [8, 16], ff.bias [16], out.weight [16, 10].
+    v2 (a refactor): the vocabulary grows 10 → 12 (embed.weight [12, 8], out.weight [16, 12]),
+    ``ff`` moves to ``blocks.0.ff``, and a new head ``aux.weight`` [16, 4] appears.
+    """
+    rng = np.random.default_rng(7)
+    v1 = {"embed.weight": (10, 8), "ff.weight": (8, 16), "ff.bias": (16,), "out.weight": (16, 10)}
+    ids = {path: int(rng.integers(1, 2**63)) * 2 + 1 for path in v1}
+    state = {}
+    for path, shape in v1.items():
+        st, theta = {}, rng.normal(0, 0.1, shape).astype(F)
+        for _ in range(STEPS):
+            theta, st = adam(theta, rng.normal(0, 0.05, shape).astype(F), st, 1e-3)
+        st["__rank"] = len(shape)
+        state[path] = (theta, st)
+    tensors, scalars, meta = [], {}, {}
+    for path in v1:
+        pid, (_, st) = ids[path], state[path]
+        for native, key in (("momentum.moment_1", "moment_1"), ("momentum.moment_2", "moment_2")):
+            tensors.append(PackTensor(f"{pid}.{native}", TensorRef.from_array(st[key]), param_id=pid))
+        scalars[f"{pid}.__rank"] = Scalar("UInt", st["__rank"])
+        scalars[f"{pid}.momentum.time"] = Scalar("UInt", st["time"])
+        meta[str(pid)] = path
+    write("lm-optim.bpk", tensors, meta, scalars)
+    write("lm-model.bpk", [PackTensor(p, TensorRef.from_array(state[p][0]), param_id=ids[p]) for p in v1])
+    v2 = {"embed.weight": (12, 8), "blocks.0.ff.weight": (8, 16), "blocks.0.ff.bias": (16,),
+          "out.weight": (16, 12), "aux.weight": (16, 4)}
+    ids2 = {path: int(rng.integers(1, 2**63)) * 2 for path in v2}
+    write("lm-model-v2.bpk", [PackTensor(p, TensorRef.from_array(rng.normal(0, 0.1, shape).astype(F)),
+                                          param_id=ids2[p]) for p, shape in v2.items()])
 
 
 def malformed() -> None:

@@ -151,13 +151,26 @@ def test_names_in_the_wrong_order_are_refused_with_both_names(tmp_path, cli):
     model = mlp()
     opt = torch.optim.Adam(model.parameters())
     train(model, opt, batches(1))
-    torch.save(opt.state_dict(), tmp_path / "o.pt")
+    # a training checkpoint: its model state_dict names the optimizer's positions
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
     names = tmp_path / "n.txt"
     names.write_text("0.weight\n2.weight\n0.bias\n2.bias\n")
-    torch.save(model.state_dict(), tmp_path / "m.pt")
-    r = cli("convert", tmp_path / "o.pt", tmp_path / "o.bpk", "--names", names, "--model", tmp_path / "m.pt",
-            "--transpose", "*.weight")
-    assert r.returncode == 1 and "'2.weight'" in r.stderr and "[16]" in r.stderr
+    r = cli("convert", tmp_path / "ckpt.pt", tmp_path / "o.bpk", "--names", names, "--transpose", "*.weight")
+    assert r.returncode == 1 and "'0.bias'" in r.stderr and "'2.weight'" in r.stderr
+    assert not (tmp_path / "o.bpk").exists()
+
+
+def test_names_checked_against_shapes():
+    from statekit.errors import MappingError
+    from statekit.frameworks.torch_state import apply_names
+    from statekit.state import OptimizerState, ParamState
+    from statekit.tensor import TensorRef
+
+    state = OptimizerState("adam", params=[
+        ParamState(key=str(i), index=i, slots={"exp_avg": TensorRef.from_array(np.zeros(s, np.float32))})
+        for i, s in enumerate([(16, 4), (16,)])])
+    with pytest.raises(MappingError, match=r"#0.*\[16, 4\].*'b'.*\[16\]"):
+        apply_names(state, ["b", "w"], {"w": (16, 4), "b": (16,)}, "x.pt")
 
 
 def test_step_beyond_float32_integers_is_refused(tmp_path):

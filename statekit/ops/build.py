@@ -167,8 +167,9 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
                 a.resize = True
                 a.dst_shape = list(want)
                 a.notes.append(f"resized {list(out_shape)} → {list(want)}")
-                if matches_any(a.dst_path, opts.reset_step) or "*" in opts.reset_step:
+                if matches_any(a.dst_path, opts.reset_step):
                     a.reset_step = True
+                    a.notes.append("state reset: starts again from step 0 with zero moments")
             else:
                 problems.append(f"{a.dst_path}: state shape {list(out_shape)} but the target model has {list(want)}"
                                 + ("" if opts.resize else " (use --resize to pad or truncate)"))
@@ -183,7 +184,8 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     if any(a.resize for a in actions):
         plan.warnings.append(
             "padded rows of resized parameters inherit the parameter's step: their first Adam update is about "
-            "(1-β1)/√(1-β2) ≈ 3.16× a fresh parameter's with default betas; --reset-step resets those steps"
+            "(1-β1)/√(1-β2) ≈ 3.16× a fresh parameter's with default betas; --reset-step GLOB restarts "
+            "those parameters' state from step 0"
         )
     if problems:
         raise MappingError("; ".join(problems), source)
@@ -194,7 +196,9 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
 
 def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
     """torch pairs state with parameters by position: fix that position from names or a model."""
-    names = opts.names
+    # --names names a torch *source*'s parameters (applied before planning); it orders the target
+    # only when the source is another framework.
+    names = opts.names if state.framework != "torch" else None
     if names is None and opts.model is not None:
         names = [m.path for m in opts.model.params if not m.buffer]
     if names is None:
@@ -233,6 +237,8 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
 
 
 def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
+    if dst_fw == "burn" and opts.model is not None and not opts.model.by_id():
+        raise UsageError("--model for a burn target must be a burn model file (.bpk with a ParamId per tensor)")
     model_ids = {m.path: m.id for m in opts.model.params if m.id is not None} if opts.model else {}
     model_paths = {m.path for m in opts.model.params} if opts.model else set()
     by_key = {p.key: p for p in state.params}
@@ -313,7 +319,14 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         if len({tuple(sorted((k, str(v)) for k, v in g.items())) for g in plan.hyperparams}) > 1:
             plan.warnings.append("burn files keep no parameter groups: the first group's hyperparameters are kept "
                                  "in the statekit.* metadata")
-        plan.metadata = hyper.to_metadata(family, plan.hyperparams[0] if plan.hyperparams else {})
+        # burn files store nothing of their own: keep only what was stored or given, never assumptions
+        known = {k: v for k, v in (plan.hyperparams[0] if plan.hyperparams else {}).items() if k not in plan.assumed}
+        user_given = bool(opts.optimizer) or any(k in opts.hyperparams for k in known)
+        if src_fw == "burn" and not user_given and not (groups and groups[0].hyperparams):
+            plan.hyperparams, plan.assumed, plan.metadata = [], [], {}
+        else:
+            plan.hyperparams, plan.assumed = [known], []
+            plan.metadata = hyper.to_metadata(family, known)
     if plan.assumed and src_fw == "burn" and dst_fw != "burn":
         shown = ", ".join(f"{k}={plan.hyperparams[0][k]}" for k in plan.assumed if k in plan.hyperparams[0])
         plan.warnings.append(f"burn files store no hyperparameters; assumed burn's defaults: {shown}")

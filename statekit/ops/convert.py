@@ -69,6 +69,14 @@ def load_model(path: str) -> ModelInfo:
         return ckpt.model
 
 
+def name_source_params(state, opts: Options, path: str) -> None:
+    """--names names a torch source's positional parameters (checked against --model shapes)."""
+    if opts.names is not None and state.framework == "torch":
+        from statekit.frameworks.torch_state import apply_names
+
+        apply_names(state, opts.names, None, path)
+
+
 @dataclass
 class Result:
     plan: Plan | None
@@ -103,11 +111,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
-        if opts.names is not None and state.framework == "torch" and not all(p.path for p in state.params):
-            from statekit.frameworks.torch_state import apply_names
-
-            shapes = {m.path: m.shape for m in opts.model.params} if opts.model else None
-            apply_names(state, opts.names, shapes, src)
+        name_source_params(state, opts, src)
         if plan_in:
             plan = Plan.load(plan_in)
             if plan.target_format != fmt:

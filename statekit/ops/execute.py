@@ -79,7 +79,7 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
     for a in plan.params:
         if a.action == "drop":
             continue
-        if a.action == "new":
+        if a.action == "new" or a.reset_step:
             if target_fw == "torch":
                 params.append(ParamState(key=str(a.dst_index), index=a.dst_index, path=a.dst_path, group=a.group))
             continue

@@ -1,0 +1,58 @@
+"""``remap``: move optimizer state onto a refactored model (renamed, grown, with new parts).
+
+Parameters are matched by module path (the state's own id → path map, or ``old_model`` joined on
+ParamId), renamed by ordered rules, and given the new model's ParamIds (burn) or positions
+(torch). Removed parameters are dropped and listed, new ones listed without state (both
+frameworks initialise state lazily), shape changes refused unless ``resize`` pads or truncates.
+"""
+
+from __future__ import annotations
+
+import os
+
+from statekit import io
+from statekit.errors import MappingError, UsageError
+from statekit.ops.build import Options, build_plan
+from statekit.ops.convert import Result, name_source_params, output_format, show_plan
+from statekit.ops.execute import write
+from statekit.ops.plan import Plan
+from statekit.output import Output
+
+
+def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = None, dry_run: bool = False,
+          plan_in: str | None = None, plan_out: str | None = None, out: Output | None = None) -> Result:
+    out = out or Output(quiet=True)
+    if opts.model is None and plan_in is None:
+        raise UsageError("remap needs the new model: --model NEW_MODEL")
+    if os.path.abspath(state_path) == os.path.abspath(out_path):
+        raise UsageError("the output must be a new file: remap never overwrites its input")
+    with io.open_checkpoint(state_path) as ckpt:
+        if ckpt.optimizer is None:
+            raise MappingError(f"holds {ckpt.kind} data, not optimizer state", state_path)
+        fmt = output_format(out_path, to) if (to or os.path.splitext(out_path)[1]) else ckpt.format
+        opts.allow_drop = True
+        name_source_params(ckpt.optimizer, opts, state_path)
+        if plan_in:
+            plan = Plan.load(plan_in)
+            plan.source, plan.target = state_path, out_path
+        else:
+            plan = build_plan(ckpt.optimizer, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
+        dropped = [a.src_path or a.src_key for a in plan.params if a.action == "drop"]
+        new = [a.dst_path for a in plan.params if a.action == "new"]
+        if dropped:
+            plan.warnings.append(f"dropped (not in the new model): {', '.join(map(str, dropped))}")
+        if new:
+            plan.warnings.append(f"new without state (initialised at their first step): {', '.join(map(str, new))}")
+        if plan_out:
+            from statekit.atomic import atomic_write
+
+            with atomic_write(plan_out) as fh:
+                fh.write(plan.dumps().encode() + b"\n")
+        show_plan(plan, out)
+        if dry_run:
+            out.info("dry run: nothing written")
+            return Result(plan, None)
+        with out.progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
+            size = write(plan, ckpt.optimizer, out_path, progress=advance)
+        out.info(f"wrote {out_path} ({size} bytes)")
+        return Result(plan, size)
