@@ -40,6 +40,7 @@ import struct
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Iterable
 from typing import BinaryIO
 
 from statekit import dtypes
@@ -302,7 +303,7 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
         writer.add(".storage_alignment", str(ALIGNMENT).encode())
         writer.add("byteorder", b"little")
         for key, tensor in enumerate(tensors):
-            writer.add(f"data/{key}", _tensor_bytes(tensor))
+            writer.add(f"data/{key}", _tensor_size(tensor), tensor.iter_bytes())
         writer.add("version", b"3\n")
         writer.add(".data/serialization_id", writer.serialization_id())
         writer.finish()
@@ -314,14 +315,13 @@ def _archive_name(path: str | os.PathLike) -> str:
     return (name.rsplit(".", 1)[0] if "." in name else name) or "archive"
 
 
-def _tensor_bytes(tensor: TensorRef) -> memoryview:
-    raw = tensor.raw()
+def _tensor_size(tensor: TensorRef) -> int:
     expected = tensor.numel * dtypes.itemsize(tensor.dtype)
-    if len(raw) != expected:
+    if tensor.nbytes != expected:
         raise MappingError(
-            f"a {tensor.dtype} tensor of shape {list(tensor.shape)} gave {len(raw)} bytes, not {expected}"
+            f"a {tensor.dtype} tensor of shape {list(tensor.shape)} has {tensor.nbytes} bytes, not {expected}"
         )
-    return raw
+    return expected
 
 
 class _ZipWriter:
@@ -337,9 +337,14 @@ class _ZipWriter:
         self.fh.write(data)
         self.pos += len(data)
 
-    def add(self, name: str, data: bytes | memoryview) -> None:
+    def add(self, name: str, data: bytes | memoryview | int, pieces: Iterable | None = None) -> None:
+        """Add an entry: ``data`` bytes, or its size with ``pieces`` streaming the bytes (CRC on the go)."""
         raw_name = f"{self.prefix}/{name}".encode()
-        size, offset = len(data), self.pos
+        if pieces is None:
+            size, pieces = len(data), (data,)
+        else:
+            size = data
+        offset = self.pos
         extra = _zip64_extra(size, offset)
         padding = -(offset + _LOCAL_HEADER.size + len(raw_name) + len(extra) + 4) % ALIGNMENT
         extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
@@ -351,8 +356,13 @@ class _ZipWriter:
             )
         )
         self.write(raw_name + extra)
-        self.write(data)
-        crc = zlib.crc32(data)
+        crc = written = 0
+        for piece in pieces:
+            self.write(piece)
+            crc = zlib.crc32(piece, crc)
+            written += len(piece)
+        if written != size:
+            raise MappingError(f"entry {name} produced {written} bytes, expected {size}")
         if size:
             wide = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
             self.write(struct.pack("<IIQQ" if wide else "<IIII", 0x08074B50, crc, size, size))
