@@ -38,7 +38,11 @@ def _zip_or_pickle(head: bytes, path: str) -> bool:
 def _legacy(head: bytes, path: str) -> bool:
     if head[:2] == b"\x1f\x8b":
         return not path.endswith(".safetensors")
-    return head[:10] == b"\x83\xa8metadata" or head[:4] in (b"\x03f32", b"\x03f16", b"\x03f64")
+    if head[:10] == b"\x83\xa8metadata":
+        return True
+    # bincode records start with the FloatElem type name (half precision: "half::binary16::f16")
+    floats = (b"f32", b"f16", b"f64", b"bf16", b"half::binary16::f16", b"half::bfloat::bf16")
+    return bool(head) and head[1 : 1 + head[0]] in floats
 
 
 def _safetensors(head: bytes, path: str) -> bool:

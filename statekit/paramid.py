@@ -14,6 +14,8 @@ import re
 
 U64_MAX = (1 << 64) - 1
 _DISPLAY = re.compile(r"^[0-9a-vA-V]{10}$|^[0-9a-vA-V]{13}$")
+_BASE32 = re.compile(r"^[0-9a-vA-V]+$")
+_LENGTHS = (0, 2, 4, 5, 7)  # unpadded base32 lengths mod 8 that hold whole bytes
 
 
 def to_display(value: int) -> str:
@@ -23,18 +25,28 @@ def to_display(value: int) -> str:
     return base64.b32hexencode(value.to_bytes(8, "little")).decode().lower().rstrip("=")
 
 
+def from_base32(text: str) -> int:
+    """Decode any unpadded base32hex ParamId string as burn's ``ParamId`` parser does.
+
+    burn accepts every canonical ``BASE32_DNSSEC`` string (any case, zero trailing bits) of at most
+    8 bytes and zero-extends shorter values (older ids were 6 bytes: 10 characters).
+    """
+    if not _BASE32.fullmatch(text) or len(text) % 8 not in _LENGTHS or len(text) * 5 // 8 > 8:
+        raise ValueError(f"{text!r} is not a burn ParamId string (13 base32hex characters)")
+    try:
+        raw = base64.b32hexdecode(text.upper() + "=" * (-len(text) % 8))
+    except binascii.Error as exc:
+        raise ValueError(f"{text!r} is not a burn ParamId string: {exc}") from None
+    if base64.b32hexencode(raw).decode().rstrip("=").lower() != text.lower():
+        raise ValueError(f"{text!r} is not a canonical burn ParamId string (trailing bits set)")
+    return int.from_bytes(raw.ljust(8, b"\0"), "little")
+
+
 def from_display(text: str) -> int:
     """Decode burn's base32hex display form (10 or 13 characters, any case) to the u64."""
     if not _DISPLAY.match(text):
         raise ValueError(f"{text!r} is not a burn ParamId string (13 base32hex characters)")
-    padded = text.upper() + "=" * (-len(text) % 8)
-    try:
-        raw = base64.b32hexdecode(padded)
-    except binascii.Error as exc:
-        raise ValueError(f"{text!r} is not a burn ParamId string: {exc}") from None
-    if to_display(int.from_bytes(raw.ljust(8, b"\0")[:8], "little"))[: len(text)] != text.lower():
-        raise ValueError(f"{text!r} is not a canonical burn ParamId string (trailing bits set)")
-    return int.from_bytes(raw.ljust(8, b"\0")[:8], "little")
+    return from_base32(text)
 
 
 def parse(text: str | int) -> int:

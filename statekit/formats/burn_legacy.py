@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from statekit import dtypes
+from statekit import dtypes, paramid
 from statekit.errors import FormatError
 from statekit.formats.bincode import BincodeError, BincodeReader
 from statekit.tensor import TensorRef
@@ -235,46 +235,31 @@ OPTIMIZER_LAYOUTS: tuple[Layout, ...] = (
 # ParamId strings (§3)
 # ---------------------------------------------------------------------------------------------
 
-_B32 = "0123456789abcdefghijklmnopqrstuv"
-_B32_INDEX = {c: i for i, c in enumerate(_B32)} | {c.upper(): i for i, c in enumerate(_B32)}
-
-
 def param_id_to_str(value: int) -> str:
     """burn's ``ParamId`` display form: BASE32_DNSSEC (base32hex, lower case, no padding) of the
-    8 little-endian bytes — 13 characters."""
-    bits = int.from_bytes(value.to_bytes(8, "little"), "big") << 1  # 64 bits + 1 zero pad bit
-    return "".join(_B32[(bits >> (5 * i)) & 31] for i in range(12, -1, -1))
+    8 little-endian bytes — 13 characters (:func:`statekit.paramid.to_display`)."""
+    return paramid.to_display(value)
 
 
-def _b32_decode(text: str) -> bytes | None:
-    """Strict BASE32_DNSSEC decode (no padding, zero trailing bits); ``None`` if invalid."""
-    if len(text) % 8 not in (0, 2, 4, 5, 7):
-        return None
-    acc = 0
-    for ch in text:
-        v = _B32_INDEX.get(ch)
-        if v is None:
-            return None
-        acc = (acc << 5) | v
-    nbytes = len(text) * 5 // 8
-    spare = len(text) * 5 - nbytes * 8
-    if acc & ((1 << spare) - 1):
-        return None
-    return (acc >> spare).to_bytes(nbytes, "big")
+def _is_base32_id(text: str) -> bool:
+    try:
+        paramid.from_base32(text)
+    except ValueError:
+        return False
+    return True
 
 
 def param_id_from_str(text: str) -> int | None:
     """The u64 of a legacy ParamId string, as ``ParamId::try_deserialize`` computes it.
 
     Base32 (13 characters; older 10-character 6-byte ids are zero-extended) → the little-endian
-    u64. A UUID string → ``None`` (burn hashed it with ahash, which statekit cannot reproduce).
-    Anything else raises ``ValueError``.
+    u64 (:func:`statekit.paramid.from_base32`). A UUID string → ``None`` (burn hashed it with
+    ahash, which statekit cannot reproduce). Anything else raises ``ValueError``.
     """
-    raw = _b32_decode(text)
-    if raw is not None:
-        if len(raw) > 8:
-            raise ValueError(f"ParamId {text!r} decodes to {len(raw)} bytes (at most 8)")
-        return int.from_bytes(raw.ljust(8, b"\0"), "little")
+    try:
+        return paramid.from_base32(text)
+    except ValueError:
+        pass
     try:
         uuid.UUID(text)
     except ValueError:
@@ -761,7 +746,7 @@ def _bincode_model_hint(buf, start: int) -> str | None:
             r.pos += 1
         text = r.string(max_len=13)
         # an optimizer entry continues with V1 = 00; a ParamSerde with the tensor's byte length
-        if len(text) == 13 and _b32_decode(text) is not None and r.remaining and buf[r.pos] != 0:
+        if len(text) == 13 and _is_base32_id(text) and r.remaining and buf[r.pos] != 0:
             return text
     except BincodeError:
         pass

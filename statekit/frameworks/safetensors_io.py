@@ -1,0 +1,430 @@
+"""safetensors files ⇄ the state model: plain model files (candle ``VarMap``), candle AdamW state,
+and statekit's generic optimizer-state layout.
+
+A safetensors file is ``u64 LE header size N``, ``N`` bytes of JSON ``{name: {dtype, shape,
+data_offsets}, "__metadata__": {str: str}}`` (padded with spaces to a multiple of 8), then the
+tensor bytes back to back. Which of three things a file holds is decided by its
+``__metadata__["format"]``:
+
+- ``statekit.state`` — any :class:`OptimizerState`, from any framework, in the layout of
+  ``docs/safetensors-layout.md`` (:func:`save_state` / :func:`read_state`);
+- ``statekit.candle_adamw`` — candle-nn AdamW state (``docs/candle.md``), read and written by
+  :mod:`statekit.frameworks.candle`; files a candle user saved without metadata are recognised
+  by their tensor names;
+- anything else (no metadata, or e.g. ``{"format": "pt"}``) — model weights: a
+  :class:`ModelInfo` with one parameter per tensor, in file order (``VarMap::save`` writes
+  ``l1.weight`` ``[out, in]``, ``l1.bias``…).
+
+Reading uses the ``safetensors`` package (``safe_open(..., framework="np")``; bf16 through
+ml_dtypes), one tensor at a time and only when asked. Writing is done here, streaming tensor by
+tensor into an atomic temporary file, with the ordering the safetensors writer uses (dtype
+alignment, then name), so ``safetensors.numpy.load_file`` and candle's ``safetensors::load``
+read the result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from statekit import dtypes, paramid
+from statekit.atomic import atomic_write
+from statekit.errors import FormatError, MappingError
+from statekit.formats.burnpack import Scalar
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
+
+FORMAT = "safetensors"
+STATE_FORMAT = "statekit.state"
+STATE_VERSION = "1"
+MAX_HEADER = 100 * 1024 * 1024
+
+# statekit dtype ⇄ safetensors dtype
+TO_SAFETENSORS = {
+    "F64": "F64", "F32": "F32", "Flex32": "F32", "F16": "F16", "BF16": "BF16", "I64": "I64",
+    "I32": "I32", "I16": "I16", "I8": "I8", "U64": "U64", "U32": "U32", "U16": "U16", "U8": "U8",
+    "Bool": "BOOL",
+}
+FROM_SAFETENSORS = {v: k for k, v in TO_SAFETENSORS.items() if k != "Flex32"}
+# The safetensors writer orders tensors by dtype, largest alignment first (its Dtype enum order
+# reversed), then by name; so does :func:`write_safetensors`.
+_DTYPE_RANK = {name: i for i, name in enumerate(
+    ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"))}
+
+
+# ----------------------------------------------------------------------------- container
+
+
+class SafetensorsFile:
+    """An opened safetensors file: names in file order, shapes, dtypes, metadata; lazy tensors."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        try:
+            self._handle = safe_open(self.path, framework="np")
+            names = list(self._handle.offset_keys())
+            self.metadata: dict[str, str] = dict(self._handle.metadata() or {})
+            self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+            for name in names:
+                view = self._handle.get_slice(name)
+                raw_dtype = view.get_dtype()
+                if raw_dtype not in FROM_SAFETENSORS:
+                    raise FormatError(f"tensor {name!r} has dtype {raw_dtype}, which statekit does not handle")
+                self.entries[name] = (FROM_SAFETENSORS[raw_dtype], tuple(int(d) for d in view.get_shape()))
+        except SafetensorError as exc:
+            raise FormatError(f"not a valid safetensors file: {exc}", self.path) from None
+        except FormatError as exc:
+            raise FormatError(exc.message, self.path) from None
+        except OSError as exc:
+            raise FormatError(f"cannot open: {exc.strerror or exc}", self.path) from None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def tensor(self, name: str) -> TensorRef:
+        dtype, shape = self.entries[name]
+        return TensorRef(dtype=dtype, shape=shape, array_loader=lambda: self._load(name))
+
+    def _load(self, name: str) -> np.ndarray:
+        if self._handle is None:
+            raise FormatError(f"file was closed before tensor {name!r} was read", self.path)
+        try:
+            arr = self._handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise FormatError(f"tensor {name!r}: {exc}", self.path) from None
+        want = dtypes.numpy_dtype(self.entries[name][0])
+        return arr if arr.dtype == want else arr.view(want)
+
+    def scalar(self, name: str) -> int | float | bool:
+        arr = self._load(name)
+        if arr.size != 1:
+            raise FormatError(f"{name!r} has shape {list(arr.shape)}, expected a single value", self.path)
+        return arr.reshape(-1)[0].item()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtypes.itemsize(dt) for dt, shape in self.entries.values())
+
+    def close(self) -> None:
+        self._handle = None
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, TensorRef]],
+                      metadata: dict[str, str] | None = None, progress: Callable[[int], None] | None = None) -> int:
+    """Write ``tensors`` as a safetensors file, atomically and one tensor at a time.
+
+    Entries are ordered as the safetensors writer orders them (dtype alignment, then name); the
+    ``__metadata__`` keys are sorted. Returns the file size.
+    """
+    seen: set[str] = set()
+    items = []
+    for name, ref in tensors:
+        if name in seen:
+            raise MappingError(f"two tensors would be named {name!r}")
+        if name == "__metadata__":
+            raise MappingError("a tensor cannot be named '__metadata__'")
+        seen.add(name)
+        if ref.dtype not in TO_SAFETENSORS:
+            raise MappingError(f"tensor {name!r}: dtype {ref.dtype} has no safetensors equivalent")
+        items.append((name, TO_SAFETENSORS[ref.dtype], ref))
+    items.sort(key=lambda item: (-_DTYPE_RANK[item[1]], item[0].encode("utf-8")))
+    header: dict[str, object] = {}
+    if metadata:
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise MappingError(f"safetensors metadata must map strings to strings ({key!r})")
+        header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    offset = 0
+    for name, st_dtype, ref in items:
+        size = ref.numel * dtypes.itemsize(ref.dtype)
+        header[name] = {"dtype": st_dtype, "shape": list(ref.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER:
+        raise MappingError(f"safetensors header would be {len(text)} bytes (readers accept at most 100 MiB)")
+    with atomic_write(path) as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        for name, _, ref in items:
+            want = header[name]["data_offsets"]
+            written = 0
+            for piece in ref.iter_bytes():
+                out.write(piece)
+                written += len(piece)
+            if written != want[1] - want[0]:
+                raise ValueError(f"tensor {name!r} produced {written} bytes, expected {want[1] - want[0]}")
+            if progress is not None:
+                progress(written)
+    return 8 + len(text) + offset
+
+
+# ----------------------------------------------------------------------------- opening
+
+
+def open_checkpoint(path: str, **options) -> Checkpoint:
+    """Open a safetensors file as a model, a candle AdamW state or a generic state file."""
+    sf = SafetensorsFile(path)
+    try:
+        fmt = sf.metadata.get("format")
+        if fmt == STATE_FORMAT:
+            return read_state(sf)
+        from statekit.frameworks import candle
+
+        if fmt == candle.FORMAT_TAG or (fmt is None and candle.looks_like_candle_state(sf.names)):
+            return candle.read(sf)
+        return read_model(sf)
+    except BaseException:
+        sf.close()
+        raise
+
+
+def _checkpoint(sf: SafetensorsFile, fmt: str, kind: str, version: int | str | None = None) -> Checkpoint:
+    return Checkpoint(path=sf.path, format=fmt, kind=kind, version=version, metadata=dict(sf.metadata),
+                      n_tensors=len(sf.entries), nbytes=sf.nbytes, container=sf)
+
+
+def read_model(sf: SafetensorsFile) -> Checkpoint:
+    """Plain tensors (a candle ``VarMap``, a torch/HF model): one model parameter per tensor."""
+    ckpt = _checkpoint(sf, FORMAT, "model" if sf.entries else "empty")
+    ckpt.model = ModelInfo([
+        ModelParam(name, shape, dtype, buffer=not dtypes.is_float(dtype), tensor=sf.tensor(name))
+        for name, (dtype, shape) in sf.entries.items()
+    ])
+    return ckpt
+
+
+def save_model(model: ModelInfo, path: str, *, metadata: dict[str, str] | None = None, progress=None) -> int:
+    """Write model weights as candle's ``VarMap::save`` does: one tensor per path, no metadata."""
+    tensors = []
+    for p in model.params:
+        if p.tensor is None:
+            raise MappingError(f"model parameter {p.path} has no tensor data")
+        tensors.append((p.path, p.tensor))
+    return write_safetensors(path, tensors, metadata or None, progress)
+
+
+# ----------------------------------------------------------------------------- generic layout
+
+_MARKERS = ("__tuple__", "__tensor__", "__scalar__", "__float__", "__items__", "__int__")
+
+
+class _Encoder:
+    """JSON-able values for metadata; tensors found inside values are collected under names."""
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, TensorRef]] = []
+
+    def tensor(self, name: str, ref: TensorRef) -> str:
+        if ref.dtype == "QFloat":
+            raise MappingError(f"{name}: quantized (QFloat) tensors cannot be stored in safetensors")
+        self.tensors.append((name, ref))
+        return name
+
+    def value(self, value: object, where: str) -> object:
+        if value is None or isinstance(value, bool | str):
+            return value
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"__float__": repr(value)}
+        if isinstance(value, np.generic):
+            return self.value(value.item(), where)
+        if isinstance(value, tuple):
+            return {"__tuple__": [self.value(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, Scalar):
+            return {"__scalar__": [value.kind, self.value(value.value, where)]}
+        if isinstance(value, TensorRef):
+            return {"__tensor__": self.tensor(where, value)}
+        if isinstance(value, dict):
+            if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in _MARKERS):
+                return {k: self.value(v, f"{where}/{k}") for k, v in value.items()}
+            return {"__items__": [[self.value(k, where), self.value(v, f"{where}/{k}")] for k, v in value.items()]}
+        raise MappingError(f"{where}: a {type(value).__name__} value cannot be stored in safetensors metadata")
+
+
+def _decode(value: object, sf: SafetensorsFile) -> object:
+    if isinstance(value, list):
+        return [_decode(v, sf) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        ((key, inner),) = value.items()
+        if key == "__tuple__":
+            return tuple(_decode(v, sf) for v in inner)
+        if key == "__tensor__":
+            if inner not in sf.entries:
+                raise FormatError(f"metadata refers to a missing tensor {inner!r}", sf.path)
+            return sf.tensor(inner)
+        if key == "__scalar__":
+            return Scalar(inner[0], _decode(inner[1], sf))
+        if key == "__float__":
+            return float(inner)
+        if key == "__items__":
+            return {_decode(k, sf): _decode(v, sf) for k, v in inner}
+    return {k: _decode(v, sf) for k, v in value.items()}
+
+
+# metadata keys of the layout that hold the state itself (not shown as free-form metadata)
+_STATE_KEYS = frozenset({"family", "candidates", "hyperparams_stored", "groups", "params", "global", "notes"})
+
+
+def state_tensor_name(key: str, slot: str) -> str:
+    return f"state/{key}/{slot}"
+
+
+def save_state(state: OptimizerState, path: str, *, metadata: dict[str, str] | None = None, progress=None) -> int:
+    """Write any :class:`OptimizerState` in statekit's generic safetensors layout (round-trips)."""
+    enc = _Encoder()
+    params = []
+    keys: set[str] = set()
+    for p in state.params:
+        if p.key in keys:
+            raise MappingError(f"two parameters share the key {p.key!r}")
+        keys.add(p.key)
+        slots, flex = {}, []
+        for slot, ref in p.slots.items():
+            slots[slot] = enc.tensor(state_tensor_name(p.key, slot), ref)
+            if ref.dtype == "Flex32":
+                flex.append(slot)
+        entry: dict[str, object] = {
+            "key": p.key,
+            "id": None if p.id is None else str(p.id),
+            "index": p.index,
+            "path": p.path,
+            "rank": p.rank,
+            "step": enc.value(p.step, f"{p.label()} step"),
+            "group": p.group,
+            "family": p.family,
+            "declared_shape": None if p.declared_shape is None else list(p.declared_shape),
+            "slots": slots,
+            "extra": {k: enc.value(v, f"state/{p.key}/extra/{k}") for k, v in p.extra.items()},
+        }
+        if flex:
+            entry["flex32"] = flex
+        params.append(entry)
+    groups = [{"hyperparams": enc.value(g.hyperparams, f"groups/{i}"), "keys": list(g.keys)}
+              for i, g in enumerate(state.groups)]
+    global_slots = {n: enc.tensor(f"global/{n}", ref) for n, ref in state.global_slots.items()}
+    meta = dict(metadata or {})
+    meta.update({
+        "format": STATE_FORMAT,
+        "format_version": STATE_VERSION,
+        "framework": state.framework,
+        "family": _dumps(state.family),
+        "candidates": _dumps(list(state.candidates)),
+        "hyperparams_stored": _dumps(state.hyperparams_stored),
+        "groups": _dumps(groups),
+        "params": _dumps(params),
+        "global": _dumps({"slots": global_slots,
+                          "scalars": enc.value(state.global_scalars, "global/scalars")}),
+        "notes": _dumps(list(state.notes)),
+    })
+    return write_safetensors(path, enc.tensors, meta, progress)
+
+
+def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
+                   metadata: dict[str, str] | None = None, progress=None) -> int:
+    """The writer interface for format ``safetensors`` (the generic layout).
+
+    ``family`` (when given) replaces the state's family; ``groups`` (when given) replaces the
+    hyperparameters of the state's param groups, one dict per group, in order.
+    """
+    if family is not None or groups:
+        state = _with(state, family, groups)
+    return save_state(state, path, metadata=metadata, progress=progress)
+
+
+def _with(state: OptimizerState, family: str | None, groups: list[dict] | None) -> OptimizerState:
+    from dataclasses import replace
+
+    new_groups = list(state.groups)
+    if groups:
+        if not state.groups and len(groups) == 1:
+            new_groups = [ParamGroup(hyperparams=dict(groups[0]), keys=[p.key for p in state.params])]
+        elif len(groups) != len(state.groups):
+            raise MappingError(f"{len(groups)} hyperparameter sets given for {len(state.groups)} parameter groups")
+        else:
+            new_groups = [ParamGroup(hyperparams=dict(h), keys=list(g.keys)) for h, g in zip(groups, state.groups, strict=True)]
+    out = replace(state, groups=new_groups, hyperparams_stored=state.hyperparams_stored or bool(groups))
+    if family is not None and family != state.family:
+        out.family, out.candidates = family, (family,)
+    return out
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _loads(sf: SafetensorsFile, key: str, default: object = None) -> object:
+    text = sf.metadata.get(key)
+    if text is None:
+        return default
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"metadata {key!r} is not valid JSON: {exc.msg}", sf.path) from None
+
+
+def read_state(sf: SafetensorsFile) -> Checkpoint:
+    """Read a file in the generic layout back into the exact :class:`OptimizerState` written."""
+    version = sf.metadata.get("format_version")
+    if version != STATE_VERSION:
+        raise FormatError(f"statekit state layout version {version!r} is not supported (only {STATE_VERSION})", sf.path)
+    try:
+        state = OptimizerState(
+            family=_loads(sf, "family"),
+            candidates=tuple(_loads(sf, "candidates", [])),
+            hyperparams_stored=bool(_loads(sf, "hyperparams_stored", False)),
+            framework=sf.metadata.get("framework", "neutral"),
+            notes=list(_loads(sf, "notes", [])),
+        )
+        used: set[str] = set()
+        for entry in _loads(sf, "params", []):
+            p = ParamState(
+                key=entry["key"],
+                id=None if entry.get("id") is None else paramid.parse(entry["id"]),
+                index=entry.get("index"),
+                path=entry.get("path"),
+                rank=entry.get("rank"),
+                step=_decode(entry.get("step"), sf),
+                group=entry.get("group", 0),
+                family=entry.get("family"),
+                declared_shape=None if entry.get("declared_shape") is None else tuple(entry["declared_shape"]),
+            )
+            for slot, name in entry.get("slots", {}).items():
+                if not isinstance(name, str) or name not in sf.entries:
+                    raise FormatError(f"parameter {p.key!r}: slot {slot!r} refers to a missing tensor", sf.path)
+                p.slots[slot] = sf.tensor(name)
+                used.add(name)
+            for slot in entry.get("flex32", []):
+                p.slots[slot].dtype = "Flex32"
+            p.extra = {k: _decode(v, sf) for k, v in entry.get("extra", {}).items()}
+            state.params.append(p)
+        for g in _loads(sf, "groups", []):
+            state.groups.append(ParamGroup(hyperparams=_decode(g["hyperparams"], sf), keys=list(g["keys"])))
+        glob = _loads(sf, "global", {}) or {}
+        for n, name in glob.get("slots", {}).items():
+            if name not in sf.entries:
+                raise FormatError(f"global slot {n!r} refers to a missing tensor", sf.path)
+            state.global_slots[n] = sf.tensor(name)
+        state.global_scalars = _decode(glob.get("scalars", {}), sf)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"malformed statekit state metadata: {type(exc).__name__}: {exc}", sf.path) from None
+    ckpt = _checkpoint(sf, FORMAT, "optimizer", int(STATE_VERSION))
+    ckpt.metadata = {k: v for k, v in sf.metadata.items() if k not in _STATE_KEYS}
+    ckpt.optimizer = state
+    return ckpt
