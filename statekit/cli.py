@@ -83,6 +83,120 @@ def convert(
     convert_file(src, dst, out=out, dry_run=dry_run)
 
 
+# ----------------------------------------------------------------------------- diff / merge / doctor
+# (statekit/ops/diff.py, merge.py, doctor.py; renderers in statekit/render_ops.py)
+
+
+def _exit(code: int) -> None:
+    """End the command with ``code``. typer.Exit would be returned, not raised, by the runner."""
+    sys.stdout.flush()
+    raise SystemExit(code)
+
+
+def _errors_exit_2(run):
+    """Run ``run()``; any error ends with exit code 2 (1 means "differ"/"problems found")."""
+    try:
+        return run()
+    except StatekitError as exc:
+        exc.exit_code = 2
+        raise
+    except OSError as exc:
+        err = StatekitError(exc.strerror or str(exc), exc.filename)
+        err.exit_code = 2
+        raise err from None
+    except (KeyboardInterrupt, click.ClickException):
+        raise
+    except Exception as exc:
+        if os.environ.get("STATEKIT_DEBUG"):
+            raise
+        error_line(f"internal error: {type(exc).__name__}: {exc} (run with STATEKIT_DEBUG=1 for the traceback)")
+        _exit(2)
+
+
+@app.command()
+def diff(
+    a: Annotated[Path, typer.Argument(metavar="A", help="First file (any supported format).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Second file (any supported format).")],
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Compare two optimizer states (or two models) parameter by parameter.
+
+    Parameters are matched by burn ParamId when both files have them, else by module path, else
+    by torch parameter index. Reports parameters only in A or B, shape / dtype / step
+    differences, and per field the max absolute and relative difference and the max distance
+    in ULPs. NaN equals NaN at the same place. Exit status: 0 equal within tolerance, 1 they
+    differ, 2 error (like GNU diff).
+    """
+    from statekit.ops.diff import diff_files
+    from statekit.render_ops import diff_view
+
+    out = Output(json_out)
+    result = _errors_exit_2(lambda: diff_files(a, b, atol=atol, rtol=rtol,
+                                               progress=lambda d, t: out.progress(d, t, unit_bytes=True)))
+    if json_out:
+        out.json(result)
+    else:
+        for item in diff_view(result):
+            out.print(item)
+    _exit(0 if result["equal"] else 1)
+
+
+@app.command()
+def merge(
+    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="Optimizer state files, in order.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output file; its extension picks the format (.bpk).")],
+    on_conflict: Annotated[str, typer.Option(
+        "--on-conflict", metavar="error|first|last|mean",
+        help="A parameter in several inputs: refuse (error), take the first or last, or average the moments "
+             "elementwise and keep the largest step (mean).")] = "error",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be merged and write nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Merge optimizer states (parameter groups saved apart, or several runs) into one file.
+
+    Parameters are matched by burn ParamId (else path, else torch index); all inputs must hold
+    the same optimizer family. The output keeps the inputs' order and is written atomically;
+    the inputs are only read.
+    """
+    from statekit.ops.merge import merge_files
+    from statekit.render_ops import merge_view
+
+    out = Output(json_out)
+    result = merge_files(inputs, output, on_conflict=on_conflict, dry_run=dry_run, out=out)
+    if json_out:
+        out.json(result)
+    else:
+        for item in merge_view(result):
+            out.print(item)
+
+
+@app.command()
+def doctor(
+    state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
+    model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Find what bites when training resumes from STATE (and, with --model, into MODEL).
+
+    NaN/Inf, all-zero moments after step 1, differing steps, ranks above 8, __rank vs shape,
+    duplicate paths; with --model: orphaned state, parameters without state, shape mismatches
+    (transposed ones named as such). Exit status: 0 clean, 1 problems found, 2 error.
+    """
+    from statekit.ops.doctor import doctor_files
+    from statekit.render_ops import doctor_view
+
+    out = Output(json_out)
+    result = _errors_exit_2(lambda: doctor_files(state, model, progress=lambda d, t: out.progress(d, t)))
+    if json_out:
+        out.json(result)
+    else:
+        for item in doctor_view(result):
+            out.print(item)
+    _exit(0 if result["clean"] else 1)
+
+
 def _click_exception(exc: BaseException) -> int | None:
     """Exit code for click's (or typer's vendored click's) own exceptions; None for others."""
     name = type(exc).__name__

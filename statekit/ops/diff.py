@@ -1,0 +1,399 @@
+"""``diff``: compare two files' optimizer state (or two models), parameter by parameter.
+
+Parameters are matched by burn ParamId when both files have one for every parameter, else by
+module path, else by torch parameter index (:func:`match_method`); the result says which. For
+each matched pair: shape / dtype / step / rank / family differences and, per field (neutral slot
+name), the largest absolute and relative difference and the largest distance in ULPs of the
+field's float format. Comparison is NaN-aware: NaN against NaN at the same place is equal, NaN
+against a number differs. An element is within tolerance when ``|a − b| ≤ atol + rtol·max(|a|,
+|b|)`` (symmetric, so ``diff A B`` and ``diff B A`` agree); the defaults (0, 0) ask for equal
+values (``-0.0`` equals ``0.0``).
+
+Tensors are streamed one field pair at a time, in blocks, so memory stays one pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from statekit import dtypes, io
+from statekit.errors import MappingError, UsageError
+from statekit.ops import ulp
+from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState
+from statekit.tensor import TensorRef
+
+BLOCK = 1 << 18
+GLOBAL = "(global state)"
+METHOD_WORDS = {"id": "burn ParamId", "path": "module path", "index": "torch parameter index",
+                "key": "state key"}
+
+
+# ----------------------------------------------------------------------------- matching
+
+
+def _all_have(params: list, attr: str) -> bool:
+    return all(getattr(p, attr) is not None for p in params)
+
+
+def _unique(params: list, attr: str) -> bool:
+    values = [getattr(p, attr) for p in params]
+    return len(set(values)) == len(values)
+
+
+def match_method(*sides: list) -> str:
+    """How to pair parameters of several states: ``id``, ``path``, ``index`` or ``key``.
+
+    burn ParamIds when every parameter on every side has one; module paths when every parameter
+    has a unique one; torch positions when every parameter has one; the state key otherwise.
+    """
+    if any(sides) and all(_all_have(s, "id") for s in sides):
+        return "id"
+    if any(sides) and all(_all_have(s, "path") and _unique(s, "path") for s in sides):
+        return "path"
+    if any(sides) and all(_all_have(s, "index") for s in sides):
+        return "index"
+    return "key"
+
+
+def match_key(p, method: str):
+    return getattr(p, method)
+
+
+def pair_params(a: list, b: list, method: str) -> tuple[list[tuple], list, list]:
+    """(pairs, only in a, only in b) in a's order, then b's leftovers in b's order."""
+    index_b: dict[object, list] = {}
+    for p in b:
+        index_b.setdefault(match_key(p, method), []).append(p)
+    pairs, only_a = [], []
+    for p in a:
+        candidates = index_b.get(match_key(p, method))
+        if candidates:
+            pairs.append((p, candidates.pop(0)))
+        else:
+            only_a.append(p)
+    taken = {id(q) for _, q in pairs}
+    only_b = [q for q in b if id(q) not in taken]
+    return pairs, only_a, only_b
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def _jsonable_scalar(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _index(flat: int, shape: tuple[int, ...]) -> list[int]:
+    return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
+
+
+def compare_refs(ra: TensorRef, rb: TensorRef, atol: float = 0.0, rtol: float = 0.0,
+                 block: int = BLOCK) -> dict:
+    """Compare two tensors elementwise; one dict of facts (JSON-able), ``equal`` among them."""
+    out: dict = {
+        "dtype_a": ra.dtype, "dtype_b": rb.dtype,
+        "shape_a": list(ra.shape), "shape_b": list(rb.shape),
+        "elements": ra.numel, "compared": False, "differing": 0, "nan_mismatch": 0,
+        "max_abs": None, "max_rel": None, "max_ulp": None, "ulp_dtype": None, "worst": None,
+    }
+    if tuple(ra.shape) != tuple(rb.shape):
+        out.update(equal=False, reason="shape")
+        return out
+    if "QFloat" in (ra.dtype, rb.dtype):
+        same = ra.dtype == rb.dtype and bytes(ra.raw()) == bytes(rb.raw())
+        out.update(compared=True, equal=same, differing=0 if same else ra.numel, reason="quantized bytes")
+        return out
+    float_a, float_b = dtypes.is_float(ra.dtype), dtypes.is_float(rb.dtype)
+    ulp_dtype = None
+    if float_a and float_b:
+        ulp_dtype = ra.dtype if ra.dtype == rb.dtype else ulp.coarser(ra.dtype, rb.dtype)
+        if ulp_dtype == "Flex32":
+            ulp_dtype = "F32"
+    flat_a, flat_b = ra.numpy().reshape(-1), rb.numpy().reshape(-1)
+    n = flat_a.size
+    max_abs, max_rel, max_ulp = 0.0, 0.0, 0
+    worst_at, worst_d = None, -1.0
+    differing = nan_mismatch = 0
+    first_nan = None
+    for lo in range(0, n, block):
+        x, y = flat_a[lo : lo + block], flat_b[lo : lo + block]
+        xf, yf = x.astype(np.float64), y.astype(np.float64)
+        nx, ny = np.isnan(xf), np.isnan(yf)
+        mismatch = nx ^ ny
+        same = (xf == yf) | (nx & ny)
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.abs(xf - yf)
+        d[same | mismatch] = 0.0
+        scale = np.maximum(np.abs(np.where(nx, 0.0, xf)), np.abs(np.where(ny, 0.0, yf)))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = np.where(d == 0, 0.0, np.where(np.isinf(d), np.inf, d / scale))
+        with np.errstate(invalid="ignore", over="ignore"):
+            limit = atol + rtol * scale if rtol else atol
+            # Inf against a number (or an overflowing difference) is never within tolerance.
+            bad = mismatch | (d > limit) | np.isinf(d)
+        differing += int(bad.sum())
+        count = int(mismatch.sum())
+        if count and first_nan is None:
+            first_nan = lo + int(np.argmax(mismatch))
+        nan_mismatch += count
+        if d.size:
+            k = int(np.argmax(d))
+            if d[k] > worst_d and d[k] > 0:
+                worst_d, worst_at = float(d[k]), lo + k
+            max_abs = max(max_abs, float(d[k]))
+            max_rel = max(max_rel, float(rel.max()))
+        if ulp_dtype is not None and x.size:
+            want = dtypes.numpy_dtype(ulp_dtype)
+            xc = x if x.dtype == want else x.astype(want)
+            yc = y if y.dtype == want else y.astype(want)
+            u = ulp.distance(xc, yc)
+            u[nx | ny | same] = 0
+            max_ulp = max(max_ulp, int(u.max()))
+    where = worst_at if worst_at is not None else first_nan
+    worst = None
+    if where is not None:
+        worst = {"index": _index(where, tuple(ra.shape)),
+                 "a": _jsonable_scalar(flat_a[where].astype(np.float64) if flat_a.dtype != bool else flat_a[where]),
+                 "b": _jsonable_scalar(flat_b[where].astype(np.float64) if flat_b.dtype != bool else flat_b[where])}
+    out.update(
+        compared=True, equal=differing == 0 and ra.dtype == rb.dtype, differing=differing,
+        nan_mismatch=nan_mismatch, max_abs=max_abs, max_rel=max_rel,
+        max_ulp=max_ulp if ulp_dtype is not None else None, ulp_dtype=ulp_dtype, worst=worst,
+    )
+    if ra.dtype != rb.dtype:
+        out["reason"] = "dtype"
+    return out
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return bool(a == b)
+    except Exception:  # arrays and other exotic values: compare their text
+        return repr(a) == repr(b)
+
+
+def _scalar_value(value):
+    return getattr(value, "value", value)
+
+
+# ----------------------------------------------------------------------------- params
+
+
+def _fields(p: ParamState) -> dict[str, TensorRef]:
+    out = dict(p.slots)
+    for name, value in p.extra.items():
+        if isinstance(value, TensorRef) and name not in out:
+            out[name] = value
+    return out
+
+
+def _extra_scalars(p: ParamState) -> dict[str, object]:
+    return {k: _scalar_value(v) for k, v in p.extra.items()
+            if not k.startswith("__") and not isinstance(v, TensorRef)}
+
+
+def describe_ref(p: ParamState) -> dict:
+    return {"label": p.label(), "id": None if p.id is None else str(p.id), "path": p.path,
+            "index": p.index, "shape": None if p.shape is None else list(p.shape), "dtype": p.dtype,
+            "step": p.step}
+
+
+def compare_params(pa: ParamState, pb: ParamState, method: str, atol: float, rtol: float,
+                   on_bytes: Callable[[int], None] | None = None) -> dict:
+    diffs: list[dict] = []
+
+    def note(what: str, a, b) -> None:
+        diffs.append({"what": what, "a": a, "b": b})
+
+    if method != "path" and pa.path and pb.path and pa.path != pb.path:
+        note("path", pa.path, pb.path)
+    if method != "id" and pa.id is not None and pb.id is not None and pa.id != pb.id:
+        note("id", str(pa.id), str(pb.id))
+    if not _same_value(pa.step, pb.step):
+        note("step", pa.step, pb.step)
+    if pa.rank is not None and pb.rank is not None and pa.rank != pb.rank:
+        note("rank", pa.rank, pb.rank)
+    if pa.family and pb.family and pa.family != pb.family:
+        note("family", pa.family, pb.family)
+    if pa.shape is not None and pb.shape is not None and tuple(pa.shape) != tuple(pb.shape):
+        note("shape", list(pa.shape), list(pb.shape))
+    if pa.dtype and pb.dtype and pa.dtype != pb.dtype:
+        note("dtype", pa.dtype, pb.dtype)
+    fa, fb = _fields(pa), _fields(pb)
+    fields: list[dict] = []
+    for name in [*fa, *(n for n in fb if n not in fa)]:
+        if name not in fb:
+            fields.append({"name": name, "only": "a", "equal": False, "shape_a": list(fa[name].shape),
+                           "dtype_a": fa[name].dtype})
+            continue
+        if name not in fa:
+            fields.append({"name": name, "only": "b", "equal": False, "shape_b": list(fb[name].shape),
+                           "dtype_b": fb[name].dtype})
+            continue
+        item = {"name": name, **compare_refs(fa[name], fb[name], atol, rtol)}
+        fields.append(item)
+        if on_bytes:
+            on_bytes(fa[name].nbytes + fb[name].nbytes)
+    sa, sb = _extra_scalars(pa), _extra_scalars(pb)
+    for name in [*sa, *(n for n in sb if n not in sa)]:
+        if not _same_value(sa.get(name), sb.get(name)):
+            note(f"scalar {name}", sa.get(name), sb.get(name))
+    equal = not diffs and all(f["equal"] for f in fields)
+    return {"a": describe_ref(pa), "b": describe_ref(pb), "label": pa.label(), "equal": equal,
+            "differences": diffs, "fields": fields}
+
+
+def _model_params(model: ModelInfo) -> list[ParamState]:
+    """Model tensors as parameter-like records with one field, ``value``."""
+    out = []
+    for i, m in enumerate(model.params):
+        slots = {"value": m.tensor} if m.tensor is not None else {}
+        out.append(ParamState(key=m.path, id=m.id, index=m.index if m.index is not None else i, path=m.path,
+                              rank=len(m.shape), slots=slots, declared_shape=tuple(m.shape)))
+    return out
+
+
+def _state_params(state: OptimizerState | None) -> list[ParamState]:
+    if state is None:
+        return []
+    params = list(state.params)
+    if state.global_slots:
+        params.append(ParamState(key=GLOBAL, path=GLOBAL, slots=dict(state.global_slots)))
+    return params
+
+
+def _side(ckpt: Checkpoint) -> tuple[str, list[ParamState]]:
+    if ckpt.kind in ("optimizer", "empty"):
+        return "optimizer", _state_params(ckpt.optimizer)
+    if ckpt.kind == "model" and ckpt.model is not None:
+        return "model", _model_params(ckpt.model)
+    if ckpt.kind == "scheduler":
+        return "scheduler", []
+    raise MappingError(f"diff compares optimizer states, models and schedulers; this is a {ckpt.kind} file",
+                       ckpt.path)
+
+
+def _hyperparameters(sa: OptimizerState | None, sb: OptimizerState | None) -> tuple[list[dict], list[str]]:
+    diffs: list[dict] = []
+    notes: list[str] = []
+    stored_a = bool(sa and sa.hyperparams_stored)
+    stored_b = bool(sb and sb.hyperparams_stored)
+    if stored_a != stored_b:
+        side = "A" if stored_a else "B"
+        notes.append(f"only {side} stores hyperparameters; they were not compared")
+    if not (stored_a and stored_b):
+        return diffs, notes
+    if len(sa.groups) != len(sb.groups):
+        diffs.append({"group": None, "name": "groups", "a": len(sa.groups), "b": len(sb.groups)})
+    for i, (ga, gb) in enumerate(zip(sa.groups, sb.groups, strict=False)):
+        ha = {k: v for k, v in ga.hyperparams.items() if k not in ("params", "param_names")}
+        hb = {k: v for k, v in gb.hyperparams.items() if k not in ("params", "param_names")}
+        for name in [*ha, *(k for k in hb if k not in ha)]:
+            if not _same_value(ha.get(name), hb.get(name)):
+                diffs.append({"group": i, "name": name, "a": ha.get(name), "b": hb.get(name)})
+    return diffs, notes
+
+
+def _scalar_diffs(a: dict, b: dict, prefix: str) -> list[dict]:
+    out = []
+    for name in [*a, *(n for n in b if n not in a)]:
+        va, vb = _scalar_value(a.get(name)), _scalar_value(b.get(name))
+        if name not in a or name not in b or not _same_value(va, vb):
+            out.append({"what": f"{prefix}{name}", "a": va if name in a else None,
+                        "b": vb if name in b else None})
+    return out
+
+
+def _file_facts(ckpt: Checkpoint, params: list) -> dict:
+    state = ckpt.optimizer
+    return {"path": ckpt.path, "format": ckpt.format, "kind": ckpt.kind,
+            "family": state.family_label if state is not None and state.family else None,
+            "params": len(params)}
+
+
+def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
+         on_bytes: Callable[[int], None] | None = None) -> dict:
+    """Compare two opened checkpoints; a JSON-able dict with ``equal`` and every difference."""
+    if not (atol >= 0 and rtol >= 0):  # also refuses NaN
+        raise UsageError(f"--atol and --rtol must be non-negative numbers (got {atol}, {rtol})")
+    kind_a, params_a = _side(ca)
+    kind_b, params_b = _side(cb)
+    if kind_a != kind_b:
+        raise MappingError(f"cannot compare {ca.path} ({kind_a}) with {cb.path} ({kind_b})")
+    method = match_method(params_a, params_b)
+    pairs, only_a, only_b = pair_params(params_a, params_b, method)
+    compared = [compare_params(pa, pb, method, atol, rtol, on_bytes) for pa, pb in pairs]
+    state_diffs: list[dict] = []
+    sa, sb = ca.optimizer, cb.optimizer
+    notes: list[str] = []
+    if sa is not None and sb is not None and sa.params and sb.params:
+        fam_a = {sa.family, *sa.candidates} - {None}
+        fam_b = {sb.family, *sb.candidates} - {None}
+        if fam_a and fam_b and not fam_a & fam_b:
+            state_diffs.append({"what": "family", "a": sa.family_label, "b": sb.family_label})
+    if sa is not None and sb is not None:
+        state_diffs += _scalar_diffs(sa.global_scalars, sb.global_scalars, "global ")
+    state_diffs += _scalar_diffs(ca.scalars, cb.scalars, "")
+    if method == "key" and params_a and params_b and not pairs:
+        notes.append("the files share no way to match parameters (burn ids, module paths or torch indices); "
+                     "convert one of them with names or a model first")
+    hyper, hyper_notes = _hyperparameters(sa, sb)
+    notes += hyper_notes
+    fields = [f for p in compared for f in p["fields"]]
+    numeric = [f for f in fields if f.get("compared")]
+    ulps = [f["max_ulp"] for f in numeric if f.get("max_ulp") is not None]
+    summary = {
+        "params_compared": len(compared),
+        "params_differing": sum(1 for p in compared if not p["equal"]),
+        "only_in_a": len(only_a),
+        "only_in_b": len(only_b),
+        "fields_compared": len(fields),
+        "fields_differing": sum(1 for f in fields if not f["equal"]),
+        "max_abs": max((f["max_abs"] for f in numeric), default=None),
+        "max_rel": max((f["max_rel"] for f in numeric), default=None),
+        "max_ulp": max(ulps, default=None),
+        "nan_mismatch": sum(f["nan_mismatch"] for f in numeric),
+    }
+    equal = (not only_a and not only_b and not state_diffs and not hyper
+             and all(p["equal"] for p in compared))
+    return {
+        "a": _file_facts(ca, params_a),
+        "b": _file_facts(cb, params_b),
+        "kind": kind_a,
+        "matched_by": method,
+        "atol": atol,
+        "rtol": rtol,
+        "equal": equal,
+        "only_in_a": [describe_ref(p) for p in only_a],
+        "only_in_b": [describe_ref(p) for p in only_b],
+        "differences": state_diffs,
+        "hyperparameters": hyper,
+        "params": compared,
+        "summary": summary,
+        "notes": notes,
+    }
+
+
+def diff_files(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0,
+               progress=None) -> dict:
+    """Open both files and :func:`diff` them. ``progress(description, total)`` is a context
+    manager factory yielding an ``advance(n)`` callback (see :meth:`Output.progress`)."""
+    if not (atol >= 0 and rtol >= 0):
+        raise UsageError(f"--atol and --rtol must be non-negative numbers (got {atol}, {rtol})")
+    with contextlib.ExitStack() as stack:
+        ca = stack.enter_context(io.open_checkpoint(a))
+        cb = stack.enter_context(io.open_checkpoint(b))
+        bar = progress("comparing", ca.nbytes + cb.nbytes) if progress else contextlib.nullcontext(None)
+        with bar as advance:
+            return diff(ca, cb, atol, rtol, on_bytes=advance)

@@ -1,0 +1,278 @@
+"""``doctor``: the problems in an optimizer state that bite when training resumes.
+
+Without a model: NaN / Inf in any field (counts), all-zero moments at step > 1, steps that differ
+between parameters, ranks above 8 (burn panics loading them), ``__rank`` disagreeing with the
+tensors' shape, fields of one parameter with different shapes, unrecognised layouts (burn drops
+them silently), duplicate module paths. With ``model``: state that matches no model parameter
+(orphans), model parameters without state, shape mismatches (a reversed shape is reported as a
+transposed match). Parameters are matched to the model like ``diff`` matches files: by burn
+ParamId when both sides have them, else by module path, else by torch parameter index.
+
+Each finding has a severity (``error``: resume fails or silently corrupts the update; ``warning``:
+resume works but state is lost or suspicious; ``info``: worth knowing) and a one-line reason.
+Tensors are streamed one at a time, in blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from statekit import dtypes, io
+from statekit.errors import MappingError
+from statekit.ops.diff import METHOD_WORDS
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState
+from statekit.tensor import TensorRef
+
+BLOCK = 1 << 20
+BURN_MAX_RANK = 8
+SEVERITIES = ("error", "warning", "info")
+# Model tensors that no optimizer updates (batch-norm statistics): never "missing state".
+BUFFER_LEAVES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+MAX_NAMED = 8
+
+WHY = {
+    "nan": "a NaN or Inf in a moment reaches the parameter at the first update after resume and spreads",
+    "zero-moments": "after more than one step a moment is only all-zero if every gradient was exactly zero; "
+                    "more likely the state was reset or badly written, and the step counter no longer matches it",
+    "steps": "bias correction uses each parameter's own step: state from different runs or a partial load "
+             "resumes with inconsistent update sizes (expected only for parameters added later)",
+    "rank": "burn panics loading optimizer state of rank above 8 ('Unsupported tensor rank')",
+    "rank-mismatch": "burn rebuilds each state with the rank in __rank; tensors of another rank fail the load",
+    "field-shapes": "the fields of one parameter must have its shape; the optimizer's elementwise update fails",
+    "layout": "burn silently drops a state whose fields do not match its optimizer; that parameter restarts fresh",
+    "duplicate-path": "two states claim one module path: path-based groups and remapping cannot tell which is meant",
+    "orphan": "burn silently drops state whose ParamId matches no parameter (PyTorch misplaces it by position): "
+              "those moments are lost",
+    "missing": "the parameter resumes with fresh moments and step 0 while the rest continue",
+    "shape": "the moments do not fit the parameter: the first optimizer step fails (or broadcasts wrongly)",
+    "transposed": "same elements in the other layout (torch Linear is [out, in], burn [in, out]): "
+                  "transpose the moments or every update lands on the wrong weight",
+    "path": "burn matches state by ParamId, so this resumes fine; tools that match by path will not",
+    "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
+}
+
+
+def _finding(severity: str, check: str, param: str | None, message: str) -> dict:
+    return {"severity": severity, "check": check, "param": param, "message": message, "why": WHY[check]}
+
+
+def _shape(shape) -> str:
+    return "×".join(str(d) for d in shape) if shape else "scalar"
+
+
+def scan(ref: TensorRef, block: int = BLOCK) -> dict:
+    """NaN / Inf counts and whether every element is zero, streaming ``block`` elements at a time."""
+    if ref.dtype in ("QFloat", "Bool"):
+        return {"nan": 0, "inf": 0, "zero": False}
+    flat = ref.numpy().reshape(-1)
+    nan = inf = 0
+    zero = flat.size > 0
+    is_float = dtypes.is_float(ref.dtype)
+    for lo in range(0, flat.size, block):
+        chunk = flat[lo : lo + block]
+        if is_float:
+            wide = chunk.astype(np.float32) if chunk.dtype.itemsize < 4 else chunk
+            nan += int(np.isnan(wide).sum())
+            inf += int(np.isinf(wide).sum())
+        if zero and np.any(chunk != 0):
+            zero = False
+    return {"nan": nan, "inf": inf, "zero": zero and not nan}
+
+
+def _check_param(p: ParamState, findings: list[dict]) -> None:
+    label = p.label()
+    shapes = {slot: tuple(ref.shape) for slot, ref in p.slots.items()}
+    if len(set(shapes.values())) > 1:
+        detail = ", ".join(f"{slot} {_shape(s)}" for slot, s in shapes.items())
+        findings.append(_finding("error", "field-shapes", label, f"fields have different shapes: {detail}"))
+    shape = p.shape
+    rank = p.rank if p.rank is not None else (len(shape) if shape is not None else None)
+    if rank is not None and rank > BURN_MAX_RANK:
+        findings.append(_finding("error", "rank", label, f"rank {rank} (shape {_shape(shape)}); burn supports ≤ 8"))
+    if p.rank is not None and shape is not None and p.rank != len(shape):
+        findings.append(_finding("error", "rank-mismatch", label,
+                                 f"__rank says {p.rank} but the tensors are {_shape(shape)} (rank {len(shape)})"))
+    if p.family is None and any(isinstance(v, TensorRef) for v in p.extra.values()):
+        names = ", ".join(k for k, v in p.extra.items() if isinstance(v, TensorRef))
+        findings.append(_finding("warning", "layout", label, f"unrecognised state fields: {names}"))
+    fields = {**p.slots, **{k: v for k, v in p.extra.items() if isinstance(v, TensorRef)}}
+    bad, zeros = [], []
+    for name, ref in fields.items():
+        facts = scan(ref)
+        if facts["nan"] or facts["inf"]:
+            counts = [f"{facts[k]} {word}" for k, word in (("nan", "NaN"), ("inf", "Inf")) if facts[k]]
+            bad.append(f"{name}: {' + '.join(counts)} of {ref.numel}")
+        if facts["zero"]:
+            zeros.append(name)
+    if bad:
+        findings.append(_finding("error", "nan", label, "; ".join(bad)))
+    if zeros and p.step is not None and p.step > 1:
+        findings.append(_finding("warning", "zero-moments", label,
+                                 f"{', '.join(zeros)} all zero at step {p.step:g}"))
+
+
+def _check_steps(params: list[ParamState], findings: list[dict]) -> None:
+    steps = Counter(p.step for p in params if p.step is not None)
+    if len(steps) < 2:
+        return
+    top = max(steps.values())
+    common = max(step for step, count in steps.items() if count == top)  # ties: the furthest along
+    parts = []
+    for step, count in sorted(steps.items(), key=lambda kv: (kv[0] != common, -kv[1], kv[0])):
+        text = f"{step:g} ({count} parameter{'s' if count != 1 else ''}"
+        if step != common:
+            names = [p.label() for p in params if p.step == step]
+            more = f", +{len(names) - MAX_NAMED}" if len(names) > MAX_NAMED else ""
+            text += f": {', '.join(names[:MAX_NAMED])}{more}"
+        parts.append(text + ")")
+    findings.append(_finding("warning", "steps", None, f"steps differ: {'; '.join(parts)}"))
+
+
+def _check_paths(params: list[ParamState], findings: list[dict]) -> None:
+    holders: dict[str, list[ParamState]] = {}
+    for p in params:
+        if p.path:
+            holders.setdefault(p.path, []).append(p)
+    for path, ps in holders.items():
+        if len(ps) > 1:
+            who = ", ".join(f"id {p.id}" if p.id is not None else f"#{p.key}" for p in ps)
+            findings.append(_finding("error", "duplicate-path", path, f"{len(ps)} states have this path ({who})"))
+    if params and any(p.id is not None for p in params):
+        missing = [p for p in params if not p.path]
+        if missing and len(missing) < len(params):  # all missing: a state never stepped since a load
+            names = ", ".join(p.label() for p in missing[:MAX_NAMED])
+            findings.append(_finding("info", "no-path", None, f"{len(missing)} states store no module path: {names}"))
+        elif missing:
+            findings.append(_finding("info", "no-path", None, "no state stores a module path"))
+
+
+def _is_buffer(m: ModelParam) -> bool:
+    return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_LEAVES
+
+
+def _model_method(params: list[ParamState], model: ModelInfo) -> str:
+    if not params:
+        return "id" if model.params and all(m.id is not None for m in model.params) else "path"
+    if all(p.id is not None for p in params) and all(m.id is not None for m in model.params):
+        return "id"
+    if params and all(p.path for p in params):
+        return "path"
+    return "index"
+
+
+def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict]) -> str:
+    method = _model_method(params, model)
+    trainable = [m for m in model.params if not _is_buffer(m)]
+    if method == "id":
+        table = model.by_id()
+    elif method == "path":
+        table = model.by_path()
+    else:
+        table = {m.index if m.index is not None else i: m for i, m in enumerate(trainable)}
+    by_path = model.by_path()
+    matched: set[int] = set()
+    orphans: list[tuple[ParamState, object]] = []
+    for p in params:
+        want = p.id if method == "id" else p.path if method == "path" else (
+            p.index if p.index is not None else int(p.key) if p.key.isdigit() else None)
+        m = table.get(want)
+        if m is None:
+            orphans.append((p, want))
+            continue
+        matched.add(id(m))
+        if method == "id" and p.path and p.path != m.path:
+            findings.append(_finding("info", "path", p.label(), f"the model calls ParamId {p.id} {m.path}"))
+        shape, want_shape = p.shape, tuple(m.shape)
+        if shape is None or tuple(shape) == want_shape:
+            continue
+        if len(want_shape) > 1 and tuple(shape) == want_shape[::-1]:
+            findings.append(_finding("error", "transposed", p.label(),
+                                     f"state {_shape(shape)}, model {m.path} {_shape(want_shape)} (transposed)"))
+        else:
+            findings.append(_finding("error", "shape", p.label(),
+                                     f"state {_shape(shape)}, model {m.path} {_shape(want_shape)}"))
+    stateless = [m for m in trainable if id(m) not in matched]
+    for p, want in orphans:
+        message = f"no model parameter has {METHOD_WORDS[method]} {want}"
+        other = by_path.get(p.path) if p.path else None
+        if method == "id" and other is not None:
+            if id(other) in matched:
+                message += f"; the model's {p.path} (ParamId {other.id}) already has other state"
+            else:
+                message += (f"; the model has {p.path} under ParamId {other.id} ({other.display_id}): "
+                            "remap the state (statekit remap) to keep it")
+        elif p.shape is not None:
+            message += f" (shape {_shape(p.shape)})"
+            same = [m.path for m in stateless if tuple(m.shape) == tuple(p.shape)]
+            if same:
+                more = f" (+{len(same) - 3})" if len(same) > 3 else ""
+                message += (f"; model parameters without state of that shape: {', '.join(same[:3])}{more} "
+                            "— renamed? (statekit remap)")
+        findings.append(_finding("warning", "orphan", p.label(), message))
+    for m in stateless:
+        findings.append(_finding("warning", "missing", m.path, f"no state for {m.path} ({_shape(m.shape)})"))
+    return method
+
+
+def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
+           on_param: Callable[[], None] | None = None) -> dict:
+    """Check an opened optimizer state (and, given, its model); a JSON-able report."""
+    if state_ckpt.kind == "empty":
+        state = OptimizerState(family=None)
+    elif state_ckpt.kind != "optimizer" or state_ckpt.optimizer is None:
+        raise MappingError(f"holds {state_ckpt.kind} data, not optimizer state", state_ckpt.path)
+    else:
+        state = state_ckpt.optimizer
+    if model_ckpt is not None and (model_ckpt.kind != "model" or model_ckpt.model is None):
+        raise MappingError(f"holds {model_ckpt.kind} data, not a model (give --model the model's weights)",
+                           model_ckpt.path)
+    findings: list[dict] = []
+    notes: list[str] = []
+    if not state.params and not state.global_slots:
+        notes.append("the state holds no parameters (an optimizer that never stepped): training resumes fresh")
+    for p in state.params:
+        _check_param(p, findings)
+        if on_param:
+            on_param()
+    if state.global_slots:
+        glob = ParamState(key="(global state)", path="(global state)", slots=dict(state.global_slots))
+        _check_param(glob, findings)
+        notes.append(f"{state.family_label} keeps one global state; per-parameter checks do not apply to it")
+    _check_steps(state.params, findings)
+    _check_paths(state.params, findings)
+    method = None
+    if model_ckpt is not None:
+        method = _check_model(state.params, model_ckpt.model, findings)
+    findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
+    counts = {s: sum(1 for f in findings if f["severity"] == s) for s in SEVERITIES}
+    steps = sorted(state.steps()) if state.params else []
+    return {
+        "state": state_ckpt.path,
+        "format": state_ckpt.format,
+        "family": state.family_label if state.params else None,
+        "params": len(state.params),
+        "steps": steps,
+        "model": None if model_ckpt is None else model_ckpt.path,
+        "model_params": None if model_ckpt is None else len(model_ckpt.model.params),
+        "matched_by": method,
+        "findings": findings,
+        "counts": counts,
+        "clean": counts["error"] == 0 and counts["warning"] == 0,
+        "notes": notes + list(state_ckpt.warnings),
+    }
+
+
+def doctor_files(state_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
+                 progress=None) -> dict:
+    with contextlib.ExitStack() as stack:
+        state_ckpt = stack.enter_context(io.open_checkpoint(state_path))
+        model_ckpt = stack.enter_context(io.open_checkpoint(model_path)) if model_path is not None else None
+        n = len(state_ckpt.optimizer.params) if state_ckpt.optimizer else 0
+        bar = progress("checking", n) if progress else contextlib.nullcontext(None)
+        with bar as advance:
+            return doctor(state_ckpt, model_ckpt, on_param=advance)

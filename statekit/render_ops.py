@@ -1,0 +1,220 @@
+"""Human renderings of ``diff``, ``merge`` and ``doctor`` results (rich tables + one summary line)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from statekit.ops.diff import METHOD_WORDS
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "0" if v == 0 else f"{v:.4g}"
+    return str(v)
+
+
+def _shape(shape) -> str:
+    if shape is None:
+        return "-"
+    return "×".join(str(d) for d in shape) if shape else "scalar"
+
+
+def _value(v) -> str:
+    if isinstance(v, list) and all(isinstance(x, int) for x in v):
+        return _shape(v)
+    if isinstance(v, float):
+        return f"{v:.9g}"
+    return "-" if v is None else str(v)
+
+
+# ----------------------------------------------------------------------------- diff
+
+
+def _ulp(f: dict) -> str:
+    if f.get("max_ulp") is None:
+        return "-"
+    suffix = f" ({f['ulp_dtype']})" if f.get("dtype_a") != f.get("dtype_b") else ""
+    return f"{f['max_ulp']}{suffix}"
+
+
+def diff_rows(d: dict) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for p in d["only_in_a"]:
+        rows.append([p["label"], "", "only in A", _shape(p["shape"]), "", "", "", "", ""])
+    for p in d["only_in_b"]:
+        rows.append([p["label"], "", "only in B", "", _shape(p["shape"]), "", "", "", ""])
+    for item in d["differences"]:
+        rows.append(["(file)", "", item["what"], _value(item["a"]), _value(item["b"]), "", "", "", ""])
+    for h in d["hyperparameters"]:
+        where = "(groups)" if h["group"] is None else f"group {h['group']}"
+        rows.append([where, h["name"], "hyperparameter", _value(h["a"]), _value(h["b"]), "", "", "", ""])
+    for p in d["params"]:
+        if p["equal"]:
+            continue
+        for item in p["differences"]:
+            rows.append([p["label"], "", item["what"], _value(item["a"]), _value(item["b"]), "", "", "", ""])
+        for f in p["fields"]:
+            if f["equal"]:
+                continue
+            if f.get("only"):
+                which = "A" if f["only"] == "a" else "B"
+                rows.append([p["label"], f["name"], f"only in {which}", "", "", "", "", "", ""])
+                continue
+            if not f.get("compared"):
+                if f.get("reason") == "shape" and any(x["what"] == "shape" for x in p["differences"]):
+                    continue  # already said on the parameter's row
+                rows.append([p["label"], f["name"], f.get("reason", "differs"), _shape(f["shape_a"]),
+                             _shape(f["shape_b"]), "", "", "", ""])
+                continue
+            if f["dtype_a"] != f["dtype_b"] and not any(x["what"] == "dtype" for x in p["differences"]):
+                rows.append([p["label"], f["name"], "dtype", f["dtype_a"], f["dtype_b"], "", "", "", ""])
+            if not f["differing"]:
+                continue
+            worst = f.get("worst") or {}
+            at = "[" + ",".join(map(str, worst.get("index", []))) + "]" if worst else ""
+            count = f"{f['differing']}/{f['elements']}"
+            if f["nan_mismatch"]:
+                count += f" ({f['nan_mismatch']} NaN vs number)"
+            rows.append([p["label"], f["name"], f"values {at}".strip(), _value(worst.get("a")),
+                         _value(worst.get("b")), _num(f["max_abs"]), _num(f["max_rel"]), _ulp(f), count])
+    return rows
+
+
+def diff_summary(d: dict) -> str:
+    s = d["summary"]
+    how = METHOD_WORDS.get(d["matched_by"], d["matched_by"])
+    what = "models" if d["kind"] == "model" else "states" if d["kind"] == "optimizer" else "files"
+    numbers = []
+    if s["max_abs"] is not None:
+        numbers.append(f"max |Δ| {_num(s['max_abs'])}")
+        if s["max_abs"]:
+            numbers.append(f"max rel {_num(s['max_rel'])}")
+    if s["max_ulp"] is not None and s["max_abs"]:
+        mixed = sorted({f["ulp_dtype"] for p in d["params"] for f in p["fields"]
+                        if f.get("ulp_dtype") and f.get("dtype_a") != f.get("dtype_b")})
+        numbers.append(f"max {s['max_ulp']} ulp" + (f" (in {', '.join(mixed)})" if mixed else ""))
+    tail = f"; {', '.join(numbers)}" if numbers else ""
+    tol = f" within atol={d['atol']:g} rtol={d['rtol']:g}" if d["atol"] or d["rtol"] else ""
+    if d["equal"]:
+        return (f"equal{tol}: {s['params_compared']} parameters, {s['fields_compared']} fields "
+                f"(matched by {how}){tail}")
+    parts = []
+    if s["params_compared"]:
+        parts.append(f"{s['params_differing']} of {s['params_compared']} matched parameters differ "
+                     f"({s['fields_differing']} of {s['fields_compared']} fields)")
+    else:
+        parts.append("no parameters in common")
+    if s["only_in_a"] or s["only_in_b"]:
+        parts.append(f"{s['only_in_a']} only in A, {s['only_in_b']} only in B")
+    if d["differences"] or d["hyperparameters"]:
+        n = len(d["differences"]) + len(d["hyperparameters"])
+        parts.append(f"{n} file-level difference{'s' if n != 1 else ''}")
+    return f"{what} differ{tol}: {', '.join(parts)} (matched by {how}){tail}"
+
+
+def diff_view(d: dict) -> list:
+    out: list = [Text(f"A = {d['a']['path']} ({d['a']['format']} {d['a']['kind']}), "
+                      f"B = {d['b']['path']} ({d['b']['format']} {d['b']['kind']})", style="dim")]
+    rows = diff_rows(d)
+    if rows:
+        table = Table(header_style="bold", pad_edge=False)
+        for col in ("parameter", "field", "difference", "A", "B", "max |Δ|", "max rel", "max ulp", "elements"):
+            table.add_column(col, justify="right" if col.startswith("max") else "left",
+                             no_wrap=col in ("parameter", "field"))
+        for row in rows:
+            table.add_row(*row)
+        out.append(table)
+    for note in d["notes"]:
+        out.append(Text(f"note: {note}", style="cyan"))
+    out.append(Text(diff_summary(d), style="bold green" if d["equal"] else "bold red"))
+    return out
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def merge_view(d: dict) -> list:
+    out: list = []
+    inputs = Table(header_style="bold", pad_edge=False)
+    for col in ("input", "format", "family", "params", "taken"):
+        inputs.add_column(col, justify="right" if col in ("params", "taken") else "left")
+    for item in d["inputs"]:
+        inputs.add_row(item["path"], item["format"], item["family"] or "-", str(item["params"]), str(item["taken"]))
+    out.append(inputs)
+    if d["conflicts"]:
+        table = Table(header_style="bold", pad_edge=False, title="conflicts")
+        for col in ("parameter", "in", "resolution", "steps", "step"):
+            table.add_column(col)
+        for c in d["conflicts"]:
+            steps = ", ".join("-" if s is None else f"{s:g}" for s in c["steps"])
+            table.add_row(c["name"], ", ".join(c["inputs"]), c["resolution"], steps,
+                          "-" if c["step"] is None else f"{c['step']:g}")
+        out.append(table)
+    for note in d["notes"]:
+        out.append(Text(f"note: {note}", style="cyan"))
+    for w in d["warnings"]:
+        out.append(Text(f"warning: {w}", style="yellow"))
+    out.append(Text(merge_summary(d), style="bold"))
+    return out
+
+
+def merge_summary(d: dict) -> str:
+    n_in = len(d["inputs"])
+    conflicts = len(d["conflicts"])
+    how = METHOD_WORDS.get(d["matched_by"], d["matched_by"])
+    text = f"{d['params']} parameters from {n_in} inputs (matched by {how})"
+    if conflicts:
+        text += f", {conflicts} conflicts resolved by {d['on_conflict']}"
+        if d["on_conflict"] == "mean":
+            text += " (moments averaged elementwise, largest step kept)"
+    else:
+        text += ", no conflicts"
+    if d["written"]:
+        return f"wrote {d['output']} ({d['bytes']} bytes): {text}"
+    return f"would write {d['output']} ({d['format']}): {text} (dry run, nothing written)"
+
+
+# ----------------------------------------------------------------------------- doctor
+
+_SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def doctor_view(d: dict) -> list:
+    out: list = []
+    if d["findings"]:
+        table = Table(header_style="bold", pad_edge=False)
+        table.add_column("severity", no_wrap=True)
+        table.add_column("check", no_wrap=True)
+        table.add_column("parameter", no_wrap=True)
+        table.add_column("finding")
+        why: dict[str, str] = {}
+        for f in d["findings"]:
+            table.add_row(Text(f["severity"], style=_SEVERITY_STYLE.get(f["severity"], "")), f["check"],
+                          f["param"] or "-", f["message"])
+            why.setdefault(f["check"], f["why"])
+        out.append(table)
+        out.append(Text("why it matters at resume:", style="bold"))
+        for check, reason in why.items():
+            out.append(Text(f"  {check}: {reason}"))
+    for note in d["notes"]:
+        out.append(Text(f"note: {note}", style="cyan"))
+    out.append(Text(doctor_summary(d), style="bold green" if d["clean"] else "bold red"))
+    return out
+
+
+def doctor_summary(d: dict) -> str:
+    c = d["counts"]
+    against = ""
+    if d["model"]:
+        how = METHOD_WORDS.get(d["matched_by"], d["matched_by"])
+        against = f" against {d['model']} ({d['model_params']} model parameters, matched by {how})"
+    checked = f"{d['params']} parameters{against}"
+    if d["clean"]:
+        info = f"; {c['info']} note{'s' if c['info'] != 1 else ''}" if c["info"] else ""
+        return f"{d['state']}: no problems found in {checked}{info}"
+    parts = [f"{c[k]} {k}{'s' if c[k] != 1 else ''}" for k in ("error", "warning", "info") if c[k]]
+    problems = c["error"] + c["warning"]
+    return f"{d['state']}: {problems} problem{'s' if problems != 1 else ''} ({', '.join(parts)}) in {checked}"
