@@ -14,7 +14,7 @@ from typing import Annotated
 import click
 import typer
 
-from statekit.errors import StatekitError
+from statekit.errors import StatekitError, UsageError
 from statekit.output import Output, error_line
 
 app = typer.Typer(
@@ -35,12 +35,14 @@ app = typer.Typer(
 
 FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, PyTorch .pt, burn .mpk/.bin or safetensors file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+KeyOpt = Annotated[str | None, typer.Option("--key", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
 
 
 @app.command()
 def inspect(
     file: FileArg,
     stats: Annotated[bool, typer.Option("--stats", help="Add min/max/mean/RMS and NaN/Inf counts per field (reads all data).")] = False,
+    key: KeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a file holds: kind, optimizer family, one row per parameter.
@@ -54,7 +56,7 @@ def inspect(
     from statekit.render import inspect_table
 
     out = Output(json_out)
-    with io.open_checkpoint(file) as ckpt:
+    with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance)
@@ -65,22 +67,260 @@ def inspect(
             out.print(item)
 
 
+def _betas(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        b1, b2 = (float(x) for x in text.replace(" ", "").split(","))
+    except ValueError:
+        raise UsageError(f"--betas {text!r}: expected two numbers, e.g. 0.9,0.999") from None
+    return (b1, b2)
+
+
+def _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
+             preset, transpose, no_transpose, names, model, dtype, **more):
+    from statekit.ops.build import Options
+    from statekit.ops.convert import load_model, read_names
+    from statekit.ops.rules import read_rules_file
+
+    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+    renames = list(rename or [])
+    for f in rules or []:
+        renames += read_rules_file(str(f))
+    return Options(
+        optimizer=optimizer, hyperparams={k: v for k, v in hp.items() if v is not None}, renames=renames,
+        preset=preset, transpose=list(transpose or []), no_transpose=list(no_transpose or []),
+        names=read_names(str(names)) if names else None, model=load_model(str(model)) if model else None,
+        dtype=dtype.upper() if dtype else None, **more,
+    )
+
+
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", help="Learning rate for the target's param group.")]
+BetasOpt = Annotated[str | None, typer.Option("--betas", help="Adam betas as 'B1,B2'.")]
+EpsOpt = Annotated[float | None, typer.Option("--eps", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
+WdOpt = Annotated[float | None, typer.Option("--weight-decay", help="Weight decay.")]
+AmsOpt = Annotated[bool | None, typer.Option("--amsgrad/--no-amsgrad", help="AMSGrad; default: whether the state holds max_exp_avg_sq.")]
+MomOpt = Annotated[float | None, typer.Option("--momentum", help="SGD/RMSprop momentum.")]
+DampOpt = Annotated[float | None, typer.Option("--dampening", help="SGD dampening (burn's default is 0.1, torch's 0).")]
+NestOpt = Annotated[bool | None, typer.Option("--nesterov/--no-nesterov", help="SGD Nesterov momentum.")]
+RenameOpt = Annotated[list[str] | None, typer.Option("--rename", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
+RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", help="File of rename rules, one per line.")]
+PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
+TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
+NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
+NamesOpt = Annotated[Path | None, typer.Option("--names", help="Parameter names in model.named_parameters() order (one per line or a JSON list).")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", help="Target model file (.bpk with ParamIds, .pt/.safetensors state_dict): ids, order and shapes.")]
+DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Cast every state tensor, e.g. f32.")]
+DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", help="Also save the plan as JSON.")]
+PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved plan instead of building one.")]
+
+
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk).")],
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors) unless --to is given.")],
+    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    key: KeyOpt = None,
+    optimizer: OptimizerOpt = None,
+    lr: LrOpt = None,
+    betas: BetasOpt = None,
+    eps: EpsOpt = None,
+    weight_decay: WdOpt = None,
+    amsgrad: AmsOpt = None,
+    momentum: MomOpt = None,
+    dampening: DampOpt = None,
+    nesterov: NestOpt = None,
+    rename: RenameOpt = None,
+    rules: RulesOpt = None,
+    preset: PresetOpt = True,
+    transpose: TransposeOpt = None,
+    no_transpose: NoTransposeOpt = None,
+    names: NamesOpt = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    step: Annotated[str | None, typer.Option("--step", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
+    dry_run: DryOpt = False,
+    plan_out: PlanOutOpt = None,
+    plan: PlanInOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert optimizer state between formats (written atomically: all or nothing).
+    """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
-    burnpack → burnpack rewrites the file with burn's writer rules: a file written by burn comes
-    out byte-identical.
+    The plan (every rename, transpose, cast and assumed hyperparameter) is printed before
+    anything is written; --dry-run stops there. The output is written atomically.
+
+    \b
+    burn → PyTorch:
+      statekit convert optim-10.bpk optim.pt --optimizer adamw --names names.txt --transpose '*.weight' --lr 3e-4
+    PyTorch → burn (ids from the burn model, joined by path):
+      statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
+    names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
     """
-    from statekit.ops.convert import convert_file
+    from statekit.ops.convert import convert as run_convert
 
     out = Output(json_out)
-    convert_file(src, dst, out=out, dry_run=dry_run)
+    if step not in (None, "max"):
+        raise UsageError(f"--step {step!r}: the only policy is 'max'")
+    opts = _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
+                    preset, transpose, no_transpose, names, model, dtype, step_policy=step)
+    run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
+                plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None, out=out)
+
+
+@app.command()
+def remap(
+    state: FileArg,
+    model: Annotated[Path, typer.Option("--model", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output file (format from its extension, or --to).")],
+    old_model: Annotated[Path | None, typer.Option("--old-model", help="The model the state was saved with, to learn paths by ParamId when the state has none.")] = None,
+    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    rename: RenameOpt = None,
+    rules: RulesOpt = None,
+    resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
+    reset_step: Annotated[list[str] | None, typer.Option("--reset-step", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
+    names: NamesOpt = None,
+    dry_run: DryOpt = False,
+    plan_out: PlanOutOpt = None,
+    plan: PlanInOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Move optimizer state onto a refactored model: renamed modules, new heads, grown embeddings.
+
+    Matches by module path, renames with ordered --rename 'REGEX=REPLACEMENT' rules ($1 for
+    groups), gives each state the new model's ParamId (burn) or position (torch). Removed
+    parameters are dropped and listed; new ones are listed and start without state; a changed
+    shape is refused unless --resize. Two sources onto one target are refused.
+
+    \b
+      statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
+    """
+    from statekit.ops.convert import load_model
+    from statekit.ops.remap import remap as run_remap
+
+    out = Output(json_out)
+    opts = _options(None, None, None, None, None, None, None, None, None, rename, rules, True, None, None, names,
+                    model, None, resize=resize, reset_step=list(reset_step or []),
+                    old_model=load_model(str(old_model)) if old_model else None)
+    run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
+              plan_out=str(plan_out) if plan_out else None, out=out)
+
+
+FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
+
+
+def _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov) -> dict:
+    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+    return {k: v for k, v in hp.items() if v is not None}
+
+
+@app.command()
+def replay(
+    params: Annotated[Path, typer.Option("--params", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
+    grads: Annotated[list[Path], typer.Option("--grads", help="Gradient file of one step (same keys); repeat in step order.")],
+    out_params: Annotated[Path, typer.Option("--out-params", help="Where to write the parameters after the last step.")],
+    state: Annotated[Path | None, typer.Option("--state", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
+    out_state: Annotated[Path | None, typer.Option("--out-state", help="Where to write the state after the last step (format by extension).")] = None,
+    optimizer: OptimizerOpt = None,
+    flavor: FlavorOpt = None,
+    lr: LrOpt = None,
+    betas: BetasOpt = None,
+    eps: EpsOpt = None,
+    weight_decay: WdOpt = None,
+    amsgrad: AmsOpt = None,
+    momentum: MomOpt = None,
+    dampening: DampOpt = None,
+    nesterov: NestOpt = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
+    backend: Annotated[str | None, typer.Option("--backend", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Apply optimizer steps to a state and its parameters with a framework's exact arithmetic.
+
+    A state without an entry for a parameter starts it fresh, as the framework would; with no
+    --state at all the state is reconstructed from the gradient history.
+
+    \b
+      statekit replay --state opt.pt --params p.safetensors --grads g1.safetensors --grads g2.safetensors \\
+          --optimizer adam --flavor torch-fused --lr 1e-3 --out-state opt2.pt --out-params p2.safetensors
+    """
+    from statekit import io
+    from statekit.ops.convert import output_format
+    from statekit.ops.replay import lane_state, pick_algorithm, registry_hp, state_hp, write_state
+    from statekit.ops.replay import replay as run_replay
+    from statekit.ops.tensorfile import read_tensors, write_tensors
+
+    out = Output(json_out)
+    ckpt = io.open_checkpoint(str(state)) if state else None
+    st = ckpt.optimizer if ckpt else None
+    if ckpt is not None and st is None:
+        raise UsageError(f"{state}: holds no optimizer state")
+    algorithm = pick_algorithm(st, given=optimizer)
+    flav = flavor or ({"burn": "burn", "candle": "candle"}.get(st.framework, "torch") if st else "torch")
+    hp = registry_hp(algorithm, flav, state_hp(st), _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov))
+    grad_sets = [read_tensors(str(g)) for g in grads]
+    with out.progress("steps", len(grad_sets)) as advance:
+        lane = run_replay(st, read_tensors(str(params)), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
+                          device=device, backend=backend, progress=advance)
+    write_tensors(str(out_params), lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
+    if out_state:
+        fmt = output_format(out_state)
+        write_state(lane_state(lane, st, algorithm), str(out_state), fmt, algorithm, ckpt)
+    from statekit.optim.registry import exactness
+
+    result = {"optimizer": algorithm, "flavor": flav, "hyperparams": hp, "steps": len(grad_sets),
+              "exactness": exactness(flav, algorithm=algorithm), "out_params": str(out_params),
+              "out_state": str(out_state) if out_state else None,
+              "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
+    if json_out:
+        out.json(result)
+    else:
+        shown = ", ".join(f"{k}={v}" for k, v in hp.items())
+        out.print(f"replayed {len(grad_sets)} steps of {algorithm} ({flav} arithmetic, {result['exactness']}): {shown}")
+        out.print(f"wrote {out_params}" + (f" and {out_state}" if out_state else ""))
+
+
+@app.command("verify-resume")
+def verify_resume_cmd(
+    original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The state as the original run left it.")],
+    migrated: Annotated[Path, typer.Argument(metavar="MIGRATED", help="The converted / remapped state to check.")],
+    steps: Annotated[int, typer.Option("--steps", "-k", help="Steps to run.", min=1)] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic parameters and gradients.")] = 0,
+    optimizer: OptimizerOpt = None,
+    flavor_original: Annotated[str | None, typer.Option("--flavor-original", help="Arithmetic of the original run (default: its framework's).")] = None,
+    flavor_migrated: Annotated[str | None, typer.Option("--flavor-migrated", help="Arithmetic of the resumed run (default: its framework's).")] = None,
+    lr: LrOpt = None,
+    transpose: TransposeOpt = None,
+    key: KeyOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check that a migrated state resumes like the original: exit 0 if it tracks, 1 if not.
+
+    Runs k seeded steps from the original, from the migrated state and from a cold (empty) state,
+    pairing parameters by path (transposed layouts are recognised by shape). The migrated run
+    must match bit for bit when both use the same arithmetic, else stay within
+    |Δp| ≤ 4·ulp(p) + 2e-5·lr·n; the cold run shows how far a silent no-op restore would drift.
+    """
+    from statekit import io
+    from statekit.ops.replay import verify_resume
+    from statekit.render_replay import verify_table
+
+    out = Output(json_out)
+    with io.open_checkpoint(str(original)) as a, io.open_checkpoint(str(migrated), **({"key": key} if key else {})) as b:
+        with out.progress("steps", steps) as advance:
+            report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=_given_hp(lr, None, None, None, None, None, None, None),
+                                   flavor_original=flavor_original, flavor_migrated=flavor_migrated,
+                                   transpose=list(transpose or []), progress=advance)
+    if json_out:
+        out.json(report)
+    else:
+        for item in verify_table(report):
+            out.print(item)
+    if not report["tracks"]:
+        raise typer.Exit(1)
 
 
 # ----------------------------------------------------------------------------- diff / merge / doctor
@@ -214,7 +454,7 @@ def _click_exception(exc: BaseException) -> int | None:
 def _run(args: list[str] | None = None) -> int:
     debug = bool(os.environ.get("STATEKIT_DEBUG"))
     try:
-        app(args=args, standalone_mode=False, prog_name="statekit")
+        rc = app(args=args, standalone_mode=False, prog_name="statekit")
     except StatekitError as exc:
         if debug:
             raise
@@ -237,7 +477,7 @@ def _run(args: list[str] | None = None) -> int:
             raise
         error_line(f"internal error: {type(exc).__name__}: {exc} (run with STATEKIT_DEBUG=1 for the traceback)")
         return 1
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 def main() -> None:

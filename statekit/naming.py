@@ -83,7 +83,14 @@ TORCH: tuple[Layout, ...] = (
     Layout("sgd", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
 )
 
-FRAMEWORKS = {"burn": BURN, "torch": TORCH}
+# candle-nn keeps AdamW's moments per variable and one optimizer-wide ``step_t`` (statekit's
+# safetensors layout for it, docs/candle.md, names the tensors ``first_moment.<var>`` …).
+CANDLE: tuple[Layout, ...] = (
+    Layout("adamw", {"first_moment": "exp_avg", "second_moment": "exp_avg_sq"},
+           frozenset({"first_moment", "second_moment", "step_t"}), step="step_t"),
+)
+
+FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 
 # Families the torch side can hold for each neutral family (RAdam shares Adam's slots).
 TORCH_OPTIMIZER_CLASSES = {

@@ -83,7 +83,7 @@ def inspect_table(d: dict, stats: bool = False) -> list:
                     elements += count
                     nbytes += count * _itemsize(p["dtype"])
                 table.add_row(*row)
-            if len(groups) > 1 or len(params) > 1:
+            if len(params) > 1:
                 total = Text(f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}", style="dim")
                 table.add_row(total, *[""] * (len(table.columns) - 1), end_section=True)
         out.append(table)

@@ -39,10 +39,9 @@ FIRST, SECOND, STEP = "first_moment", "second_moment", "step_t"
 KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 # candle-nn's ``ParamsAdamW::default()`` (the same values as torch.optim.AdamW's).
 DEFAULTS: dict[str, float] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
-# candle's field names onto statekit's neutral slots, in the form of :mod:`statekit.naming`.
-ADAMW = naming.Layout("adamw", {FIRST: "exp_avg", SECOND: "exp_avg_sq"},
-                      frozenset({FIRST, SECOND, STEP}), step=STEP)
-LAYOUTS = (ADAMW,)
+# candle's field names onto statekit's neutral slots live in the one table, statekit.naming.
+ADAMW = naming.layout("candle", "adamw")
+LAYOUTS = naming.CANDLE
 STEP_POLICIES = ("exact", "max")
 ONE_STEP_NOTE = "candle-nn's AdamW keeps one step_t for all variables"
 

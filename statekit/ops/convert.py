@@ -70,11 +70,17 @@ def load_model(path: str) -> ModelInfo:
 
 
 def name_source_params(state, opts: Options, path: str) -> None:
-    """--names names a torch source's positional parameters (checked against --model shapes)."""
+    """Give source parameters their paths: --names for a torch source's positions; a model with
+    ParamIds (--model, --old-model) for sources that have ids but no paths (burn ≤ 0.21 records)."""
     if opts.names is not None and state.framework == "torch":
         from statekit.frameworks.torch_state import apply_names
 
         apply_names(state, opts.names, None, path)
+    for model in (opts.old_model, opts.model):
+        by_id = model.by_id() if model is not None else {}
+        for p in state.params:
+            if p.path is None and p.id is not None and p.id in by_id:
+                p.path = by_id[p.id].path
 
 
 @dataclass
@@ -108,6 +114,8 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                 size = burn_io.save_checkpoint(ckpt, dst, progress=advance)
             out.info(f"wrote {dst} ({size} bytes, an exact copy)")
             return Result(None, size, copied=True)
+        if ckpt.kind == "model" and ckpt.model is not None and plan_in is None:
+            return _convert_model(ckpt, dst, fmt, opts, dry_run, out)
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
@@ -119,6 +127,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+            plan.step_policy = opts.step_policy
         if plan_out:
             from statekit.atomic import atomic_write
 
@@ -132,6 +141,31 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             size = write(plan, state, dst, progress=advance)
         out.info(f"wrote {dst} ({size} bytes)")
         return Result(plan, size)
+
+
+def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run: bool, out: Output) -> Result:
+    """Model records change container, not layout: burn ≤ 0.21 → burnpack, any → safetensors."""
+    if opts != Options(dtype=opts.dtype):
+        raise UsageError("model files are converted as they are: only --dtype applies")
+    model = ckpt.model
+    if dry_run:
+        out.info(f"would write {len(model.params)} model tensors from {ckpt.path} to {fmt} {dst}")
+        return Result(None, None)
+    if fmt == "burnpack":
+        from statekit.frameworks.burn_legacy_io import save_model_as_burnpack
+
+        size = save_model_as_burnpack(model, dst, dtype=opts.dtype)
+    elif fmt == "safetensors":
+        from statekit.frameworks import safetensors_io
+
+        if opts.dtype:
+            raise UsageError("--dtype applies to burnpack model output only")
+        size = safetensors_io.save_model(model, dst)
+    else:
+        raise UsageError(f"model files convert to burnpack or safetensors, not {fmt} (statekit moves optimizer "
+                         "state; weights across frameworks need their layout changes too)")
+    out.info(f"wrote {dst} ({size} bytes, {len(model.params)} model tensors)")
+    return Result(None, size)
 
 
 def show_plan(plan: Plan, out: Output) -> None:

@@ -135,5 +135,6 @@ def write(plan: Plan, state: OptimizerState, path: str, progress=None) -> int:
     """Apply the plan and write the result with the target format's writer (atomically)."""
     target = apply_plan(plan, state)
     module = importlib.import_module(WRITERS[plan.target_format])
+    extra = {"step_policy": plan.step_policy} if plan.step_policy else {}
     return module.save_optimizer(target, path, family=plan.family, groups=plan.hyperparams,
-                                 metadata=dict(plan.metadata), progress=progress)
+                                 metadata=dict(plan.metadata), progress=progress, **extra)

@@ -54,6 +54,7 @@ class Plan:
     params: list[ParamAction] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    step_policy: str | None = None  # candle: "max" writes the largest of differing steps
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views

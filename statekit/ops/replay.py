@@ -1,0 +1,293 @@
+"""``replay`` and ``verify-resume``: run optimizer steps on a state with the compute core.
+
+``replay`` applies gradient files to a state and its parameters (a state without an entry for a
+parameter starts fresh, as the framework would; no state at all reconstructs it from the
+gradient history). ``verify-resume`` runs the same seeded steps from an original state, from its
+migrated copy and from a cold start, and says whether the migrated run tracks the original:
+bit-exact when both use the same arithmetic, else within ``|Δp| ≤ 4·ulp(p) + 2e-5·lr·n``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from statekit import dtypes, hyper
+from statekit.errors import MappingError, UsageError
+from statekit.optim import registry
+from statekit.optim.tolerance import param_bound
+from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
+
+FLAVOR_OF_FRAMEWORK = {"burn": "burn", "torch": "torch", "candle": "candle"}
+WRITER_OF_FORMAT = {"burnpack": "statekit.frameworks.burn_io", "torch": "statekit.frameworks.torch_io",
+                    "safetensors": "statekit.frameworks.safetensors_io", "candle": "statekit.frameworks.candle"}
+
+
+# ------------------------------------------------------------------ hyperparameters
+
+
+def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
+    """The compute core's hyperparameters from a framework's stored values and the user's.
+
+    torch's ``betas`` tuple becomes ``beta1``/``beta2``; keys the algorithm does not know under
+    this flavour's framework (torch's ``foreach``, ``fused`` …) are left out.
+    """
+    merged = {**stored, **{k: v for k, v in given.items() if v is not None}}
+    if "betas" in merged:
+        merged["beta1"], merged["beta2"] = (float(b) for b in merged.pop("betas"))
+    framework = registry.get_algorithm(algorithm).frameworks[registry.FRAMEWORK_OF[flavor]]
+    out = {k: v for k, v in merged.items() if k in framework.defaults and v is not None}
+    for key in framework.fixed:
+        if key in out and out[key] == framework.defaults[key]:
+            out.pop(key)
+    return registry.resolve(algorithm, flavor, out)
+
+
+def state_hp(state: OptimizerState | None) -> dict:
+    if state is None or not state.groups:
+        return {}
+    return dict(state.groups[0].hyperparams)
+
+
+def pick_algorithm(*states: OptimizerState | None, given: str | None) -> str:
+    if given:
+        return given.lower()
+    for state in states:
+        if state is not None and state.family and len(state.candidates) <= 1 and state.family != "mixed":
+            return state.family
+    fams = [s.family_label for s in states if s is not None]
+    raise UsageError(f"say which optimizer with --optimizer (the state holds {', '.join(fams) or 'nothing'})")
+
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass
+class Lane:
+    """One replay: its arithmetic, hyperparameters and evolving arrays, per parameter path."""
+
+    algorithm: str
+    flavor: str
+    hp: dict
+    params: dict[str, np.ndarray]
+    slots: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    xp: object = None
+
+    def step(self, grads: dict[str, np.ndarray]) -> None:
+        for path, g in grads.items():
+            p, slots, t = registry.step(self.algorithm, self.params[path], g, self.slots.get(path, {}),
+                                        self.steps.get(path, 0), self.hp, self.flavor, self.xp)
+            self.params[path], self.slots[path], self.steps[path] = p, slots, t
+
+
+def slots_of(p: ParamState, transpose: bool = False) -> dict[str, np.ndarray]:
+    out = {}
+    for name, ref in p.slots.items():
+        if name == "avg":  # burn RMSProp's derived copy
+            continue
+        arr = np.asarray(ref.numpy(), dtype=np.float32)
+        out[name] = np.ascontiguousarray(arr.T if transpose else arr).copy()
+    return out
+
+
+def _device_namespace(device: str, backend: str | None):
+    if device == "cpu" and backend in (None, "numpy"):
+        return None, lambda a: a, lambda a: a
+    if backend == "cupy":
+        import cupy
+
+        return cupy, cupy.asarray, cupy.asnumpy
+    import torch
+
+    dev = torch.device(device)
+    return torch, (lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)), (lambda t: t.cpu().numpy())
+
+
+def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: list[dict[str, TensorRef]], *,
+           algorithm: str, flavor: str, hp: dict, device: str = "cpu", backend: str | None = None,
+           progress=None) -> Lane:
+    """Apply each gradient set in turn; returns the final lane (params, slots, steps by path)."""
+    xp, to_dev, to_host = _device_namespace(device, backend)
+    lane = Lane(algorithm, flavor, hp, {n: to_dev(np.array(r.numpy(), dtype=np.float32)) for n, r in params.items()},
+                xp=xp)
+    if state is not None:
+        for p in state.params:
+            if p.path is None:
+                raise MappingError(f"state parameter {p.label()} has no path to match the parameter file")
+            if p.path not in lane.params:
+                continue
+            if p.shape is not None and tuple(p.shape) != tuple(lane.params[p.path].shape):
+                raise MappingError(f"{p.path}: state shape {list(p.shape)} but the parameter is "
+                                   f"{list(lane.params[p.path].shape)}")
+            if p.slots:
+                lane.slots[p.path] = {k: to_dev(v) for k, v in slots_of(p).items()}
+            lane.steps[p.path] = int(p.step or 0)
+    for grad_set in grads:
+        unknown = sorted(set(grad_set) - set(lane.params))
+        if unknown:
+            raise MappingError(f"gradients for parameters that are not in the parameter file: {', '.join(unknown[:5])}")
+        lane.step({n: to_dev(np.asarray(r.numpy(), dtype=np.float32)) for n, r in grad_set.items()})
+        if progress:
+            progress()
+    lane.params = {n: to_host(a) for n, a in lane.params.items()}
+    lane.slots = {n: {k: to_host(v) for k, v in s.items()} for n, s in lane.slots.items()}
+    return lane
+
+
+def lane_state(lane: Lane, template: OptimizerState | None, family: str) -> OptimizerState:
+    """An OptimizerState holding a lane's result, keeping the template's ids, order and groups."""
+    params: list[ParamState] = []
+    known = {p.path: p for p in template.params} if template else {}
+    order = [p.path for p in template.params] if template else []
+    order += [n for n in lane.params if n not in order]
+    for i, path in enumerate(order):
+        old = known.get(path)
+        slots = {k: TensorRef.from_array(v.astype(dtypes.numpy_dtype(_dtype(old, k)))) for k, v in lane.slots.get(path, {}).items()}
+        step = lane.steps.get(path, old.step if old else None)
+        if old is not None:
+            params.append(ParamState(key=old.key, id=old.id, index=old.index, path=path, rank=old.rank, step=step,
+                                     slots=slots or old.slots, extra=dict(old.extra), group=old.group, family=family))
+        elif path in lane.slots:
+            from statekit.ops.build import generated_id
+
+            params.append(ParamState(key=str(i), id=generated_id(path), index=i, path=path, rank=lane.params[path].ndim,
+                                     step=step, slots=slots, family=family))
+    groups = template.groups if template else [ParamGroup(keys=[p.key for p in params])]
+    fw = template.framework if template else "neutral"
+    return OptimizerState(family=family, candidates=(family,), params=params, groups=groups, framework=fw,
+                          hyperparams_stored=bool(template and template.hyperparams_stored))
+
+
+def _dtype(old: ParamState | None, slot: str) -> str:
+    if old is not None and slot in old.slots:
+        return old.slots[slot].dtype
+    return "F32"
+
+
+def write_state(state: OptimizerState, path: str, fmt: str, family: str, source: Checkpoint | None) -> int:
+    module = importlib.import_module(WRITER_OF_FORMAT[fmt])
+    groups = [dict(g.hyperparams) for g in state.groups] if state.groups else [{}]
+    if fmt == "torch":
+        groups = [hyper.torch_group(family, g) for g in groups]
+        for p in state.params:
+            if p.index is None:
+                raise MappingError(f"{p.path}: no torch position (replay a torch state, or write .bpk/.safetensors)")
+    metadata = dict(source.metadata) if source is not None and fmt == "burnpack" else {}
+    return module.save_optimizer(state, path, family=family, groups=groups, metadata=metadata)
+
+
+# ------------------------------------------------------------------ verify-resume
+
+
+@dataclass
+class Pairing:
+    path: str
+    original: ParamState
+    migrated: ParamState | None
+    transpose: bool
+
+
+def pair(original: OptimizerState, migrated: OptimizerState, transpose_globs: list[str]) -> list[Pairing]:
+    from statekit.ops.rules import matches_any
+
+    by_path = {p.path: p for p in migrated.params if p.path}
+    pairs = []
+    missing = []
+    for p in original.params:
+        if p.path is None:
+            raise MappingError(f"original parameter {p.label()} has no path; verify-resume pairs parameters by path")
+        m = by_path.get(p.path)
+        if m is None:
+            missing.append(p.path)
+            pairs.append(Pairing(p.path, p, None, False))
+            continue
+        a, b = tuple(p.shape or ()), tuple(m.shape or ())
+        if a == b and not (len(a) == 2 and matches_any(p.path, transpose_globs)):
+            pairs.append(Pairing(p.path, p, m, False))
+        elif len(a) == 2 and a[::-1] == b:
+            pairs.append(Pairing(p.path, p, m, True))
+        elif not m.slots:
+            pairs.append(Pairing(p.path, p, m, False))
+        else:
+            raise MappingError(f"{p.path}: original state {list(a)} and migrated {list(b)} are not the same layout")
+    return pairs
+
+
+def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
+                  optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
+                  flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None) -> dict:
+    """Run ``steps`` seeded steps three ways and compare; returns a JSON-able report."""
+    a_state, b_state = original.optimizer, migrated.optimizer
+    if a_state is None:
+        raise UsageError(f"{original.path}: holds no optimizer state")
+    if b_state is None:
+        raise UsageError(f"{migrated.path}: holds no optimizer state")
+    algorithm = pick_algorithm(b_state, a_state, given=optimizer)
+    flav_a = flavor_original or FLAVOR_OF_FRAMEWORK.get(a_state.framework, "torch")
+    flav_b = flavor_migrated or FLAVOR_OF_FRAMEWORK.get(b_state.framework, "torch")
+    given = given or {}
+    stored_a, stored_b = state_hp(a_state), state_hp(b_state)
+    # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
+    fallback_lr = given.get("lr") or stored_b.get("lr") or stored_a.get("lr") or 1e-3
+    for stored in (stored_a, stored_b):
+        stored.setdefault("lr", fallback_lr)
+    hp_a = registry_hp(algorithm, flav_a, stored_a, given)
+    hp_b = registry_hp(algorithm, flav_b, stored_b, given)
+    pairs = pair(a_state, b_state, transpose or [])
+    rng = np.random.default_rng(seed)
+    shapes = {pr.path: tuple(pr.original.shape or ()) for pr in pairs}
+    init = {n: rng.normal(0, 0.5, s).astype(np.float32) for n, s in shapes.items()}
+    grads = [{n: rng.normal(0, 0.1, s).astype(np.float32) for n, s in shapes.items()} for _ in range(steps)]
+
+    def lane(flavor, hp, which: str) -> Lane:
+        ln = Lane(algorithm, flavor, hp, {})
+        for pr in pairs:
+            t = pr.transpose and which != "original"
+            ln.params[pr.path] = np.ascontiguousarray(init[pr.path].T if t else init[pr.path]).copy()
+            src = pr.original if which == "original" else pr.migrated if which == "migrated" else None
+            if src is not None and src.slots:
+                ln.slots[pr.path] = slots_of(src, transpose=False)
+            if src is not None and src.step is not None:
+                ln.steps[pr.path] = int(src.step)
+        return ln
+
+    lanes = {"original": lane(flav_a, hp_a, "original"), "migrated": lane(flav_b, hp_b, "migrated"),
+             "cold": lane(flav_b, hp_b, "cold")}
+    for g in grads:
+        for name, ln in lanes.items():
+            t = {pr.path: pr.transpose and name != "original" for pr in pairs}
+            ln.step({n: np.ascontiguousarray(a.T) if t[n] else a for n, a in g.items()})
+        if progress:
+            progress()
+    exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
+    lr = float(hp_a.get("lr", 1e-3))
+    rows, ok = [], True
+    for pr in pairs:
+        ref = lanes["original"].params[pr.path]
+        back = {k: (np.ascontiguousarray(v.params[pr.path].T) if pr.transpose else v.params[pr.path])
+                for k, v in lanes.items() if k != "original"}
+        bound = param_bound(ref, lr, steps)
+        d_m = np.abs(back["migrated"].astype(np.float64) - ref)
+        d_c = np.abs(back["cold"].astype(np.float64) - ref)
+        identical = bool(np.array_equal(back["migrated"].view(np.uint32), ref.view(np.uint32)))
+        ratio = float((d_m / bound).max()) if ref.size else 0.0
+        tracks = identical if exact else ratio <= 1.0
+        ok &= tracks
+        rows.append({"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
+                     "tracks": tracks, "bit_exact": identical, "max_abs_diff": float(d_m.max()) if ref.size else 0.0,
+                     "tolerance_ratio": ratio, "cold_ratio": float((d_c / bound).max()) if ref.size else 0.0})
+    notes = []
+    squares = [pr.path for pr in pairs if len(pr.original.shape or ()) == 2 and pr.original.shape[0] == pr.original.shape[1]
+               and not pr.transpose and a_state.framework != b_state.framework]
+    if squares:
+        notes.append(f"square weights paired untransposed: {', '.join(squares)} (--transpose GLOB if the conversion "
+                     "transposed them)")
+    return {"original": original.path, "migrated": migrated.path, "optimizer": algorithm, "notes": notes,
+            "flavors": {"original": flav_a, "migrated": flav_b},
+            "criterion": "bit-exact" if exact else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})",
+            "hyperparams": {"original": hp_a, "migrated": hp_b}, "steps": steps, "seed": seed,
+            "tracks": ok, "params": rows}
