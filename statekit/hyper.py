@@ -60,6 +60,15 @@ CLI_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampen
             "alpha", "centered", "lr_decay")
 
 
+def neutral(values: dict[str, object]) -> dict[str, object]:
+    """torch's hyperparameter names are the neutral ones: candle's ``beta1``/``beta2`` → ``betas``."""
+    out = dict(values)
+    if "beta1" in out or "beta2" in out:
+        b1, b2 = out.pop("beta1", 0.9), out.pop("beta2", 0.999)
+        out.setdefault("betas", (b1, b2))
+    return out
+
+
 def torch_family(group: dict, slots: set[str]) -> str | None:
     """Which torch optimizer saved a param group (by its hyperparameter keys and state slots)."""
     for key, family in TORCH_SIGNATURES:

@@ -301,7 +301,7 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         given.setdefault("centered", any("grad_avg" in p.slots for p in state.params))
         if not any("momentum_buffer" in p.slots for p in state.params):
             given.setdefault("momentum", 0.0)
-    groups = state.groups or []
+    groups = [type(g)(hyperparams=hyper.neutral(g.hyperparams), keys=g.keys) for g in state.groups or []]
     if src_fw == "burn" or not groups:
         stored = groups[0].hyperparams if groups else {}
         values, assumed = hyper.resolve(family, given, stored or None)
@@ -315,7 +315,7 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
             plan.hyperparams.append(values)
     if dst_fw == "torch":
         plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
-    if dst_fw == "burn":
+    if dst_fw in ("burn", "neutral"):
         if len({tuple(sorted((k, str(v)) for k, v in g.items())) for g in plan.hyperparams}) > 1:
             plan.warnings.append("burn files keep no parameter groups: the first group's hyperparameters are kept "
                                  "in the statekit.* metadata")
@@ -326,7 +326,7 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
             plan.hyperparams, plan.assumed, plan.metadata = [], [], {}
         else:
             plan.hyperparams, plan.assumed = [known], []
-            plan.metadata = hyper.to_metadata(family, known)
+            plan.metadata = hyper.to_metadata(family, known) if dst_fw == "burn" else {}
     if plan.assumed and src_fw == "burn" and dst_fw != "burn":
         shown = ", ".join(f"{k}={plan.hyperparams[0][k]}" for k in plan.assumed if k in plan.hyperparams[0])
         plan.warnings.append(f"burn files store no hyperparameters; assumed burn's defaults: {shown}")

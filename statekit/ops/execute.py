@@ -74,7 +74,8 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
 def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
     """The target state the plan describes (tensors still lazy)."""
     by_key = _check(plan, state)
-    target_fw = {"burnpack": "burn", "torch": "torch"}.get(plan.target_format, plan.target_format)
+    target_fw = {"burnpack": "burn", "torch": "torch", "safetensors": state.framework}.get(
+        plan.target_format, plan.target_format)
     params: list[ParamState] = []
     for a in plan.params:
         if a.action == "drop":
@@ -89,6 +90,11 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
         if p.group >= len(groups):
             p.group = 0
         groups[p.group].keys.append(p.key)
+    if plan.target_format == "safetensors":  # statekit's generic layout is a faithful dump of the source
+        return OptimizerState(family=state.family if plan.family in state.candidates else plan.family,
+                              candidates=state.candidates or (plan.family,), params=params, groups=groups,
+                              hyperparams_stored=any(g.hyperparams for g in groups), framework=state.framework,
+                              notes=list(state.notes))
     return OptimizerState(family=plan.family, candidates=(plan.family,), params=params, groups=groups,
                           hyperparams_stored=target_fw != "burn", framework=target_fw)
 

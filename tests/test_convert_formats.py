@@ -1,0 +1,86 @@
+"""convert across the remaining formats from the command line: burn ≤ 0.21 records, safetensors, candle."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LEGACY, LEGACY_BPK = ROOT / "fixtures/legacy", ROOT / "fixtures/legacy-bpk"
+
+
+def sha(p) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(("src", "expected"), [
+    ("adam_full.mpk", "adam_full.bpk"), ("adam_full.bin", "adam_full.bpk"), ("adam_half.mpk", "adam_half.bpk"),
+    ("adam_half.mpk.gz", "adam_half.bpk"), ("adamw_amsgrad.mpk", "adamw_amsgrad.bpk"),
+    ("sgd_momentum.mpk", "sgd_momentum.bpk"), ("sgd_momentum_half.bin.gz", "sgd_momentum_half.bpk"),
+])
+def test_legacy_optimizer_to_burnpack(tmp_path, cli, src, expected):
+    # the expected files are built from truth.npz alone (scripts/make_legacy_bpk_fixtures.py)
+    r = cli("convert", LEGACY / src, tmp_path / "out.bpk", "--model", LEGACY / "model-21.mpk")
+    assert r.returncode == 0, r.stderr
+    assert sha(tmp_path / "out.bpk") == sha(LEGACY_BPK / expected)
+
+
+def test_legacy_model_to_burnpack(tmp_path, cli):
+    assert cli("convert", LEGACY / "model-21.mpk", tmp_path / "m.bpk").returncode == 0
+    assert sha(tmp_path / "m.bpk") == sha(LEGACY_BPK / "model-21.bpk")
+
+
+def test_half_precision_cast_on_request(tmp_path, cli):
+    r = cli("convert", LEGACY / "adam_half.mpk", tmp_path / "f32.bpk", "--model", LEGACY / "model-21.mpk", "--dtype", "f32")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(cli("inspect", tmp_path / "f32.bpk", "--json").stdout)
+    assert {f["dtype"] for p in d["params"] for f in p["fields"].values()} == {"F32"}
+    truth = np.load(LEGACY / "truth.npz")
+    from statekit import io
+
+    with io.open_checkpoint(tmp_path / "f32.bpk") as ckpt:
+        p = ckpt.optimizer.find("l1.weight")
+        expect = truth[f"{p.id}.momentum.moment_1"].astype(np.float16).astype(np.float32)
+        assert np.array_equal(p.slots["exp_avg"].numpy(), expect)
+
+
+@pytest.mark.parametrize("name", ["hand-optim.bpk", "hand-optim-amsgrad.bpk", "hand-optim-rmsprop.bpk",
+                                  "hand-optim-sgd.bpk", "hand-optim-bf16.bpk"])
+def test_generic_safetensors_round_trip_is_byte_identical(tmp_path, cli, name):
+    assert cli("convert", ROOT / "fixtures" / name, tmp_path / "s.safetensors").returncode == 0
+    from safetensors.numpy import load_file
+
+    assert all(k.startswith("state/") for k in load_file(str(tmp_path / "s.safetensors")))
+    r = cli("convert", tmp_path / "s.safetensors", tmp_path / "back.bpk")
+    assert r.returncode == 0, r.stderr
+    assert sha(tmp_path / "back.bpk") == sha(ROOT / "fixtures" / name)
+
+
+def test_candle_via_convert_and_back(tmp_path, cli):
+    r = cli("convert", "fixtures/hand-optim.bpk", tmp_path / "c.safetensors", "--to", "candle", "--optimizer", "adamw",
+            "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    from safetensors.numpy import load_file
+
+    names = load_file(str(tmp_path / "c.safetensors"))
+    assert names["first_moment.l1.weight"].shape == (16, 4) and names["step_t"].dtype == np.int64
+    r = cli("convert", tmp_path / "c.safetensors", tmp_path / "back.bpk", "--model", "fixtures/hand-model.bpk",
+            "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    r = cli("diff", "fixtures/hand-optim.bpk", tmp_path / "back.bpk")
+    assert r.returncode == 0, r.stdout
+
+
+def test_candle_refuses_differing_steps_unless_max(tmp_path, cli):
+    src = ROOT / "fixtures/migration"
+    differing = next((p for p in src.glob("*step*.bpk")), None)
+    if differing is None:
+        pytest.skip("no differing-steps fixture")
+    args = ["convert", differing, tmp_path / "c.safetensors", "--to", "candle", "--optimizer", "adamw",
+            "--transpose", "*.weight"]
+    r = cli(*args)
+    assert r.returncode == 1 and "step" in r.stderr and not (tmp_path / "c.safetensors").exists()
+    r = cli(*args, "--step", "max")
+    assert r.returncode == 0, r.stderr
