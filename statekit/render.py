@@ -156,8 +156,6 @@ def plan_table(plan) -> list:
             changes.append("resize")
         if a.cast:
             changes.append(f"cast {a.cast}")
-        if a.reset_step:
-            changes.append("reset step")
         changes += [n for n in a.notes if not n.startswith(("transposed", "resized"))]
         ident = a.dst_id if a.dst_id is not None else (f"#{a.dst_index}" if a.dst_index is not None else "-")
         shape = _shape(a.dst_shape) if a.dst_shape is not None else _shape(a.src_shape) if a.src_shape else "-"
