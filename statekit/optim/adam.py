@@ -1,0 +1,223 @@
+"""Adam and AdamW: torch (for-loop/foreach), torch fused CPU kernel, burn 0.22, candle-nn.
+
+Hyperparameters: ``lr beta1 beta2 eps weight_decay amsgrad maximize decoupled_weight_decay``
+(AdamW is Adam with ``decoupled_weight_decay=True``). Slots: ``exp_avg``, ``exp_avg_sq`` and,
+with amsgrad, ``max_exp_avg_sq``. ``t`` below is the step number after the increment.
+
+Scalar rounding, per flavour (``f32(x)``: a float64 rounded once to float32):
+
+``torch`` (``torch.optim.Adam/AdamW``, ``foreach=False`` or ``True``: identical on CPU)
+    ``t`` is the float32 ``state['step']`` read as a Python float. ``bc1 = 1 - beta1**t``,
+    ``bc2 = 1 - beta2**t``, ``step_size = lr / bc1`` and ``bc2_sqrt = bc2**0.5`` are float64
+    (libm ``pow``); the kernels see ``f32(-step_size)``, ``f32(bc2_sqrt)``, ``f32(eps)``,
+    ``f32(beta2)``, ``f32(1 - beta2)``, ``f32(1 - beta1)`` (lerp weight), ``f32(weight_decay)``
+    and ``f32(1 - lr*weight_decay)``. Element-wise, in order::
+
+        g = -g (maximize);  AdamW: p = p * f32(1 - lr*wd)   Adam: g = fma(p, f32(wd), g)
+        m = fma(w, g - m, m)              (lerp, w = f32(1 - beta1) < 0.5; else fma(w-1, g-m, g))
+        v = fma(f32(1-beta2) * g, g, v * f32(beta2))
+        vmax = max(vmax, v)               (amsgrad; used for v below)
+        p = p + (f32(-step_size) * m) / (sqrt(v) / f32(bc2_sqrt) + f32(eps))
+
+    ``sqrt`` is torch's own float32 CPU ``sqrt`` (MKL ``vmsSqrt``, not correctly rounded),
+    called through torch when it is installed: then the replay is bit-exact; without torch it
+    is the IEEE root and the replay is within tolerance (:func:`statekit.optim.exactness`).
+
+``torch-fused`` (``fused=True`` on CPU: ``FusedAdamKernel.cpp``)
+    The same scalars, except ``bc2_sqrt = sqrt(bc2)`` (C ``sqrt``; never differs from
+    ``bc2**0.5`` after rounding to float32) and AdamW's ``f32(fma(-lr, wd, 1))``: the C++
+    compiler contracts ``1 - lr*weight_decay`` into one float64 FMA (seen in the AVX2 object
+    code of torch 2.13). The same element-wise formulas with the IEEE root,
+    except in the scalar tail: the last ``numel % 8`` elements (8 floats per AVX2 vector; torch
+    has no AVX-512 variant of this kernel, so AVX-512 CPUs run the AVX2 one too; the parallel
+    chunks are multiples of 16 floats, so this tail exists only at the end of the whole tensor)
+    contract the second moment the other way: ``v = fma(v, f32(beta2),
+    (f32(1-beta2) * g) * g)``.
+
+``burn`` (burn 0.22 ``Adam`` / ``AdamW``, one rounding per tensor op, no FMA)
+    ``beta1 beta2 eps weight_decay`` are f32; ``1 - beta`` is computed in f32;
+    ``beta.powi(t)`` is f32 repeated squaring (:func:`statekit.optim.fp.powi`); ``lr`` is f64
+    and multiplies as ``f32(lr)``. First step (``step == 0``, burn's missing state):
+    ``m = g*c1``, ``v = (g*g)*c2``, ``vmax = v``; later ``m = m*beta1 + g*c1``,
+    ``v = v*beta2 + (g*g)*c2``, ``vmax = max(vmax, v)``.
+
+    * Adam: ``g = p*wd + g`` (when ``weight_decay != 0``); ``b2 = sqrt(1 - beta2^t)`` and
+      ``cf = b2 / (1 - beta1^t)`` in f32; ``p = p - ((m*cf) / (sqrt(v) + eps*b2)) * f32(lr)``.
+    * AdamW: ``u = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)`` (f32 scalars);
+      ``d = lr * wd`` in f64; ``p = p * f32(1 - d)`` unless ``d == 0``; ``p = p - u * f32(lr)``.
+
+``candle`` (candle-nn ``AdamW``, CPU backend without ``mkl``)
+    Every scalar is f64 and reaches the tensor through ``affine(x, mul, add) = x*f32(mul) +
+    f32(add)`` (so ``x * s`` also adds ``+0.0``). ``t`` is the optimizer-wide ``step_t``;
+    ``scale_m = 1/(1 - beta1.powi(t))``, ``scale_v = 1/(1 - beta2.powi(t))`` in f64::
+
+        m = m*beta1 + g*(1-beta1);   v = v*beta2 + (g*g)*(1-beta2)
+        p = p*(1 - lr*wd) - ((m*scale_m) / (sqrt(v*scale_v) + eps)) * lr
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from statekit.optim.common import (
+    BURN,
+    CANDLE,
+    TORCH,
+    TORCH_FUSED,
+    fused_vector_width,
+    lerp,
+    make_step,
+    no_tail,
+    tail_of,
+)
+from statekit.optim.fp import f32, fma64, powi
+
+
+def slot_names(hp, flavor: str) -> tuple[str, ...]:
+    """``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``."""
+    return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if hp["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+
+def _torch_kernel(b, hp, like, *, step_size: float, bc2_sqrt: float, decay: float, sqrt):
+    """torch's element-wise Adam (single-tensor order; fused differs only in the tail)."""
+    wd, amsgrad, maximize = hp["weight_decay"], hp["amsgrad"], hp["maximize"]
+    decoupled = hp["decoupled_weight_decay"]
+    k = {
+        name: b.const(value, like)
+        for name, value in {
+            "decay": decay,
+            "wd": wd,
+            "beta2": hp["beta2"],
+            "c2": 1.0 - hp["beta2"],
+            "bc2_sqrt": bc2_sqrt,
+            "eps": hp["eps"],
+            "neg_step": -step_size,
+        }.items()
+    }
+    weight = 1.0 - hp["beta1"]
+
+    def kernel(p, g, s, tail):
+        if maximize:
+            g = -g
+        new_p = p
+        if wd != 0:
+            if decoupled:
+                new_p = p * k["decay"]
+            else:
+                g = b.fma32(p, k["wd"], g)
+        m = lerp(b, s["exp_avg"], g, weight, like)
+        cg = k["c2"] * g
+        v = s["exp_avg_sq"]
+        v = b.fma32(v, k["beta2"], cg * g) if tail else b.fma32(cg, g, v * k["beta2"])
+        s["exp_avg"][...] = m
+        s["exp_avg_sq"][...] = v
+        if amsgrad:
+            v = b.maximum(s["max_exp_avg_sq"], v)
+            s["max_exp_avg_sq"][...] = v
+        p[...] = new_p + (k["neg_step"] * m) / (sqrt(v) / k["bc2_sqrt"] + k["eps"])
+
+    return kernel
+
+
+def _torch(b, hp, step, present, like, vector_width):
+    t = f32(step + 1)
+    bc1 = 1.0 - hp["beta1"] ** t
+    bc2 = 1.0 - hp["beta2"] ** t
+    decay = 1.0 - hp["lr"] * hp["weight_decay"]
+    kernel = _torch_kernel(
+        b, hp, like, step_size=hp["lr"] / bc1, bc2_sqrt=bc2**0.5, decay=decay, sqrt=b.sqrt_torch
+    )
+    return kernel, {}, no_tail
+
+
+def _torch_fused(b, hp, step, present, like, vector_width):
+    t = f32(step + 1)
+    bc1 = 1.0 - math.pow(hp["beta1"], t)
+    bc2 = 1.0 - math.pow(hp["beta2"], t)
+    decay = fma64(-hp["lr"], hp["weight_decay"], 1.0)  # the C++ compiler contracts 1 - lr*wd
+    kernel = _torch_kernel(
+        b, hp, like, step_size=hp["lr"] / bc1, bc2_sqrt=math.sqrt(bc2), decay=decay, sqrt=b.sqrt_ieee
+    )
+    return kernel, {}, tail_of(fused_vector_width(vector_width))
+
+
+def _burn(b, hp, step, present, like, vector_width):
+    one = np.float32(1.0)
+    beta1, beta2, eps = np.float32(hp["beta1"]), np.float32(hp["beta2"]), np.float32(hp["eps"])
+    wd = np.float32(hp["weight_decay"])
+    t = step + 1
+    bc1 = one - np.float32(powi(beta1, t))
+    bc2 = one - np.float32(powi(beta2, t))
+    first, amsgrad, decoupled = step == 0, hp["amsgrad"], hp["decoupled_weight_decay"]
+    decay = hp["lr"] * float(wd)
+    if decoupled:
+        scalars = {"bc1": bc1, "bc2": bc2, "eps": eps, "decay": 1.0 - decay}
+    else:
+        b2 = np.sqrt(bc2)
+        scalars = {"cf": b2 / bc1, "eps_b2": eps * b2, "wd": wd}
+    scalars |= {"beta1": beta1, "beta2": beta2, "c1": one - beta1, "c2": one - beta2, "lr": hp["lr"]}
+    k = {name: b.const(float(value), like) for name, value in scalars.items()}
+
+    def kernel(p, g, s, tail):
+        if not decoupled and wd != 0:
+            g = p * k["wd"] + g
+        gg = g * g
+        if first:
+            m, v = g * k["c1"], gg * k["c2"]
+        else:
+            m = s["exp_avg"] * k["beta1"] + g * k["c1"]
+            v = s["exp_avg_sq"] * k["beta2"] + gg * k["c2"]
+        s["exp_avg"][...] = m
+        s["exp_avg_sq"][...] = v
+        if amsgrad:
+            if not (first or "max_exp_avg_sq" not in present):
+                v = b.maximum(s["max_exp_avg_sq"], v)
+            s["max_exp_avg_sq"][...] = v
+        if decoupled:
+            u = (m / k["bc1"]) / (b.sqrt_ieee(v / k["bc2"]) + k["eps"])
+            base = p if decay == 0 else p * k["decay"]
+        else:
+            u = (m * k["cf"]) / (b.sqrt_ieee(v) + k["eps_b2"])
+            base = p
+        p[...] = base - u * k["lr"]
+
+    return kernel, {}, no_tail
+
+
+def _candle(b, hp, step, present, like, vector_width):
+    t = step + 1
+    beta1, beta2, lr = hp["beta1"], hp["beta2"], hp["lr"]
+    scalars = {
+        "beta1": beta1,
+        "c1": 1.0 - beta1,
+        "beta2": beta2,
+        "c2": 1.0 - beta2,
+        "scale_m": 1.0 / (1.0 - powi(beta1, t, np.float64)),
+        "scale_v": 1.0 / (1.0 - powi(beta2, t, np.float64)),
+        "decay": 1.0 - lr * hp["weight_decay"],
+        "eps": hp["eps"],
+        "lr": lr,
+        "one": 1.0,
+        "zero": 0.0,
+    }
+    k = {name: b.const(value, like) for name, value in scalars.items()}
+
+    def affine(x, mul, add="zero"):
+        return x * k[mul] + k[add]
+
+    def kernel(p, g, s, tail):
+        m = affine(s["exp_avg"], "beta1") + affine(g, "c1")
+        v = affine(s["exp_avg_sq"], "beta2") + affine(g * g, "c2")
+        s["exp_avg"][...] = m
+        s["exp_avg_sq"][...] = v
+        update = affine(m, "scale_m") / affine(b.sqrt_ieee(affine(v, "scale_v")), "one", "eps")
+        p[...] = affine(p, "decay") - affine(update, "lr")
+
+    return kernel, {}, no_tail
+
+
+BUILDERS = {TORCH_FUSED: _torch_fused, TORCH: _torch, BURN: _burn, CANDLE: _candle}
+
+step = make_step(BUILDERS, slot_names, "adam")

@@ -1,0 +1,327 @@
+"""Array namespaces for the optimizer kernels: numpy (default), torch (CPU or CUDA), CuPy.
+
+The kernels in :mod:`statekit.optim` are written once against the few operations of
+:class:`Backend`: float32/float64 conversion, a 64-bit integer view, ``where``/``maximum``, two
+flavours of square root, and scalar constants. torch and CuPy are imported only when a caller
+asks for them (by name, by module, or by passing their arrays).
+
+Every arithmetic operation the kernels perform is a single IEEE-754 operation with one rounding
+on all three namespaces, with two traps avoided here:
+
+* ``torch.sqrt`` on float32 CPU tensors is MKL's ``vmsSqrt``, which is not correctly rounded
+  (measured: 0.7 % of inputs on AVX-512 Intel, 17 % on AMD Zen 3, 1 ULP off).
+  :meth:`Backend.sqrt_ieee` therefore takes the square root in float64 and rounds once to
+  float32, which is correctly rounded (53 >= 2*24 + 2, and a faithful float64 root suffices).
+* torch on CUDA divides by a *Python scalar* as a multiplication by its reciprocal. Constants
+  are therefore 0-dim float32 arrays on the array's device (:meth:`Backend.const`), never Python
+  numbers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+import types
+from functools import cache
+
+import numpy as np
+
+from statekit.errors import UsageError
+from statekit.optim import fp
+
+#: Elements per block on host memory. A block's working set (about ten float32 temporaries of
+#: 128 KiB and the float64 FMA scratch) stays in a 2 MiB L2; measured on a 2-core Xeon, 16K-32K
+#: elements beat 64K by 10-30 % and 128K by 40 % (docs/numerics.md).
+HOST_BLOCK = 1 << 15
+#: Elements per block on a GPU, where launch overhead rather than cache size sets the block.
+DEVICE_BLOCK = 1 << 22
+
+
+@cache
+def torch_available() -> bool:
+    """Whether torch can be imported (checked without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+class Backend:
+    """numpy: the reference namespace. Subclasses override what differs for torch and CuPy."""
+
+    name = "numpy"
+    block = HOST_BLOCK
+    float32 = np.float32
+    float64 = np.float64
+    int64 = np.int64
+
+    def __init__(self, module: types.ModuleType = np):
+        self.xp = module
+
+    # -- placement -------------------------------------------------------------------------
+    @property
+    def is_torch_cpu(self) -> bool:
+        """True when the arrays live where torch's CPU kernels would run on them."""
+        return False
+
+    def owns(self, array) -> bool:
+        """Whether ``array`` is an array of this namespace."""
+        return isinstance(array, np.ndarray)
+
+    # -- allocation and conversion ----------------------------------------------------------
+    def to_float32(self, array, copy: bool):
+        """``array`` as a C-contiguous float32 array (a fresh copy when ``copy``)."""
+        return np.array(array, dtype=np.float32, order="C", copy=True if copy else None)
+
+    def is_float32_contiguous(self, array) -> bool:
+        return array.dtype == np.float32 and array.flags.c_contiguous and array.flags.writeable
+
+    def flat(self, array):
+        """A 1-D view of a C-contiguous array."""
+        return array.reshape(-1)
+
+    def numel(self, array) -> int:
+        return int(array.size)
+
+    def full_like(self, array, value: float):
+        return np.full_like(array, value, dtype=np.float32)
+
+    def f32(self, array):
+        return array.astype(np.float32)
+
+    def f64(self, array):
+        return array.astype(np.float64)
+
+    def bits64(self, array64):
+        """The int64 bit pattern of a float64 array (a view)."""
+        return array64.view(np.int64)
+
+    def from_bits64(self, bits):
+        return bits.view(np.float64)
+
+    def const(self, value: float, like):
+        """``value`` rounded to float32, as a scalar usable against ``like``'s arrays."""
+        return np.float32(value)
+
+    # -- element-wise operations that are not operators --------------------------------------
+    def where(self, cond, a, b):
+        return np.where(cond, a, b)
+
+    def maximum(self, a, b):
+        return np.maximum(a, b)
+
+    def any(self, mask) -> bool:
+        return bool(mask.any())
+
+    def sqrt_ieee(self, x):
+        """Correctly rounded float32 square root (numpy's is: it is the SIMD ``sqrtps``)."""
+        return np.sqrt(x)
+
+    def fma32(self, x, y, z):
+        """``x*y + z`` rounded once to float32 (:func:`statekit.optim.fp.fma32`).
+
+        For 1-D numpy blocks (``x`` or ``y`` and ``z`` may be scalars): the same tie test on
+        reused per-thread buffers; blocks with a candidate take the general path.
+        """
+        if np.ndim(x) == 0:
+            x, y = y, x
+        s, t, low, mask, mag = _SCRATCH.get(x.shape[0])
+        # float64 operations on float64 buffers: numpy's mixed float32/float64 loops are slower
+        np.copyto(s, x)
+        s *= _in_float64(y, t)  # exact
+        s += _in_float64(z, t)  # rounded once, in float64
+        np.bitwise_and(s.view(np.int64), fp.LOW29, out=low)
+        tie = np.equal(low, fp.TIE29, out=mask).any()
+        r = s.astype(np.float32)
+        np.abs(r, out=mag)
+        # float32 results under the normal range (zeros included) may hide a float64 tie too
+        if tie or np.less(mag, np.float32(2.0**-126), out=mask).any():
+            return fp.fma32(self, x, y, z)
+        return r
+
+    def sqrt_torch(self, x):
+        """The square root torch's CPU kernels compute (MKL ``vmsSqrt``), via torch itself.
+
+        Falls back to the IEEE root when torch is not installed; :func:`statekit.optim.exactness`
+        reports that case as ``"tolerance"``.
+        """
+        if not torch_available():
+            return np.sqrt(x)
+        torch = importlib.import_module("torch")
+        # MKL threads vmsSqrt internally; waking its threads for every block costs milliseconds
+        # when the cores are busy with numpy, so each call runs on one thread (results do not
+        # depend on the thread count: the root is element-wise).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return torch.from_numpy(np.ascontiguousarray(x)).sqrt().numpy()
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _in_float64(value, buffer):
+    """A scalar as it is; an array copied into the float64 ``buffer`` (returned)."""
+    if np.ndim(value) == 0:
+        return value
+    np.copyto(buffer, value)
+    return buffer
+
+
+class _Scratch(threading.local):
+    """Per-thread float64/int64/bool/float32 buffers for :meth:`Backend.fma32`, grown on demand."""
+
+    size = 0
+
+    def get(self, n: int):
+        if n > self.size:
+            self.size = n
+            self.buffers = [
+                np.empty(n, dtype) for dtype in (np.float64, np.float64, np.int64, np.bool_, np.float32)
+            ]
+        return [buffer[:n] for buffer in self.buffers]
+
+
+_SCRATCH = _Scratch()
+
+
+class TorchBackend(Backend):
+    """torch tensors on one device (CPU or CUDA)."""
+
+    name = "torch"
+
+    def __init__(self, module: types.ModuleType, device=None):
+        super().__init__(module)
+        self.device = module.device(device if device is not None else "cpu")
+        self.block = HOST_BLOCK if self.device.type == "cpu" else DEVICE_BLOCK
+        self.float32, self.float64, self.int64 = module.float32, module.float64, module.int64
+
+    @property
+    def is_torch_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def owns(self, array) -> bool:
+        return isinstance(array, self.xp.Tensor)
+
+    def to_float32(self, array, copy: bool):
+        t = self.xp.as_tensor(array, device=self.device).detach()
+        return t.to(dtype=self.float32, memory_format=self.xp.contiguous_format, copy=copy)
+
+    def is_float32_contiguous(self, array) -> bool:
+        return array.dtype == self.float32 and array.is_contiguous() and array.device == self.device
+
+    def numel(self, array) -> int:
+        return array.numel()
+
+    def full_like(self, array, value: float):
+        return self.xp.full_like(array, value, dtype=self.float32)
+
+    def f32(self, array):
+        return array.to(self.float32)
+
+    def f64(self, array):
+        return array.to(self.float64)
+
+    def bits64(self, array64):
+        return array64.view(self.int64)
+
+    def from_bits64(self, bits):
+        return bits.view(self.float64)
+
+    def const(self, value: float, like):
+        return self.xp.tensor(float(np.float32(value)), dtype=self.float32, device=like.device)
+
+    def where(self, cond, a, b):
+        return self.xp.where(cond, a, b)
+
+    def maximum(self, a, b):
+        return self.xp.maximum(a, b)
+
+    def any(self, mask) -> bool:
+        return bool(mask.any())
+
+    def sqrt_ieee(self, x):
+        return x.to(self.float64).sqrt().to(self.float32)
+
+    def fma32(self, x, y, z):
+        return fp.fma32(self, x, y, z)
+
+    def sqrt_torch(self, x):
+        return x.sqrt()
+
+
+class CupyBackend(Backend):
+    """CuPy arrays on the current CUDA device."""
+
+    name = "cupy"
+    block = DEVICE_BLOCK
+
+    def __init__(self, module: types.ModuleType):
+        super().__init__(module)
+        self.float32, self.float64, self.int64 = module.float32, module.float64, module.int64
+
+    def owns(self, array) -> bool:
+        return isinstance(array, self.xp.ndarray)
+
+    def to_float32(self, array, copy: bool):
+        return self.xp.array(array, dtype=self.float32, order="C", copy=copy)
+
+    def is_float32_contiguous(self, array) -> bool:
+        return array.dtype == self.float32 and array.flags.c_contiguous
+
+    def full_like(self, array, value: float):
+        return self.xp.full_like(array, value, dtype=self.float32)
+
+    def f32(self, array):
+        return array.astype(self.float32)
+
+    def f64(self, array):
+        return array.astype(self.float64)
+
+    def bits64(self, array64):
+        return array64.view(self.int64)
+
+    def from_bits64(self, bits):
+        return bits.view(self.float64)
+
+    def where(self, cond, a, b):
+        return self.xp.where(cond, a, b)
+
+    def maximum(self, a, b):
+        return self.xp.maximum(a, b)
+
+    def sqrt_ieee(self, x):
+        return self.xp.sqrt(x.astype(self.float64)).astype(self.float32)
+
+    def fma32(self, x, y, z):
+        return fp.fma32(self, x, y, z)
+
+    def sqrt_torch(self, x):
+        return self.xp.sqrt(x)
+
+
+_NAMES = {"numpy": "numpy", "np": "numpy", "torch": "torch", "cupy": "cupy", "cp": "cupy"}
+
+
+def get_backend(xp=None, like=None) -> Backend:
+    """The :class:`Backend` for ``xp`` (a Backend, a module, or a name), else for ``like``'s type.
+
+    ``xp=None`` infers the namespace from ``like`` (numpy when ``like`` is not a torch tensor
+    or CuPy array). For torch, the device is ``like``'s device (CPU when there is no ``like``).
+    """
+    if isinstance(xp, Backend):
+        return xp
+    if xp is None:
+        root = type(like).__module__.split(".")[0] if like is not None else "numpy"
+        name = root if root in ("torch", "cupy") else "numpy"
+    else:
+        key = xp.__name__ if isinstance(xp, types.ModuleType) else str(xp)
+        if key not in _NAMES:
+            raise UsageError(f"unknown array namespace {key!r} (use numpy, torch or cupy)")
+        name = _NAMES[key]
+    if name == "numpy":
+        return Backend(np)
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        raise UsageError(f"array namespace {name!r} was asked for but is not installed") from exc
+    if name == "torch":
+        return TorchBackend(module, like.device if like is not None else None)
+    return CupyBackend(module)

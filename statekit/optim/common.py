@@ -1,0 +1,92 @@
+"""Pieces shared by the algorithm modules: the step entry point, torch's lerp, flavour names.
+
+Every algorithm module exposes ``step(param, grad, slots, step, hp, flavor, xp=None, *,
+inplace=False, vector_width=None) -> (param, slots, step)`` built with :func:`make_step` from a
+table of *builders*, one per flavour. A builder receives the backend, the complete
+hyperparameters (see :mod:`statekit.optim.registry` for names and defaults), the number of
+steps already taken, the set of slots the caller supplied and a reference array, and returns
+``(kernel, init, tail)``: the block kernel (:mod:`statekit.optim.driver`), initial values for
+missing slots, and how many trailing elements torch's fused scalar loop handles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from statekit.errors import UsageError
+from statekit.optim import driver
+from statekit.optim.backend import Backend, get_backend
+from statekit.optim.fp import f32
+
+TORCH_FUSED = "torch-fused"
+TORCH = "torch"
+BURN = "burn"
+CANDLE = "candle"
+FLAVORS = (TORCH_FUSED, TORCH, BURN, CANDLE)
+
+
+def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm: str):
+    """The public ``step`` function of one algorithm, dispatching on the flavour."""
+
+    def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None):
+        if flavor not in builders:
+            raise UsageError(f"{algorithm} has no flavour {flavor!r} (has {', '.join(builders)})")
+        b = get_backend(xp, like=param)
+        names = slot_names(hp, flavor)
+        present = frozenset(slots)
+        kernel, init, tail = builders[flavor](b, hp, int(step), present, param, vector_width)
+        p, g, s, shape = driver.prepare(b, param, grad, slots, names, init, inplace)
+        driver.run(b, kernel, p, g, s, tail(b.numel(p)))
+        return p.reshape(shape), {name: s[name].reshape(shape) for name in names}, int(step) + 1
+
+    step.__name__ = f"{algorithm}_step"
+    step.__doc__ = f"""One {algorithm} step; see :mod:`statekit.optim.{algorithm}` for the flavours.
+
+    ``param``, ``grad`` and the ``slots`` arrays (PyTorch's state names) share one shape;
+    ``step`` is the number of steps already taken (PyTorch's ``state['step']``, burn's
+    ``time``, candle's ``step_t``) and the returned step is ``step + 1``. ``hp`` must hold
+    every hyperparameter of the algorithm, already checked against what the flavour supports
+    (:func:`statekit.optim.step` fills the framework's defaults and checks). Missing slots
+    start at their initial value (a first step). Without ``inplace`` the inputs are not
+    modified; with it, ``param`` and the slots (writable float32 C-contiguous arrays of the
+    namespace) are updated in place and returned. ``vector_width`` applies to ``torch-fused``
+    only (:func:`fused_vector_width`).
+    """
+    return step
+
+
+def no_tail(numel: int) -> int:
+    return 0
+
+
+def tail_of(width: int) -> Callable[[int], int]:
+    """The size of the scalar tail of torch's fused CPU loop: the last ``numel % width``."""
+    return lambda numel: numel % width
+
+
+def fused_vector_width(vector_width: int | None) -> int:
+    """Floats per SIMD vector in torch's fused CPU kernels; ``None`` means 8.
+
+    On x86-64 these kernels exist for AVX2 only (they are registered with
+    ``REGISTER_DISPATCH``, which gives AVX-512 CPUs the AVX2 kernel: measured on an AVX-512
+    Xeon), so the width is 8 wherever torch runs them with FMA. Another width (one that divides
+    the 16-float parallel chunk) can be given for other builds.
+    """
+    if vector_width is None:
+        return 8
+    if vector_width not in (1, 2, 4, 8, 16):
+        raise UsageError(f"vector_width must divide 16 (torch's 64-byte chunk), not {vector_width}")
+    return vector_width
+
+
+def lerp(b: Backend, start, end, weight: float, like):
+    """torch's ``start.lerp(end, weight)`` for float32 (vector and scalar loops agree).
+
+    The weight is rounded to float32; below 0.5 in magnitude the result is
+    ``fma(w, end - start, start)``, otherwise ``fma(w - 1, end - start, end)``.
+    """
+    w = f32(weight)
+    diff = end - start
+    if abs(w) < 0.5:
+        return b.fma32(b.const(w, like), diff, start)
+    return b.fma32(b.const(f32(w - 1.0), like), diff, end)

@@ -1,0 +1,63 @@
+"""Run a block kernel over a parameter and its state, a cache-sized block at a time.
+
+A *kernel* is ``kernel(p, g, s, tail) -> None``: ``p``, ``g`` and the values of ``s`` (slot name
+→ array) are 1-D views of one block, and the kernel writes the new ``p`` and slots into them
+(``p[...] = new``). ``tail`` is True only for the last ``tail`` elements of the whole tensor,
+which torch's fused CPU kernels handle with scalar code (see :mod:`statekit.optim.adam`); block
+boundaries never split the vector body from that tail, so blocking does not change results.
+
+Memory stays bounded: the kernels' temporaries are block-sized, and with ``inplace=True`` the
+only full-size arrays are the caller's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from statekit.errors import UsageError
+from statekit.optim.backend import Backend
+
+Kernel = Callable[..., None]
+
+
+def prepare(b: Backend, param, grad, slots: Mapping, names, init: Mapping[str, float], inplace: bool):
+    """Float32 C-contiguous ``(param, grad, slots)`` for :func:`run`, plus the original shape.
+
+    Slots in ``names`` that ``slots`` lacks are created filled with ``init.get(name, 0.0)``;
+    slots outside ``names`` are refused. Without ``inplace`` the parameter and slots are copies;
+    with it they must already be writable float32 C-contiguous arrays of ``b``, and are updated
+    in place.
+    """
+    unknown = sorted(set(slots) - set(names))
+    if unknown:
+        raise UsageError(f"unexpected optimizer state slots {unknown}; expected {list(names)}")
+    shape = tuple(param.shape)
+    if tuple(grad.shape) != shape:
+        raise UsageError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {shape}")
+    for name, value in slots.items():
+        if tuple(value.shape) != shape:
+            raise UsageError(f"state {name!r} has shape {tuple(value.shape)}, parameter has {shape}")
+    if inplace:
+        for name, value in [("param", param), *slots.items()]:
+            if not (b.owns(value) and b.is_float32_contiguous(value)):
+                raise UsageError(f"inplace=True needs {name!r} as a writable float32 C-contiguous array")
+    p = b.to_float32(param, copy=not inplace)
+    s = {name: b.to_float32(value, copy=not inplace) for name, value in slots.items()}
+    for name in names:
+        if name not in s:
+            s[name] = b.full_like(p, init.get(name, 0.0))
+    g = b.to_float32(grad, copy=False)
+    return p, g, s, shape
+
+
+def run(b: Backend, kernel: Kernel, p, g, s: dict, tail: int = 0) -> None:
+    """Apply ``kernel`` to ``(p, g, s)`` block by block; the last ``tail`` elements go alone."""
+    pf, gf = b.flat(p), b.flat(g)
+    sf = {name: b.flat(value) for name, value in s.items()}
+    n = pf.shape[0]
+    body = n - tail
+    for start in range(0, body, b.block):
+        stop = min(start + b.block, body)
+        kernel(pf[start:stop], gf[start:stop], {k: v[start:stop] for k, v in sf.items()}, False)
+    if tail:
+        kernel(pf[body:], gf[body:], {k: v[body:] for k, v in sf.items()}, True)

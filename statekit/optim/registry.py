@@ -1,0 +1,269 @@
+"""The one table of optimizer algorithms, their flavours, hyperparameters and state slots.
+
+Names are framework-neutral (PyTorch's): state slots ``exp_avg exp_avg_sq max_exp_avg_sq
+momentum_buffer square_avg grad_avg sum`` (+ Adan's ``exp_avg_diff neg_pre_grad``, burn
+RMSProp's ``avg``); hyperparameters ``lr beta1 beta2 beta3 eps weight_decay amsgrad maximize
+decoupled_weight_decay momentum dampening nesterov alpha centered lr_decay
+initial_accumulator_value no_prox`` (torch's ``betas`` tuple is split into ``beta1``/``beta2``).
+The step count is an int held beside the slots: the number of steps already taken.
+
+Each algorithm lists, per framework, every hyperparameter with that framework's default
+(``None``: no default, the caller must give it: burn's learning rate lives outside its
+optimizer) and the hyperparameters the framework cannot change (``fixed``). A flavour uses its
+framework's column: ``torch`` and ``torch-fused`` → torch, ``burn`` → burn, ``candle`` → candle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from statekit.errors import UsageError
+from statekit.optim import adagrad, adam, adan, rmsprop, sgd
+from statekit.optim.backend import get_backend, torch_available
+from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FUSED
+
+BIT_EXACT = "bit-exact"
+TOLERANCE = "tolerance"
+
+FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", BURN: "burn", CANDLE: "candle"}
+
+
+@dataclass(frozen=True)
+class Framework:
+    """One framework's hyperparameter defaults for an algorithm (``None``: required)."""
+
+    defaults: Mapping[str, object]
+    fixed: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm: its step function, state slots, flavours and per-framework defaults."""
+
+    name: str
+    step: Callable
+    slot_names: Callable[[Mapping, str], tuple[str, ...]]
+    flavors: tuple[str, ...]
+    frameworks: Mapping[str, Framework]
+
+
+def _adam_defaults(**overrides) -> dict:
+    base = dict(
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        maximize=False,
+        decoupled_weight_decay=False,
+    )
+    return base | overrides
+
+
+_FIXED_MAXIMIZE = frozenset({"maximize"})
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "adam": Algorithm(
+        "adam",
+        adam.step,
+        adam.slot_names,
+        (TORCH_FUSED, TORCH, BURN),
+        {
+            "torch": Framework(_adam_defaults()),
+            "burn": Framework(_adam_defaults(lr=None, eps=1e-5), _FIXED_MAXIMIZE),
+        },
+    ),
+    "adamw": Algorithm(
+        "adamw",
+        adam.step,
+        adam.slot_names,
+        (TORCH_FUSED, TORCH, BURN, CANDLE),
+        {
+            "torch": Framework(_adam_defaults(weight_decay=1e-2, decoupled_weight_decay=True)),
+            "burn": Framework(
+                _adam_defaults(lr=None, eps=1e-5, weight_decay=1e-4, decoupled_weight_decay=True),
+                _FIXED_MAXIMIZE,
+            ),
+            "candle": Framework(
+                _adam_defaults(weight_decay=1e-2, decoupled_weight_decay=True),
+                frozenset({"amsgrad", "maximize", "decoupled_weight_decay"}),
+            ),
+        },
+    ),
+    "sgd": Algorithm(
+        "sgd",
+        sgd.step,
+        sgd.slot_names,
+        (TORCH_FUSED, TORCH, BURN),
+        {
+            "torch": Framework(
+                dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+            ),
+            "burn": Framework(
+                dict(lr=None, momentum=0.0, dampening=0.1, weight_decay=0.0, nesterov=False, maximize=False),
+                _FIXED_MAXIMIZE,
+            ),
+        },
+    ),
+    "rmsprop": Algorithm(
+        "rmsprop",
+        rmsprop.step,
+        rmsprop.slot_names,
+        (TORCH, BURN),
+        {
+            "torch": Framework(
+                dict(
+                    lr=1e-2,
+                    alpha=0.99,
+                    eps=1e-8,
+                    weight_decay=0.0,
+                    momentum=0.0,
+                    centered=False,
+                    maximize=False,
+                )
+            ),
+            "burn": Framework(
+                dict(
+                    lr=None,
+                    alpha=0.99,
+                    eps=1e-5,
+                    weight_decay=0.0,
+                    momentum=0.9,
+                    centered=False,
+                    maximize=False,
+                ),
+                _FIXED_MAXIMIZE,
+            ),
+        },
+    ),
+    "adagrad": Algorithm(
+        "adagrad",
+        adagrad.step,
+        adagrad.slot_names,
+        (TORCH_FUSED, TORCH, BURN),
+        {
+            "torch": Framework(
+                dict(
+                    lr=1e-2,
+                    lr_decay=0.0,
+                    weight_decay=0.0,
+                    eps=1e-10,
+                    initial_accumulator_value=0.0,
+                    maximize=False,
+                )
+            ),
+            "burn": Framework(
+                dict(
+                    lr=None,
+                    lr_decay=0.0,
+                    weight_decay=0.0,
+                    eps=1e-5,
+                    initial_accumulator_value=0.0,
+                    maximize=False,
+                ),
+                frozenset({"initial_accumulator_value", "maximize"}),
+            ),
+        },
+    ),
+    "adan": Algorithm(
+        "adan",
+        adan.step,
+        adan.slot_names,
+        (BURN,),
+        {
+            "burn": Framework(
+                dict(lr=None, beta1=0.98, beta2=0.92, beta3=0.99, eps=1e-8, weight_decay=0.0, no_prox=False)
+            ),
+        },
+    ),
+}
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The :class:`Algorithm` called ``name``."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise UsageError(f"unknown optimizer {name!r} (known: {', '.join(ALGORITHMS)})") from None
+
+
+def resolve(name: str, flavor: str, hp: Mapping | None = None) -> dict:
+    """The complete hyperparameters of ``name`` for ``flavor``: ``hp`` over the framework's defaults.
+
+    Refuses unknown names, missing required values and values the framework cannot express.
+    """
+    algo = get_algorithm(name)
+    if flavor not in algo.flavors:
+        raise UsageError(f"{name} has no {flavor!r} flavour (has {', '.join(algo.flavors)})")
+    framework = algo.frameworks[FRAMEWORK_OF[flavor]]
+    hp = dict(hp or {})
+    unknown = sorted(set(hp) - set(framework.defaults))
+    if unknown:
+        raise UsageError(f"unknown {name} hyperparameters {unknown} (known: {', '.join(framework.defaults)})")
+    for key in framework.fixed & set(hp):
+        if hp[key] != framework.defaults[key]:
+            raise UsageError(f"{flavor} {name} cannot use {key}={hp[key]!r}")
+    full = framework.defaults | hp
+    missing = sorted(key for key, value in full.items() if value is None)
+    if missing:
+        raise UsageError(f"{flavor} {name} needs {', '.join(missing)} (the framework has no default)")
+    return full
+
+
+def slot_names(name: str, flavor: str, hp: Mapping | None = None) -> tuple[str, ...]:
+    """The state slots ``name`` keeps under ``flavor`` with these hyperparameters."""
+    return get_algorithm(name).slot_names(resolve(name, flavor, hp), flavor)
+
+
+def step(
+    name: str,
+    param,
+    grad,
+    slots: Mapping | None = None,
+    step: int = 0,
+    hp: Mapping | None = None,
+    flavor: str = TORCH,
+    xp=None,
+    *,
+    inplace: bool = False,
+    vector_width: int | None = None,
+):
+    """One optimizer step: ``(new_param, new_slots, new_step)``.
+
+    ``name`` is a key of :data:`ALGORITHMS`; ``hp`` is completed with the defaults of the
+    flavour's framework (:func:`resolve`); ``slots`` maps slot names to arrays of ``param``'s
+    shape (missing ones start fresh); ``step`` counts the steps already taken. ``xp`` chooses
+    the array namespace (numpy, torch, cupy; default: that of ``param``). See the algorithm
+    modules for each flavour's arithmetic and :func:`exactness` for what it reproduces.
+    """
+    full = resolve(name, flavor, hp)
+    return get_algorithm(name).step(
+        param, grad, dict(slots or {}), step, full, flavor, xp, inplace=inplace, vector_width=vector_width
+    )
+
+
+def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
+    """``"bit-exact"`` or ``"tolerance"``: how ``flavor`` on namespace ``xp`` matches its reference.
+
+    * ``torch-fused``: bit-exact to torch's fused CPU kernel (AVX2 kernel, the one x86-64 CPUs
+      with AVX2 or AVX-512 run) on every namespace: the replica uses only IEEE operations and
+      an exact FMA emulation.
+    * ``torch``: bit-exact to ``torch.optim`` with ``foreach=False``/``True`` on CPU when the
+      square root is torch's own, i.e. on numpy with torch installed or on torch CPU tensors;
+      otherwise (no torch, CUDA, CuPy) the IEEE root differs by 1 ULP on some inputs and the
+      result is within the tolerance of :mod:`statekit.optim.tolerance`. SGD has no square
+      root: always bit-exact.
+    * ``burn`` / ``candle``: bit-exact to the modelled reference (burn's ndarray backend,
+      candle's CPU backend without ``mkl``: one IEEE rounding per tensor op), which was
+      reconstructed from their sources, not run.
+    """
+    if flavor not in FLAVORS:
+        raise UsageError(f"unknown flavour {flavor!r} (known: {', '.join(FLAVORS)})")
+    if flavor != TORCH or algorithm == "sgd":
+        return BIT_EXACT
+    b = get_backend(xp)
+    if b.is_torch_cpu or (b.name == "numpy" and torch_available()):
+        return BIT_EXACT
+    return TOLERANCE
