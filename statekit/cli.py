@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
 from statekit.errors import StatekitError, UsageError
@@ -20,12 +19,15 @@ from statekit.output import Output, error_line
 app = typer.Typer(
     name="statekit",
     help=(
-        "See, move and replay optimizer state: burn burnpack (.bpk), PyTorch (.pt), "
-        "burn .mpk/.bin records and safetensors.\n\n"
-        "Examples:\n\n"
-        "  statekit inspect optim-10.bpk            # one row per parameter\n\n"
-        "  statekit inspect optim-10.bpk --json     # the same for scripts\n\n"
-        "  statekit convert optim-10.bpk copy.bpk   # rewrite (byte-identical for burn's files)"
+        "See, move and replay optimizer state: burn burnpack (.bpk), burn <= 0.21 records "
+        "(.mpk/.bin), PyTorch (.pt), candle and safetensors.\n\n"
+        "\b\n"
+        "  statekit inspect optim-10.bpk                    one row per parameter (--json for scripts)\n"
+        "  statekit doctor optim-10.bpk --model model.bpk   what would break at resume\n"
+        "  statekit convert optim-10.bpk opt.pt --optimizer adam --names names.txt --transpose '*.weight'\n"
+        "  statekit remap optim-10.bpk --model new.bpk -o new-optim.bpk --rename 'enc\\.=encoder.'\n"
+        "  statekit verify-resume optim-10.bpk opt.pt       does the converted state resume the same?\n\n"
+        "Errors are one line on stderr (exit 1; usage errors 2); STATEKIT_DEBUG=1 shows tracebacks."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -36,6 +38,21 @@ app = typer.Typer(
 FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, PyTorch .pt, burn .mpk/.bin or safetensors file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 KeyOpt = Annotated[str | None, typer.Option("--key", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from statekit import __version__
+
+        print(f"statekit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    pass
 
 
 @app.command()
@@ -344,7 +361,7 @@ def _errors_exit_2(run):
         err = StatekitError(exc.strerror or str(exc), exc.filename)
         err.exit_code = 2
         raise err from None
-    except (KeyboardInterrupt, click.ClickException):
+    except KeyboardInterrupt:
         raise
     except Exception as exc:
         if os.environ.get("STATEKIT_DEBUG"):
@@ -445,7 +462,7 @@ def _click_exception(exc: BaseException) -> int | None:
     if name == "Abort":
         error_line("aborted")
         return 130
-    if isinstance(exc, click.ClickException) or (hasattr(exc, "show") and hasattr(exc, "exit_code")):
+    if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click's (typer vendors its own click)
         exc.show()
         return exc.exit_code
     return None

@@ -297,6 +297,9 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         if given.get("amsgrad") and not has_max:
             raise MappingError("--amsgrad, but the state holds no max_exp_avg_sq moments; torch would fail at step()")
         given.setdefault("amsgrad", has_max)
+    if family == "sgd" and src_fw == "burn" and not any("momentum_buffer" in p.slots for p in state.params):
+        given.setdefault("momentum", 0.0)  # burn SGD without momentum keeps no state at all
+        given.setdefault("dampening", 0.0)
     if family == "rmsprop" and src_fw == "burn":
         given.setdefault("centered", any("grad_avg" in p.slots for p in state.params))
         if not any("momentum_buffer" in p.slots for p in state.params):

@@ -128,19 +128,24 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
             plan.step_policy = opts.step_policy
-        if plan_out:
-            from statekit.atomic import atomic_write
+        return carry_out(plan, state, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out)
 
-            with atomic_write(plan_out) as fh:
-                fh.write(plan.dumps().encode() + b"\n")
-        show_plan(plan, out)
-        if dry_run:
-            out.info("dry run: nothing written")
-            return Result(plan, None)
-        with out.progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
-            size = write(plan, state, dst, progress=advance)
-        out.info(f"wrote {dst} ({size} bytes)")
-        return Result(plan, size)
+
+def carry_out(plan: Plan, state, nbytes: int, out: Output, *, dry_run: bool, plan_out: str | None) -> Result:
+    """Save the plan if asked, show it, and (unless a dry run) write the target."""
+    if plan_out:
+        from statekit.atomic import atomic_write
+
+        with atomic_write(plan_out) as fh:
+            fh.write(plan.dumps().encode() + b"\n")
+    show_plan(plan, out)
+    if dry_run:
+        out.info("dry run: nothing written")
+        return Result(plan, None)
+    with out.progress("writing", nbytes, unit_bytes=True) as advance:
+        size = write(plan, state, plan.target, progress=advance)
+    out.info(f"wrote {plan.target} ({size} bytes)")
+    return Result(plan, size)
 
 
 def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run: bool, out: Output) -> Result:

@@ -13,8 +13,7 @@ import os
 from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.ops.build import Options, build_plan
-from statekit.ops.convert import Result, name_source_params, output_format, show_plan
-from statekit.ops.execute import write
+from statekit.ops.convert import Result, carry_out, name_source_params, output_format
 from statekit.ops.plan import Plan
 from statekit.output import Output
 
@@ -43,16 +42,4 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
             plan.warnings.append(f"dropped (not in the new model): {', '.join(map(str, dropped))}")
         if new:
             plan.warnings.append(f"new without state (initialised at their first step): {', '.join(map(str, new))}")
-        if plan_out:
-            from statekit.atomic import atomic_write
-
-            with atomic_write(plan_out) as fh:
-                fh.write(plan.dumps().encode() + b"\n")
-        show_plan(plan, out)
-        if dry_run:
-            out.info("dry run: nothing written")
-            return Result(plan, None)
-        with out.progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
-            size = write(plan, ckpt.optimizer, out_path, progress=advance)
-        out.info(f"wrote {out_path} ({size} bytes)")
-        return Result(plan, size)
+        return carry_out(plan, ckpt.optimizer, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out)
