@@ -59,6 +59,8 @@ def _main(
 def inspect(
     file: FileArg,
     stats: Annotated[bool, typer.Option("--stats", help="Add min/max/mean/RMS and NaN/Inf counts per field (reads all data).")] = False,
+    param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Show only this parameter: a path, a ParamId (decimal or the 13-character form) or #index; repeatable.")] = None,
+    names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions (model.named_parameters() order).")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -67,6 +69,9 @@ def inspect(
     Reads only the header and metadata unless --stats is given. Parameters are grouped by module
     prefix with element and byte totals. burn ids are shown in both spellings (decimal u64 and
     the 13-character form burn prints).
+
+    \b
+      statekit inspect optim-10.bpk --param 6j5mg0dcb1hvu --stats
     """
     from statekit import io
     from statekit.ops.inspect import inspect as describe
@@ -74,9 +79,14 @@ def inspect(
 
     out = Output(json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
+        if names and ckpt.optimizer is not None:
+            from statekit.ops.build import Options
+            from statekit.ops.convert import name_source_params, read_names
+
+            name_source_params(ckpt.optimizer, Options(names=read_names(str(names))), str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
-            result = describe(ckpt, stats=stats, on_param=advance)
+            result = describe(ckpt, stats=stats, on_param=advance, only=param)
     if json_out:
         out.json(result)
     else:

@@ -140,3 +140,16 @@ def test_help_does_not_import_torch():
 
     code = "import sys; from statekit.cli import app; import statekit.io; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["l1.weight", "18402649998147242804", "6j5mg0dcb1hvu", "6J5MG0DCB1HVU"])
+def test_param_accepts_every_spelling(cli, name):
+    d = json.loads(cli("inspect", "fixtures/hand-optim.bpk", "--param", name, "--json").stdout)
+    assert [p["path"] for p in d["params"]] == ["l1.weight"]
+
+
+def test_param_on_a_model_and_unknown_names(cli):
+    d = json.loads(cli("inspect", "fixtures/burn/mnist-model.bpk", "-p", "e4gfnnsqgnlo6", "--json").stdout)
+    assert [p["path"] for p in d["params"]] == ["conv1.conv.bias"]
+    r = cli("inspect", "fixtures/hand-optim.bpk", "-p", "l3.weight")
+    assert r.returncode == 1 and "'l3.weight'" in r.stderr

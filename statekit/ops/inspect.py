@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from statekit import dtypes, naming
+from statekit import dtypes, naming, paramid
+from statekit.errors import StatekitError
 from statekit.state import Checkpoint, OptimizerState, ParamState
 from statekit.tensor import TensorRef
 
@@ -85,8 +86,36 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False) ->
     return out
 
 
-def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] | None = None) -> dict:
-    """The description of ``ckpt`` that ``statekit inspect --json`` prints."""
+def select(ckpt: Checkpoint, only: list[str] | None) -> set[int] | None:
+    """Positions of the parameters a user named (path, either ParamId spelling, key or #index)."""
+    if not only:
+        return None
+    chosen: set[int] = set()
+    for name in only:
+        if ckpt.optimizer is not None:
+            try:
+                chosen.add(ckpt.optimizer.params.index(ckpt.optimizer.find(name)))
+                continue
+            except KeyError:
+                pass
+        elif ckpt.model is not None:
+            try:
+                wanted = paramid.parse(name)
+            except ValueError:
+                wanted = None
+            hits = [i for i, m in enumerate(ckpt.model.params) if name == m.path or (wanted is not None and m.id == wanted)]
+            if hits:
+                chosen.update(hits)
+                continue
+        raise StatekitError(f"no parameter {name!r} (give a path, a decimal or 13-character ParamId, or #index)",
+                            ckpt.path)
+    return chosen
+
+
+def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] | None = None,
+            only: list[str] | None = None) -> dict:
+    """The description of ``ckpt`` that ``statekit inspect --json`` prints (``only``: a selection)."""
+    chosen = select(ckpt, only)
     out: dict = {
         "path": ckpt.path,
         "format": ckpt.format,
@@ -111,8 +140,9 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes)
         out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
-        for p in state.params:
-            out["params"].append(describe_param(state, p, stats))
+        for i, p in enumerate(state.params):
+            if chosen is None or i in chosen:
+                out["params"].append(describe_param(state, p, stats))
             if on_param:
                 on_param()
         if state.global_slots or state.global_scalars:
@@ -123,7 +153,9 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         if ckpt.format == "burnpack" and not state.hyperparams_stored:
             out["notes"].append("burn optimizer files store no hyperparameters (lr, betas, eps, decay)")
     elif ckpt.model is not None:
-        for m in ckpt.model.params:
+        for i, m in enumerate(ckpt.model.params):
+            if chosen is not None and i not in chosen:
+                continue
             item = {"id": None if m.id is None else str(m.id), "display_id": m.display_id, "path": m.path,
                     "rank": len(m.shape), "shape": list(m.shape), "dtype": m.dtype}
             if m.buffer:
