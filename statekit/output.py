@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 
 def _jsonable(value: object) -> object:
@@ -42,17 +43,18 @@ class Output:
         sys.stdout.write(json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
 
     def print(self, *objects: object) -> None:
+        """Tables fit the width; lines of text are never wrapped (scripts grep them)."""
         if not self.json_mode and not self.quiet:
-            self.console.print(*objects)
+            self.console.print(*objects, soft_wrap=all(isinstance(o, str | Text) for o in objects))
 
     def info(self, message: str) -> None:
         """A remark for humans (stderr in JSON mode so stdout stays parseable)."""
         if self.quiet:
             return
-        (self.err if self.json_mode else self.console).print(message)
+        (self.err if self.json_mode else self.console).print(Text(message), soft_wrap=True)
 
     def warn(self, message: str) -> None:
-        self.err.print(f"[yellow]warning:[/yellow] {message}")
+        self.err.print(Text("warning: ", style="yellow") + Text(message), soft_wrap=True)
 
     @contextlib.contextmanager
     def progress(self, description: str, total: int | None, unit_bytes: bool = False) -> Iterator:
