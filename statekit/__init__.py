@@ -1,3 +1,20 @@
-"""statekit: see, move and replay optimizer state (burn, PyTorch, candle/safetensors)."""
+"""statekit: see, move and replay optimizer state (burn, PyTorch, candle/safetensors).
+
+The Python API (:mod:`statekit.api`) mirrors the command line: ``statekit.open``,
+``statekit.inspect``, ``statekit.convert``, ``statekit.remap``, ``statekit.diff``,
+``statekit.merge``, ``statekit.doctor``, ``statekit.verify_resume``; the compute core is
+``statekit.optim``. Nothing heavy is imported until used.
+"""
 
 __version__ = "0.1.0"
+
+_API = ("open", "inspect", "convert", "remap", "diff", "merge", "doctor", "verify_resume")
+__all__ = [*_API, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from statekit import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'statekit' has no attribute {name!r}")
