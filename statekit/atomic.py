@@ -27,7 +27,10 @@ def _mode_for(path: str) -> int:
 def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    except OSError as exc:  # name the file the user asked for, not the temporary one
+        raise OSError(exc.errno, f"cannot write there: {exc.strerror}", path) from None
     try:
         with os.fdopen(fd, "wb") as fh:
             yield fh

@@ -23,7 +23,6 @@ FORMATS_BY_EXTENSION = {
     ".bpk": "burnpack",
     ".pt": "torch",
     ".pth": "torch",
-    ".bin": "torch",
     ".safetensors": "safetensors",
 }
 TARGET_FORMATS = ("burnpack", "torch", "safetensors", "candle")

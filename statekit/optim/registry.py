@@ -208,7 +208,8 @@ def resolve(name: str, flavor: str, hp: Mapping | None = None) -> dict:
     full = framework.defaults | hp
     missing = sorted(key for key, value in full.items() if value is None)
     if missing:
-        raise UsageError(f"{flavor} {name} needs {', '.join(missing)} (the framework has no default)")
+        flags = ", ".join(f"--{m.replace('_', '-')}" for m in missing)
+        raise UsageError(f"{flavor} {name} needs {', '.join(missing)}: the framework has no default (give {flags})")
     return full
 
 
