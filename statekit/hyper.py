@@ -124,11 +124,36 @@ def to_metadata(family: str, values: dict[str, object]) -> dict[str, str]:
     return out
 
 
+GROUPS_KEY = "statekit.groups"
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]]) -> dict[str, str]:
+    """Several parameter groups (hyperparameters and member ParamIds) as one metadata entry."""
+    skip = ("params", "param_names", "foreach", "fused", "capturable", "differentiable")
+    payload = [{"hyperparams": {k: _plain(v) for k, v in g.items() if k not in skip}, "params": ids}
+               for g, ids in zip(groups, members, strict=True)]
+    return {GROUPS_KEY: json.dumps(payload, separators=(",", ":"))}
+
+
+def groups_from_metadata(metadata: dict[str, str]) -> list[tuple[dict[str, object], list[str]]]:
+    """The groups :func:`groups_to_metadata` stored ([] when none or unreadable)."""
+    try:
+        payload = json.loads(metadata.get(GROUPS_KEY, "[]"))
+        return [({k: tuple(v) if isinstance(v, list) else v for k, v in g["hyperparams"].items()},
+                 [str(i) for i in g["params"]]) for g in payload]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return []
+
+
 def from_metadata(metadata: dict[str, str]) -> tuple[str | None, dict[str, object]]:
     family = metadata.get("statekit.optimizer")
     values: dict[str, object] = {}
     for key, text in metadata.items():
-        if key.startswith("statekit.") and key != "statekit.optimizer":
+        if key.startswith("statekit.") and key not in ("statekit.optimizer", GROUPS_KEY):
             try:
                 value = json.loads(text)
             except json.JSONDecodeError:

@@ -225,3 +225,41 @@ def test_every_real_torch_fixture_inspects_or_fails_cleanly(path, cli):
         json.loads(r.stdout)
     else:
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_two_param_groups_survive_a_round_trip_through_burn(tmp_path, cli):
+    data = batches(12)
+    model = mlp()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+
+    def make(m):
+        ps = dict(m.named_parameters())
+        return torch.optim.AdamW([{"params": [ps["0.weight"], ps["2.weight"]], "weight_decay": 0.1},
+                                  {"params": [ps["0.bias"], ps["2.bias"]], "weight_decay": 0.0, "lr": 1e-2}], lr=3e-3)
+
+    assert decay and no_decay
+    opt = make(model)
+    train(model, opt, data[:4])
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    names = tmp_path / "names.txt"  # the optimizer's own order: group 0, then group 1
+    names.write_text("0.weight\n2.weight\n0.bias\n2.bias\n")
+    train(model, opt, data[4:])
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    assert cli("convert", tmp_path / "ckpt.pt", tmp_path / "o.bpk", "--names", names, "--transpose", "*.weight").returncode == 0
+    d = json.loads(cli("inspect", tmp_path / "o.bpk", "--json").stdout)
+    assert [g["params"] for g in d["groups"]] == [2, 2]
+    r = cli("convert", tmp_path / "o.bpk", tmp_path / "back.pt", "--names", names, "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert [g["weight_decay"] for g in back["param_groups"]] == [0.1, 0.0]
+    assert [g["lr"] for g in back["param_groups"]] == [3e-3, 1e-2]
+
+    resumed = mlp()
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"])
+    opt2 = make(resumed)
+    opt2.load_state_dict(back)
+    train(resumed, opt2, data[4:])
+    for a, b in zip(expected, resumed.parameters(), strict=True):
+        assert torch.equal(a, b.detach())

@@ -150,7 +150,16 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.family, state.candidates = stored_family, (stored_family,)
         state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
         state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
-    state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+    stored_groups = hyper.groups_from_metadata(pack.metadata)
+    if stored_groups:  # several parameter groups, kept by statekit (burn itself has none in the file)
+        state.groups = [ParamGroup(hyperparams=g, keys=[k for k in keys if k in params]) for g, keys in stored_groups]
+        for index, group in enumerate(state.groups):
+            for key in group.keys:
+                params[key].group = index
+        grouped = {k for g in state.groups for k in g.keys}
+        state.groups[0].keys += [k for k in params if k not in grouped]
+    else:
+        state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
     return state
 
 

@@ -305,7 +305,13 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         if not any("momentum_buffer" in p.slots for p in state.params):
             given.setdefault("momentum", 0.0)
     groups = [type(g)(hyperparams=hyper.neutral(g.hyperparams), keys=g.keys) for g in state.groups or []]
-    if src_fw == "burn" or not groups:
+    if src_fw == "burn" and len(groups) > 1:  # groups statekit kept in a burn file's metadata
+        plan.hyperparams = []
+        for g in groups:
+            values, assumed = hyper.resolve(family, given, g.hyperparams)
+            plan.hyperparams.append(values)
+            plan.assumed = sorted(set(plan.assumed) | set(assumed))
+    elif src_fw == "burn" or not groups:
         stored = groups[0].hyperparams if groups else {}
         values, assumed = hyper.resolve(family, given, stored or None)
         plan.assumed = assumed
@@ -318,10 +324,15 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
             plan.hyperparams.append(values)
     if dst_fw == "torch":
         plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
+    if dst_fw == "burn" and len(plan.hyperparams) > 1:
+        members = [[a.dst_id for a in plan.params if a.group == i and a.action not in ("drop", "new")]
+                   for i in range(len(plan.hyperparams))]
+        first = {k: v for k, v in plan.hyperparams[0].items() if k not in plan.assumed}
+        plan.metadata = {**hyper.to_metadata(family, first), **hyper.groups_to_metadata(plan.hyperparams, members)}
+        plan.warnings.append(f"{len(plan.hyperparams)} parameter groups kept in the burnpack's statekit.groups "
+                             "metadata (burn itself ignores it; statekit restores them)")
+        return
     if dst_fw in ("burn", "neutral"):
-        if len({tuple(sorted((k, str(v)) for k, v in g.items())) for g in plan.hyperparams}) > 1:
-            plan.warnings.append("burn files keep no parameter groups: the first group's hyperparameters are kept "
-                                 "in the statekit.* metadata")
         # burn files store nothing of their own: keep only what was stored or given, never assumptions
         known = {k: v for k, v in (plan.hyperparams[0] if plan.hyperparams else {}).items() if k not in plan.assumed}
         user_given = bool(opts.optimizer) or any(k in opts.hyperparams for k in known)
