@@ -64,7 +64,8 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     return family
 
 
-def _slots_check(p: ParamState, family: str, target: str, plan_warnings: list[str]) -> None:
+def _slots_check(p: ParamState, family: str, target: str) -> None:
+    """Refuse, by name, a slot the target framework's state has no field for (never drop it)."""
     if target not in naming.FRAMEWORKS:
         return
     try:
@@ -72,12 +73,12 @@ def _slots_check(p: ParamState, family: str, target: str, plan_warnings: list[st
     except KeyError:
         raise MappingError(f"{target} has no {family} optimizer") from None
     neutral = set(lay.slots.values())
-    missing = [s for s in p.slots if s not in neutral and s not in _derived(p, family)]
+    missing = [s for s in p.slots if s not in neutral and s not in _derived(family)]
     if missing:
         raise MappingError(f"parameter {p.label()}: {target}'s {family} state has no field for {', '.join(missing)}")
 
 
-def _derived(p: ParamState, family: str) -> set[str]:
+def _derived(family: str) -> set[str]:
     """Slots a target can drop because they are recomputed from others (burn RMSProp's ``avg``)."""
     return {"avg"} if family == "rmsprop" else set()
 
@@ -102,8 +103,6 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         if src_path is None and p.id is not None and p.id in old_paths:
             src_path = old_paths[p.id].path
         dst_path = rename(src_path, rules)
-        if dst_path is None and dst_fw == "torch" and opts.names is None and opts.model is None:
-            dst_path = None
         action = ParamAction(
             action="keep" if dst_path == src_path else "rename",
             src_key=p.key, src_path=src_path, src_shape=list(p.shape) if p.shape is not None else None,
@@ -111,7 +110,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         )
         if p.slots or p.step is not None:
             try:
-                _slots_check(p, family, dst_fw, plan.warnings)
+                _slots_check(p, family, dst_fw)
             except MappingError as exc:
                 problems.append(exc.message)
         actions.append(action)
