@@ -48,12 +48,18 @@ def _unique(params: list, attr: str) -> bool:
 def match_method(*sides: list) -> str:
     """How to pair parameters of several states: ``id``, ``path``, ``index`` or ``key``.
 
-    burn ParamIds when every parameter on every side has one; module paths when every parameter
-    has a unique one; torch positions when every parameter has one; the state key otherwise.
+    burn ParamIds when every parameter on every side has one (unless the sides share no id but do
+    share paths, as a state and its remapped copy do); module paths when every parameter has a
+    unique one; torch positions when every parameter has one; the state key otherwise.
     """
+    by_path = any(sides) and all(_all_have(s, "path") and _unique(s, "path") for s in sides)
     if any(sides) and all(_all_have(s, "id") for s in sides):
-        return "id"
-    if any(sides) and all(_all_have(s, "path") and _unique(s, "path") for s in sides):
+        shared_ids = set.intersection(*({p.id for p in s} for s in sides))
+        shared_paths = set.intersection(*({p.path for p in s} for s in sides)) if by_path else set()
+        # states remapped onto a new model share paths, not ids: pair those by path
+        if shared_ids or not shared_paths:
+            return "id"
+    if by_path:
         return "path"
     if any(sides) and all(_all_have(s, "index") for s in sides):
         return "index"
