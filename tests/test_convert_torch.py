@@ -263,3 +263,32 @@ def test_two_param_groups_survive_a_round_trip_through_burn(tmp_path, cli):
     train(resumed, opt2, data[4:])
     for a, b in zip(expected, resumed.parameters(), strict=True):
         assert torch.equal(a, b.detach())
+
+
+TORCH_FAMILIES = {
+    "adam": (lambda p: torch.optim.Adam(p), {"exp_avg", "exp_avg_sq"}),
+    "adamw": (lambda p: torch.optim.AdamW(p, amsgrad=True), {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    "sgd": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), {"momentum_buffer"}),
+    "rmsprop": (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), {"square_avg", "grad_avg", "momentum_buffer"}),
+    "adagrad": (lambda p: torch.optim.Adagrad(p), {"sum"}),
+    "nadam": (lambda p: torch.optim.NAdam(p), {"exp_avg", "exp_avg_sq", "mu_product"}),
+    "radam": (lambda p: torch.optim.RAdam(p), {"exp_avg", "exp_avg_sq"}),
+    "adamax": (lambda p: torch.optim.Adamax(p), {"exp_avg", "exp_inf"}),
+    "adafactor": (lambda p: torch.optim.Adafactor(p), {"row_var", "col_var"}),
+    "adadelta": (lambda p: torch.optim.Adadelta(p), {"square_avg", "acc_delta"}),
+}
+
+
+@pytest.mark.parametrize("family", list(TORCH_FAMILIES))
+def test_inspect_every_torch_optimizer(tmp_path, cli, family):
+    make, fields = TORCH_FAMILIES[family]
+    model = mlp()
+    opt = make(model.parameters())
+    train(model, opt, batches(2))
+    torch.save(opt.state_dict(), tmp_path / "o.pt")
+    r = cli("inspect", tmp_path / "o.pt", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["family"] == family and d["hyperparameters_stored"]
+    assert set(d["params"][0]["fields"]) == fields  # weights of a Linear (rank 2)
+    assert d["params"][0]["step"] == (None if family == "sgd" else 2.0)

@@ -49,7 +49,10 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
 def _native(state: OptimizerState, p: ParamState) -> dict[str, str]:
     family = p.family or state.family
     if state.framework in naming.FRAMEWORKS and family not in (None, "mixed"):
-        lay = naming.layout(state.framework, family)
+        try:
+            lay = naming.layout(state.framework, family)
+        except KeyError:  # a family statekit reads but has no field table for: show the names as stored
+            return {}
         return {neutral: native for native, neutral in lay.slots.items()}
     return {}
 
