@@ -292,3 +292,22 @@ def test_inspect_every_torch_optimizer(tmp_path, cli, family):
     assert d["family"] == family and d["hyperparameters_stored"]
     assert set(d["params"][0]["fields"]) == fields  # weights of a Linear (rank 2)
     assert d["params"][0]["step"] == (None if family == "sgd" else 2.0)
+
+
+def test_a_frozen_parameter_without_state_converts(tmp_path, cli):
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters())
+    train(model, opt, batches(2))
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    r = cli("convert", tmp_path / "ckpt.pt", tmp_path / "o.bpk", "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(cli("inspect", tmp_path / "o.bpk", "--json").stdout)
+    assert sorted(p["path"] for p in d["params"]) == ["0.bias", "2.bias", "2.weight"]
+    (tmp_path / "n.txt").write_text("0.weight\n0.bias\n2.weight\n2.bias\n")
+    r = cli("convert", tmp_path / "o.bpk", tmp_path / "back.pt", "--names", tmp_path / "n.txt", "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back["state"]) == [1, 2, 3] and back["param_groups"][0]["params"] == [0, 1, 2, 3]
+    opt2 = torch.optim.Adam(mlp().parameters())
+    opt2.load_state_dict(back)
