@@ -192,7 +192,7 @@ def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
             raise MappingError(f"parameter {p.label()} has no burn ParamId (give --model MODEL.bpk)")
         key = str(p.id)
         family = p.family or state.family
-        if not p.slots and not p.extra and family not in (None, "mixed") and naming.layout("burn", family).required:
+        if not p.slots and not p.extra and p.step is None and family not in (None, "mixed", naming.BURN_STATELESS):
             continue  # never stepped (a frozen parameter): burn creates its state at the first step
         if family is None or family == "mixed":
             for leaf, value in p.extra.items():
