@@ -39,7 +39,8 @@ def inspect(path: PathLike, *, stats: bool = False, params: Sequence[str] | None
 
 
 def _options(*, optimizer=None, names=None, model=None, old_model=None, transpose=(), no_transpose=(), rename=(),
-             preset=True, dtype=None, resize=False, reset_step=(), step_policy=None, **hyperparams) -> Options:
+             preset=True, dtype=None, resize=False, reset_step=(), step_policy=None, allow_nonfinite=False,
+             **hyperparams) -> Options:
     from statekit.ops.convert import load_model, read_names
 
     def as_model(m):
@@ -54,7 +55,7 @@ def _options(*, optimizer=None, names=None, model=None, old_model=None, transpos
                    renames=list(rename), preset=preset, transpose=list(transpose), no_transpose=list(no_transpose),
                    names=list(names) if names is not None else None, model=as_model(model),
                    old_model=as_model(old_model), resize=resize, reset_step=list(reset_step),
-                   dtype=dtype.upper() if dtype else None, step_policy=step_policy)
+                   dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite)
 
 
 def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | None = None, dry_run: bool = False,

@@ -141,6 +141,7 @@ NamesOpt = Annotated[Path | None, typer.Option("--names", help="Parameter names 
 ModelOpt = Annotated[Path | None, typer.Option("--model", help="Target model file (.bpk with ParamIds, .pt/.safetensors state_dict): ids, order and shapes.")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Cast every state tensor, e.g. f32.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
 PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", help="Also save the plan as JSON.")]
 PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved plan instead of building one.")]
 
@@ -169,6 +170,7 @@ def convert(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
+    allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -192,7 +194,8 @@ def convert(
     if step not in (None, "max"):
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
-                    preset, transpose, no_transpose, names, model, dtype, step_policy=step)
+                    preset, transpose, no_transpose, names, model, dtype, step_policy=step,
+                    allow_nonfinite=allow_nonfinite)
     run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                 plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None, out=out)
 
@@ -209,6 +212,7 @@ def remap(
     resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
     reset_step: Annotated[list[str] | None, typer.Option("--reset-step", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
     names: NamesOpt = None,
+    allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -230,7 +234,7 @@ def remap(
     out = Output(json_out)
     opts = _options(None, None, None, None, None, None, None, None, None, rename, rules, True, None, None, names,
                     model, None, resize=resize, reset_step=list(reset_step or []),
-                    old_model=load_model(str(old_model)) if old_model else None)
+                    old_model=load_model(str(old_model)) if old_model else None, allow_nonfinite=allow_nonfinite)
     run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
               plan_out=str(plan_out) if plan_out else None, out=out)
 

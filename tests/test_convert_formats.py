@@ -81,3 +81,15 @@ def test_candle_refuses_differing_steps_unless_max(tmp_path, cli):
     assert r.returncode == 1 and "step" in r.stderr and not (tmp_path / "c.safetensors").exists()
     r = cli(*args, "--step", "max")
     assert r.returncode == 0, r.stderr
+
+
+def test_nonfinite_state_is_refused_unless_allowed(tmp_path, cli):
+    src = ROOT / "fixtures/migration/optim-nan.bpk"  # NaN and Inf planted in moments
+    r = cli("convert", src, tmp_path / "x.safetensors")
+    assert r.returncode == 1 and "NaN" in r.stderr and str(src) in r.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    r = cli("remap", src, "--model", "fixtures/hand-model.bpk", "-o", tmp_path / "y.bpk")
+    assert r.returncode == 1 and not (tmp_path / "y.bpk").exists()
+    assert cli("convert", src, tmp_path / "x.safetensors", "--allow-nonfinite").returncode == 0
+    r = cli("diff", src, tmp_path / "x.safetensors")
+    assert r.returncode == 0, r.stdout  # NaN at the same places compares equal

@@ -39,6 +39,7 @@ class Options:
     allow_drop: bool = False
     dtype: str | None = None
     step_policy: str | None = None
+    allow_nonfinite: bool = False  # NaN/Inf moments are refused unless asked for
 
 
 def generated_id(path: str) -> int:
@@ -90,6 +91,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     crossing = src_fw != dst_fw and dst_fw != "neutral"
     family = _family(state, opts, crossing)
     plan = Plan(operation, source, source_format, target, target_format, family)
+    plan.step_policy, plan.allow_nonfinite = opts.step_policy, opts.allow_nonfinite
 
     # --- rename rules: the user's, then the norm preset when crossing burn ⇄ torch
     rules = [RenameRule.parse(r) for r in opts.renames]

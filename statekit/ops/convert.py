@@ -126,7 +126,6 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
-            plan.step_policy = opts.step_policy
         return carry_out(plan, state, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out)
 
 

@@ -45,6 +45,27 @@ def transformed(ref: TensorRef, transpose: bool = False, shape: tuple | None = N
     return TensorRef(dtype=out_dtype, shape=out_shape, array_loader=load)
 
 
+def finite_checked(ref: TensorRef, label: str, path: str | None = None) -> TensorRef:
+    """``ref``, refusing (when its values are read for writing) NaN or Inf in a float tensor.
+
+    A non-finite moment turns the parameter into NaN at its next step; since outputs are written
+    atomically, the refusal leaves no file behind.
+    """
+    if not dtypes.is_float(ref.dtype):
+        return ref
+
+    def load() -> np.ndarray:
+        arr = ref.numpy()
+        finite = np.isfinite(arr)
+        if not finite.all():
+            nan = int(np.isnan(arr).sum())
+            raise MappingError(f"{label}: {nan} NaN and {int((~finite).sum()) - nan} Inf values; resuming from them "
+                               "would turn the parameter into NaN (--allow-nonfinite writes them anyway)", path)
+        return arr
+
+    return TensorRef(dtype=ref.dtype, shape=tuple(ref.shape), array_loader=load)
+
+
 def _after_t(shape, transpose: bool) -> tuple:
     return tuple(shape)[::-1] if transpose else tuple(shape)
 
@@ -102,6 +123,8 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
 def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamState:
     shape = tuple(a.dst_shape) if a.dst_shape is not None else None
     slots = {name: transformed(ref, a.transpose, shape, a.cast) for name, ref in p.slots.items()}
+    if not plan.allow_nonfinite:
+        slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
     if target_fw != "burn":
         slots.pop("avg", None)  # burn RMSProp's derived copy; torch recomputes it
     elif plan.family == "rmsprop" and "avg" not in slots and "square_avg" in slots:

@@ -55,6 +55,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     step_policy: str | None = None  # candle: "max" writes the largest of differing steps
+    allow_nonfinite: bool = False  # write NaN/Inf state instead of refusing it
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views
