@@ -251,7 +251,7 @@ def _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nester
 @app.command()
 def replay(
     params: Annotated[Path, typer.Option("--params", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
-    grads: Annotated[list[Path], typer.Option("--grads", help="Gradient file of one step (same keys); repeat in step order.")],
+    grads: Annotated[list[Path], typer.Option("--grads", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
     out_params: Annotated[Path, typer.Option("--out-params", help="Where to write the parameters after the last step.")],
     state: Annotated[Path | None, typer.Option("--state", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
     out_state: Annotated[Path | None, typer.Option("--out-state", help="Where to write the state after the last step (format by extension).")] = None,
@@ -268,6 +268,7 @@ def replay(
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
     backend: Annotated[str | None, typer.Option("--backend", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
     json_out: JsonOpt = False,
+    more_grads: Annotated[list[Path] | None, typer.Argument(metavar="G2 ...", help="Further gradient files after --grads G1.", show_default=False)] = None,
 ) -> None:
     """Apply optimizer steps to a state and its parameters with a framework's exact arithmetic.
 
@@ -275,7 +276,7 @@ def replay(
     --state at all the state is reconstructed from the gradient history.
 
     \b
-      statekit replay --state opt.pt --params p.safetensors --grads g1.safetensors --grads g2.safetensors \\
+      statekit replay --state opt.pt --params p.safetensors --grads g1.safetensors g2.safetensors \\
           --optimizer adam --flavor torch-fused --lr 1e-3 --out-state opt2.pt --out-params p2.safetensors
     """
     from statekit import io
@@ -292,7 +293,7 @@ def replay(
     algorithm = pick_algorithm(st, given=optimizer)
     flav = flavor or ({"burn": "burn", "candle": "candle"}.get(st.framework, "torch") if st else "torch")
     hp = registry_hp(algorithm, flav, state_hp(st), _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov))
-    grad_sets = [read_tensors(str(g)) for g in grads]
+    grad_sets = [read_tensors(str(g)) for g in [*grads, *(more_grads or [])]]
     with out.progress("steps", len(grad_sets)) as advance:
         lane = run_replay(st, read_tensors(str(params)), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
                           device=device, backend=backend, progress=advance)

@@ -24,7 +24,17 @@ def make_files(tmp_path, n, seed=0):
 
 
 def grad_args(grads):
-    return [a for g in grads for a in ("--grads", g)]
+    """``--grads G1 G2 ...`` (the issue's spelling); the repeated-flag form is tested below."""
+    return ["--grads", *grads]
+
+
+def test_repeated_grads_flag_is_the_same(tmp_path, cli):
+    p0, grads = make_files(tmp_path, 3)
+    common = ["--params", p0, "--optimizer", "adam", "--lr", "1e-2"]
+    assert cli("replay", *common, *grad_args(grads), "--out-params", tmp_path / "a.safetensors").returncode == 0
+    repeated = [a for g in grads for a in ("--grads", g)]
+    assert cli("replay", *common, *repeated, "--out-params", tmp_path / "b.safetensors").returncode == 0
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize(("flavor", "ext", "extra"), [("torch-fused", ".pt", ["--optimizer", "adamw"]),
