@@ -281,7 +281,14 @@ def replay(
     """
     from statekit import io
     from statekit.ops.convert import output_format
-    from statekit.ops.replay import lane_state, pick_algorithm, registry_hp, state_hp, write_state
+    from statekit.ops.replay import (
+        default_flavor,
+        lane_state,
+        pick_algorithm,
+        registry_hp,
+        state_hp,
+        write_state,
+    )
     from statekit.ops.replay import replay as run_replay
     from statekit.ops.tensorfile import read_tensors, write_tensors
 
@@ -291,7 +298,7 @@ def replay(
     if ckpt is not None and st is None:
         raise UsageError(f"{state}: holds no optimizer state")
     algorithm = pick_algorithm(st, given=optimizer)
-    flav = flavor or ({"burn": "burn", "candle": "candle"}.get(st.framework, "torch") if st else "torch")
+    flav = flavor or default_flavor(st)
     hp = registry_hp(algorithm, flav, state_hp(st), _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov))
     grad_sets = [read_tensors(str(g)) for g in [*grads, *(more_grads or [])]]
     with out.progress("steps", len(grad_sets)) as advance:

@@ -100,6 +100,8 @@ def resolve(family: str, given: dict[str, object], base: dict[str, object] | Non
     for key, value in given.items():
         if value is not None and key not in values:
             values[key] = value
+    for key, value in (base or {}).items():  # stored values the defaults table has no entry for
+        values.setdefault(key, value)
     return values, assumed
 
 
@@ -118,7 +120,7 @@ def to_metadata(family: str, values: dict[str, object]) -> dict[str, str]:
     """burnpack string metadata keys (``statekit.*``) that keep hyperparameters beside burn state."""
     out = {"statekit.optimizer": family}
     for key, value in values.items():
-        if key in ("params", "param_names", "foreach", "fused", "capturable", "differentiable"):
+        if key in ("params", "param_names"):  # torch's execution flags (fused, foreach …) are kept too
             continue
         out[f"statekit.{key}"] = json.dumps(list(value) if isinstance(value, tuple) else value)
     return out
@@ -133,7 +135,7 @@ def _plain(value: object) -> object:
 
 def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]]) -> dict[str, str]:
     """Several parameter groups (hyperparameters and member ParamIds) as one metadata entry."""
-    skip = ("params", "param_names", "foreach", "fused", "capturable", "differentiable")
+    skip = ("params", "param_names")
     payload = [{"hyperparams": {k: _plain(v) for k, v in g.items() if k not in skip}, "params": ids}
                for g, ids in zip(groups, members, strict=True)]
     return {GROUPS_KEY: json.dumps(payload, separators=(",", ":"))}

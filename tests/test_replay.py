@@ -175,3 +175,20 @@ def test_verify_resume_flags_a_silent_empty_restore(tmp_path, cli):
     r = cli("verify-resume", "fixtures/hand-optim.bpk", tmp_path / "empty.pt", "--json")
     assert r.returncode == 1
     assert not any(p["has_state"] for p in json.loads(r.stdout)["params"])
+
+
+def test_a_fused_torch_state_is_verified_with_the_fused_arithmetic(tmp_path, cli):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    assert cli("convert", tmp_path / "ckpt.pt", tmp_path / "o.bpk", "--transpose", "*.weight").returncode == 0
+    (tmp_path / "n.txt").write_text("0.weight\n0.bias\n1.weight\n1.bias\n")
+    assert cli("convert", tmp_path / "o.bpk", tmp_path / "back.pt", "--names", tmp_path / "n.txt",
+               "--transpose", "*.weight").returncode == 0
+    report = json.loads(cli("verify-resume", tmp_path / "ckpt.pt", tmp_path / "back.pt", "--json").stdout)
+    assert report["flavors"] == {"original": "torch-fused", "migrated": "torch-fused"}
+    assert report["tracks"] and report["criterion"] == "bit-exact"

@@ -46,6 +46,15 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     return registry.resolve(algorithm, flavor, out)
 
 
+def default_flavor(state: OptimizerState | None) -> str:
+    """The arithmetic a state's own framework runs: torch's fused kernel when its group says so."""
+    if state is None:
+        return "torch"
+    if state.framework == "torch" and any(g.hyperparams.get("fused") for g in state.groups):
+        return "torch-fused"
+    return FLAVOR_OF_FRAMEWORK.get(state.framework, "torch")
+
+
 def state_hp(state: OptimizerState | None) -> dict:
     if state is None or not state.groups:
         return {}
@@ -227,8 +236,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     if b_state is None:
         raise UsageError(f"{migrated.path}: holds no optimizer state")
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
-    flav_a = flavor_original or FLAVOR_OF_FRAMEWORK.get(a_state.framework, "torch")
-    flav_b = flavor_migrated or FLAVOR_OF_FRAMEWORK.get(b_state.framework, "torch")
+    flav_a = flavor_original or default_flavor(a_state)
+    flav_b = flavor_migrated or default_flavor(b_state)
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
