@@ -104,19 +104,24 @@ def _betas(text: str | None) -> tuple[float, float] | None:
     return (b1, b2)
 
 
+def _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov) -> dict:
+    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
+          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
+    return {k: v for k, v in hp.items() if v is not None}
+
+
 def _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
              preset, transpose, no_transpose, names, model, dtype, **more):
     from statekit.ops.build import Options
     from statekit.ops.convert import load_model, read_names
     from statekit.ops.rules import read_rules_file
 
-    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
-          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
     renames = list(rename or [])
     for f in rules or []:
         renames += read_rules_file(str(f))
     return Options(
-        optimizer=optimizer, hyperparams={k: v for k, v in hp.items() if v is not None}, renames=renames,
+        optimizer=optimizer, renames=renames,
+        hyperparams=_given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov),
         preset=preset, transpose=list(transpose or []), no_transpose=list(no_transpose or []),
         names=read_names(str(names)) if names else None, model=load_model(str(model)) if model else None,
         dtype=dtype.upper() if dtype else None, **more,
@@ -240,12 +245,6 @@ def remap(
 
 
 FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
-
-
-def _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov) -> dict:
-    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
-          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
-    return {k: v for k, v in hp.items() if v is not None}
 
 
 @app.command()
