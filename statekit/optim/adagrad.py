@@ -31,7 +31,7 @@ Scalar rounding, per flavour (``t`` = step number after the increment, a float32
 
 from __future__ import annotations
 
-from statekit.optim.common import BURN, TORCH, TORCH_FUSED, make_step, no_tail
+from statekit.optim.common import BURN, TORCH, TORCH_FUSED, make_step, no_tail, torch_grad
 from statekit.optim.fp import f32, fma64
 
 
@@ -52,10 +52,7 @@ def _torch_builder(fused: bool):
         }
 
         def kernel(p, g, s, tail):
-            if maximize:
-                g = -g
-            if wd != 0:
-                g = b.fma32(p, k["wd"], g)
+            g = torch_grad(b, p, g, k["wd"], maximize, wd)
             total = b.fma32(g, g, s["sum"])
             s["sum"][...] = total
             p[...] = p + (k["neg_clr"] * g) / (sqrt(total) + k["eps"])

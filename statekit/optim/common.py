@@ -79,6 +79,15 @@ def fused_vector_width(vector_width: int | None) -> int:
     return vector_width
 
 
+def torch_grad(b: Backend, p, g, wd32, maximize: bool, wd: float):
+    """torch's gradient preparation: negated when maximizing, then L2 decay ``fma(p, f32(wd), g)``."""
+    if maximize:
+        g = -g
+    if wd != 0:
+        g = b.fma32(p, wd32, g)
+    return g
+
+
 def lerp(b: Backend, start, end, weight: float, like):
     """torch's ``start.lerp(end, weight)`` for float32 (vector and scalar loops agree).
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from statekit.optim.common import BURN, TORCH, lerp, make_step, no_tail
+from statekit.optim.common import BURN, TORCH, lerp, make_step, no_tail, torch_grad
 
 
 def slot_names(hp, flavor: str) -> tuple[str, ...]:
@@ -70,10 +70,7 @@ def _torch(b, hp, step, present, like, vector_width):
     }
 
     def kernel(p, g, s, tail):
-        if maximize:
-            g = -g
-        if wd != 0:
-            g = b.fma32(p, k["wd"], g)
+        g = torch_grad(b, p, g, k["wd"], maximize, wd)
         sq = b.fma32(k["c"] * g, g, s["square_avg"] * k["alpha"])
         s["square_avg"][...] = sq
         if centered:

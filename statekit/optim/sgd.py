@@ -33,7 +33,16 @@ Scalar rounding, per flavour:
 
 from __future__ import annotations
 
-from statekit.optim.common import BURN, TORCH, TORCH_FUSED, fused_vector_width, make_step, no_tail, tail_of
+from statekit.optim.common import (
+    BURN,
+    TORCH,
+    TORCH_FUSED,
+    fused_vector_width,
+    make_step,
+    no_tail,
+    tail_of,
+    torch_grad,
+)
 
 
 def slot_names(hp, flavor: str) -> tuple[str, ...]:
@@ -56,10 +65,7 @@ def _torch_builder(fused: bool):
         }
 
         def kernel(p, g, s, tail):
-            if maximize:
-                g = -g
-            if wd != 0:
-                g = b.fma32(p, k["wd"], g)
+            g = torch_grad(b, p, g, k["wd"], maximize, wd)
             if momentum != 0:
                 if first:
                     buf = g
