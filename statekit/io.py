@@ -54,12 +54,16 @@ READERS: tuple[Reader, ...] = (
     Reader("safetensors", _safetensors, "statekit.frameworks.safetensors_io"),
     Reader("burn-legacy", _legacy, "statekit.frameworks.burn_legacy_io"),
     Reader("torch", _zip_or_pickle, "statekit.frameworks.torch_io"),
+    # a directory: an HF Trainer checkpoint-N/ or Accelerate save_state folder (sniff never sees bytes)
+    Reader("folder", lambda head, path: False, "statekit.frameworks.wrappers"),
 )
 
 
 def sniff(path: str | os.PathLike) -> str:
     """The name of the format whose reader claims ``path``; FormatError when none does."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        return "folder"
     try:
         with open(path, "rb") as fh:
             head = fh.read(512)

@@ -77,3 +77,94 @@ def test_the_record_replays_from_trainers_own_files(record):
     """The reference itself: Trainer's optimizer.pt resumed in plain torch reproduces the run."""
     params, opt = resume_with_torch(record, TRAINER / "optimizer.pt")
     assert_bit_identical(record, params, opt)
+
+
+# ----------------------------------------------------------------------------- folders and wrappers
+
+
+def torch_load(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_trainer_folder_opens_by_content(cli):
+    import statekit
+
+    saved = torch_load(TRAINER / "optimizer.pt")
+    with statekit.open(TRAINER) as ckpt:
+        assert ckpt.format == "torch" and ckpt.kind == "optimizer"
+        assert ckpt.metadata["layout"] == "hf-trainer" and ckpt.metadata["model_file"] == "model.safetensors"
+        state = ckpt.optimizer
+        assert state.family == "adamw"
+        assert [len(g.keys) for g in state.groups] == [len(g["params"]) for g in saved["param_groups"]] == [10, 18]
+        for p in state.params:
+            assert tuple(p.shape) == tuple(saved["state"][p.index]["exp_avg"].shape)
+            assert p.step == saved["state"][p.index]["step"].item()
+        sched = torch_load(TRAINER / "scheduler.pt")
+        assert ckpt.schedulers[0]["last_epoch"] == sched["last_epoch"] == 3
+        assert ckpt.schedulers[0]["base_lrs"] == sched["base_lrs"]
+        trainer_state = json.loads((TRAINER / "trainer_state.json").read_text())
+        assert ckpt.scalars["global_step"] == trainer_state["global_step"]
+    res = cli("inspect", TRAINER)
+    assert res.returncode == 0, res.stderr
+    assert "lr scheduler 0:" in res.stdout and "last_epoch=3" in res.stdout
+
+
+def test_accelerate_folder_opens_by_content():
+    import statekit
+
+    saved = torch_load(ACCELERATE / "optimizer.bin")
+    with statekit.open(ACCELERATE) as ckpt:
+        assert ckpt.metadata["layout"] == "accelerate"
+        assert ckpt.optimizer.family == "adamw"
+        assert [tuple(p.shape) for p in ckpt.optimizer.params] == [
+            tuple(saved["state"][i]["exp_avg"].shape) for i in saved["param_groups"][0]["params"]]
+        assert ckpt.schedulers[0]["step_size"] == torch_load(ACCELERATE / "scheduler.bin")["step_size"]
+
+
+def test_a_folder_statekit_does_not_know_is_one_line(cli, tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    res = cli("inspect", tmp_path)
+    assert res.returncode == 1
+    assert res.stderr.count("\n") == 1 and str(tmp_path) in res.stderr and "optimizer.pt" in res.stderr
+
+
+def lightning_names_and_shapes() -> list[tuple[str, tuple]]:
+    saved = torch_load(LIGHTNING)
+    return [(n, tuple(t.shape)) for n, t in saved["state_dict"].items()]
+
+
+@pytest.mark.parametrize("key", [None, "optimizer_states.0", "optimizer_states"])
+def test_lightning_ckpt_finds_its_optimizer_and_names(key):
+    import statekit
+
+    saved = torch_load(LIGHTNING)
+    opt = saved["optimizer_states"][0]
+    with statekit.open(LIGHTNING, key=key) as ckpt:
+        assert ckpt.kind == "optimizer" and ckpt.optimizer.family == "adam"
+        # Lightning's state_dict lists the module's parameters (no buffers here) in named_parameters() order,
+        # the order of its one param group
+        assert [(p.path, tuple(p.shape)) for p in ckpt.optimizer.params] == lightning_names_and_shapes()
+        assert [p.step for p in ckpt.optimizer.params] == [opt["state"][i]["step"].item() for i in range(7)]
+        assert ckpt.schedulers[0]["step_size"] == saved["lr_schedulers"][0]["step_size"]
+        assert ckpt.scalars["global_step"] == saved["global_step"]
+
+
+def test_lightning_ckpt_converts_without_key_and_back_into_torch(cli, tmp_path):
+    out, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
+    res = cli("convert", LIGHTNING, out, "--transpose", "net.fc*.weight", "--no-transpose", "net.embed.weight")
+    assert res.returncode == 0, res.stderr
+    import statekit
+
+    with statekit.open(out) as ckpt:
+        got = [(p.path, tuple(p.shape)) for p in ckpt.optimizer.params]
+    want = [(n, s[::-1] if n.startswith("net.fc") and len(s) == 2 else s) for n, s in lightning_names_and_shapes()]
+    assert sorted(got) == sorted(want)
+    res = cli("convert", out, back, "--optimizer", "adam", "--model", LIGHTNING, "--lr", "0.0005")
+    assert res.returncode == 0, res.stderr
+    saved = torch_load(LIGHTNING)["optimizer_states"][0]
+    sd = torch_load(back)
+    names = sd["param_groups"][0]["param_names"]
+    order = [n for n, _ in lightning_names_and_shapes()]
+    for i, name in zip(sd["param_groups"][0]["params"], names, strict=True):
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sd["state"][i][field], saved["state"][order.index(name)][field]), (name, field)

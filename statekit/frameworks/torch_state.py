@@ -16,6 +16,7 @@ from statekit.errors import FormatError, MappingError
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
+LIGHTNING_OPTIMIZERS = "optimizer_states"  # Lightning .ckpt: a list, one state_dict per optimizer
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
@@ -37,9 +38,14 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
     if key is not None:
         node = obj
         for part in key.split("."):
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
             if not isinstance(node, dict) or part not in node:
                 raise FormatError(f"no entry {key!r} in the checkpoint", path)
             node = node[part]
+        if isinstance(node, list) and len(node) == 1 and is_optimizer_dict(node[0]):
+            return node[0], f"{key}.0"
         if not is_optimizer_dict(node):
             raise FormatError(f"entry {key!r} is not an optimizer state_dict", path)
         return node, key
@@ -47,6 +53,12 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
         return obj, None
     if not isinstance(obj, dict):
         return None, None
+    listed = obj.get(LIGHTNING_OPTIMIZERS)
+    if isinstance(listed, list) and listed and all(is_optimizer_dict(o) for o in listed):
+        if len(listed) > 1:
+            keys = ", ".join(f"{LIGHTNING_OPTIMIZERS}.{i}" for i in range(len(listed)))
+            raise FormatError(f"{len(listed)} optimizer states in the checkpoint ({keys}); choose one with --key", path)
+        return listed[0], f"{LIGHTNING_OPTIMIZERS}.0"
     found = [k for k, v in obj.items() if is_optimizer_dict(v)]
     if len(found) > 1:
         raise FormatError(
