@@ -187,6 +187,32 @@ def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple
         p.path = name
 
 
+def describe_scheduler(sd: object) -> dict:
+    """The JSON-able part of an LR scheduler's state_dict (``last_epoch``, ``base_lrs``, …)."""
+    if not isinstance(sd, dict):
+        return {"value": type(sd).__name__}
+    out: dict = {}
+    for k, v in sd.items():
+        if isinstance(v, TensorRef):
+            out[k] = f"tensor {list(v.shape)} {v.dtype}"
+        elif isinstance(v, bool | int | float | str) or v is None:
+            out[k] = v
+        elif isinstance(v, list | tuple) and all(isinstance(x, bool | int | float | str) or x is None for x in v):
+            out[k] = list(v)
+        elif k == "lr_lambdas":  # LambdaLR keeps only a callable object's __dict__ (functions: None)
+            out[k] = [None if x is None else "(object state)" for x in v]
+        else:
+            out[k] = type(v).__name__
+    return out
+
+
+def schedulers_of(obj: object) -> list[dict]:
+    """A Lightning checkpoint's ``lr_schedulers`` (a list of scheduler state_dicts), described."""
+    if isinstance(obj, dict) and isinstance(obj.get("lr_schedulers"), list):
+        return [describe_scheduler(s) for s in obj["lr_schedulers"]]
+    return []
+
+
 # ----------------------------------------------------------------------------- writing
 
 

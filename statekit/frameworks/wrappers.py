@@ -5,7 +5,7 @@
 * Accelerate ``save_state`` folders: ``optimizer.bin`` (``optimizer_1.bin`` … for more
   optimizers), ``scheduler.bin``, ``model.safetensors`` / ``pytorch_model.bin``.
 * Lightning ``.ckpt`` (one ``torch.save`` dict): handled by :mod:`statekit.frameworks.torch_io`,
-  which finds ``optimizer_states[0]``; :func:`schedulers_of` describes its ``lr_schedulers``.
+  which finds ``optimizer_states[0]`` and describes its ``lr_schedulers``.
 
 A folder opens as one :class:`Checkpoint` of format ``torch``: the optimizer state from its
 optimizer file, the model's names and shapes from its model file (which names the optimizer's
@@ -20,10 +20,12 @@ import os
 from dataclasses import dataclass
 
 from statekit.errors import FormatError
+from statekit.formats import torch_pt
+from statekit.frameworks import torch_io, torch_state
 from statekit.state import Checkpoint, ModelInfo, ModelParam
-from statekit.tensor import TensorRef
 
-FORMAT = "torch"
+FORMAT = "torch"  # a folder opens as the torch checkpoint its optimizer file is
+DESCRIPTION = "HF Trainer checkpoint-N/ and Accelerate save_state folders (optimizer.pt / optimizer.bin)"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.inde
 # order; the safetensors writer sorts by dtype and name, and an index's weight_map by name).
 ORDERED_MODEL_FILES = ("pytorch_model.bin",)
 TRAINER_COUNTERS = ("global_step", "max_steps", "epoch", "num_train_epochs", "save_steps")
+
+
+def claims(head: bytes, path: str) -> bool:
+    """The registry's sniffer: a folder one of :data:`LAYOUTS` describes."""
+    return os.path.isdir(path) and layout_of(path) is not None
 
 
 def layout_of(path: str) -> FolderLayout | None:
@@ -88,8 +95,6 @@ def _model_file(path: str, optimizer_file: str) -> str | None:
 def read_model_file(path: str) -> tuple[ModelInfo, bool]:
     """A model's tensors (names, shapes) from a safetensors / torch file or a sharded index, and
     whether their order is the model's ``named_parameters()`` order."""
-    from statekit.frameworks import torch_state
-
     if path.endswith(".index.json"):
         return _read_index(path), False
     if path.endswith(".safetensors"):
@@ -99,8 +104,6 @@ def read_model_file(path: str) -> tuple[ModelInfo, bool]:
             model = ModelInfo([ModelParam(n, shape, dt, buffer=not dt.startswith(("F", "BF")))
                                for n, (dt, shape) in sf.entries.items()])
         return _number(model), False
-    from statekit.formats import torch_pt
-
     sd = torch_state.find_model(torch_pt.load_pt(path))
     if sd is None:
         raise FormatError("holds no model state_dict", path)
@@ -129,43 +132,12 @@ def _number(model: ModelInfo) -> ModelInfo:
     return model
 
 
-def describe_scheduler(sd: object) -> dict:
-    """The JSON-able part of an LR scheduler's state_dict (``last_epoch``, ``base_lrs``, …)."""
-    if not isinstance(sd, dict):
-        return {"value": type(sd).__name__}
-    out: dict = {}
-    for k, v in sd.items():
-        if isinstance(v, TensorRef):
-            out[k] = f"tensor {list(v.shape)} {v.dtype}"
-        elif isinstance(v, bool | int | float | str) or v is None:
-            out[k] = v
-        elif isinstance(v, list | tuple) and all(isinstance(x, bool | int | float | str) or x is None for x in v):
-            out[k] = list(v)
-        elif k == "lr_lambdas":  # LambdaLR keeps only a callable object's __dict__ (functions: None)
-            out[k] = [None if x is None else "(object state)" for x in v]
-        else:
-            out[k] = type(v).__name__
-    return out
-
-
-def schedulers_of(obj: object) -> list[dict]:
-    """A Lightning checkpoint's ``lr_schedulers`` (a list of scheduler state_dicts), described."""
-    if isinstance(obj, dict) and isinstance(obj.get("lr_schedulers"), list):
-        return [describe_scheduler(s) for s in obj["lr_schedulers"]]
-    return []
-
-
 def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     """Open a Trainer or Accelerate checkpoint folder as one torch checkpoint."""
-    from statekit.formats import torch_pt
-    from statekit.frameworks import torch_io
-
     path = os.fspath(path).rstrip(os.sep) or os.sep
     lay = layout_of(path)
     if lay is None:
-        raise FormatError(
-            "a folder, but not a checkpoint folder statekit knows (an HF Trainer checkpoint-N/ holds "
-            "optimizer.pt, an Accelerate save_state folder optimizer.bin); give the optimizer file itself", path)
+        raise FormatError(f"not a checkpoint folder statekit knows ({DESCRIPTION})", path)
     opt_file = _optimizer_file(path, lay, key)
     ckpt = torch_io.open_checkpoint(opt_file)
     if ckpt.optimizer is None:
@@ -185,7 +157,7 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     stem, ext = os.path.splitext(lay.scheduler)
     sched_file = os.path.join(path, f"{stem}{suffix}{ext}")
     if os.path.isfile(sched_file):
-        ckpt.schedulers = [describe_scheduler(torch_pt.load_pt(sched_file))]
+        ckpt.schedulers = [torch_state.describe_scheduler(torch_pt.load_pt(sched_file))]
         ckpt.metadata["scheduler_file"] = os.path.basename(sched_file)
     if lay.marker and os.path.isfile(os.path.join(path, lay.marker)):
         ckpt.scalars = _trainer_counters(os.path.join(path, lay.marker))
