@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from statekit.errors import UsageError
-from statekit.optim import driver
+from statekit.optim import driver, kernels
 from statekit.optim.backend import Backend, get_backend
 from statekit.optim.fp import f32
 
@@ -33,8 +33,6 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
              kernel=REFERENCE_KERNEL, name=algorithm):
         if flavor not in builders:
             raise UsageError(f"{algorithm} has no flavour {flavor!r} (has {', '.join(builders)})")
-        from statekit.optim import kernels
-
         b = get_backend(xp, like=param)
         names = slot_names(hp, flavor)
         present = frozenset(slots)

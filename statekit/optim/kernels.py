@@ -31,7 +31,9 @@ from functools import cache
 
 from statekit.errors import UsageError
 from statekit.optim.backend import Backend, torch_available
-from statekit.optim.common import BURN, CANDLE, TORCH, TORCH_FUSED
+
+# the flavour names of statekit.optim.common (which imports this module)
+TORCH_FUSED, TORCH, BURN, CANDLE = "torch-fused", "torch", "burn", "candle"
 
 AUTO = "auto"
 REFERENCE = "reference"
