@@ -29,3 +29,15 @@ def test_table_covers_every_writer():
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_output_unchanged(tmp_path, name):
     assert capture.run_case(TABLE[name]["case"], str(tmp_path)) == TABLE[name]["sha256"]
+
+
+@pytest.mark.slow
+def test_outputs_unchanged_with_small_pieces_and_jobs(tmp_path, monkeypatch):
+    """4 KiB pieces (every tensor split, every transpose in bands) and 3 threads for any size."""
+    from statekit import stream, tensor
+
+    monkeypatch.setattr(tensor, "PIECE", 4096)
+    monkeypatch.setattr(stream, "CONCURRENT_MIN", 0)
+    with stream.using_jobs(3):
+        wrong = [name for name, item in TABLE.items() if capture.run_case(item["case"], str(tmp_path)) != item["sha256"]]
+    assert wrong == []

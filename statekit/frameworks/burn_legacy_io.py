@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
-from statekit import dtypes, naming
+from statekit import dtypes, naming, stream
 from statekit.errors import MappingError
 from statekit.formats.burn_legacy import (
     LegacyModel,
@@ -250,10 +248,5 @@ def save_model_as_burnpack(model: ModelInfo, path: str, *, dtype: str | None = N
 
 def cast(ref: TensorRef, dtype: str) -> TensorRef:
     """A lazy value cast of a float tensor (``F16`` → ``F32`` widens exactly)."""
-    want = dtypes.numpy_dtype(dtype)
-
-    def load() -> np.ndarray:
-        return np.ascontiguousarray(ref.numpy().astype(want))
-
-    return TensorRef(dtype=dtype, shape=tuple(ref.shape), array_loader=load)
+    return stream.cast(ref, dtype)
 

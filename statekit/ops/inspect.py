@@ -23,11 +23,10 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     """min / max / mean / rms / nan / inf of a tensor, streaming over ``block`` elements at a time."""
     if ref.dtype == "QFloat":
         return {}
-    arr = ref.numpy().reshape(-1)
-    n = arr.size
+    n = ref.numel
     lo, hi, total, squares, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0
-    for i in range(0, n, block):
-        chunk = arr[i : i + block].astype(np.float64)
+    for piece in ref.pieces(block):  # read with pread, one block at a time
+        chunk = piece.astype(np.float64)
         if dtypes.is_float(ref.dtype):
             bad_nan, bad_inf = np.isnan(chunk), np.isinf(chunk)
             nan += int(bad_nan.sum())
