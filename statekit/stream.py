@@ -86,13 +86,7 @@ def derived(dtype: str, shape: tuple, source: Callable[[int], Iterator[np.ndarra
 
 def cast(ref: TensorRef, dtype: str) -> TensorRef:
     """``ref``'s values converted to ``dtype`` piece by piece (numpy's ``astype``)."""
-    want = dtypes.numpy_dtype(dtype)
-
-    def source(elements: int) -> Iterator[np.ndarray]:
-        for piece in ref.pieces(elements):
-            yield piece.astype(want)
-
-    return derived(dtype, ref.shape, source, resident=ref.resident)
+    return ref.cast(dtype)
 
 
 def _tile(itemsize: int) -> int:

@@ -221,6 +221,19 @@ class TensorRef:
         arr = np.frombuffer(buf, dtype=dtypes.numpy_dtype(self.dtype))
         return arr.reshape(self.shape)
 
+    def cast(self, dtype: str) -> TensorRef:
+        """A lazy value cast (``F16`` → ``F32`` widens exactly), piece by piece; ``self`` when
+        already ``dtype``."""
+        if dtype == self.dtype:
+            return self
+        want = dtypes.numpy_dtype(dtype)
+        source = self
+
+        def pieces(elements: int) -> Iterator[np.ndarray]:
+            for piece in source.pieces(elements):
+                yield piece.astype(want)
+
+        return TensorRef(dtype=dtype, shape=tuple(self.shape), piece_source=pieces, resident=self.resident)
 
 def _as_bytes(piece: np.ndarray) -> memoryview:
     arr = np.ascontiguousarray(piece)
