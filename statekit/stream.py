@@ -57,6 +57,15 @@ def current_jobs() -> int:
     return value if value is not None else default_jobs()
 
 
+def set_jobs(n: int | None) -> None:
+    """Set the number of concurrent tensors for the rest of this context (the CLI's ``--jobs``)."""
+    if n is not None and n < 1:
+        from statekit.errors import UsageError
+
+        raise UsageError(f"--jobs must be at least 1 (got {n})")
+    _JOBS.set(n)
+
+
 @contextlib.contextmanager
 def using_jobs(n: int | None) -> Iterator[None]:
     """Run the block with ``n`` concurrent tensors (None: the default)."""
