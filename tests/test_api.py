@@ -1,14 +1,13 @@
 """The Python API a conversion script uses, end to end on the shipped fixtures."""
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import statekit
 
-ROOT = Path(__file__).resolve().parent.parent
 HAND = ROOT / "fixtures/hand-optim.bpk"
 
 
