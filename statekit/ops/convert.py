@@ -17,9 +17,12 @@ from statekit.formats import registry
 from statekit.ops.build import build_plan
 from statekit.ops.execute import write
 from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
+from statekit.ops.pairing import moves_metadata
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.state import Checkpoint
+
+RECORDS_MOVES = ("burnpack", "safetensors")  # formats with free-form string metadata
 
 output_format = registry.from_extension
 
@@ -106,6 +109,8 @@ def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | 
         on_plan(plan)
     if dry_run:
         return Result(plan, None, messages=["dry run: nothing written"])
+    if plan.target_format in RECORDS_MOVES:  # where each parameter's state came from, for verify-resume
+        plan.metadata = {**plan.metadata, **moves_metadata(plan)}
     with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
         size = write(plan, state, plan.target, progress=advance)
     return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"])
