@@ -203,7 +203,6 @@ def main(argv=None) -> int:
 
     dst = np.empty_like(dev.p)
     add("np.copyto (1 thread)", best_time(lambda: np.copyto(dst, dev.p), r), 8)
-    del dst
     triad = {}
     for t in sorted({1, threads}):
         seconds, how = triad_seconds(n, t, r)
