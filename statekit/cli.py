@@ -13,8 +13,11 @@ from typing import Annotated
 
 import typer
 
+from statekit import typer_fast
 from statekit.errors import StatekitError, UsageError
 from statekit.output import Output, error_line
+
+typer_fast.install()  # plain options without typer's pydantic adapters (statekit/typer_fast.py)
 
 app = typer.Typer(
     name="statekit",
