@@ -22,7 +22,15 @@ MOVES_KEY = "statekit.moves"
 
 
 def moves_metadata(plan: Plan) -> dict[str, str]:
-    """The record a written file keeps of where each of its parameters' state came from."""
+    """The record a written file keeps of where each of its parameters' state came from: kept
+    when the source pairs by position (torch) or a parameter was renamed, transposed or resized
+    (a plain burn → burn copy records nothing and stays byte-identical to burn's own file)."""
+    from statekit.formats import registry
+
+    positional = registry.framework_of(plan.source_format) == "torch"
+    if not positional and all(a.src_path == a.dst_path and not (a.transpose or a.resize or a.reset_step)
+                              for a in plan.params if a.action not in ("drop", "new")):
+        return {}
     moves = []
     for a in plan.params:
         if a.action in ("drop", "new") or not a.dst_path:
