@@ -139,3 +139,24 @@ def test_hyperparameter_flags_reach_both_sides(cli, trained):
     for side in ("original", "migrated"):
         hp = report["hyperparams"][side]
         assert hp["eps"] == 1e-6 and (hp["beta1"], hp["beta2"]) == (0.8, 0.99)
+
+
+def test_the_record_is_the_only_thing_it_adds(cli, trained, monkeypatch):
+    """The statekit.moves entry aside, a converted file is what it was without the record."""
+    import numpy as np
+
+    import statekit
+    from statekit.ops import convert as convert_op
+    from statekit.ops.pairing import MOVES_KEY
+
+    args = ("--transpose", "head.weight", "--no-transpose", "embed.weight")
+    assert cli("convert", trained / "ckpt.pt", trained / "with.bpk", *args).returncode == 0
+    monkeypatch.setattr(convert_op, "moves_metadata", lambda plan: {})
+    assert cli("convert", trained / "ckpt.pt", trained / "without.bpk", *args).returncode == 0
+    with statekit.open(trained / "with.bpk") as a, statekit.open(trained / "without.bpk") as b:
+        assert MOVES_KEY in a.metadata and MOVES_KEY not in b.metadata
+        assert {k: v for k, v in a.metadata.items() if k != MOVES_KEY} == b.metadata
+        for p, q in zip(a.optimizer.params, b.optimizer.params, strict=True):
+            assert (p.path, p.id, p.step, list(p.slots)) == (q.path, q.id, q.step, list(q.slots))
+            for name in p.slots:
+                assert np.array_equal(p.slots[name].numpy(), q.slots[name].numpy())
