@@ -224,11 +224,28 @@ class PieceStream:
             yield piece
 
 
+def crc32_function() -> Callable:
+    """CRC-32 as zip writes it: ISA-L's (``isal``, in ``statekit[fast]``: about ten times zlib's
+    speed with carry-less multiplication) when installed, else zlib's. Same values."""
+    global _CRC32
+    if _CRC32 is None:
+        try:
+            from isal.isal_zlib import crc32
+        except ImportError:
+            crc32 = zlib.crc32
+        _CRC32 = crc32
+    return _CRC32
+
+
+_CRC32: Callable | None = None
+
+
 def _produce(ref: TensorRef, piece: int, want_crc: bool) -> Iterator[tuple]:
     crc = 0
+    crc32 = crc32_function() if want_crc else None
     for buf in ref.iter_bytes(piece):
         if want_crc:
-            crc = zlib.crc32(buf, crc)
+            crc = crc32(buf, crc)
         yield buf, crc
 
 
