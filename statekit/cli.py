@@ -73,6 +73,7 @@ def inspect(
     names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions (model.named_parameters() order).")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Show what a file holds: kind, optimizer family, one row per parameter.
 
@@ -83,6 +84,7 @@ def inspect(
     \b
       statekit inspect optim-10.bpk --param 6j5mg0dcb1hvu --stats
     """
+    _jobs(jobs)
     from statekit import io
     from statekit.ops.inspect import inspect as describe
     from statekit.render import inspect_table

@@ -253,23 +253,30 @@ _DONE = object()
 
 
 class _Gate:
-    """Lets tensors that hold their whole source (transposes) run one at a time, in order."""
+    """Tensors that hold their whole source (transposes) start in order, as many at once as fit
+    in a budget of the largest one's bytes: memory stays one large source, small ones overlap."""
 
-    def __init__(self, holders: list[int]):
-        self._order = holders
+    def __init__(self, refs: list[TensorRef]):
+        self._order = [i for i, r in enumerate(refs) if r.resident]
+        self._size = {i: refs[i].resident for i in self._order}
+        self._budget = max(self._size.values(), default=0)
+        self._used = 0
         self._next = 0
         self._cond = threading.Condition()
 
     def enter(self, index: int, cancelled: threading.Event) -> None:
         with self._cond:
-            while self._order[self._next] != index:
+            while not (self._order[self._next] == index and self._used + self._size[index] <= self._budget):
                 if cancelled.is_set():
                     raise _Cancelled
                 self._cond.wait(0.1)
-
-    def leave(self) -> None:
-        with self._cond:
+            self._used += self._size[index]
             self._next += 1
+            self._cond.notify_all()
+
+    def leave(self, index: int) -> None:
+        with self._cond:
+            self._used -= self._size[index]
             self._cond.notify_all()
 
 
@@ -307,7 +314,7 @@ def _size(ref: TensorRef) -> int:
 
 def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool) -> Iterator[tuple]:
     cancelled = threading.Event()
-    gate = _Gate([i for i, r in enumerate(refs) if r.resident] + [-1])
+    gate = _Gate(refs)
     queues = [queue.Queue(maxsize=QUEUE_PIECES) for _ in refs]
     slots = threading.Semaphore(n_jobs)  # tensors in flight: taken by a worker, released by the consumer
     counter = iter(range(len(refs)))
@@ -335,7 +342,7 @@ def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool) -> It
                     put(q, item)
             finally:
                 if holder:
-                    gate.leave()
+                    gate.leave(index)
             put(q, _DONE)
         except _Cancelled:
             raise
