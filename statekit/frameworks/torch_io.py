@@ -46,13 +46,15 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
 
 
 def _name_from_model(ckpt: Checkpoint) -> None:
-    """Name positional optimizer parameters from the checkpoint's own model state_dict."""
-    params = [m for m in ckpt.model.params if not m.buffer]
+    """Name positional optimizer parameters from the checkpoint's own model state_dict (solved, never
+    assumed: see :mod:`statekit.frameworks.torch_names`)."""
+    from statekit.frameworks import torch_names
+
     try:
-        torch_state.apply_names(ckpt.optimizer, [m.path for m in params], {m.path: m.shape for m in params}, ckpt.path)
-        ckpt.optimizer.notes.append("parameter names taken from the checkpoint's model state_dict")
+        torch_names.name_state(ckpt.optimizer, torch_names.from_model_info(ckpt.model, "the checkpoint's model"),
+                               ckpt.path)
     except MappingError as exc:
-        ckpt.warnings.append(f"could not name parameters from the checkpoint's model: {exc.message}")
+        ckpt.warnings.append(f"parameters left unnamed: {exc.message}")
 
 
 def save_optimizer(state: OptimizerState, path: str, *, family: str, groups: list[dict],
