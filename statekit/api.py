@@ -38,7 +38,7 @@ def inspect(path: PathLike, *, stats: bool = False, params: Sequence[str] | None
         return describe(ckpt, stats=stats, only=list(params) if params else None)
 
 
-def _options(*, optimizer=None, names=None, model=None, old_model=None, transpose=(), no_transpose=(), rename=(),
+def _options(*, optimizer=None, names=None, names_order=None, model=None, old_model=None, transpose=(), no_transpose=(), rename=(),
              preset=True, dtype=None, resize=False, reset_step=(), step_policy=None, allow_nonfinite=False,
              **hyperparams) -> Options:
     from statekit.ops.convert import load_model, read_names
@@ -47,13 +47,15 @@ def _options(*, optimizer=None, names=None, model=None, old_model=None, transpos
         return load_model(os.fspath(m)) if isinstance(m, str | os.PathLike) else m
 
     if isinstance(names, str | os.PathLike):
-        names = read_names(os.fspath(names))
+        names = read_names(os.fspath(names), names_order)
+    elif names is not None:
+        names = list(names)
     unknown = set(hyperparams) - {"lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov"}
     if unknown:
         raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
     return Options(optimizer=optimizer, hyperparams={k: v for k, v in hyperparams.items() if v is not None},
                    renames=list(rename), preset=preset, transpose=list(transpose), no_transpose=list(no_transpose),
-                   names=list(names) if names is not None else None, model=as_model(model),
+                   names=names, names_order=names_order, model=as_model(model),
                    old_model=as_model(old_model), resize=resize, reset_step=list(reset_step),
                    dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite)
 
@@ -62,7 +64,8 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
             plan: PathLike | None = None, plan_out: PathLike | None = None, **options) -> Plan | None:
     """``statekit convert``: returns the plan it carried out (None for an exact burnpack copy).
 
-    Options: ``optimizer``, ``names`` (list or file), ``model`` (path or ModelInfo), ``transpose`` /
+    Options: ``optimizer``, ``names`` (list or file), ``names_order`` (``"model"``: named_parameters()
+    order, or ``"optimizer"``), ``model`` (path or ModelInfo), ``transpose`` /
     ``no_transpose`` (globs), ``rename`` (``"REGEX=REPLACEMENT"`` rules), ``preset``, ``dtype``,
     ``step_policy``, and hyperparameters ``lr betas eps weight_decay amsgrad momentum dampening nesterov``.
     """
