@@ -16,7 +16,7 @@ import pytest
 from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.frameworks.torch_names import ModelEntry, ModelOrder, NamesError, read_names_file, resolve
-from statekit.ops.build import Options
+from statekit.ops.options import Options
 from statekit.ops.convert import convert, load_model, read_names
 from statekit.ops.doctor import doctor_files
 
