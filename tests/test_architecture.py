@@ -189,6 +189,6 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
             continue  # a deliberately broken fixture
         seen.add(name)
         expected = {".bpk": {"burnpack"}, ".pt": {"torch"}, ".safetensors": {"safetensors"},
-                    ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy"}}[path.suffix]
+                    ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy", "torch"}}[path.suffix]  # HF pytorch_model.bin
         assert name in expected, path
     assert {"burnpack", "torch", "safetensors"} <= seen

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 from statekit import io  # noqa: E402
 from statekit.errors import StatekitError  # noqa: E402
 from statekit.frameworks import torch_families  # noqa: E402
-from statekit.ops.options import Options  # noqa: E402
 from statekit.ops.convert import convert  # noqa: E402
+from statekit.ops.options import Options  # noqa: E402
 
 # torch.optim class → statekit family (None: statekit must say "unknown")
 EXPECTED = {

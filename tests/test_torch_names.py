@@ -16,9 +16,9 @@ import pytest
 from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.frameworks.torch_names import ModelEntry, ModelOrder, NamesError, read_names_file, resolve
-from statekit.ops.options import Options
 from statekit.ops.convert import convert, load_model, read_names
 from statekit.ops.doctor import doctor_files
+from statekit.ops.options import Options
 
 ROOT = Path(__file__).resolve().parent.parent
 TL = ROOT / "fixtures" / "trainer_like"
