@@ -6,6 +6,7 @@ errors); ``STATEKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,16 @@ app = typer.Typer(
 
 FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, PyTorch .pt, burn .mpk/.bin or safetensors file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Tensors read and transformed at once (threads; default: the cores). The output never depends on it.")]
 KeyOpt = Annotated[str | None, typer.Option("--key", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
+
+
+def _jobs(n: int | None) -> None:
+    """--jobs for the rest of this command (statekit.stream reads it)."""
+    if n is not None:
+        from statekit import stream
+
+        stream.set_jobs(n)
 
 
 def _version(value: bool) -> None:
@@ -164,6 +174,7 @@ def convert(
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -181,6 +192,7 @@ def convert(
       python -c "m = ...; print(*[f'{n} {list(p.shape)}' for n, p in m.named_parameters()], sep='\\n')"
     is enough; an ambiguous or impossible naming is refused, naming the positions.
     """
+    _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
 
@@ -217,6 +229,7 @@ def remap(
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Move optimizer state onto a refactored model: renamed modules, new heads, grown embeddings.
 
@@ -228,6 +241,7 @@ def remap(
     \b
       statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
     """
+    _jobs(jobs)
     from statekit.ops.options import make_options
     from statekit.ops.remap import remap as run_remap
 
@@ -372,6 +386,7 @@ def diff(
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Compare two optimizer states (or two models) parameter by parameter.
 
@@ -381,6 +396,7 @@ def diff(
     in ULPs. NaN equals NaN at the same place. Exit status: 0 equal within tolerance, 1 they
     differ, 2 error (like GNU diff).
     """
+    _jobs(jobs)
     from statekit.ops.diff import diff_files
     from statekit.render_ops import diff_view
 
@@ -405,6 +421,7 @@ def merge(
              "elementwise and keep the largest step (mean).")] = "error",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be merged and write nothing.")] = False,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Merge optimizer states (parameter groups saved apart, or several runs) into one file.
 
@@ -412,6 +429,7 @@ def merge(
     the same optimizer family. The output keeps the inputs' order and is written atomically;
     the inputs are only read.
     """
+    _jobs(jobs)
     from statekit.ops.merge import merge_files
     from statekit.render_ops import merge_view
 
@@ -429,6 +447,7 @@ def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
     model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Find what bites when training resumes from STATE (and, with --model, into MODEL).
 
@@ -436,6 +455,7 @@ def doctor(
     duplicate paths; with --model: orphaned state, parameters without state, shape mismatches
     (transposed ones named as such). Exit status: 0 clean, 1 problems found, 2 error.
     """
+    _jobs(jobs)
     from statekit.ops.doctor import doctor_files
     from statekit.render_ops import doctor_view
 
@@ -466,7 +486,8 @@ def _click_exception(exc: BaseException) -> int | None:
 def _run(args: list[str] | None = None) -> int:
     debug = bool(os.environ.get("STATEKIT_DEBUG"))
     try:
-        rc = app(args=args, standalone_mode=False, prog_name="statekit")
+        # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
+        rc = contextvars.copy_context().run(app, args=args, standalone_mode=False, prog_name="statekit")
     except StatekitError as exc:
         if debug:
             raise
