@@ -44,19 +44,25 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             ckpt.n_tensors = len(model_sd)
             ckpt.nbytes = sum(r.nbytes for r in model_sd.values())
         elif not any(p.path for p in ckpt.optimizer.params):
-            _name_from_model(ckpt)
+            name_from_model(ckpt, ordered=True, source="the checkpoint's model state_dict")
+    ckpt.schedulers = torch_state.schedulers_of(obj)
     if ckpt.kind == "tensors" and not (isinstance(obj, dict) and obj):
         raise FormatError("holds neither an optimizer state_dict nor a model state_dict", path)
     return ckpt
 
 
-def _name_from_model(ckpt: Checkpoint) -> None:
-    """Name positional optimizer parameters from the checkpoint's own model state_dict (solved, never
-    assumed: see :mod:`statekit.frameworks.torch_names`)."""
+def name_from_model(ckpt: Checkpoint, *, ordered: bool | None = None, source: str) -> None:
+    """Name positional optimizer parameters from a model's parameters (``ckpt.model``): solved by
+    :mod:`statekit.frameworks.torch_names` from order and shapes, never assumed.
+
+    ``ordered``: the model lists its parameters in ``named_parameters()`` order (a torch state_dict
+    does; a safetensors file does not); None: what ``ckpt.model.order`` says. A naming that is
+    ambiguous or impossible leaves the parameters unnamed, with the reason as a warning.
+    """
     from statekit.frameworks import torch_names
 
     try:
-        torch_names.name_state(ckpt.optimizer, torch_names.from_model_info(ckpt.model, "the checkpoint's model"),
+        torch_names.name_state(ckpt.optimizer, torch_names.from_model_info(ckpt.model, source, ordered=ordered),
                                ckpt.path)
     except MappingError as exc:
         ckpt.warnings.append(f"parameters left unnamed: {exc.message}")

@@ -112,17 +112,19 @@ class Resolution:
 
 # ----------------------------------------------------------------------------- sources
 
-def from_model_info(model, source: str) -> ModelOrder:
+def from_model_info(model, source: str, *, ordered: bool | None = None) -> ModelOrder:
     """A :class:`~statekit.state.ModelInfo` as an order source: buffers and tied duplicates dropped.
 
     ``model.order`` says what order its file keeps: ``"named_parameters"`` for torch state_dicts;
     anything else (safetensors: sorted by name; burn: burn's module order) counts as no order.
+    ``ordered`` overrides it (a caller that knows where the list came from).
     """
     tied = tied_duplicates(model)
     entries = [ModelEntry(m.path, tuple(m.shape)) for m in model.params if not m.buffer and m.path not in tied]
     order = getattr(model, "order", None)
     burn = order == "burn" or any(m.id is not None for m in model.params)
-    ordered = order == "named_parameters"
+    if ordered is None:
+        ordered = order == "named_parameters"
     what = "named_parameters() order" if ordered else "shapes only: the file keeps no named_parameters() order"
     return ModelOrder(entries, ordered=ordered, source=f"{source} ({what})", transposable=burn and not ordered)
 
