@@ -44,20 +44,28 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             ckpt.n_tensors = len(model_sd)
             ckpt.nbytes = sum(r.nbytes for r in model_sd.values())
         elif not any(p.path for p in ckpt.optimizer.params):
-            _name_from_model(ckpt)
+            name_from_model(ckpt, ordered=True, source="the checkpoint's model state_dict")
+    ckpt.schedulers = torch_state.schedulers_of(obj)
     if ckpt.kind == "tensors" and not (isinstance(obj, dict) and obj):
         raise FormatError("holds neither an optimizer state_dict nor a model state_dict", path)
     return ckpt
 
 
-def _name_from_model(ckpt: Checkpoint) -> None:
-    """Name positional optimizer parameters from the checkpoint's own model state_dict."""
-    params = [m for m in ckpt.model.params if not m.buffer]
+def name_from_model(ckpt: Checkpoint, *, ordered: bool | None = None, source: str) -> None:
+    """Name positional optimizer parameters from a model's parameters (``ckpt.model``): solved by
+    :mod:`statekit.frameworks.torch_names` from order and shapes, never assumed.
+
+    ``ordered``: the model lists its parameters in ``named_parameters()`` order (a torch state_dict
+    does; a safetensors file does not); None: what ``ckpt.model.order`` says. A naming that is
+    ambiguous or impossible leaves the parameters unnamed, with the reason as a warning.
+    """
+    from statekit.frameworks import torch_names
+
     try:
-        torch_state.apply_names(ckpt.optimizer, [m.path for m in params], {m.path: m.shape for m in params}, ckpt.path)
-        ckpt.optimizer.notes.append("parameter names taken from the checkpoint's model state_dict")
+        torch_names.name_state(ckpt.optimizer, torch_names.from_model_info(ckpt.model, source, ordered=ordered),
+                               ckpt.path)
     except MappingError as exc:
-        ckpt.warnings.append(f"could not name parameters from the checkpoint's model: {exc.message}")
+        ckpt.warnings.append(f"parameters left unnamed: {exc.message}")
 
 
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
