@@ -154,8 +154,9 @@ PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved pl
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; none: a DCP directory) unless --to is given.")],
+    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", help="DCP output: the number of data files (torch.distributed reshards on load).")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -181,7 +182,8 @@ def convert(
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
+    """Convert optimizer state between burn (.bpk), PyTorch (.pt), torch.distributed (DCP) directories,
+    candle and safetensors.
 
     The plan (every rename, transpose, cast and assumed hyperparameter) is printed before
     anything is written; --dry-run stops there. The output is written atomically.
@@ -202,7 +204,8 @@ def convert(
                     preset, transpose, no_transpose, names, model, dtype, step_policy=step,
                     allow_nonfinite=allow_nonfinite)
     run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
-                plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None, out=out)
+                plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None, out=out,
+                shards=shards)
 
 
 @app.command()

@@ -54,12 +54,28 @@ READERS: tuple[Reader, ...] = (
     Reader("safetensors", _safetensors, "statekit.frameworks.safetensors_io"),
     Reader("burn-legacy", _legacy, "statekit.frameworks.burn_legacy_io"),
     Reader("torch", _zip_or_pickle, "statekit.frameworks.torch_io"),
+    Reader("dcp", lambda head, path: False, "statekit.frameworks.dcp_io"),  # directories: see sniff
 )
+
+
+def _dcp_directory(path: str) -> str | None:
+    """The DCP checkpoint directory ``path`` is, or is a data/metadata file of; None otherwise."""
+    if os.path.isdir(path):
+        return path if os.path.isfile(os.path.join(path, ".metadata")) else None
+    parent = os.path.dirname(os.path.abspath(path))
+    if (path.endswith(".distcp") or os.path.basename(path) == ".metadata") and os.path.isfile(
+            os.path.join(parent, ".metadata")):
+        return parent
+    return None
 
 
 def sniff(path: str | os.PathLike) -> str:
     """The name of the format whose reader claims ``path``; FormatError when none does."""
     path = os.fspath(path)
+    if _dcp_directory(path) is not None:
+        return "dcp"
+    if os.path.isdir(path):
+        raise FormatError("is a directory, but not a torch.distributed checkpoint (no .metadata file in it)", path)
     try:
         with open(path, "rb") as fh:
             head = fh.read(512)
@@ -88,4 +104,6 @@ def open_checkpoint(path: str | os.PathLike, **options) -> Checkpoint:
     """Open ``path`` with the reader its content asks for. Tensor data stays on disk until used."""
     name = sniff(path)
     module = importlib.import_module(reader_for(name).module)
+    if name == "dcp":
+        path = _dcp_directory(os.fspath(path))
     return module.open_checkpoint(os.fspath(path), **options)

@@ -34,6 +34,7 @@ when a TensorRef is asked for its values. Nothing here knows about optimizers.
 from __future__ import annotations
 
 import hashlib
+import io
 import mmap
 import os
 import struct
@@ -148,7 +149,7 @@ def _map(path: str | os.PathLike) -> mmap.mmap:
             raise FormatError("file is empty") from None
 
 
-def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
+def _zip_records(path: str | os.PathLike | BinaryIO) -> dict[str, zipfile.ZipInfo]:
     """Entries by name inside the archive folder (the first entry's folder, as torch takes it)."""
     try:
         with zipfile.ZipFile(path) as archive:
@@ -166,8 +167,52 @@ def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
 
 
 def _load_zip(path: str | os.PathLike) -> object:
-    records = _zip_records(path)
-    buffer = _map(path)
+    return _load_zip_buffer(_map(path), _zip_records(path))
+
+
+class _ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (zipfile reads a region without copying it)."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.view))[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.view[self.pos : self.pos + len(buffer)]
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int) -> object:
+    """The object a ``torch.save`` zip archive lying at ``buffer[offset:offset + length]`` holds.
+
+    DCP's ``.distcp`` files hold such archives back to back. Tensors are lazy views of
+    ``buffer``; any problem raises FormatError (the caller names the file).
+    """
+    if offset < 0 or length <= 0 or offset + length > len(buffer):
+        raise FormatError(f"byte range [{offset}, {offset + length}) lies outside the file ({len(buffer)} bytes)")
+    view = memoryview(buffer)[offset : offset + length]
+    if bytes(view[:4]) != ZIP_MAGIC:
+        raise FormatError(f"no torch.save archive at offset {offset} (starts with {bytes(view[:4]).hex(' ')})")
+    return _load_zip_buffer(view, _zip_records(_ViewFile(view)))
+
+
+def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.ZipInfo]) -> object:
     byteorder = _entry_bytes(buffer, records["byteorder"]).tobytes() if "byteorder" in records else b"little"
     if byteorder not in (b"little", b"big"):
         raise FormatError(f"unknown byteorder record {byteorder[:20]!r}")
@@ -295,18 +340,28 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
     (see :func:`torch_pickle.dumps`); each tensor gets its own storage. The file loads with
     ``torch.load(path, weights_only=True)``, with or without ``mmap=True``.
     """
-    pickled, tensors = torch_pickle.dumps(obj)
     with atomic_write(path) as fh:
-        writer = _ZipWriter(fh, _archive_name(path))
-        writer.add("data.pkl", pickled)
-        writer.add(".format_version", b"1")
-        writer.add(".storage_alignment", str(ALIGNMENT).encode())
-        writer.add("byteorder", b"little")
-        for key, tensor in enumerate(tensors):
-            writer.add(f"data/{key}", _tensor_size(tensor), tensor.iter_bytes())
-        writer.add("version", b"3\n")
-        writer.add(".data/serialization_id", writer.serialization_id())
-        writer.finish()
+        write_pt_stream(fh, obj, _archive_name(path))
+
+
+def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive") -> int:
+    """Write ``obj`` as one torch.save zip archive at ``fh``'s position; returns its length.
+
+    Offsets inside the archive count from where it starts, as when torch.save writes to a stream
+    (DCP writes its chunks this way, back to back in one file). Tensor bytes are streamed.
+    """
+    pickled, tensors = torch_pickle.dumps(obj)
+    writer = _ZipWriter(fh, folder)
+    writer.add("data.pkl", pickled)
+    writer.add(".format_version", b"1")
+    writer.add(".storage_alignment", str(ALIGNMENT).encode())
+    writer.add("byteorder", b"little")
+    for key, tensor in enumerate(tensors):
+        writer.add(f"data/{key}", _tensor_size(tensor), tensor.iter_bytes())
+    writer.add("version", b"3\n")
+    writer.add(".data/serialization_id", writer.serialization_id())
+    writer.finish()
+    return writer.pos
 
 
 def _archive_name(path: str | os.PathLike) -> str:

@@ -18,7 +18,7 @@ from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
 from statekit.state import ModelInfo, OptimizerState, ParamState
 
 FRAMEWORK_OF_FORMAT = {"burnpack": "burn", "burn-legacy": "burn", "torch": "torch", "candle": "candle",
-                       "safetensors": "neutral"}
+                       "safetensors": "neutral", "dcp": "torch"}
 
 
 @dataclass
@@ -203,7 +203,9 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
     if names is None and opts.model is not None:
         names = [m.path for m in opts.model.params if not m.buffer]
     if names is None:
-        if state.framework == "torch":
+        # torch.distributed (DCP) keys optimizer state by parameter name: a named state needs no order
+        by_name = plan.target_format == "dcp" and all(a.dst_path for a in actions)
+        if state.framework == "torch" or by_name:
             for i, a in enumerate(actions):
                 a.dst_index = i
             return actions

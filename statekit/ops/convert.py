@@ -25,7 +25,7 @@ FORMATS_BY_EXTENSION = {
     ".pth": "torch",
     ".safetensors": "safetensors",
 }
-TARGET_FORMATS = ("burnpack", "torch", "safetensors", "candle")
+TARGET_FORMATS = ("burnpack", "torch", "safetensors", "candle", "dcp")
 
 
 def output_format(path: str | os.PathLike, explicit: str | None = None) -> str:
@@ -33,12 +33,18 @@ def output_format(path: str | os.PathLike, explicit: str | None = None) -> str:
         if explicit not in TARGET_FORMATS:
             raise UsageError(f"unknown output format {explicit!r} (known: {', '.join(TARGET_FORMATS)})")
         return explicit
-    ext = os.path.splitext(os.fspath(path))[1].lower()
+    text = os.fspath(path)
+    if text.endswith(("/", os.sep)) or os.path.isdir(text):
+        return "dcp"  # a directory: a torch.distributed checkpoint
+    ext = os.path.splitext(text)[1].lower()
+    if not ext:
+        return "dcp"
     try:
         return FORMATS_BY_EXTENSION[ext]
     except KeyError:
         known = ", ".join(sorted(FORMATS_BY_EXTENSION))
-        raise UsageError(f"cannot tell the output format from {os.fspath(path)!r} (known: {known}; or --to)") from None
+        raise UsageError(f"cannot tell the output format from {os.fspath(path)!r} (known: {known}, a directory "
+                         "for DCP; or --to)") from None
 
 
 def read_names(path: str) -> list[str]:
@@ -95,14 +101,20 @@ def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
 
 def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None = None, key: str | None = None,
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
-            out: Output | None = None) -> Result:
-    """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``."""
+            out: Output | None = None, shards: int | None = None) -> Result:
+    """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``.
+
+    ``shards`` (DCP output only) is the number of data files to write."""
     out = out or Output(quiet=True)
     opts = opts or Options()
-    fmt = output_format(dst, to)
+    fmt = output_format(dst, to or ("dcp" if shards else None))
+    if shards is not None and (fmt != "dcp" or shards < 1):
+        raise UsageError("--shards applies to DCP (directory) output and must be at least 1")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("source and destination are the same file")
     with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
+        if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
+            return _copy_container(ckpt, dst, fmt, shards or 1, dry_run, out)
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):
             if dry_run:
                 out.info(f"would copy {src} → {dst} byte for byte (burnpack → burnpack, nothing to change)")
@@ -126,10 +138,43 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
-        return carry_out(plan, state, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out)
+        writer = {"shards": shards or 1} if fmt == "dcp" else {}
+        return carry_out(plan, state, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out, **writer)
 
 
-def carry_out(plan: Plan, state, nbytes: int, out: Output, *, dry_run: bool, plan_out: str | None) -> Result:
+FQN_NOTE = "optimizer state keyed by parameter name (torch.distributed form)"
+
+
+def is_container_copy(ckpt: Checkpoint, fmt: str) -> bool:
+    """DCP ⇄ torch.save with nothing to change moves the whole saved object, as torch's own
+    ``dcp_to_torch_save`` / ``torch_save_to_dcp`` do: the model and every other entry come along,
+    the optimizer stays keyed by name (what ``set_optimizer_state_dict`` loads)."""
+    if {ckpt.format, fmt} != {"dcp", "torch"}:
+        return False
+    if ckpt.format == "dcp" or ckpt.optimizer is None:
+        return True
+    return FQN_NOTE in ckpt.optimizer.notes
+
+
+def _copy_container(ckpt: Checkpoint, dst: str, fmt: str, shards: int, dry_run: bool, out: Output) -> Result:
+    from statekit.formats import dcp, torch_pt
+
+    what = f"{ckpt.format} {ckpt.path} → {fmt} {dst}"
+    if dry_run:
+        out.info(f"would copy the whole saved state_dict: {what}")
+        return Result(None, None, copied=True)
+    with out.progress("writing", ckpt.nbytes or None, unit_bytes=True) as advance:
+        if fmt == "torch":
+            torch_pt.save_pt(ckpt.container.state_dict(), dst)
+            size = os.path.getsize(dst)
+        else:
+            size = dcp.save(dst, torch_pt.load_pt(ckpt.path), shards=shards, progress=advance)
+    out.info(f"wrote {dst} ({size} bytes, the whole saved state_dict)")
+    return Result(None, size, copied=True)
+
+
+def carry_out(plan: Plan, state, nbytes: int, out: Output, *, dry_run: bool, plan_out: str | None,
+              **writer_options) -> Result:
     """Save the plan if asked, show it, and (unless a dry run) write the target."""
     if plan_out:
         from statekit.atomic import atomic_write
@@ -141,7 +186,7 @@ def carry_out(plan: Plan, state, nbytes: int, out: Output, *, dry_run: bool, pla
         out.info("dry run: nothing written")
         return Result(plan, None)
     with out.progress("writing", nbytes, unit_bytes=True) as advance:
-        size = write(plan, state, plan.target, progress=advance)
+        size = write(plan, state, plan.target, progress=advance, **writer_options)
     out.info(f"wrote {plan.target} ({size} bytes)")
     return Result(plan, size)
 

@@ -22,6 +22,7 @@ WRITERS = {
     "torch": "statekit.frameworks.torch_io",
     "safetensors": "statekit.frameworks.safetensors_io",
     "candle": "statekit.frameworks.candle",
+    "dcp": "statekit.frameworks.dcp_io",
 }
 
 
@@ -95,7 +96,7 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
 def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
     """The target state the plan describes (tensors still lazy)."""
     by_key = _check(plan, state)
-    target_fw = {"burnpack": "burn", "torch": "torch", "safetensors": state.framework}.get(
+    target_fw = {"burnpack": "burn", "torch": "torch", "dcp": "torch", "safetensors": state.framework}.get(
         plan.target_format, plan.target_format)
     params: list[ParamState] = []
     for a in plan.params:
@@ -160,10 +161,13 @@ def _with_burn_avg(slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
     return ordered
 
 
-def write(plan: Plan, state: OptimizerState, path: str, progress=None) -> int:
-    """Apply the plan and write the result with the target format's writer (atomically)."""
+def write(plan: Plan, state: OptimizerState, path: str, progress=None, **writer_options) -> int:
+    """Apply the plan and write the result with the target format's writer (atomically).
+
+    ``writer_options`` go to the writer as they are (DCP's ``shards``)."""
     target = apply_plan(plan, state)
     module = importlib.import_module(WRITERS[plan.target_format])
     extra = {"step_policy": plan.step_policy} if plan.step_policy else {}
+    extra.update(writer_options)
     return module.save_optimizer(target, path, family=plan.family, groups=plan.hyperparams,
                                  metadata=dict(plan.metadata), progress=progress, **extra)
