@@ -151,12 +151,25 @@ PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", help="Also save t
 PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved plan instead of building one.")]
 
 
+def _show_plan(plan, out: Output) -> None:
+    """The plan, before anything is written: JSON on stdout, or a table and warnings."""
+    if out.json_mode:
+        out.json(plan.to_json())
+        return
+    from statekit.render import plan_table
+
+    for item in plan_table(plan):
+        out.print(item)
+    for w in plan.warnings:
+        out.warn(w)
+
+
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; none: a DCP directory) unless --to is given.")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
     to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
-    shards: Annotated[int | None, typer.Option("--shards", help="DCP output: the number of data files (torch.distributed reshards on load).")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -182,8 +195,7 @@ def convert(
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert optimizer state between burn (.bpk), PyTorch (.pt), torch.distributed (DCP) directories,
-    candle and safetensors.
+    """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
     The plan (every rename, transpose, cast and assumed hyperparameter) is printed before
     anything is written; --dry-run stops there. The output is written atomically.
@@ -203,9 +215,11 @@ def convert(
     opts = _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
                     preset, transpose, no_transpose, names, model, dtype, step_policy=step,
                     allow_nonfinite=allow_nonfinite)
-    run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
-                plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None, out=out,
-                shards=shards)
+    result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
+                         plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
+    for line in result.messages:
+        out.info(line)
 
 
 @app.command()
@@ -243,8 +257,11 @@ def remap(
     opts = _options(None, None, None, None, None, None, None, None, None, rename, rules, True, None, None, names,
                     model, None, resize=resize, reset_step=list(reset_step or []),
                     old_model=load_model(str(old_model)) if old_model else None, allow_nonfinite=allow_nonfinite)
-    run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
-              plan_out=str(plan_out) if plan_out else None, out=out)
+    result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
+                       plan_out=str(plan_out) if plan_out else None, progress=out.progress,
+                       on_plan=lambda p: _show_plan(p, out))
+    for line in result.messages:
+        out.info(line)
 
 
 FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
@@ -445,7 +462,7 @@ def merge(
     from statekit.render_ops import merge_view
 
     out = Output(json_out)
-    result = merge_files(inputs, output, on_conflict=on_conflict, dry_run=dry_run, out=out)
+    result = merge_files(inputs, output, on_conflict=on_conflict, dry_run=dry_run, progress=out.progress)
     if json_out:
         out.json(result)
     else:

@@ -158,6 +158,20 @@ def is_dcp_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
+def claims(head: bytes, path: str) -> bool:
+    """Registry sniffer (directories): a folder with a ``.metadata`` file."""
+    return is_dcp_dir(path)
+
+
+def directory_of(path: str | os.PathLike) -> str | None:
+    """The checkpoint directory when ``path`` is one of its data files or its ``.metadata``."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if (path.endswith(SUFFIX) or os.path.basename(path) == METADATA) and is_dcp_dir(parent):
+        return parent
+    return None
+
+
 def _ints(value: object, what: str, key: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or not all(type(v) is int and v >= 0 for v in value):
         raise FormatError(f"{key}: {what} {value!r} is not a tuple of non-negative integers")

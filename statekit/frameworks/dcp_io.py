@@ -20,6 +20,7 @@ from statekit.state import Checkpoint, OptimizerState
 
 FORMAT = "dcp"
 OPTIMIZER_KEY = "optimizer"
+SHARDS_KEY = "dcp.shards"
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
@@ -41,7 +42,23 @@ def fqn_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> di
     return torch_fqn.from_positional(torch_state.to_state_dict(state, family, groups))
 
 
-def save_optimizer(state: OptimizerState, path: str, *, family: str, groups: list[dict],
-                   metadata: dict[str, str] | None = None, progress=None, shards: int = 1, **_) -> int:
+def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
+                   metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
+                   on_warning=None) -> int:
+    """Write the FQN-keyed optimizer state as a DCP directory; ``metadata["dcp.shards"]`` (from the
+    plan) is the number of data files (default 1)."""
+    family = family or state.family
+    groups = groups if groups is not None else [g.hyperparams for g in state.groups]
+    shards = _shards((metadata or {}).get(SHARDS_KEY, "1"))
     sd = {OPTIMIZER_KEY: fqn_state_dict(state, family, groups)}
     return dcp.save(os.fspath(path), sd, shards=shards, progress=progress)
+
+
+def _shards(text: str) -> int:
+    try:
+        shards = int(text)
+    except ValueError:
+        shards = 0
+    if shards < 1:
+        raise MappingError(f"{SHARDS_KEY} is {text!r}: the number of DCP data files must be a positive integer")
+    return shards

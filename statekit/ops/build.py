@@ -8,17 +8,14 @@ whatever it would otherwise have to guess, listing every conflict at once.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
-from statekit import hyper, naming
+from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
+from statekit.formats import registry
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
 from statekit.state import ModelInfo, OptimizerState, ParamState
-
-FRAMEWORK_OF_FORMAT = {"burnpack": "burn", "burn-legacy": "burn", "torch": "torch", "candle": "candle",
-                       "safetensors": "neutral", "dcp": "torch"}
 
 
 @dataclass
@@ -40,11 +37,6 @@ class Options:
     dtype: str | None = None
     step_policy: str | None = None
     allow_nonfinite: bool = False  # NaN/Inf moments are refused unless asked for
-
-
-def generated_id(path: str) -> int:
-    """A stable ParamId for a path that has none (the same path always gets the same id)."""
-    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")
 
 
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
@@ -87,7 +79,7 @@ def _derived(family: str) -> set[str]:
 def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
                opts: Options, operation: str = "convert") -> Plan:
     src_fw = state.framework
-    dst_fw = FRAMEWORK_OF_FORMAT.get(target_format, target_format)
+    dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
     family = _family(state, opts, crossing)
     plan = Plan(operation, source, source_format, target, target_format, family)
@@ -267,7 +259,7 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
             if not a.dst_path:
                 problems.append(f"parameter #{a.src_key} has neither a path nor an id")
                 continue
-            a.dst_id = str(generated_id(a.dst_path))
+            a.dst_id = str(paramid.generated(a.dst_path))
             generated.append(a.dst_path)
         elif p.id is not None:
             a.dst_id = str(p.id)

@@ -9,21 +9,19 @@ bit-exact when both use the same arithmetic, else within ``|Δp| ≤ 4·ulp(p) +
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from statekit import dtypes, hyper
+from statekit import dtypes, hyper, paramid
 from statekit.errors import MappingError, UsageError
+from statekit.formats import registry as formats
 from statekit.optim import registry
 from statekit.optim.tolerance import param_bound
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
 FLAVOR_OF_FRAMEWORK = {"burn": "burn", "torch": "torch", "candle": "candle"}
-WRITER_OF_FORMAT = {"burnpack": "statekit.frameworks.burn_io", "torch": "statekit.frameworks.torch_io",
-                    "safetensors": "statekit.frameworks.safetensors_io", "candle": "statekit.frameworks.candle"}
 
 
 # ------------------------------------------------------------------ hyperparameters
@@ -161,9 +159,7 @@ def lane_state(lane: Lane, template: OptimizerState | None, family: str) -> Opti
             params.append(ParamState(key=old.key, id=old.id, index=old.index, path=path, rank=old.rank, step=step,
                                      slots=slots or old.slots, extra=dict(old.extra), group=old.group, family=family))
         elif path in lane.slots:
-            from statekit.ops.build import generated_id
-
-            params.append(ParamState(key=str(i), id=generated_id(path), index=i, path=path, rank=lane.params[path].ndim,
+            params.append(ParamState(key=str(i), id=paramid.generated(path), index=i, path=path, rank=lane.params[path].ndim,
                                      step=step, slots=slots, family=family))
     groups = template.groups if template else [ParamGroup(keys=[p.key for p in params])]
     fw = template.framework if template else "neutral"
@@ -178,7 +174,7 @@ def _dtype(old: ParamState | None, slot: str) -> str:
 
 
 def write_state(state: OptimizerState, path: str, fmt: str, family: str, source: Checkpoint | None) -> int:
-    module = importlib.import_module(WRITER_OF_FORMAT[fmt])
+    save = formats.writer(fmt)
     groups = [dict(g.hyperparams) for g in state.groups] if state.groups else [{}]
     if fmt == "torch":
         groups = [hyper.torch_group(family, g) for g in groups]
@@ -186,7 +182,7 @@ def write_state(state: OptimizerState, path: str, fmt: str, family: str, source:
             if p.index is None:
                 raise MappingError(f"{p.path}: no torch position (replay a torch state, or write .bpk/.safetensors)")
     metadata = dict(source.metadata) if source is not None and fmt == "burnpack" else {}
-    return module.save_optimizer(state, path, family=family, groups=groups, metadata=metadata)
+    return save(state, path, family=family, groups=groups, metadata=metadata)
 
 
 # ------------------------------------------------------------------ verify-resume
