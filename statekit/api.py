@@ -105,10 +105,12 @@ def doctor(state: PathLike, model: PathLike | None = None) -> dict:
 
 
 def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, seed: int = 0,
-                  optimizer: str | None = None, lr: float | None = None, transpose: Sequence[str] = ()) -> dict:
-    """``statekit verify-resume --json`` as a dict (``report["tracks"]``)."""
+                  optimizer: str | None = None, lr: float | None = None, transpose: Sequence[str] = (),
+                  kernel: str = "auto") -> dict:
+    """``statekit verify-resume --json`` as a dict (``report["tracks"]``; ``report["kernels"]``:
+    the code that ran each side, :mod:`statekit.optim.kernels`)."""
     from statekit.ops.replay import verify_resume as run
 
     with open(original) as a, open(migrated) as b:
         return run(a, b, steps=steps, seed=seed, optimizer=optimizer, given={"lr": lr} if lr else {},
-                   transpose=list(transpose))
+                   transpose=list(transpose), kernel=kernel)

@@ -230,6 +230,7 @@ def step(
     *,
     inplace: bool = False,
     vector_width: int | None = None,
+    kernel: str | None = "reference",
 ):
     """One optimizer step: ``(new_param, new_slots, new_step)``.
 
@@ -238,11 +239,26 @@ def step(
     shape (missing ones start fresh); ``step`` counts the steps already taken. ``xp`` chooses
     the array namespace (numpy, torch, cupy; default: that of ``param``). See the algorithm
     modules for each flavour's arithmetic and :func:`exactness` for what it reproduces.
+    ``kernel`` is the code that runs it (:mod:`statekit.optim.kernels`): ``reference`` (the
+    default: the emulation every other kernel is tested against), ``torch``, ``numba`` or
+    ``auto`` (:func:`choose_kernel`); all give the same bits.
     """
     full = resolve(name, flavor, hp)
     return get_algorithm(name).step(
-        param, grad, dict(slots or {}), step, full, flavor, xp, inplace=inplace, vector_width=vector_width
+        param, grad, dict(slots or {}), step, full, flavor, xp, inplace=inplace, vector_width=vector_width,
+        kernel=kernel, name=name,
     )
+
+
+def choose_kernel(name: str, flavor: str, xp=None, like=None, kernel: str | None = "auto",
+                  vector_width: int | None = None) -> str:
+    """The kernel :func:`step` runs for ``name``/``flavor`` on ``xp`` (or ``like``'s namespace):
+    ``auto`` picks the fastest that has the step, an explicit name is checked
+    (:func:`statekit.optim.kernels.choose`)."""
+    from statekit.optim import kernels
+
+    get_algorithm(name)
+    return kernels.choose(name, flavor, get_backend(xp, like=like), kernel, vector_width)
 
 
 def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
