@@ -6,6 +6,7 @@ errors); ``STATEKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 from pathlib import Path
@@ -37,7 +38,16 @@ app = typer.Typer(
 
 FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, PyTorch .pt, burn .mpk/.bin or safetensors file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Tensors read and transformed at once (threads; default: the cores). The output never depends on it.")]
 KeyOpt = Annotated[str | None, typer.Option("--key", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
+
+
+def _jobs(n: int | None) -> None:
+    """--jobs for the rest of this command (statekit.stream reads it)."""
+    if n is not None:
+        from statekit import stream
+
+        stream.set_jobs(n)
 
 
 def _version(value: bool) -> None:
@@ -80,10 +90,10 @@ def inspect(
     out = Output(json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
         if names and ckpt.optimizer is not None:
-            from statekit.ops.build import Options
-            from statekit.ops.convert import name_source_params, read_names
+            from statekit.ops.convert import name_source_params
+            from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, Options(names=read_names(str(names))), str(file))
+            name_source_params(ckpt.optimizer, make_options(names=names), str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
@@ -92,40 +102,6 @@ def inspect(
     else:
         for item in inspect_table(result, stats):
             out.print(item)
-
-
-def _betas(text: str | None) -> tuple[float, float] | None:
-    if text is None:
-        return None
-    try:
-        b1, b2 = (float(x) for x in text.replace(" ", "").split(","))
-    except ValueError:
-        raise UsageError(f"--betas {text!r}: expected two numbers, e.g. 0.9,0.999") from None
-    return (b1, b2)
-
-
-def _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov) -> dict:
-    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
-          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
-    return {k: v for k, v in hp.items() if v is not None}
-
-
-def _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
-             preset, transpose, no_transpose, names, model, dtype, **more):
-    from statekit.ops.build import Options
-    from statekit.ops.convert import load_model, read_names
-    from statekit.ops.rules import read_rules_file
-
-    renames = list(rename or [])
-    for f in rules or []:
-        renames += read_rules_file(str(f))
-    return Options(
-        optimizer=optimizer, renames=renames,
-        hyperparams=_given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov),
-        preset=preset, transpose=list(transpose or []), no_transpose=list(no_transpose or []),
-        names=read_names(str(names)) if names else None, model=load_model(str(model)) if model else None,
-        dtype=dtype.upper() if dtype else None, **more,
-    )
 
 
 OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
@@ -194,6 +170,7 @@ def convert(
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -207,14 +184,17 @@ def convert(
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
     names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
     """
+    _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
+    from statekit.ops.options import make_options
 
     out = Output(json_out)
     if step not in (None, "max"):
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
-    opts = _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
-                    preset, transpose, no_transpose, names, model, dtype, step_policy=step,
-                    allow_nonfinite=allow_nonfinite)
+    opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
+                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names, model=model,
+                        dtype=dtype, step_policy=step, allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
@@ -239,6 +219,7 @@ def remap(
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Move optimizer state onto a refactored model: renamed modules, new heads, grown embeddings.
 
@@ -250,13 +231,13 @@ def remap(
     \b
       statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
     """
-    from statekit.ops.convert import load_model
+    _jobs(jobs)
+    from statekit.ops.options import make_options
     from statekit.ops.remap import remap as run_remap
 
     out = Output(json_out)
-    opts = _options(None, None, None, None, None, None, None, None, None, rename, rules, True, None, None, names,
-                    model, None, resize=resize, reset_step=list(reset_step or []),
-                    old_model=load_model(str(old_model)) if old_model else None, allow_nonfinite=allow_nonfinite)
+    opts = make_options(rename=rename, rules=rules, names=names, model=model, resize=resize, reset_step=reset_step,
+                        old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
                        on_plan=lambda p: _show_plan(p, out))
@@ -298,46 +279,22 @@ def replay(
       statekit replay --state opt.pt --params p.safetensors --grads g1.safetensors g2.safetensors \\
           --optimizer adam --flavor torch-fused --lr 1e-3 --out-state opt2.pt --out-params p2.safetensors
     """
-    from statekit import io
-    from statekit.ops.convert import output_format
-    from statekit.ops.replay import (
-        default_flavor,
-        lane_state,
-        pick_algorithm,
-        registry_hp,
-        state_hp,
-        write_state,
-    )
-    from statekit.ops.replay import replay as run_replay
-    from statekit.ops.tensorfile import read_tensors, write_tensors
+    from statekit.ops.options import given_hyperparams
+    from statekit.ops.replay import replay_files
 
     out = Output(json_out)
-    ckpt = io.open_checkpoint(str(state)) if state else None
-    st = ckpt.optimizer if ckpt else None
-    if ckpt is not None and st is None:
-        raise UsageError(f"{state}: holds no optimizer state")
-    algorithm = pick_algorithm(st, given=optimizer)
-    flav = flavor or default_flavor(st)
-    hp = registry_hp(algorithm, flav, state_hp(st), _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov))
-    grad_sets = [read_tensors(str(g)) for g in [*grads, *(more_grads or [])]]
-    with out.progress("steps", len(grad_sets)) as advance:
-        lane = run_replay(st, read_tensors(str(params)), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
-                          device=device, backend=backend, progress=advance)
-    write_tensors(str(out_params), lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
-    if out_state:
-        fmt = output_format(out_state)
-        write_state(lane_state(lane, st, algorithm), str(out_state), fmt, algorithm, ckpt)
-    from statekit.optim.registry import exactness
-
-    result = {"optimizer": algorithm, "flavor": flav, "hyperparams": hp, "steps": len(grad_sets),
-              "exactness": exactness(flav, algorithm=algorithm), "out_params": str(out_params),
-              "out_state": str(out_state) if out_state else None,
-              "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
+    given = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                              momentum=momentum, dampening=dampening, nesterov=nesterov)
+    result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
+                          state=str(state) if state else None, out_state=str(out_state) if out_state else None,
+                          optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
+                          progress=out.progress)
     if json_out:
         out.json(result)
     else:
-        shown = ", ".join(f"{k}={v}" for k, v in hp.items())
-        out.print(f"replayed {len(grad_sets)} steps of {algorithm} ({flav} arithmetic, {result['exactness']}): {shown}")
+        shown = ", ".join(f"{k}={v}" for k, v in result["hyperparams"].items())
+        out.print(f"replayed {result['steps']} steps of {result['optimizer']} ({result['flavor']} arithmetic, "
+                  f"{result['exactness']}): {shown}")
         out.print(f"wrote {out_params}" + (f" and {out_state}" if out_state else ""))
 
 
@@ -363,13 +320,14 @@ def verify_resume_cmd(
     |Δp| ≤ 4·ulp(p) + 2e-5·lr·n; the cold run shows how far a silent no-op restore would drift.
     """
     from statekit import io
+    from statekit.ops.options import given_hyperparams
     from statekit.ops.replay import verify_resume
     from statekit.render_replay import verify_table
 
     out = Output(json_out)
     with io.open_checkpoint(str(original)) as a, io.open_checkpoint(str(migrated), **({"key": key} if key else {})) as b:
         with out.progress("steps", steps) as advance:
-            report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=_given_hp(lr, None, None, None, None, None, None, None),
+            report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
                                    flavor_original=flavor_original, flavor_migrated=flavor_migrated,
                                    transpose=list(transpose or []), progress=advance)
     if json_out:
@@ -418,6 +376,7 @@ def diff(
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Compare two optimizer states (or two models) parameter by parameter.
 
@@ -427,6 +386,7 @@ def diff(
     in ULPs. NaN equals NaN at the same place. Exit status: 0 equal within tolerance, 1 they
     differ, 2 error (like GNU diff).
     """
+    _jobs(jobs)
     from statekit.ops.diff import diff_files
     from statekit.render_ops import diff_view
 
@@ -451,6 +411,7 @@ def merge(
              "elementwise and keep the largest step (mean).")] = "error",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be merged and write nothing.")] = False,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Merge optimizer states (parameter groups saved apart, or several runs) into one file.
 
@@ -458,6 +419,7 @@ def merge(
     the same optimizer family. The output keeps the inputs' order and is written atomically;
     the inputs are only read.
     """
+    _jobs(jobs)
     from statekit.ops.merge import merge_files
     from statekit.render_ops import merge_view
 
@@ -475,6 +437,7 @@ def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
     model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Find what bites when training resumes from STATE (and, with --model, into MODEL).
 
@@ -482,6 +445,7 @@ def doctor(
     duplicate paths; with --model: orphaned state, parameters without state, shape mismatches
     (transposed ones named as such). Exit status: 0 clean, 1 problems found, 2 error.
     """
+    _jobs(jobs)
     from statekit.ops.doctor import doctor_files
     from statekit.render_ops import doctor_view
 
@@ -512,7 +476,8 @@ def _click_exception(exc: BaseException) -> int | None:
 def _run(args: list[str] | None = None) -> int:
     debug = bool(os.environ.get("STATEKIT_DEBUG"))
     try:
-        rc = app(args=args, standalone_mode=False, prog_name="statekit")
+        # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
+        rc = contextvars.copy_context().run(app, args=args, standalone_mode=False, prog_name="statekit")
     except StatekitError as exc:
         if debug:
             raise

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from statekit import io, paramid
 from statekit.errors import FormatError, MappingError
@@ -23,7 +24,6 @@ from statekit.formats.burnpack import BurnpackFile, Scalar, write_burnpack
 from statekit.frameworks import burn, burn_io, burn_legacy_io
 from statekit.state import ModelInfo, ModelParam
 
-ROOT = Path(__file__).resolve().parent.parent
 LEGACY = ROOT / "fixtures" / "legacy"
 EXPECTED = ROOT / "fixtures" / "legacy-bpk"
 MODEL = LEGACY / "model-21.mpk"

@@ -1,13 +1,11 @@
 """replay and verify-resume from the user's side."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-ROOT = Path(__file__).resolve().parent.parent
 HAND_NAMES = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
 SHAPES = {"l1.weight": (4, 16), "l1.bias": (16,), "l2.weight": (16, 1), "l2.bias": (1,)}
 

@@ -46,7 +46,7 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pickle, torch_pt
 from statekit.formats.torch_pickle import Record, RecordClass, TorchDtype
-from statekit.tensor import TensorRef
+from statekit.tensor import SourceFile, TensorRef
 
 METADATA = ".metadata"
 SUFFIX = ".distcp"
@@ -330,9 +330,11 @@ class DcpReader:
         self.directory = os.fspath(directory)
         self.meta = read_metadata(self.directory)
         self._maps: dict[str, mmap.mmap] = {}
+        self._sources: dict[str, SourceFile] = {}
 
     def close(self) -> None:
         self._maps.clear()  # views handed out keep their maps alive until dropped
+        self._sources.clear()  # a file closes with the last tensor span that reads it
 
     def _map(self, name: str) -> mmap.mmap:
         if name not in self._maps:
@@ -341,9 +343,16 @@ class DcpReader:
                 self._maps[name] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         return self._maps[name]
 
+    def _source(self, name: str) -> SourceFile:
+        if name not in self._sources:
+            self._sources[name] = SourceFile.open(os.path.join(self.directory, name))
+        return self._sources[name]
+
     def _archive(self, key: str, file: str, offset: int, length: int) -> object:
+        """The torch.save archive at ``file[offset:offset + length]``: its zip directory and pickle
+        are parsed from the map, tensor bytes read later with pread."""
         try:
-            return torch_pt.load_pt_region(self._map(file), offset, length)
+            return torch_pt.load_pt_region(self._map(file), offset, length, self._source(file))
         except FormatError as exc:
             raise FormatError(f"{key}: {exc.message}", os.path.join(self.directory, file)) from None
 

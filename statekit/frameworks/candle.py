@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from statekit import hyper
 from statekit.errors import FormatError, MappingError
 from statekit.formats.safetensors import write_safetensors
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
@@ -37,8 +38,8 @@ FORMAT_VERSION = "1"
 OPTIMIZER = "candle_nn::AdamW"
 FIRST, SECOND, STEP = "first_moment", "second_moment", "step_t"
 KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
-# candle-nn's ``ParamsAdamW::default()`` (the same values as torch.optim.AdamW's).
-DEFAULTS: dict[str, float] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
+# candle-nn's ``ParamsAdamW::default()``, from the one table of defaults (statekit.hyper).
+DEFAULTS: dict[str, float] = {k: v for k, v in hyper.core_defaults("candle", "adamw").items() if k in KEYS}
 STEP_POLICIES = ("exact", "max")
 ONE_STEP_NOTE = "candle-nn's AdamW keeps one step_t for all variables"
 
@@ -128,10 +129,9 @@ def hyperparams(group: dict) -> tuple[dict[str, float], list[str]]:
     pair is split); missing ones take candle's defaults and are returned as assumed."""
     values: dict[str, float] = {}
     given = dict(group)
-    if "betas" in given and given["betas"] is not None:
-        beta1, beta2 = given.pop("betas")
-        given.setdefault("beta1", beta1)
-        given.setdefault("beta2", beta2)
+    betas = given.pop("betas", None)
+    if betas is not None:
+        given = {**hyper.split_betas({"betas": betas}), **given}
     assumed = []
     for key in KEYS:
         if given.get(key) is None:

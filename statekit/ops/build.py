@@ -8,35 +8,13 @@ whatever it would otherwise have to guess, listing every conflict at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
+from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
-from statekit.state import ModelInfo, OptimizerState, ParamState
-
-
-@dataclass
-class Options:
-    """What the user asked for (the CLI's flags, the Python API's keywords)."""
-
-    optimizer: str | None = None
-    hyperparams: dict[str, object] = field(default_factory=dict)
-    renames: list[str] = field(default_factory=list)
-    preset: bool = True
-    transpose: list[str] = field(default_factory=list)
-    no_transpose: list[str] = field(default_factory=list)
-    names: list[str] | None = None
-    model: ModelInfo | None = None  # the target model (ids, order, shapes)
-    old_model: ModelInfo | None = None  # remap: the source's model, to learn paths by id
-    resize: bool = False
-    reset_step: list[str] = field(default_factory=list)  # globs; remap: reset the step of resized params
-    allow_drop: bool = False
-    dtype: str | None = None
-    step_policy: str | None = None
-    allow_nonfinite: bool = False  # NaN/Inf moments are refused unless asked for
+from statekit.state import OptimizerState, ParamState
 
 
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:

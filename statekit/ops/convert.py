@@ -7,7 +7,6 @@ state and the options, shows it, and (unless ``dry_run``) writes the target atom
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,40 +14,14 @@ from dataclasses import dataclass, field
 from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
-from statekit.ops.build import Options, build_plan
+from statekit.ops.build import build_plan
 from statekit.ops.execute import write
+from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
-from statekit.state import Checkpoint, ModelInfo
+from statekit.state import Checkpoint
 
 output_format = registry.from_extension
-
-
-def read_names(path: str) -> list[str]:
-    """A names file: a JSON list, or one name per line, in model.named_parameters() order."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read names: {exc.strerror}") from None
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            names = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}: names file is not a JSON list: {exc}") from None
-    else:
-        names = [line.strip() for line in text.splitlines() if line.strip()]
-    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise UsageError(f"{path}: names must be distinct strings")
-    return names
-
-
-def load_model(path: str) -> ModelInfo:
-    with io.open_checkpoint(path) as ckpt:
-        if ckpt.model is None:
-            raise UsageError(f"{path}: not a model file (it holds {ckpt.format} {ckpt.kind} data)")
-        return ckpt.model
 
 
 def name_source_params(state, opts: Options, path: str) -> None:

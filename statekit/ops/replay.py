@@ -9,6 +9,7 @@ bit-exact when both use the same arithmetic, else within ``|Δp| ≤ 4·ulp(p) +
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,7 @@ import numpy as np
 from statekit import dtypes, hyper, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry as formats
+from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import registry
 from statekit.optim.tolerance import param_bound
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
@@ -33,9 +35,7 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     torch's ``betas`` tuple becomes ``beta1``/``beta2``; keys the algorithm does not know under
     this flavour's framework (torch's ``foreach``, ``fused`` …) are left out.
     """
-    merged = {**stored, **{k: v for k, v in given.items() if v is not None}}
-    if "betas" in merged:
-        merged["beta1"], merged["beta2"] = (float(b) for b in merged.pop("betas"))
+    merged = hyper.split_betas({**stored, **{k: v for k, v in given.items() if v is not None}})
     framework = registry.get_algorithm(algorithm).frameworks[registry.FRAMEWORK_OF[flavor]]
     out = {k: v for k, v in merged.items() if k in framework.defaults and v is not None}
     for key in framework.fixed:
@@ -214,6 +214,37 @@ def write_state(state: OptimizerState, path: str, fmt: str, family: str, source:
                 raise MappingError(f"{p.path}: no torch position (replay a torch state, or write .bpk/.safetensors)")
     metadata = dict(source.metadata) if source is not None and fmt == "burnpack" else {}
     return save(state, path, family=family, groups=groups, metadata=metadata)
+
+
+def replay_files(params: str, grads: list[str], out_params: str, *, state: str | None = None,
+                 out_state: str | None = None, optimizer: str | None = None, flavor: str | None = None,
+                 hyperparams: dict | None = None, device: str = "cpu", backend: str | None = None,
+                 progress: ProgressFactory | None = None) -> dict:
+    """``statekit replay``: apply the gradient files in order, write the parameters (and state)
+    after the last step; returns what ``--json`` prints. Output formats are checked first."""
+    from statekit import io
+    from statekit.ops.tensorfile import read_tensors, write_tensors
+
+    formats.from_extension(out_params)
+    fmt = formats.from_extension(out_state) if out_state else None
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(io.open_checkpoint(state)) if state else None
+        st = ckpt.optimizer if ckpt else None
+        if ckpt is not None and st is None:
+            raise UsageError(f"{state}: holds no optimizer state")
+        algorithm = pick_algorithm(st, given=optimizer)
+        flav = flavor or default_flavor(st)
+        hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
+        grad_sets = [read_tensors(g) for g in grads]
+        with (progress or silent)("steps", len(grad_sets)) as advance:
+            lane = replay(st, read_tensors(params), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
+                          device=device, backend=backend, progress=advance)
+        write_tensors(out_params, lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
+        if out_state:
+            write_state(lane_state(lane, st, algorithm), out_state, fmt, algorithm, ckpt)
+    return {"optimizer": algorithm, "flavor": flav, "hyperparams": hp, "steps": len(grad_sets),
+            "exactness": registry.exactness(flav, algorithm=algorithm), "out_params": out_params,
+            "out_state": out_state, "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
 
 
 # ------------------------------------------------------------------ verify-resume
