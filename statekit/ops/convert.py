@@ -24,18 +24,45 @@ from statekit.state import Checkpoint
 output_format = registry.from_extension
 
 
-def name_source_params(state, opts: Options, path: str) -> None:
-    """Give source parameters their paths: --names for a torch source's positions; a model with
-    ParamIds (--model, --old-model) for sources that have ids but no paths (burn ≤ 0.21 records)."""
-    if opts.names is not None and state.framework == "torch":
-        from statekit.frameworks.torch_state import apply_names
+def name_source_params(state, opts: Options, path: str, *, model_names_source: bool = True):
+    """Give source parameters their paths.
 
-        apply_names(state, opts.names, None, path)
+    A torch source's positions are named by :mod:`statekit.frameworks.torch_names` from ``--names``
+    (its order: ``opts.names_order``) and/or a model (``--old-model``, else ``--model`` when
+    ``model_names_source``: for convert it is the same model) — solved from order and shapes, refused
+    when ambiguous. A model with ParamIds names sources that have ids but no paths (burn ≤ 0.21).
+    Returns the :class:`~statekit.frameworks.torch_names.Resolution` used, or None.
+    """
+    resolution = None
+    if state.framework == "torch":
+        resolution = _name_torch(state, opts, path, model_names_source)
     for model in (opts.old_model, opts.model):
         by_id = model.by_id() if model is not None else {}
         for p in state.params:
             if p.path is None and p.id is not None and p.id in by_id:
                 p.path = by_id[p.id].path
+    return resolution
+
+
+def _name_torch(state, opts: Options, path: str, model_names_source: bool):
+    from statekit.frameworks import torch_names
+
+    names = opts.names
+    if names is not None and not isinstance(names, torch_names.ModelOrder):
+        names = torch_names.from_names(list(names), source="--names", order=opts.names_order)
+    elif names is not None and opts.names_order and not names.positional and opts.names_order == "optimizer":
+        names.positional = True
+    model = opts.old_model if opts.old_model is not None else opts.model if model_names_source else None
+    flag = "--model" if opts.old_model is None else "--old-model"
+    model_src = torch_names.from_model_info(model, model.source or flag) \
+        if model is not None and any(not m.buffer for m in model.params) else None
+    if names is not None:
+        if model_src is not None and all(e.shape is None for e in names.entries):
+            names = torch_names.with_shapes(names, model_src)
+        return torch_names.name_state(state, names, path)
+    if model_src is not None and not all(p.path for p in state.params):
+        return torch_names.name_state(state, model_src, path)
+    return None
 
 
 @dataclass
