@@ -78,6 +78,7 @@ def inspect(
     model: Annotated[Path | None, typer.Option("--model", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Show what a file holds: kind, optimizer family, one row per parameter.
 
@@ -88,6 +89,7 @@ def inspect(
     \b
       statekit inspect optim-10.bpk --param 6j5mg0dcb1hvu --stats
     """
+    _jobs(jobs)
     from statekit import io
     from statekit.ops.inspect import inspect as describe
     from statekit.render import inspect_table
@@ -150,8 +152,9 @@ def _show_plan(plan, out: Output) -> None:
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
+    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -209,7 +212,7 @@ def convert(
                         allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out))
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
     for line in result.messages:
         out.info(line)
 

@@ -21,13 +21,28 @@ FORMAT = "torch"
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
-    obj = torch_pt.load_pt(path)
+    from statekit.formats import dcp
+
+    directory = dcp.directory_of(path)  # one chunk file of a DCP checkpoint: read the whole checkpoint
+    if directory is not None:
+        from statekit.formats import registry
+
+        return registry.open_checkpoint(directory, **({"key": key} if key else {}), **options)
+    return checkpoint_from_object(torch_pt.load_pt(path), path, key, FORMAT)
+
+
+def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) -> Checkpoint:
+    """A Checkpoint for the object a torch file (or DCP directory) holds."""
+    from statekit.frameworks import torch_fqn
+
+    obj, fqn_notes = torch_fqn.normalize(obj, path)
     sd, where = torch_state.find_optimizer(obj, key, path)
     model_sd = torch_state.find_model(obj)
-    ckpt = Checkpoint(path=path, format=FORMAT, kind="tensors")
+    ckpt = Checkpoint(path=path, format=fmt, kind="tensors")
     if sd is not None:
         ckpt.kind = "optimizer"
         ckpt.optimizer = torch_state.read_optimizer(sd, path)
+        ckpt.optimizer.notes.extend(fqn_notes)
         refs = [r for p in ckpt.optimizer.params for r in p.slots.values()]
         ckpt.n_tensors = len(refs) + sum(1 for p in ckpt.optimizer.params if "__step_dtype" in p.extra
                                          and p.extra["__step_dtype"] != "python")

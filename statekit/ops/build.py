@@ -229,7 +229,9 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
             return actions
         names = [m.path for m in opts.model.params if not m.buffer]
     if names is None:
-        if state.framework == "torch":
+        # torch.distributed (DCP) keys optimizer state by parameter name: a named state needs no order
+        by_name = plan.target_format == "dcp" and all(a.dst_path for a in actions)
+        if state.framework == "torch" or by_name:
             for i, a in enumerate(actions):
                 a.dst_index = i
             return actions
