@@ -73,7 +73,9 @@ def inspect(
     file: FileArg,
     stats: Annotated[bool, typer.Option("--stats", help="Add min/max/mean/RMS and NaN/Inf counts per field (reads all data).")] = False,
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Show only this parameter: a path, a ParamId (decimal or the 13-character form) or #index; repeatable.")] = None,
-    names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions (model.named_parameters() order).")] = None,
+    names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions: see convert --help.")] = None,
+    names_order: Annotated[str | None, typer.Option("--names-order", help="What order the --names list is in: 'model' (model.named_parameters()) or 'optimizer' (its param groups, one after the other).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -92,11 +94,12 @@ def inspect(
 
     out = Output(json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
-        if names and ckpt.optimizer is not None:
+        if (names or model) and ckpt.optimizer is not None:
             from statekit.ops.convert import name_source_params
             from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, make_options(names=names), str(file))
+            name_source_params(ckpt.optimizer, make_options(names=names, names_order=names_order, model=model),
+                               str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
@@ -121,8 +124,9 @@ RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", help="File of re
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
 TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
 NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
-NamesOpt = Annotated[Path | None, typer.Option("--names", help="Parameter names in model.named_parameters() order (one per line or a JSON list).")]
-ModelOpt = Annotated[Path | None, typer.Option("--model", help="Target model file (.bpk with ParamIds, .pt/.safetensors state_dict): ids, order and shapes.")]
+NamesOpt = Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions: one per line (optionally with its shape, 'fc.weight [16, 4]') or JSON. A list with shapes is read in model.named_parameters() order and each param group is placed in it by shape; a flat list without shapes for a state with several param groups needs --names-order.")]
+NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Cast every state tensor, e.g. f32.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
@@ -146,8 +150,9 @@ def _show_plan(plan, out: Output) -> None:
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
+    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -164,6 +169,7 @@ def convert(
     transpose: TransposeOpt = None,
     no_transpose: NoTransposeOpt = None,
     names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
@@ -184,7 +190,11 @@ def convert(
       statekit convert optim-10.bpk optim.pt --optimizer adamw --names names.txt --transpose '*.weight' --lr 3e-4
     PyTorch → burn (ids from the burn model, joined by path):
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
-    names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
+    A torch state's positions are named by solving, never by assuming an order: each param group
+    is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
+    --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
+      python -c "m = ...; print(*[f'{n} {list(p.shape)}' for n, p in m.named_parameters()], sep='\\n')"
+    is enough; an ambiguous or impossible naming is refused, naming the positions.
     """
     _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
@@ -195,11 +205,12 @@ def convert(
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
-                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names, model=model,
-                        dtype=dtype, step_policy=step, allow_nonfinite=allow_nonfinite)
+                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
+                        names_order=names_order, model=model, dtype=dtype, step_policy=step,
+                        allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out))
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
     for line in result.messages:
         out.info(line)
 
@@ -216,6 +227,7 @@ def remap(
     resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
     reset_step: Annotated[list[str] | None, typer.Option("--reset-step", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
     names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
@@ -238,8 +250,8 @@ def remap(
     from statekit.ops.remap import remap as run_remap
 
     out = Output(json_out)
-    opts = make_options(rename=rename, rules=rules, names=names, model=model, resize=resize, reset_step=reset_step,
-                        old_model=old_model, allow_nonfinite=allow_nonfinite)
+    opts = make_options(rename=rename, rules=rules, names=names, names_order=names_order, model=model, resize=resize,
+                        reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
                        on_plan=lambda p: _show_plan(p, out))
