@@ -78,6 +78,7 @@ def inspect(
     model: Annotated[Path | None, typer.Option("--model", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Show what a file holds: kind, optimizer family, one row per parameter.
 
@@ -88,6 +89,7 @@ def inspect(
     \b
       statekit inspect optim-10.bpk --param 6j5mg0dcb1hvu --stats
     """
+    _jobs(jobs)
     from statekit import io
     from statekit.ops.inspect import inspect as describe
     from statekit.render import inspect_table
