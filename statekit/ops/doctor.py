@@ -16,6 +16,7 @@ Tensors are streamed one at a time, in blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import numpy as np
 from statekit import dtypes, io
 from statekit.errors import MappingError
 from statekit.ops.diff import METHOD_WORDS
-from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState, matches
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
@@ -220,8 +221,9 @@ def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict
 
 
 def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
-           on_param: Callable[[], None] | None = None) -> dict:
-    """Check an opened optimizer state (and, given, its model); a JSON-able report."""
+           on_param: Callable[[], None] | None = None, only: list[str] | None = None) -> dict:
+    """Check an opened optimizer state (and, given, its model); a JSON-able report. ``only``:
+    parameter names or path globs (:func:`statekit.state.matches`) to check, in state and model."""
     if state_ckpt.kind == "empty":
         state = OptimizerState(family=None)
     elif state_ckpt.kind != "optimizer" or state_ckpt.optimizer is None:
@@ -231,6 +233,11 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     if model_ckpt is not None and (model_ckpt.kind != "model" or model_ckpt.model is None):
         raise MappingError(f"holds {model_ckpt.kind} data, not a model (give --model the model's weights)",
                            model_ckpt.path)
+    model = model_ckpt.model if model_ckpt is not None else None
+    if only:
+        state = dataclasses.replace(state, params=state.select(only))
+        if model is not None:
+            model = ModelInfo([m for m in model.params if any(matches(n, path=m.path, id=m.id) for n in only)])
     findings: list[dict] = []
     notes: list[str] = []
     if not state.params and not state.global_slots:
@@ -247,7 +254,7 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     _check_paths(state.params, findings)
     method = None
     if model_ckpt is not None:
-        method = _check_model(state.params, model_ckpt.model, findings)
+        method = _check_model(state.params, model, findings)
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     counts = {s: sum(1 for f in findings if f["severity"] == s) for s in SEVERITIES}
     steps = sorted(state.steps()) if state.params else []
@@ -258,7 +265,7 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
         "params": len(state.params),
         "steps": steps,
         "model": None if model_ckpt is None else model_ckpt.path,
-        "model_params": None if model_ckpt is None else len(model_ckpt.model.params),
+        "model_params": None if model is None else len(model.params),
         "matched_by": method,
         "findings": findings,
         "counts": counts,
@@ -268,11 +275,11 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
 
 
 def doctor_files(state_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
-                 progress=None) -> dict:
+                 progress=None, only: list[str] | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         state_ckpt = stack.enter_context(io.open_checkpoint(state_path))
         model_ckpt = stack.enter_context(io.open_checkpoint(model_path)) if model_path is not None else None
         n = len(state_ckpt.optimizer.params) if state_ckpt.optimizer else 0
         bar = progress("checking", n) if progress else contextlib.nullcontext(None)
         with bar as advance:
-            return doctor(state_ckpt, model_ckpt, on_param=advance)
+            return doctor(state_ckpt, model_ckpt, on_param=advance, only=only)

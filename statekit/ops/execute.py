@@ -153,9 +153,9 @@ def _with_burn_avg(slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
     return ordered
 
 
-def write(plan: Plan, state: OptimizerState, path: str, progress=None) -> int:
+def write(plan: Plan, state: OptimizerState, path: str, progress=None, on_warning=None) -> int:
     """Apply the plan and write the result with the target format's writer (atomically)."""
     target = apply_plan(plan, state)
     save = registry.writer(plan.target_format)
     return save(target, path, family=plan.family, groups=plan.hyperparams, metadata=dict(plan.metadata),
-                progress=progress, step_policy=plan.step_policy)
+                progress=progress, step_policy=plan.step_policy, on_warning=on_warning)
