@@ -3,14 +3,14 @@
     python bench/replay.py [--numel 50000000] [--repeat 3] [--device cpu|cuda]
 
 One float32 parameter of ``--numel`` elements with its gradient and Adam state. For each
-statekit flavour (Adam; candle is AdamW with weight_decay 0, i.e. the same update) one in-place
+statekit flavor (Adam; candle is AdamW with weight_decay 0, i.e. the same update) one in-place
 step is timed, best of ``--repeat``; beside them torch's Adam with ``foreach=False``,
 ``foreach=True`` and ``fused=True``, and a plain copy of the same size (``np.copyto`` on CPU,
 ``Tensor.copy_`` / CuPy on CUDA) that gives the memory bandwidth. "fraction of memory bound"
 divides elements/s by bandwidth/28: an Adam step reads p, g, m, v and writes p, m, v, 7 float32
 streams of 4 bytes; the copy counts its 2 streams (8 bytes per element).
 
-``--device cuda`` runs the statekit flavours on torch CUDA tensors (or CuPy arrays when torch
+``--device cuda`` runs the statekit flavors on torch CUDA tensors (or CuPy arrays when torch
 has no CUDA) against a device copy; without a CUDA device it says so and exits 0.
 """
 
@@ -129,7 +129,7 @@ def cuda_device():
 
 
 def statekit_rows(dev, repeat):
-    """(label, seconds) for one in-place step of each statekit flavour."""
+    """(label, seconds) for one in-place step of each statekit flavor."""
     for flavor, algo in FLAVORS:
         p, slots = dev.fresh(dev.p), {"exp_avg": dev.zeros(), "exp_avg_sq": dev.zeros()}
         state = {"step": 0}

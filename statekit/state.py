@@ -18,9 +18,6 @@ from dataclasses import dataclass, field
 from statekit import paramid
 from statekit.tensor import TensorRef
 
-KINDS = ("optimizer", "model", "scheduler", "tensors", "empty")
-
-
 GLOB_CHARS = frozenset("*?[")
 
 

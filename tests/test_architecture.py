@@ -192,3 +192,14 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
                     ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy"}}[path.suffix]
         assert name in expected, path
     assert {"burnpack", "torch", "safetensors"} <= seen
+
+
+def test_no_function_in_statekit_exceeds_80_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, "\n".join(long)

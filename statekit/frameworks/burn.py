@@ -14,7 +14,6 @@ from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 
 FORMAT = "burnpack"
-META_PREFIX = "statekit."
 # A step count for families whose burn state has none (RMSProp): kept as an extra scalar, which
 # burn ignores on load, so that torch → burn → torch keeps torch's counter.
 STEP_KEY = "statekit.step"
