@@ -6,6 +6,7 @@ errors); ``STATEKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables (same as --format json).")]
 FormatOpt = Annotated[str | None, typer.Option("--format", metavar="table|json|tsv", help="Output: tables (default), one JSON object, or tab-separated lines with one header.")]
 ParamOpt = Annotated[list[str] | None, typer.Option("--param", "-p", metavar="PARAM", help="Only this parameter: a path or a glob of paths ('l1.*'), a ParamId (decimal or the 13-character form) or #index; repeatable.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, metavar="N", help="Tensors read and transformed at once (threads; default: the cores). The output never depends on it.")]
 KeyOpt = Annotated[str | None, typer.Option("--key", metavar="KEY", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
 
 
@@ -51,6 +53,14 @@ def _output(fmt: str | None, json_out: bool) -> Output:
     if json_out and fmt not in (None, "json"):
         raise UsageError(f"--json and --format {fmt} disagree")
     return Output(fmt=fmt or ("json" if json_out else "table"))
+
+
+def _jobs(n: int | None) -> None:
+    """--jobs for the rest of this command (statekit.stream reads it)."""
+    if n is not None:
+        from statekit import stream
+
+        stream.set_jobs(n)
 
 
 def _version(value: bool) -> None:
@@ -171,6 +181,7 @@ def convert(
     plan: PlanInOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -184,6 +195,7 @@ def convert(
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
     names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
     """
+    _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
 
@@ -218,6 +230,7 @@ def remap(
     plan: PlanInOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Move optimizer state onto a refactored model: renamed modules, new heads, grown embeddings.
 
@@ -229,6 +242,7 @@ def remap(
     \b
       statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
     """
+    _jobs(jobs)
     from statekit.ops.options import make_options
     from statekit.ops.remap import remap as run_remap
 
@@ -339,6 +353,7 @@ def diff(
     param: ParamOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> int:
     """Compare two optimizer states (or two models) parameter by parameter.
 
@@ -348,6 +363,7 @@ def diff(
     in ULPs. NaN equals NaN at the same place. Exit status: 0 equal within tolerance, 1 they
     differ, 2 error (like GNU diff).
     """
+    _jobs(jobs)
     from statekit.ops.diff import diff_files
 
     out = _output(fmt, json_out)
@@ -368,6 +384,7 @@ def merge(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be merged and write nothing.")] = False,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Merge optimizer states (parameter groups saved apart, or several runs) into one file.
 
@@ -375,6 +392,7 @@ def merge(
     the same optimizer family. The output keeps the inputs' order and is written atomically;
     the inputs are only read.
     """
+    _jobs(jobs)
     from statekit.ops.merge import merge_files
 
     out = _output(fmt, json_out)
@@ -389,6 +407,7 @@ def doctor(
     param: ParamOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> int:
     """Find what bites when training resumes from STATE (and, with --model, into MODEL).
 
@@ -396,6 +415,7 @@ def doctor(
     duplicate paths; with --model: orphaned state, parameters without state, shape mismatches
     (transposed ones named as such). Exit status: 0 clean, 1 problems found, 2 error.
     """
+    _jobs(jobs)
     from statekit.ops.doctor import doctor_files
 
     out = _output(fmt, json_out)
@@ -452,7 +472,8 @@ def _run(args: list[str] | None = None) -> int:
     args = sys.argv[1:] if args is None else list(args)
     command = next((a for a in args if not a.startswith("-")), None)
     try:
-        rc = app(args=args, standalone_mode=False, prog_name="statekit")
+        # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
+        rc = contextvars.copy_context().run(app, args=args, standalone_mode=False, prog_name="statekit")
     except (Exception, KeyboardInterrupt) as exc:
         if _is_click(exc, "Exit"):
             return exc.exit_code

@@ -150,6 +150,7 @@ class Storage:
         self.location = sid.location
         self.resolve = resolve
         self.big_endian = big_endian
+        self.span = None  # a FileSpan of the storage's bytes, when the container can pread them
 
     def array(self, dtype: np.dtype) -> np.ndarray:
         """The whole storage as a 1-D little-endian array of ``dtype`` (read-only unless swapped)."""
@@ -211,6 +212,9 @@ def _tensor(
     }
     if numel == 0 or (_is_contiguous(size, stride) and not storage.big_endian):
         start, stop = offset * itemsize, (offset + numel) * itemsize
+        if storage.span is not None:
+            span = storage.span
+            return TensorRef(name, size, info=info, span=type(span)(span.file, span.offset + start, stop - start))
         return TensorRef(name, size, loader=lambda: storage.resolve()[start:stop], info=info)
 
     def strided() -> np.ndarray:

@@ -48,7 +48,8 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pickle
 from statekit.formats.torch_pickle import Storage, StorageId
-from statekit.tensor import TensorRef
+from statekit.stream import ordered
+from statekit.tensor import FileSpan, SourceFile, TensorRef
 
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -174,6 +175,7 @@ def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
 def _load_zip(path: str | os.PathLike) -> object:
     records = _zip_records(path)
     buffer = _map(path)
+    source = SourceFile.open(os.fspath(path))  # tensor bytes are read from it with pread
     byteorder = _entry_bytes(buffer, records["byteorder"]).tobytes() if "byteorder" in records else b"little"
     if byteorder not in (b"little", b"big"):
         raise FormatError(f"unknown byteorder record {byteorder[:20]!r}")
@@ -191,11 +193,19 @@ def _load_zip(path: str | os.PathLike) -> object:
                 f"but data/{sid.key} holds {info.file_size} bytes"
             )
         data = _entry_bytes(buffer, info)
-        storages[sid.key] = Storage(sid, lambda: data, big_endian=byteorder == b"big")
-        return storages[sid.key]
+        storage = Storage(sid, lambda: data, big_endian=byteorder == b"big")
+        storage.span = FileSpan(source, _entry_start(buffer, info), info.file_size)
+        storages[sid.key] = storage
+        return storage
 
     obj, _ = torch_pickle.loads(_entry_bytes(buffer, records["data.pkl"]).tobytes(), 0, load_storage)
     return obj
+
+
+def _entry_start(buffer: mmap.mmap, info: zipfile.ZipInfo) -> int:
+    """Where an entry's bytes start in the file (after its local header; checked by _entry_bytes)."""
+    *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(buffer, info.header_offset)
+    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
 
 
 def _entry_bytes(buffer: mmap.mmap, info: zipfile.ZipInfo) -> memoryview:
@@ -308,8 +318,9 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
         writer.add(".format_version", b"1")
         writer.add(".storage_alignment", str(ALIGNMENT).encode())
         writer.add("byteorder", b"little")
-        for key, tensor in enumerate(tensors):
-            writer.add(f"data/{key}", _tensor_size(tensor), tensor.iter_bytes())
+        sizes = [_tensor_size(tensor) for tensor in tensors]
+        for key, (_, stream) in enumerate(ordered(tensors, crc=True)):
+            writer.add(f"data/{key}", sizes[key], stream)
         writer.add("version", b"3\n")
         writer.add(".data/serialization_id", writer.serialization_id())
         writer.finish()
@@ -363,10 +374,14 @@ class _ZipWriter:
         )
         self.write(raw_name + extra)
         crc = written = 0
+        streamed = getattr(pieces, "crc", None) is not None  # a PieceStream computes its CRC on the way
         for piece in pieces:
             self.write(piece)
-            crc = zlib.crc32(piece, crc)
+            if not streamed:
+                crc = zlib.crc32(piece, crc)
             written += len(piece)
+        if streamed:
+            crc = pieces.crc
         if written != size:
             raise MappingError(f"entry {name} produced {written} bytes, expected {size}")
         if size:

@@ -70,12 +70,10 @@ def scan(ref: TensorRef, block: int = BLOCK) -> dict:
     """NaN / Inf counts and whether every element is zero, streaming ``block`` elements at a time."""
     if ref.dtype in ("QFloat", "Bool"):
         return {"nan": 0, "inf": 0, "zero": False}
-    flat = ref.numpy().reshape(-1)
     nan = inf = 0
-    zero = flat.size > 0
+    zero = ref.numel > 0
     is_float = dtypes.is_float(ref.dtype)
-    for lo in range(0, flat.size, block):
-        chunk = flat[lo : lo + block]
+    for chunk in ref.pieces(block):  # read with pread, one block at a time
         if is_float:
             wide = chunk.astype(np.float32) if chunk.dtype.itemsize < 4 else chunk
             nan += int(np.isnan(wide).sum())
