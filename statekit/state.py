@@ -21,6 +21,13 @@ from statekit.tensor import TensorRef
 GLOB_CHARS = frozenset("*?[")
 
 
+def format_shape(dims) -> str:
+    """A shape for people: ``4×16``; ``scalar`` for ``()``; ``-`` when unknown (one spelling everywhere)."""
+    if dims is None:
+        return "-"
+    return "×".join(str(d) for d in dims) if len(dims) else "scalar"
+
+
 def matches(pattern: str, *, path: str | None, key: str | None = None, id: int | None = None,
             index: int | None = None) -> bool:
     """Whether a user's parameter name selects this parameter: its path or key, a glob of paths

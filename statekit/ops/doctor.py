@@ -25,15 +25,17 @@ import numpy as np
 
 from statekit import dtypes, io
 from statekit.errors import MappingError
+from statekit.frameworks.torch_state import BUFFER_SUFFIXES
 from statekit.ops.diff import METHOD_WORDS
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState, matches
+from statekit.state import format_shape as _shape
+from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
 BURN_MAX_RANK = 8
 SEVERITIES = ("error", "warning", "info")
 # Model tensors that no optimizer updates (batch-norm statistics): never "missing state".
-BUFFER_LEAVES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 MAX_NAMED = 8
 
 WHY = {
@@ -62,10 +64,6 @@ def _finding(severity: str, check: str, param: str | None, message: str) -> dict
     return {"severity": severity, "check": check, "param": param, "message": message, "why": WHY[check]}
 
 
-def _shape(shape) -> str:
-    return "×".join(str(d) for d in shape) if shape else "scalar"
-
-
 def scan(ref: TensorRef, block: int = BLOCK) -> dict:
     """NaN / Inf counts and whether every element is zero, streaming ``block`` elements at a time."""
     if ref.dtype in ("QFloat", "Bool"):
@@ -75,9 +73,8 @@ def scan(ref: TensorRef, block: int = BLOCK) -> dict:
     is_float = dtypes.is_float(ref.dtype)
     for chunk in ref.pieces(block):  # read with pread, one block at a time
         if is_float:
-            wide = chunk.astype(np.float32) if chunk.dtype.itemsize < 4 else chunk
-            nan += int(np.isnan(wide).sum())
-            inf += int(np.isinf(wide).sum())
+            n, i = nonfinite(chunk)
+            nan, inf = nan + n, inf + i
         if zero and np.any(chunk != 0):
             zero = False
     return {"nan": nan, "inf": inf, "zero": zero and not nan}
@@ -151,7 +148,7 @@ def _check_paths(params: list[ParamState], findings: list[dict]) -> None:
 
 
 def _is_buffer(m: ModelParam) -> bool:
-    return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_LEAVES
+    return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_SUFFIXES
 
 
 def _model_method(params: list[ParamState], model: ModelInfo) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 from statekit import dtypes, naming
 from statekit.errors import StatekitError
 from statekit.state import Checkpoint, OptimizerState, ParamState, matches
+from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
@@ -29,11 +30,10 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     for piece in ref.pieces(block):  # read with pread, one block at a time
         chunk = piece.astype(np.float64)
         finite = chunk
-        if dtypes.is_float(ref.dtype) and not np.isfinite(chunk).all():
-            bad_nan, bad_inf = np.isnan(chunk), np.isinf(chunk)
-            nan += int(bad_nan.sum())
-            inf += int(bad_inf.sum())
-            finite = chunk[~(bad_nan | bad_inf)]
+        bad_nan, bad_inf = nonfinite(chunk) if dtypes.is_float(ref.dtype) else (0, 0)
+        if bad_nan or bad_inf:
+            nan, inf = nan + bad_nan, inf + bad_inf
+            finite = chunk[np.isfinite(chunk)]
         if finite.size:
             lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
             total += float(finite.sum())

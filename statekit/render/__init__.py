@@ -45,10 +45,10 @@ def _cell(value: object) -> str:
 
 
 def shape(dims) -> str:
-    """``4×16``; ``scalar`` for ``[]``; ``-`` when unknown."""
-    if dims is None:
-        return "-"
-    return "×".join(str(d) for d in dims) if dims else "scalar"
+    """``4×16``; ``scalar`` for ``[]``; ``-`` when unknown (:func:`statekit.state.format_shape`)."""
+    from statekit.state import format_shape
+
+    return format_shape(dims)
 
 
 def human_bytes(n: int) -> str:
