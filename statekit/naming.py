@@ -110,3 +110,10 @@ def classify(framework: str, fields: set[str]) -> Layout | None:
         if item.required <= fields and fields <= known:
             return item
     return None
+
+
+def derived_slots(family: str) -> frozenset[str]:
+    """Slots of ``family`` that some framework stores but that are recomputed from the others
+    (burn RMSProp's ``avg``): a target without them drops them, burn recomputes them."""
+    return frozenset(s for layouts in FRAMEWORKS.values() for lay in layouts if lay.family == family
+                     for s in lay.derived)

@@ -8,10 +8,13 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
-from statekit import hyper, naming, paramid
+import numpy as np
+
+from statekit import hyper, naming, paramid, stream
 from statekit.errors import FormatError, MappingError
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
 
 FORMAT = "burnpack"
 # A step count for families whose burn state has none (RMSProp): kept as an extra scalar, which
@@ -227,3 +230,22 @@ def _put(tensors, scalars, key, leaf, value, pid) -> None:
         return
     else:
         tensors.append(PackTensor(f"{key}.{leaf}", value, param_id=pid))
+
+
+def with_derived_slots(family: str | None, slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """``slots`` with what burn stores beside them: RMSProp's ``centered.avg`` = square_avg −
+    grad_avg² (or square_avg), computed piece by piece when written."""
+    if family != "rmsprop" or "avg" in slots or "square_avg" not in slots:
+        return slots
+    sa, ga = slots["square_avg"], slots.get("grad_avg")
+    if ga is not None:
+        avg = stream.combine([sa, ga], lambda square, g: square - g * g, sa.dtype)
+    else:
+        avg = stream.combine([sa], np.array, sa.dtype)
+
+    ordered = {"square_avg": sa}
+    if ga is not None:
+        ordered["grad_avg"] = ga
+    ordered["avg"] = avg
+    ordered.update({k: v for k, v in slots.items() if k not in ordered})
+    return ordered

@@ -49,10 +49,9 @@ def _slots_check(p: ParamState, family: str, target: str) -> None:
         raise MappingError(f"parameter {p.label()}: {target}'s {family} state has no field for {', '.join(missing)}")
 
 
-def _derived(family: str) -> set[str]:
-    """Slots a target can drop because they are recomputed from others (burn RMSProp's ``avg``):
-    the ``derived`` slots of the family's layouts in :mod:`statekit.naming`."""
-    return {s for layouts in naming.FRAMEWORKS.values() for lay in layouts if lay.family == family for s in lay.derived}
+def _derived(family: str) -> frozenset[str]:
+    """Slots a target can drop because they are recomputed from others (burn RMSProp's ``avg``)."""
+    return naming.derived_slots(family)
 
 
 def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
