@@ -14,8 +14,11 @@ from typing import Annotated
 
 import typer
 
+from statekit import typer_fast
 from statekit.errors import StatekitError, UsageError
 from statekit.output import Output, error_line
+
+typer_fast.install()  # plain options without typer's pydantic adapters (statekit/typer_fast.py)
 
 app = typer.Typer(
     name="statekit",
@@ -255,6 +258,7 @@ def remap(
     _finish(result, out)
 
 
+KernelOpt = Annotated[str, typer.Option("--kernel", metavar="NAME", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference), torch, numba or reference; all give the same bits.")]
 FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
 
 
@@ -277,6 +281,7 @@ def replay(
     nesterov: NestOpt = None,
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
     backend: Annotated[str | None, typer.Option("--backend", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
+    kernel: KernelOpt = "auto",
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     more_grads: Annotated[list[Path] | None, typer.Argument(metavar="G2 ...", help="Further gradient files after --grads G1.", show_default=False)] = None,
@@ -299,7 +304,7 @@ def replay(
     result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
                           state=str(state) if state else None, out_state=str(out_state) if out_state else None,
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
-                          progress=out.progress)
+                          progress=out.progress, kernel=kernel)
     out.show("replay", result)
 
 
@@ -315,6 +320,7 @@ def verify_resume_cmd(
     lr: LrOpt = None,
     transpose: TransposeOpt = None,
     key: KeyOpt = None,
+    kernel: KernelOpt = "auto",
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
 ) -> int:
@@ -334,7 +340,7 @@ def verify_resume_cmd(
         with out.progress("steps", steps) as advance:
             report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
                                    flavor_original=flavor_original, flavor_migrated=flavor_migrated,
-                                   transpose=list(transpose or []), progress=advance)
+                                   transpose=list(transpose or []), progress=advance, kernel=kernel)
     out.show("verify", report)
     return 0 if report["tracks"] else 1
 

@@ -204,6 +204,7 @@ class Checkpoint:
     n_scalars: int = 0
     nbytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    schedulers: list[dict] = field(default_factory=list)  # LR scheduler state beside the optimizer, for display
     container: object = None
 
     def close(self) -> None:

@@ -44,20 +44,32 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             ckpt.n_tensors = len(model_sd)
             ckpt.nbytes = sum(r.nbytes for r in model_sd.values())
         elif not any(p.path for p in ckpt.optimizer.params):
-            _name_from_model(ckpt)
+            name_from_model(ckpt, ordered=True, source="the checkpoint's model state_dict")
+    ckpt.schedulers = torch_state.schedulers_of(obj)
     if ckpt.kind == "tensors" and not (isinstance(obj, dict) and obj):
         raise FormatError("holds neither an optimizer state_dict nor a model state_dict", path)
     return ckpt
 
 
-def _name_from_model(ckpt: Checkpoint) -> None:
-    """Name positional optimizer parameters from the checkpoint's own model state_dict."""
+def name_from_model(ckpt: Checkpoint, *, ordered: bool, source: str) -> None:
+    """Name positional optimizer parameters from a model's parameters (``ckpt.model``).
+
+    ``ordered``: the model lists its parameters in ``named_parameters()`` order (a torch
+    state_dict does; a safetensors file does not). Only a one-group state whose positions are
+    that order is named here; anything else stays unnamed with a note rather than guessed.
+    """
     params = [m for m in ckpt.model.params if not m.buffer]
+    if not ordered or len(ckpt.optimizer.groups) != 1:
+        ckpt.warnings.append(
+            f"parameters not named from {source}: " + ("its order is not named_parameters() order" if not ordered
+                                                       else "the optimizer has several param groups")
+            + "; give --names (model.named_parameters() order)")
+        return
     try:
         torch_state.apply_names(ckpt.optimizer, [m.path for m in params], {m.path: m.shape for m in params}, ckpt.path)
-        ckpt.optimizer.notes.append("parameter names taken from the checkpoint's model state_dict")
+        ckpt.optimizer.notes.append(f"parameter names taken from {source}")
     except MappingError as exc:
-        ckpt.warnings.append(f"could not name parameters from the checkpoint's model: {exc.message}")
+        ckpt.warnings.append(f"could not name parameters from {source}: {exc.message}")
 
 
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,

@@ -16,6 +16,7 @@ from statekit.errors import FormatError, MappingError
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
+LIGHTNING_OPTIMIZERS = "optimizer_states"  # Lightning .ckpt: a list, one state_dict per optimizer
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
@@ -37,9 +38,14 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
     if key is not None:
         node = obj
         for part in key.split("."):
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
             if not isinstance(node, dict) or part not in node:
                 raise FormatError(f"no entry {key!r} in the checkpoint", path)
             node = node[part]
+        if isinstance(node, list) and len(node) == 1 and is_optimizer_dict(node[0]):
+            return node[0], f"{key}.0"
         if not is_optimizer_dict(node):
             raise FormatError(f"entry {key!r} is not an optimizer state_dict", path)
         return node, key
@@ -47,6 +53,12 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
         return obj, None
     if not isinstance(obj, dict):
         return None, None
+    listed = obj.get(LIGHTNING_OPTIMIZERS)
+    if isinstance(listed, list) and listed and all(is_optimizer_dict(o) for o in listed):
+        if len(listed) > 1:
+            keys = ", ".join(f"{LIGHTNING_OPTIMIZERS}.{i}" for i in range(len(listed)))
+            raise FormatError(f"{len(listed)} optimizer states in the checkpoint ({keys}); choose one with --key", path)
+        return listed[0], f"{LIGHTNING_OPTIMIZERS}.0"
     found = [k for k, v in obj.items() if is_optimizer_dict(v)]
     if len(found) > 1:
         raise FormatError(
@@ -173,6 +185,32 @@ def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple
                 f"parameter #{p.index}: its state has shape {list(p.shape)} but {name!r} has shape {list(want)}; "
                 "the names are not in the optimizer's order", path)
         p.path = name
+
+
+def describe_scheduler(sd: object) -> dict:
+    """The JSON-able part of an LR scheduler's state_dict (``last_epoch``, ``base_lrs``, …)."""
+    if not isinstance(sd, dict):
+        return {"value": type(sd).__name__}
+    out: dict = {}
+    for k, v in sd.items():
+        if isinstance(v, TensorRef):
+            out[k] = f"tensor {list(v.shape)} {v.dtype}"
+        elif isinstance(v, bool | int | float | str) or v is None:
+            out[k] = v
+        elif isinstance(v, list | tuple) and all(isinstance(x, bool | int | float | str) or x is None for x in v):
+            out[k] = list(v)
+        elif k == "lr_lambdas":  # LambdaLR keeps only a callable object's __dict__ (functions: None)
+            out[k] = [None if x is None else "(object state)" for x in v]
+        else:
+            out[k] = type(v).__name__
+    return out
+
+
+def schedulers_of(obj: object) -> list[dict]:
+    """A Lightning checkpoint's ``lr_schedulers`` (a list of scheduler state_dicts), described."""
+    if isinstance(obj, dict) and isinstance(obj.get("lr_schedulers"), list):
+        return [describe_scheduler(s) for s in obj["lr_schedulers"]]
+    return []
 
 
 # ----------------------------------------------------------------------------- writing

@@ -166,6 +166,8 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
                 on_param()
     if ckpt.scalars:
         out["scalar_values"] = ckpt.scalars
+    if ckpt.schedulers:
+        out["schedulers"] = ckpt.schedulers
     return out
 
 

@@ -222,8 +222,10 @@ def verify_view(report: dict) -> list:
     verdict = Text("TRACKS", style="bold green") if report["tracks"] else Text("DIVERGES", style="bold red")
     head = Text(f"{report['migrated']} vs {report['original']}: ") + verdict
     fl = report["flavors"]
+    kn = report.get("kernels", {})
+    kernels = f" ({kn['original']} → {kn['migrated']} kernel)" if kn else ""
     sub = Text(f"{report['optimizer']}, {report['steps']} steps, seed {report['seed']}; arithmetic "
-               f"{fl['original']} → {fl['migrated']}; criterion {report['criterion']}", style="dim")
+               f"{fl['original']} → {fl['migrated']}{kernels}; criterion {report['criterion']}", style="dim")
     table = Table(header_style="bold", pad_edge=False)
     for col in ("parameter", "state", "layout", "result", "max |Δp|", "Δ / tolerance", "cold Δ / tolerance"):
         table.add_column(col, justify="right" if "Δ" in col else "left")
@@ -248,8 +250,9 @@ def verify_view(report: dict) -> list:
 def replay_view(result: dict) -> list:
     shown = ", ".join(f"{k}={v}" for k, v in result["hyperparams"].items())
     wrote = f"wrote {result['out_params']}" + (f" and {result['out_state']}" if result["out_state"] else "")
+    kernel = f", {result['kernel']} kernel" if result.get("kernel") else ""
     return [f"replayed {result['steps']} steps of {result['optimizer']} ({result['flavor']} arithmetic, "
-            f"{result['exactness']}): {shown}", wrote]
+            f"{result['exactness']}{kernel}): {shown}", wrote]
 
 
 # ----------------------------------------------------------------------------- TSV
