@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 
 from statekit import typer_fast
 from statekit.errors import StatekitError, UsageError
 from statekit.output import Output, error_line
 
 typer_fast.install()  # plain options without typer's pydantic adapters (statekit/typer_fast.py)
+# help shows an argument's metavar (FILE), not its Python type (<path>) beside it
+typer.core.TyperArgument.display_type_rich = lambda self, ctx: None
 
 app = typer.Typer(
     name="statekit",
@@ -86,7 +89,9 @@ def inspect(
     file: FileArg,
     stats: Annotated[bool, typer.Option("--stats", help="Add min/max/mean/RMS and NaN/Inf counts per field (reads all data).")] = False,
     param: ParamOpt = None,
-    names: Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for a torch state's positions (model.named_parameters() order).")] = None,
+    names: Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for a torch state's positions: see convert --help.")] = None,
+    names_order: Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters()) or 'optimizer' (its param groups, one after the other).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
@@ -104,38 +109,40 @@ def inspect(
     from statekit.ops.inspect import inspect as describe
     out = _output(fmt, json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
-        if names and ckpt.optimizer is not None:
+        if (names or model) and ckpt.optimizer is not None:
             from statekit.ops.convert import name_source_params
             from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, make_options(names=names), str(file))
+            name_source_params(ckpt.optimizer, make_options(names=names, names_order=names_order, model=model),
+                               str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
     out.show("inspect", result, stats=stats, width=out.width)
 
 
-OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
-LrOpt = Annotated[float | None, typer.Option("--lr", help="Learning rate for the target's param group.")]
-BetasOpt = Annotated[str | None, typer.Option("--betas", help="Adam betas as 'B1,B2'.")]
-EpsOpt = Annotated[float | None, typer.Option("--eps", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
-WdOpt = Annotated[float | None, typer.Option("--weight-decay", help="Weight decay.")]
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", metavar="LR", help="Learning rate for the target's param group.")]
+BetasOpt = Annotated[str | None, typer.Option("--betas", metavar="B1,B2", help="Adam betas as 'B1,B2'.")]
+EpsOpt = Annotated[float | None, typer.Option("--eps", metavar="EPS", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
+WdOpt = Annotated[float | None, typer.Option("--weight-decay", metavar="WD", help="Weight decay.")]
 AmsOpt = Annotated[bool | None, typer.Option("--amsgrad/--no-amsgrad", help="AMSGrad; default: whether the state holds max_exp_avg_sq.")]
-MomOpt = Annotated[float | None, typer.Option("--momentum", help="SGD/RMSprop momentum.")]
-DampOpt = Annotated[float | None, typer.Option("--dampening", help="SGD dampening (burn's default is 0.1, torch's 0).")]
+MomOpt = Annotated[float | None, typer.Option("--momentum", metavar="M", help="SGD/RMSprop momentum.")]
+DampOpt = Annotated[float | None, typer.Option("--dampening", metavar="D", help="SGD dampening (burn's default is 0.1, torch's 0).")]
 NestOpt = Annotated[bool | None, typer.Option("--nesterov/--no-nesterov", help="SGD Nesterov momentum.")]
-RenameOpt = Annotated[list[str] | None, typer.Option("--rename", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
-RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", help="File of rename rules, one per line.")]
+RenameOpt = Annotated[list[str] | None, typer.Option("--rename", metavar="REGEX=REPLACEMENT", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
+RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", metavar="FILE", help="File of rename rules, one per line.")]
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
-TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
-NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
-NamesOpt = Annotated[Path | None, typer.Option("--names", help="Parameter names in model.named_parameters() order (one per line or a JSON list).")]
-ModelOpt = Annotated[Path | None, typer.Option("--model", help="Target model file (.bpk with ParamIds, .pt/.safetensors state_dict): ids, order and shapes.")]
-DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Cast every state tensor, e.g. f32.")]
+TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", metavar="GLOB", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
+NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", metavar="GLOB", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
+NamesOpt = Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for a torch state's positions: one per line (optionally with its shape, 'fc.weight [16, 4]') or JSON. A list with shapes is read in model.named_parameters() order and each param group is placed in it by shape; a flat list without shapes for a state with several param groups needs --names-order.")]
+NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
+DtypeOpt = Annotated[str | None, typer.Option("--dtype", metavar="DTYPE", help="Cast every state tensor, e.g. f32.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
-PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", help="Also save the plan as JSON.")]
-PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved plan instead of building one.")]
+PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", metavar="FILE", help="Also save the plan as JSON.")]
+PlanInOpt = Annotated[Path | None, typer.Option("--plan", metavar="FILE", help="Apply a saved plan instead of building one.")]
 
 
 def _show_plan(plan, out: Output) -> None:
@@ -157,8 +164,9 @@ def _finish(result, out: Output) -> None:
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -175,9 +183,10 @@ def convert(
     transpose: TransposeOpt = None,
     no_transpose: NoTransposeOpt = None,
     names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    step: Annotated[str | None, typer.Option("--step", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
+    step: Annotated[str | None, typer.Option("--step", metavar="max", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
     allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
@@ -196,7 +205,11 @@ def convert(
       statekit convert optim-10.bpk optim.pt --optimizer adamw --names names.txt --transpose '*.weight' --lr 3e-4
     PyTorch → burn (ids from the burn model, joined by path):
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
-    names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
+    A torch state's positions are named by solving, never by assuming an order: each param group
+    is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
+    --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
+      python -c "m = ...; print(*[f'{n} {list(p.shape)}' for n, p in m.named_parameters()], sep='\\n')"
+    is enough; an ambiguous or impossible naming is refused, naming the positions.
     """
     _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
@@ -207,26 +220,28 @@ def convert(
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
-                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names, model=model,
-                        dtype=dtype, step_policy=step, allow_nonfinite=allow_nonfinite)
+                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
+                        names_order=names_order, model=model, dtype=dtype, step_policy=step,
+                        allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out))
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
     _finish(result, out)
 
 
 @app.command()
 def remap(
     state: FileArg,
-    model: Annotated[Path, typer.Option("--model", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output file (format from its extension, or --to).")],
-    old_model: Annotated[Path | None, typer.Option("--old-model", help="The model the state was saved with, to learn paths by ParamId when the state has none.")] = None,
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    model: Annotated[Path, typer.Option("--model", metavar="MODEL", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="Output file (format from its extension, or --to).")],
+    old_model: Annotated[Path | None, typer.Option("--old-model", metavar="MODEL", help="The model the state was saved with, to learn paths by ParamId when the state has none.")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors or candle.")] = None,
     rename: RenameOpt = None,
     rules: RulesOpt = None,
     resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
-    reset_step: Annotated[list[str] | None, typer.Option("--reset-step", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
+    reset_step: Annotated[list[str] | None, typer.Option("--reset-step", metavar="GLOB", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
     names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
@@ -250,8 +265,8 @@ def remap(
     from statekit.ops.remap import remap as run_remap
 
     out = _output(fmt, json_out)
-    opts = make_options(rename=rename, rules=rules, names=names, model=model, resize=resize, reset_step=reset_step,
-                        old_model=old_model, allow_nonfinite=allow_nonfinite)
+    opts = make_options(rename=rename, rules=rules, names=names, names_order=names_order, model=model, resize=resize,
+                        reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
                        on_plan=lambda p: _show_plan(p, out))
@@ -259,16 +274,16 @@ def remap(
 
 
 KernelOpt = Annotated[str, typer.Option("--kernel", metavar="NAME", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference), torch, numba or reference; all give the same bits.")]
-FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
+FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
 
 
 @app.command()
 def replay(
-    params: Annotated[Path, typer.Option("--params", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
-    grads: Annotated[list[Path], typer.Option("--grads", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
-    out_params: Annotated[Path, typer.Option("--out-params", help="Where to write the parameters after the last step.")],
-    state: Annotated[Path | None, typer.Option("--state", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
-    out_state: Annotated[Path | None, typer.Option("--out-state", help="Where to write the state after the last step (format by extension).")] = None,
+    params: Annotated[Path, typer.Option("--params", metavar="FILE", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
+    grads: Annotated[list[Path], typer.Option("--grads", metavar="G1", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
+    out_params: Annotated[Path, typer.Option("--out-params", metavar="FILE", help="Where to write the parameters after the last step.")],
+    state: Annotated[Path | None, typer.Option("--state", metavar="FILE", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
+    out_state: Annotated[Path | None, typer.Option("--out-state", metavar="FILE", help="Where to write the state after the last step (format by extension).")] = None,
     optimizer: OptimizerOpt = None,
     flavor: FlavorOpt = None,
     lr: LrOpt = None,
@@ -279,8 +294,8 @@ def replay(
     momentum: MomOpt = None,
     dampening: DampOpt = None,
     nesterov: NestOpt = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
-    backend: Annotated[str | None, typer.Option("--backend", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
+    backend: Annotated[str | None, typer.Option("--backend", metavar="NAME", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
     kernel: KernelOpt = "auto",
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
@@ -312,11 +327,11 @@ def replay(
 def verify_resume_cmd(
     original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The state as the original run left it.")],
     migrated: Annotated[Path, typer.Argument(metavar="MIGRATED", help="The converted / remapped state to check.")],
-    steps: Annotated[int, typer.Option("--steps", "-k", help="Steps to run.", min=1)] = 10,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic parameters and gradients.")] = 0,
+    steps: Annotated[int, typer.Option("--steps", "-k", metavar="K", help="Steps to run.", min=1)] = 10,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic parameters and gradients.")] = 0,
     optimizer: OptimizerOpt = None,
-    flavor_original: Annotated[str | None, typer.Option("--flavor-original", help="Arithmetic of the original run (default: its framework's).")] = None,
-    flavor_migrated: Annotated[str | None, typer.Option("--flavor-migrated", help="Arithmetic of the resumed run (default: its framework's).")] = None,
+    flavor_original: Annotated[str | None, typer.Option("--flavor-original", metavar="FLAVOR", help="Arithmetic of the original run (default: its framework's).")] = None,
+    flavor_migrated: Annotated[str | None, typer.Option("--flavor-migrated", metavar="FLAVOR", help="Arithmetic of the resumed run (default: its framework's).")] = None,
     lr: LrOpt = None,
     transpose: TransposeOpt = None,
     key: KeyOpt = None,
@@ -382,7 +397,7 @@ def diff(
 @app.command()
 def merge(
     inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="Optimizer state files, in order.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output file; its extension picks the format (.bpk).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="Output file; its extension picks the format (.bpk).")],
     on_conflict: Annotated[str, typer.Option(
         "--on-conflict", metavar="error|first|last|mean",
         help="A parameter in several inputs: refuse (error), take the first or last, or average the moments "

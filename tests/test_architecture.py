@@ -171,7 +171,7 @@ def test_derived_tables():
     assert registry.from_extension("x.anything", "candle") == "candle"
     assert registry.framework_of("burn-legacy") == "burn"
     assert registry.framework_of("safetensors") == "neutral"
-    assert set(registry.writable()) == {"burnpack", "torch", "safetensors", "candle"}
+    assert set(registry.writable()) == {"burnpack", "torch", "safetensors", "candle", "dcp"}
     assert registry.extension_of_framework("torch") == ".pt"
 
 
@@ -191,8 +191,8 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
         seen.add(name)
         expected = {".bpk": {"burnpack"}, ".pt": {"torch"}, ".safetensors": {"safetensors"},
                     ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy"}}[path.suffix]
-        if path.relative_to(fixtures).parts[0] == "clients" and path.suffix == ".bin":  # Accelerate's optimizer.bin is torch.save's
-            expected = {"torch"}
+        if path.relative_to(fixtures).parts[0] in ("clients", "trainer_like") and path.suffix == ".bin":
+            expected = {"torch"}  # Accelerate's optimizer.bin, HF pytorch_model.bin: torch.save's
         assert name in expected, path
     assert {"burnpack", "torch", "safetensors"} <= seen
 

@@ -70,6 +70,9 @@ FORMATS: tuple[Format, ...] = (
     Format("torch", "torch", (".pt", ".pth"), sniff="statekit.formats.torch_pt:claims",
            open="statekit.frameworks.torch_io:open_checkpoint", write="statekit.frameworks.torch_io:save_optimizer",
            write_model="statekit.frameworks.torch_io:save_model", description="PyTorch .pt"),
+    Format("dcp", "torch", sniff="statekit.formats.dcp:claims", open="statekit.frameworks.dcp_io:open_checkpoint",
+           write="statekit.frameworks.dcp_io:save_optimizer", directory=True,
+           description="torch.distributed checkpoint (DCP) directories"),
     # HF Trainer checkpoint-N/ and Accelerate save_state folders: opened as the torch optimizer inside.
     Format("torch-folder", "torch", sniff="statekit.frameworks.wrappers:claims",
            open="statekit.frameworks.wrappers:open_checkpoint", directory=True,

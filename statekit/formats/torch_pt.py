@@ -34,6 +34,7 @@ when a TensorRef is asked for its values. Nothing here knows about optimizers.
 from __future__ import annotations
 
 import hashlib
+import io
 import mmap
 import os
 import struct
@@ -155,7 +156,7 @@ def _map(path: str | os.PathLike) -> mmap.mmap:
             raise FormatError("file is empty") from None
 
 
-def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
+def _zip_records(path: str | os.PathLike | BinaryIO) -> dict[str, zipfile.ZipInfo]:
     """Entries by name inside the archive folder (the first entry's folder, as torch takes it)."""
     try:
         with zipfile.ZipFile(path) as archive:
@@ -173,9 +174,56 @@ def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
 
 
 def _load_zip(path: str | os.PathLike) -> object:
-    records = _zip_records(path)
-    buffer = _map(path)
-    source = SourceFile.open(os.fspath(path))  # tensor bytes are read from it with pread
+    # tensor bytes are read from the file with pread
+    return _load_zip_buffer(_map(path), _zip_records(path), SourceFile.open(os.fspath(path)), 0)
+
+
+class _ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (zipfile reads a region without copying it)."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.view))[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.view[self.pos : self.pos + len(buffer)]
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int, source: SourceFile) -> object:
+    """The object a ``torch.save`` zip archive lying at ``buffer[offset:offset + length]`` holds.
+
+    DCP's ``.distcp`` files hold such archives back to back. ``source`` is the same file, from
+    which tensor bytes are read with pread; any problem raises FormatError (the caller names the
+    file).
+    """
+    if offset < 0 or length <= 0 or offset + length > len(buffer):
+        raise FormatError(f"byte range [{offset}, {offset + length}) lies outside the file ({len(buffer)} bytes)")
+    view = memoryview(buffer)[offset : offset + length]
+    if bytes(view[:4]) != ZIP_MAGIC:
+        raise FormatError(f"no torch.save archive at offset {offset} (starts with {bytes(view[:4]).hex(' ')})")
+    return _load_zip_buffer(view, _zip_records(_ViewFile(view)), source, offset)
+
+
+def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.ZipInfo], source: SourceFile,
+                     base: int) -> object:
+    """The archive's object; ``buffer`` holds the archive, which starts at ``base`` in ``source``."""
     byteorder = _entry_bytes(buffer, records["byteorder"]).tobytes() if "byteorder" in records else b"little"
     if byteorder not in (b"little", b"big"):
         raise FormatError(f"unknown byteorder record {byteorder[:20]!r}")
@@ -194,7 +242,7 @@ def _load_zip(path: str | os.PathLike) -> object:
             )
         data = _entry_bytes(buffer, info)
         storage = Storage(sid, lambda: data, big_endian=byteorder == b"big")
-        storage.span = FileSpan(source, _entry_start(buffer, info), info.file_size)
+        storage.span = FileSpan(source, base + _entry_start(buffer, info), info.file_size)
         storages[sid.key] = storage
         return storage
 
@@ -311,19 +359,29 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
     (see :func:`torch_pickle.dumps`); each tensor gets its own storage. The file loads with
     ``torch.load(path, weights_only=True)``, with or without ``mmap=True``.
     """
-    pickled, tensors = torch_pickle.dumps(obj)
     with atomic_write(path) as fh:
-        writer = _ZipWriter(fh, _archive_name(path))
-        writer.add("data.pkl", pickled)
-        writer.add(".format_version", b"1")
-        writer.add(".storage_alignment", str(ALIGNMENT).encode())
-        writer.add("byteorder", b"little")
-        sizes = [_tensor_size(tensor) for tensor in tensors]
-        for key, (_, stream) in enumerate(ordered(tensors, crc=True)):
-            writer.add(f"data/{key}", sizes[key], stream)
-        writer.add("version", b"3\n")
-        writer.add(".data/serialization_id", writer.serialization_id())
-        writer.finish()
+        write_pt_stream(fh, obj, _archive_name(path))
+
+
+def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive") -> int:
+    """Write ``obj`` as one torch.save zip archive at ``fh``'s position; returns its length.
+
+    Offsets inside the archive count from where it starts, as when torch.save writes to a stream
+    (DCP writes its chunks this way, back to back in one file). Tensor bytes are streamed.
+    """
+    pickled, tensors = torch_pickle.dumps(obj)
+    writer = _ZipWriter(fh, folder)
+    writer.add("data.pkl", pickled)
+    writer.add(".format_version", b"1")
+    writer.add(".storage_alignment", str(ALIGNMENT).encode())
+    writer.add("byteorder", b"little")
+    sizes = [_tensor_size(tensor) for tensor in tensors]
+    for key, (_, stream) in enumerate(ordered(tensors, crc=True)):
+        writer.add(f"data/{key}", sizes[key], stream)
+    writer.add("version", b"3\n")
+    writer.add(".data/serialization_id", writer.serialization_id())
+    writer.finish()
+    return writer.pos
 
 
 def _archive_name(path: str | os.PathLike) -> str:

@@ -75,7 +75,8 @@ def read(pack: BurnpackFile) -> Checkpoint:
                 ModelParam(n, pack.tensors[n].shape, pack.tensors[n].dtype, id=pack.tensors[n].param_id,
                            tensor=pack.tensor(n))
                 for n in pack.data_order
-            ]
+            ],
+            order="burn",
         )
         ckpt.metadata = dict(pack.metadata)
     else:
@@ -111,6 +112,34 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
             p.step = scalar.value  # a step burn's layout has no field for, kept by statekit
         else:
             fields[key][leaf] = scalar
+    state = _classified(params, fields)
+    stored_family, hp = hyper.from_metadata(pack.metadata)
+    state.hyperparams_stored = bool(hp)
+    if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
+        state.family, state.candidates = stored_family, (stored_family,)
+        state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
+        state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
+    stored_groups = hyper.groups_from_metadata(pack.metadata)
+    if stored_groups:  # several parameter groups, kept by statekit (burn itself has none in the file)
+        state.groups = [ParamGroup(hyperparams=g, keys=[k for k in keys if k in params]) for g, keys in stored_groups]
+        for index, group in enumerate(state.groups):
+            for key in group.keys:
+                params[key].group = index
+        grouped = {k for g in state.groups for k in g.keys}
+        state.groups[0].keys += [k for k in params if k not in grouped]
+    else:
+        state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+    # torch's param_names, kept by statekit in torch's order: the torch positions too
+    for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
+        if key in params and params[key].path in (None, path):
+            params[key].path = path
+            params[key].index = position
+    return state
+
+
+
+def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, object]]) -> OptimizerState:
+    """Each parameter's burn fields matched to a layout (naming.BURN); the state's family and notes."""
     families = set()
     for key, p in params.items():
         leaves = fields[key]
@@ -146,22 +175,6 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.notes.append(
             f"{' and '.join(state.candidates)} store identical state in burn; the file cannot tell them apart"
         )
-    stored_family, hp = hyper.from_metadata(pack.metadata)
-    state.hyperparams_stored = bool(hp)
-    if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
-        state.family, state.candidates = stored_family, (stored_family,)
-        state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
-        state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
-    stored_groups = hyper.groups_from_metadata(pack.metadata)
-    if stored_groups:  # several parameter groups, kept by statekit (burn itself has none in the file)
-        state.groups = [ParamGroup(hyperparams=g, keys=[k for k in keys if k in params]) for g, keys in stored_groups]
-        for index, group in enumerate(state.groups):
-            for key in group.keys:
-                params[key].group = index
-        grouped = {k for g in state.groups for k in g.keys}
-        state.groups[0].keys += [k for k in params if k not in grouped]
-    else:
-        state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
     return state
 
 

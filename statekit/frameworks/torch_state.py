@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from statekit import hyper, naming
+from statekit import naming
 from statekit.errors import FormatError, MappingError
+from statekit.frameworks import torch_families
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -20,6 +21,7 @@ LIGHTNING_OPTIMIZERS = "optimizer_states"  # Lightning .ckpt: a list, one state_
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
+BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "muon"})  # burn 0.22's optimizers
 STEP_NOT_IN_UPDATE = frozenset({"rmsprop"})  # torch counts steps there but its update never reads it
 
 
@@ -91,7 +93,7 @@ def read_model(sd: dict) -> ModelInfo:
         buf = is_buffer(name, ref)
         params.append(ModelParam(name, tuple(ref.shape), ref.dtype, index=None if buf else index, buffer=buf, tensor=ref))
         index += 0 if buf else 1
-    return ModelInfo(params)
+    return ModelInfo(params, order="named_parameters")
 
 
 def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]:
@@ -112,8 +114,9 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         notes.append("state is keyed by strings: torch ignores such entries on load and restarts from step 1")
     params: list[ParamState] = []
     groups: list[ParamGroup] = []
-    families: set[str | None] = set()
     seen: set[int] = set()
+    per_group_fields: list[list[set[str]]] = []
+    raw_groups: list[dict] = []
     for g, group in enumerate(sd["param_groups"]):
         if not isinstance(group, dict) or not isinstance(group.get("params"), list):
             raise FormatError(f"param_groups[{g}] has no 'params' list", path)
@@ -122,8 +125,8 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         if names is not None and (not isinstance(names, list) or len(names) != len(ids)):
             raise FormatError(f"param_groups[{g}]: param_names does not match params", path)
         hp = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        slots_seen: set[str] = set()
         keys = []
+        fields_here: list[set[str]] = []
         for pos, idx in enumerate(ids):
             if not isinstance(idx, int) or idx in seen:
                 raise FormatError(f"param_groups[{g}]: parameter id {idx!r} is not a fresh integer", path)
@@ -133,6 +136,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
             if entry is not None:
                 if not isinstance(entry, dict):
                     raise FormatError(f"state[{idx}] is not a dict", path)
+                fields_here.append({str(k) for k in entry})
                 for name, value in entry.items():
                     if name == "step":
                         p.step, p.extra["__step_dtype"] = _step_value(value, f"state[{idx}]", path)
@@ -142,49 +146,44 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
                         p.slots[name] = value
                     else:
                         p.extra[name] = value
-                slots_seen |= set(p.slots)
                 if p.shape is not None:
                     p.rank = len(p.shape)
             params.append(p)
             keys.append(p.key)
-        family = hyper.torch_family(hp, slots_seen)
-        if family is None and slots_seen:
-            lay = naming.classify("torch", slots_seen | {"step"}) or naming.classify("torch", slots_seen)
-            family = lay.family if lay else None
-        for p in params[len(params) - len(keys):]:
-            p.family = family
-        families.add(family)
+        per_group_fields.append(fields_here)
+        raw_groups.append(group)
         groups.append(ParamGroup(hyperparams=hp, keys=keys))
+    verdict = torch_families.classify(raw_groups, per_group_fields)
+    for p in params:
+        p.family = verdict.family
+    if verdict.family and verdict.family not in BURN_FAMILIES:
+        notes.append(f"burn has no {torch_families.class_name(verdict.family).split('.')[-1]} optimizer: "
+                     "this state can move to other torch files, not to burn")
     extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
     if extra_ids:
         notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
-    family = families.pop() if len(families) == 1 else ("mixed" if families else None)
     return OptimizerState(
-        family=family,
-        candidates=(family,) if family and family != "mixed" else (),
+        family=verdict.family,
+        candidates=(verdict.family,) if verdict.family else verdict.candidates,
         params=params,
         groups=groups,
         hyperparams_stored=True,
         framework="torch",
         notes=notes,
+        family_detail=None if verdict.family else verdict.label,
     )
 
 
-def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple] | None, path: str) -> None:
-    """Give positional parameters their names (named_parameters order), checking counts and shapes."""
-    if len(names) != len(state.params):
-        raise MappingError(
-            f"{len(names)} names for {len(state.params)} optimizer parameters; the names must list exactly "
-            "the parameters the optimizer was built with, in model.named_parameters() order", path)
-    for p, name in zip(state.params, names, strict=True):
-        if p.path and p.path != name:
-            raise MappingError(f"parameter #{p.index} is named {p.path!r} in the file but {name!r} in the names list", path)
-        want = shapes.get(name) if shapes else None
-        if want is not None and p.shape is not None and tuple(want) != tuple(p.shape):
-            raise MappingError(
-                f"parameter #{p.index}: its state has shape {list(p.shape)} but {name!r} has shape {list(want)}; "
-                "the names are not in the optimizer's order", path)
-        p.path = name
+def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple] | None, path: str,
+                order: str | None = None) -> None:
+    """Name positional parameters from a names list (see :mod:`statekit.frameworks.torch_names`)."""
+    from statekit.frameworks import torch_names
+
+    shape_list = [shapes.get(n) for n in names] if shapes else None
+    if shape_list is not None and any(s is None for s in shape_list):
+        shape_list = None
+    torch_names.name_state(state, torch_names.from_names(names, shape_list, source="the names list", order=order),
+                           path)
 
 
 def describe_scheduler(sd: object) -> dict:

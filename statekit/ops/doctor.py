@@ -56,6 +56,8 @@ WHY = {
     "transposed": "same elements in the other layout (torch Linear is [out, in], burn [in, out]): "
                   "transpose the moments or every update lands on the wrong weight",
     "path": "burn matches state by ParamId, so this resumes fine; tools that match by path will not",
+    "names": "PyTorch pairs state with parameters by position; which model parameter each position belongs to "
+             "could not be worked out from the model's order and shapes, so the model checks were skipped",
     "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
 }
 
@@ -147,6 +149,22 @@ def _check_paths(params: list[ParamState], findings: list[dict]) -> None:
             findings.append(_finding("info", "no-path", None, "no state stores a module path"))
 
 
+def _name_positions(state: OptimizerState, model_ckpt: Checkpoint, findings: list[dict], notes: list[str]) -> bool:
+    """Name a torch state's positions from the model (solved, see torch_names) before pairing by path;
+    False (with a finding) when that cannot be done without guessing."""
+    if state.framework != "torch" or not state.params or all(p.path for p in state.params):
+        return True
+    from statekit.frameworks import torch_names
+
+    try:
+        res = torch_names.name_state(state, torch_names.from_model_info(model_ckpt.model, model_ckpt.path))
+    except torch_names.NamesError as exc:
+        findings.append(_finding("warning" if exc.ambiguous else "error", "names", None, exc.message))
+        return False
+    notes.append(res.describe())
+    return True
+
+
 def _is_buffer(m: ModelParam) -> bool:
     return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_SUFFIXES
 
@@ -163,7 +181,10 @@ def _model_method(params: list[ParamState], model: ModelInfo) -> str:
 
 def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict]) -> str:
     method = _model_method(params, model)
-    trainable = [m for m in model.params if not _is_buffer(m)]
+    from statekit.frameworks.torch_names import tied_duplicates
+
+    tied = tied_duplicates(model)  # a tied LM head is the embedding itself: it has that one's state
+    trainable = [m for m in model.params if not _is_buffer(m) and m.path not in tied]
     if method == "id":
         table = model.by_id()
     elif method == "path":
@@ -215,6 +236,15 @@ def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict
     return method
 
 
+def _selected(state: OptimizerState, model: ModelInfo | None, only: list[str] | None):
+    """The parameters ``only`` names (paths, globs, ids, #index), in the state and in the model."""
+    if not only:
+        return state, model
+    if model is not None:
+        model = ModelInfo([m for m in model.params if any(matches(n, path=m.path, id=m.id) for n in only)])
+    return dataclasses.replace(state, params=state.select(only)), model
+
+
 def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
            on_param: Callable[[], None] | None = None, only: list[str] | None = None) -> dict:
     """Check an opened optimizer state (and, given, its model); a JSON-able report. ``only``:
@@ -228,13 +258,11 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     if model_ckpt is not None and (model_ckpt.kind != "model" or model_ckpt.model is None):
         raise MappingError(f"holds {model_ckpt.kind} data, not a model (give --model the model's weights)",
                            model_ckpt.path)
-    model = model_ckpt.model if model_ckpt is not None else None
-    if only:
-        state = dataclasses.replace(state, params=state.select(only))
-        if model is not None:
-            model = ModelInfo([m for m in model.params if any(matches(n, path=m.path, id=m.id) for n in only)])
     findings: list[dict] = []
     notes: list[str] = []
+    # a torch state's positions are named from the whole model before any selection
+    named = model_ckpt is None or _name_positions(state, model_ckpt, findings, notes)
+    state, model = _selected(state, model_ckpt.model if model_ckpt is not None else None, only)
     if not state.params and not state.global_slots:
         notes.append("the state holds no parameters (an optimizer that never stepped): training resumes fresh")
     for p in state.params:
@@ -248,7 +276,7 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     _check_steps(state.params, findings)
     _check_paths(state.params, findings)
     method = None
-    if model_ckpt is not None:
+    if model_ckpt is not None and named:
         method = _check_model(state.params, model, findings)
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     counts = {s: sum(1 for f in findings if f["severity"] == s) for s in SEVERITIES}

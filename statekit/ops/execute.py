@@ -88,7 +88,15 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
 
 def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamState:
     shape = tuple(a.dst_shape) if a.dst_shape is not None else None
-    slots = {name: transformed(ref, a.transpose, shape, a.cast) for name, ref in p.slots.items()}
+    slots = {}
+    for name, ref in p.slots.items():
+        if p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
+            if a.transpose or a.resize:
+                raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
+                                   "it cannot be transposed or resized", plan.source)
+            slots[name] = transformed(ref, cast=a.cast)
+        else:
+            slots[name] = transformed(ref, a.transpose, shape, a.cast)
     if not plan.allow_nonfinite:
         slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
     if target_fw == "burn":
