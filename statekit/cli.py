@@ -95,6 +95,7 @@ def inspect(
     key: KeyOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Show what a file holds: kind, optimizer family, one row per parameter.
 
@@ -105,6 +106,7 @@ def inspect(
     \b
       statekit inspect optim-10.bpk --param 6j5mg0dcb1hvu --stats
     """
+    _jobs(jobs)
     from statekit import io
     from statekit.ops.inspect import inspect as describe
     out = _output(fmt, json_out)
