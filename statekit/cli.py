@@ -112,11 +112,10 @@ def inspect(
     out = _output(fmt, json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
         if (names or model) and ckpt.optimizer is not None:
-            from statekit.ops.convert import name_source_params
+            from statekit.ops.convert import name_checkpoint
             from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, make_options(names=names, names_order=names_order, model=model),
-                               str(file))
+            name_checkpoint(ckpt, make_options(names=names, names_order=names_order, model=model), str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)

@@ -408,7 +408,7 @@ def verify_resume_files(original: str, migrated: str, *, names: list[str] | None
     positions from ``names`` / ``model`` (a :class:`~statekit.state.ModelInfo`), load a remap
     ``plan`` (a saved plan's path), and :func:`verify_resume` them."""
     from statekit import io
-    from statekit.ops.convert import name_source_params
+    from statekit.ops.convert import name_checkpoint
     from statekit.ops.options import Options
 
     loaded = Plan.load(plan) if plan else None
@@ -419,6 +419,6 @@ def verify_resume_files(original: str, migrated: str, *, names: list[str] | None
         for ckpt in (a, b):
             if ckpt.optimizer is not None and (names is not None or model is not None) \
                     and not all(p.path for p in ckpt.optimizer.params):
-                name_source_params(ckpt.optimizer, opts, ckpt.path)
+                name_checkpoint(ckpt, opts, ckpt.path)
         return verify_resume(a, b, plan=loaded, **options)
 
