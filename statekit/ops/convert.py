@@ -77,7 +77,8 @@ def _name_torch(state, opts: Options, path: str, model_names_source: bool, own_m
         if model is not None and any(not m.buffer for m in model.params) else None
     if names is not None:
         shapes_src = model_src
-        if shapes_src is None and own_model is not None and any(not m.buffer for m in own_model.params):
+        if shapes_src is None and own_model is not None and len(state.groups) > 1 \
+                and any(not m.buffer for m in own_model.params):  # a flat list cannot place several groups
             shapes_src = torch_names.from_model_info(own_model, "the checkpoint's model")
         if shapes_src is not None and all(e.shape is None for e in names.entries):
             names = torch_names.with_shapes(names, shapes_src)
