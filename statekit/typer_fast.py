@@ -94,6 +94,20 @@ def install() -> bool:
                 pass
         raise BadParameter(f"{value!r} is not a valid {_NAMES.get(kind, kind.__name__)}.", ctx=ctx, param=param)
 
+    def bounded(value, info, param, ctx):
+        """typer's ``min=``/``max=`` (``clamp=`` moves the value inside instead of refusing it)."""
+        low, high = getattr(info, "min", None), getattr(info, "max", None)
+        if low is not None and value < low:
+            if getattr(info, "clamp", False):
+                return low
+        elif high is not None and value > high:
+            if getattr(info, "clamp", False):
+                return high
+        else:
+            return value
+        bounds = " and ".join(f"x{op}{b}" for op, b in ((">=", low), ("<=", high)) if b is not None)
+        raise BadParameter(f"{value} is not in the range {bounds}.", ctx=ctx, param=param)
+
     @dataclass(frozen=True)
     class PlainRuntimeParam(RuntimeParam):
         container: object = None
@@ -101,7 +115,7 @@ def install() -> bool:
 
         def _coerce_value(self, value, param, ctx):
             if self.container is None:
-                return convert(self.kinds[0], value, param, ctx)
+                return bounded(convert(self.kinds[0], value, param, ctx), self.parameter_info, param, ctx)
             items = list(value) if isinstance(value, (list, tuple)) else [value]
             if self.container is tuple:
                 if len(items) != len(self.kinds):
@@ -118,8 +132,10 @@ def install() -> bool:
             and descriptor.file_annotation is None
             and getattr(info, "parser", None) is None
             and getattr(info, "click_type", None) is None
-            and getattr(info, "min", None) is None
-            and getattr(info, "max", None) is None
+            and (shape[0] is None and shape[1][0] in (int, float)
+                 or getattr(info, "min", None) is None and getattr(info, "max", None) is None)
+            and not getattr(info, "min_open", False)
+            and not getattr(info, "max_open", False)
             and not descriptor.is_choice
             and (Path not in shape[1] or _plain_path(info))
         )

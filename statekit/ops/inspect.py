@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
-
 from statekit import dtypes, naming, paramid, stream
 from statekit.errors import StatekitError
+from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, OptimizerState, ParamState
 from statekit.tensor import TensorRef
 
