@@ -156,7 +156,7 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         out["family"] = state.family
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
-        out["notes"] = list(state.notes)
+        out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
         out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
