@@ -13,7 +13,6 @@ import sys
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
 
@@ -62,6 +61,9 @@ class Output:
         if self.quiet or not self.err.is_terminal or not total:
             yield lambda advance=1: None
             return
+        # imported here: a short command, or one whose stderr is not a terminal, never needs it
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
         columns = [TextColumn("{task.description}"), BarColumn()]
         columns += [DownloadColumn()] if unit_bytes else [TextColumn("{task.completed}/{task.total}")]
         with Progress(*columns, TimeRemainingColumn(), console=self.err, transient=True) as bar:

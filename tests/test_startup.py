@@ -49,6 +49,7 @@ def test_header_only_inspect_imports_no_numpy_torch_or_pydantic(fmt):
     assert r["code"] == 0 and "weight" in r["out"]
     roots = {m.split(".")[0] for m in r["modules"]}
     assert not {"numpy", "ml_dtypes", "torch", "pydantic"} & roots, sorted({"numpy", "torch", "pydantic"} & roots)
+    assert "rich.progress" not in r["modules"]  # no progress bar for a short command (stdout is not a terminal)
 
 
 def test_inspect_with_stats_does_read_tensors():
