@@ -68,6 +68,10 @@ class Output:
     def print(self, *objects: object) -> None:
         """Tables fit the width; lines of text are never wrapped (scripts grep them)."""
         if self.format == "table" and not self.quiet:
+            if len(objects) == 1 and type(objects[0]).__name__ == "PlainLines":  # statekit.render: as is
+                self.console.file.flush()
+                sys.stdout.write(objects[0])
+                return
             self.console.print(*objects, soft_wrap=all(isinstance(o, str | Text) for o in objects))
 
     def info(self, message: str) -> None:

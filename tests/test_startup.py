@@ -79,3 +79,49 @@ def test_ranged_options_keep_their_bounds():
                           "fixtures/hand-optim.bpk", "--steps", "0"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--steps" in bad.stderr and "0" in bad.stderr
+
+
+def _many_params(path, n: int) -> None:
+    import numpy as np
+
+    from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack
+    from statekit.tensor import TensorRef
+
+    tensors, scalars, meta = [], {}, {}
+    values = np.arange(4, dtype=np.float32)
+    for i in range(n):
+        pid = 10**18 + i
+        for field in ("momentum.moment_1", "momentum.moment_2"):
+            tensors.append(PackTensor(f"{pid}.{field}", TensorRef.from_array(values), param_id=pid))
+        scalars[f"{pid}.__rank"] = Scalar("UInt", 1)
+        scalars[f"{pid}.momentum.time"] = Scalar("UInt", 3)
+        meta[str(pid)] = f"layers.{i // 2}.{'weight' if i % 2 else 'bias'}"
+    write_burnpack(str(path), tensors, meta, scalars)
+
+
+def test_long_tables_are_plain_text_and_never_a_rich_table(tmp_path, cli, monkeypatch):
+    """Above render.inspect.PLAIN_ROWS parameters the table is aligned text (one line per
+    parameter, a total under each group); TSV and JSON never build a rich table either."""
+    from statekit.render import inspect as view
+
+    n = view.PLAIN_ROWS + 100
+    path = tmp_path / "wide.bpk"
+    _many_params(path, n)
+
+    def no_table(*args, **kwargs):
+        raise AssertionError("a rich Table was built")
+
+    monkeypatch.setattr("rich.table.Table.__init__", no_table)
+    table = cli("inspect", path)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("path "))
+    assert lines[header].split()[:2] == ["path", "id"] and set(lines[header + 1]) <= {"-", " "}
+    rows = [line for line in lines if line.startswith("layers.")]
+    assert len(rows) == n and rows[0].split()[0] == "layers.0.bias"
+    # the group total: 2 parameters x 2 moments x 4 float32 = 16 elements, 64 bytes
+    assert sum(line.strip() == "layers.0: 16 elements, 64 B" for line in lines) == 1
+    tsv = cli("inspect", path, "--format", "tsv")
+    assert tsv.returncode == 0 and len(tsv.stdout.splitlines()) == n + 1
+    js = cli("inspect", path, "--json")
+    assert js.returncode == 0 and len(json.loads(js.stdout)["params"]) == n
