@@ -394,6 +394,9 @@ def diff(
     b: Annotated[Path, typer.Argument(metavar="B", help="Second file (any supported format).")],
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
+    model: ModelOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
@@ -411,7 +414,8 @@ def diff(
 
     out = Output(json_out)
     result = _errors_exit_2(lambda: diff_files(a, b, atol=atol, rtol=rtol,
-                                               progress=lambda d, t: out.progress(d, t, unit_bytes=True)))
+                                               progress=lambda d, t: out.progress(d, t, unit_bytes=True),
+                                               names=names, names_order=names_order, model=model))
     if json_out:
         out.json(result)
     else:
@@ -454,7 +458,9 @@ def merge(
 @app.command()
 def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
-    model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, a torch state_dict, or .safetensors); a torch state's positions are named from it by solving order and shapes.")] = None,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
@@ -469,7 +475,8 @@ def doctor(
     from statekit.render_ops import doctor_view
 
     out = Output(json_out)
-    result = _errors_exit_2(lambda: doctor_files(state, model, progress=lambda d, t: out.progress(d, t)))
+    result = _errors_exit_2(lambda: doctor_files(state, model, progress=lambda d, t: out.progress(d, t),
+                                                 names=names, names_order=names_order))
     if json_out:
         out.json(result)
     else:

@@ -442,14 +442,26 @@ def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
 
 
 def diff_files(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0,
-               progress=None) -> dict:
+               progress=None, *, names: object = None, names_order: str | None = None,
+               model: object = None) -> dict:
     """Open both files and :func:`diff` them. ``progress(description, total)`` is a context
-    manager factory yielding an ``advance(n)`` callback (see :meth:`Output.progress`)."""
+    manager factory yielding an ``advance(n)`` callback (see :meth:`Output.progress`).
+    ``names`` / ``names_order`` / ``model`` name a torch side's positions (solved by
+    :mod:`statekit.frameworks.torch_names`) so it can be matched by path."""
     if not (atol >= 0 and rtol >= 0):
         raise UsageError(f"--atol and --rtol must be non-negative numbers (got {atol}, {rtol})")
     with contextlib.ExitStack() as stack:
         ca = stack.enter_context(io.open_checkpoint(a))
         cb = stack.enter_context(io.open_checkpoint(b))
+        if names is not None or model is not None:
+            from statekit.ops.convert import name_source_params
+            from statekit.ops.options import make_options
+
+            opts = make_options(names=names, names_order=names_order, model=model)
+            for ckpt in (ca, cb):
+                state = ckpt.optimizer
+                if state is not None and state.framework == "torch" and not all(p.path for p in state.params):
+                    name_source_params(state, opts, ckpt.path)
         bar = progress("comparing", ca.nbytes + cb.nbytes) if progress else contextlib.nullcontext(None)
         with bar as advance:
             return diff(ca, cb, atol, rtol, on_bytes=advance)
