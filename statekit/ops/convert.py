@@ -76,6 +76,7 @@ class Result:
     written: int | None
     copied: bool = False
     messages: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the writer's, found while writing
 
 
 def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
@@ -203,9 +204,10 @@ def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | 
         on_plan(plan)
     if dry_run:
         return Result(plan, None, messages=["dry run: nothing written"])
+    warnings: list[str] = []
     with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
-        size = write(plan, state, plan.target, progress=advance)
-    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"])
+        size = write(plan, state, plan.target, progress=advance, on_warning=warnings.append)
+    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"], warnings=warnings)
 
 
 def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run: bool) -> Result:
