@@ -185,10 +185,10 @@ def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) 
     if dry_run:
         return Result(None, None, copied=True, messages=[
             f"would copy {ckpt.path} → {dst} byte for byte (burnpack → burnpack, nothing to change)"])
-    from statekit.frameworks import burn_io
+    from statekit.frameworks import burn
 
     with progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
-        size = burn_io.save_checkpoint(ckpt, dst, progress=advance)
+        size = burn.save_checkpoint(ckpt, dst, progress=advance)
     return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, an exact copy)"])
 
 
