@@ -8,11 +8,10 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
-import numpy as np
-
 from statekit import dtypes, hyper, naming, paramid, stream
 from statekit.errors import FormatError, MappingError
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
+from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
