@@ -115,6 +115,9 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     stored_family, hp = hyper.from_metadata(pack.metadata)
     state.hyperparams_stored = bool(hp)
     if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
+        for p in params.values():  # each parameter's family too (burn's Adam layout is also AdamW's)
+            if p.family in state.candidates:
+                p.family = stored_family
         state.family, state.candidates = stored_family, (stored_family,)
         state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
         state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
