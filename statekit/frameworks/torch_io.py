@@ -21,9 +21,7 @@ FORMAT = "torch"
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
-    from statekit.formats import dcp
-
-    from statekit.formats import deepspeed
+    from statekit.formats import dcp, deepspeed
 
     # one chunk file of a DCP checkpoint, one rank's shard of a DeepSpeed one: read the whole checkpoint
     directory = dcp.directory_of(path) or deepspeed.directory_of(path)
