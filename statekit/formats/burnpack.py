@@ -42,7 +42,6 @@ MAX_METADATA_SIZE = 100 * 1024 * 1024
 MAX_TENSOR_COUNT = 100_000
 MAX_TENSOR_SIZE = 10 * 1024**3
 MAX_RANK = 64
-SCALAR_KINDS = ("Int", "UInt", "Float", "Bool")
 _BOOL_STORES = {"Native": "?", "U8": "u1", "U32": "<u4"}
 
 
@@ -174,10 +173,12 @@ class BurnpackFile:
                 f"file has {size - HEADER_SIZE} after the header"
             )
         self.raw_metadata = self._fh.read(self.metadata_size)
-        try:
-            meta = cbor.decode(self.raw_metadata)
-        except cbor.CborError as exc:
-            raise self._error(f"invalid CBOR metadata: {exc}") from None
+        # cbor2's compiled decoder first; the strict decoder (cbor.decode) settles every file
+        # whose bytes are not burn's own encoding (checked below), so both accept the same files.
+        meta = _fast_decode(self.raw_metadata)
+        fast = meta is not None
+        if not fast:
+            meta = self._strict_decode()
         if not isinstance(meta, dict) or "tensors" not in meta:
             raise self._error("metadata has no 'tensors' map")
         tensors, strings, scalars = meta["tensors"], meta.get("metadata", {}), meta.get("scalars", {})
@@ -188,10 +189,17 @@ class BurnpackFile:
         self.tensors = {name: self._entry(name, desc) for name, desc in tensors.items()}
         self.metadata = self._strings(strings)
         self.scalars = {name: self._scalar(name, value) for name, value in scalars.items()}
-        self.extra_keys = [k for k in meta if k not in ("tensors", "metadata", "scalars")]
         self.data_order = sorted(self.tensors, key=lambda n: (self.tensors[n].start, self.tensors[n].end))
         self._place_data(size)
         self.canonical = self.raw_metadata == encode_metadata(self.tensors, self.metadata, self.scalars)
+        if fast and not self.canonical:
+            self._strict_decode()  # refuses what the strict decoder refuses (indefinite lengths, tags …)
+
+    def _strict_decode(self) -> object:
+        try:
+            return cbor.decode(self.raw_metadata)
+        except cbor.CborError as exc:
+            raise self._error(f"invalid CBOR metadata: {exc}") from None
 
     def _entry(self, name: object, desc: object) -> TensorEntry:
         if not isinstance(name, str) or not isinstance(desc, dict):
@@ -388,7 +396,41 @@ def encode_metadata(
         top["metadata"] = sort(strings)
     if scalars:
         top["scalars"] = {k: v.to_cbor() for k, v in sort(scalars).items()}
+    if not any(isinstance(v.value, float) for v in scalars.values()):
+        # Without floats (the one type cbor2 writes differently: always 8 bytes), cbor2's
+        # compiled encoder writes exactly these bytes: shortest heads, definite lengths, the
+        # maps in the order given. Offsets and ids are below 2**64 (checked when read).
+        fast = _fast_encode(top)
+        if fast is not None:
+            return fast
     return cbor.encode(top)
+
+
+def _fast_decode(raw: bytes) -> object | None:
+    """``raw`` decoded by cbor2 (no tags allowed), or None when cbor2 is missing or refuses it."""
+    try:
+        import cbor2
+    except ImportError:  # pragma: no cover - a dependency
+        return None
+
+    def no_tags(decoder, tag):
+        raise ValueError("tag")
+
+    try:
+        return cbor2.loads(raw, tag_hook=no_tags)
+    except Exception:  # the strict decoder gives the error message
+        return None
+
+
+def _fast_encode(value: object) -> bytes | None:
+    try:
+        import cbor2
+    except ImportError:  # pragma: no cover - a dependency
+        return None
+    try:
+        return cbor2.dumps(value)
+    except Exception:  # pragma: no cover - the exact encoder decides
+        return None
 
 
 def plan_layout(
