@@ -377,6 +377,9 @@ def diff(
     atol: Annotated[float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
     param: ParamOpt = None,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
+    model: ModelOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
@@ -394,7 +397,8 @@ def diff(
 
     out = _output(fmt, json_out)
     result = diff_files(a, b, atol=atol, rtol=rtol, only=param,
-                        progress=lambda d, t: out.progress(d, t, unit_bytes=True))
+                        progress=lambda d, t: out.progress(d, t, unit_bytes=True),
+                        names=names, names_order=names_order, model=model)
     out.show("diff", result)
     return 0 if result["equal"] else 1
 
@@ -429,8 +433,10 @@ def merge(
 @app.command()
 def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
-    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, a torch state_dict, or .safetensors); a torch state's positions are named from it by solving order and shapes.")] = None,
     param: ParamOpt = None,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
@@ -445,7 +451,8 @@ def doctor(
     from statekit.ops.doctor import doctor_files
 
     out = _output(fmt, json_out)
-    result = doctor_files(state, model, only=param, progress=lambda d, t: out.progress(d, t))
+    result = doctor_files(state, model, only=param, progress=lambda d, t: out.progress(d, t),
+                          names=names, names_order=names_order)
     out.show("doctor", result)
     return 0 if result["clean"] else 1
 

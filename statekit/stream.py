@@ -30,10 +30,9 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 
-import numpy as np
-
 from statekit import dtypes, tensor
 from statekit.errors import MappingError
+from statekit.lazy import numpy as np
 from statekit.tensor import Elements, TensorRef
 
 QUEUE_PIECES = 2  # pieces a worker may have ready ahead of the writer (plus one in hand)
