@@ -21,9 +21,10 @@ FORMAT = "torch"
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
-    from statekit.formats import dcp
+    from statekit.formats import dcp, deepspeed
 
-    directory = dcp.directory_of(path)  # one chunk file of a DCP checkpoint: read the whole checkpoint
+    # one chunk file of a DCP checkpoint, one rank's shard of a DeepSpeed one: read the whole checkpoint
+    directory = dcp.directory_of(path) or deepspeed.directory_of(path)
     if directory is not None:
         from statekit.formats import registry
 
