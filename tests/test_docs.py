@@ -9,11 +9,11 @@ the shipped fixtures) and the placeholder files the docs name, resolved to shipp
   expects that error (exit 1, the same line); any other expects success (doctor/diff/verify-resume:
   the exit status the transcript shows), and each ``warning:``/``note:`` line it shows must be
   one the command prints;
-- ```` ```python ```` blocks, each in a fresh namespace (:data:`SETUP` names what a snippet takes
-  from the reader's own program).
+- ```` ```python ```` blocks, each in a fresh namespace (:data:`SETUP` defines what a snippet takes
+  from the reader's own program: a model, an optimizer, a writer's output).
 
-Not run: installing (``pip``), the test suite itself (``pytest``), Rust, and commands that need
-a cluster (``torchrun``, ``srun``, ``sbatch``, sharded shares).
+Not run: installing (``pip``), the test suite itself (``pytest``), Rust, and blocks without a
+language (sharded.md's launcher lines need a cluster: ``torchrun``, ``srun``, ``sbatch``).
 """
 
 from __future__ import annotations
@@ -45,11 +45,26 @@ PLACEHOLDERS = {
     "model.safetensors": "candle/model.safetensors",
 }
 SKIPPED = ("pip ", "python3 -m pytest", "python -m pytest", "torchrun ", "srun ", "sbatch ", "cargo ")
-NOT_RUN = {  # (document, first line of a python block) → why it cannot run here
-    ("sharded.md", 'state = {"optimizer": get_optimizer_state_dict(model, opt)}'):
-        "runs inside the reader's torch.distributed job (FSDP model and optimizer)",
-    ("streaming.md", "from statekit.stream import ordered, write_all"):
-        "the body of a writer: `refs` and `out` are the writer's own",
+# What a snippet takes from the reader's own program, keyed by (document, the snippet's first line).
+SETUP = {
+    ("sharded.md", 'state = {"optimizer": get_optimizer_state_dict(model, opt)}'): """
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from statekit.cli import _run
+assert _run(["convert", "fixtures/hand-optim.bpk", "out", "--optimizer", "adam", "--transpose", "*.weight"]) == 0
+model = torch.nn.ModuleDict({"l1": torch.nn.Linear(4, 16), "l2": torch.nn.Linear(16, 1)})
+opt = torch.optim.Adam(model.parameters())
+""",
+    ("streaming.md", "from statekit.stream import ordered, write_all"): """
+import io
+import numpy as np
+from statekit.tensor import TensorRef
+refs = [TensorRef.from_array(np.arange(n, dtype=np.float32)) for n in (3, 70000, 5)]
+out = io.BytesIO()
+pad = lambda i, ref: None
+check = lambda i, ref, stream: None
+""",
 }
 
 
@@ -175,9 +190,7 @@ def test_every_command_and_snippet_runs(doc, tmp_path):
                     ran += 1
         elif lang == "python":
             first = body.strip().splitlines()[0]
-            if (doc.name, first) in NOT_RUN:
-                continue
-            run_python(body, tmp_path, where)
+            run_python(SETUP.get((doc.name, first), "") + body, tmp_path, where)
             ran += 1
     if doc.name in ("README.md", "converting.md", "python-api.md", "training-checkpoints.md"):
         assert ran, f"{doc.name}: nothing ran"
