@@ -342,40 +342,12 @@ def save_universal(state: OptimizerState, path: str, *, family: str | None = Non
     import numpy as np
 
     from statekit.atomic import atomic_write
-    from statekit.errors import MappingError
     from statekit.formats import torch_pt
 
     path = os.fspath(path).rstrip("/" + os.sep) or os.fspath(path)
-    family = family or state.family
-    if family not in ("adam", "adamw"):
-        raise MappingError(f"a DeepSpeed universal checkpoint holds Adam/AdamW state (exp_avg, exp_avg_sq); this "
-                           f"state is {family}", path)
-    model = _WEIGHTS.get()
-    weights = {p.path: p for p in model.params if not p.buffer} if model is not None else {}
     groups = groups if groups is not None else [g.hyperparams for g in state.groups]
-    steps: set = set()
-    plan: list[tuple[str, dict[str, TensorRef], object]] = []
-    for p in state.params:
-        if not p.path or not _PARAM_DIR.match(p.path) or p.path in (".", ".."):
-            raise MappingError(f"parameter {p.label()}: a universal checkpoint keeps one folder per parameter name; "
-                               "this one has no usable name (give --names or --model)", path)
-        weight = weights.get(p.path)
-        if weight is None or weight.tensor is None:
-            where = "the model given with --model" if model is not None else "the input (it holds no weights)"
-            raise MappingError(f"parameter {p.path}: no fp32 master weight in {where}; a universal checkpoint "
-                               "needs the weights (give --model with them)", path)
-        missing = [s for s in SLOTS if s not in p.slots]
-        if missing:
-            raise MappingError(f"parameter {p.path}: no {missing[0]} in the optimizer state", path)
-        for t in (weight.tensor, *(p.slots[s] for s in SLOTS)):
-            if tuple(t.shape) != tuple(p.slots["exp_avg"].shape):
-                raise MappingError(f"parameter {p.path}: weight and moments have shapes {list(weight.tensor.shape)}, "
-                                   f"{list(p.slots['exp_avg'].shape)}", path)
-        tensors = {"fp32": weight.tensor, **{s: p.slots[s] for s in SLOTS}}
-        plan.append((p.path, tensors, p.step))
-        steps.add(p.step)
-    if not plan:
-        raise MappingError("no parameter state to write", path)
+    plan = _universal_entries(state, path, family or state.family)
+    steps = {step for _, _, step in plan}
     written = 0
     zero = os.path.join(path, "zero")
     for name, tensors, step in plan:
@@ -421,3 +393,35 @@ def save_universal(state: OptimizerState, path: str, *, family: str | None = Non
     with atomic_write(os.path.join(root, "latest_universal")) as fh:
         fh.write(folder.encode())
     return written
+
+
+def _universal_entries(state: OptimizerState, path: str, family: str | None) -> list[tuple[str, dict, object]]:
+    """(name, {slot: tensor} with the fp32 weight, step) per parameter; refused before any byte is written."""
+    from statekit.errors import MappingError
+
+    if family not in ("adam", "adamw"):
+        raise MappingError(f"a DeepSpeed universal checkpoint holds Adam/AdamW state (exp_avg, exp_avg_sq); this "
+                           f"state is {family}", path)
+    model = _WEIGHTS.get()
+    weights = {p.path: p for p in model.params if not p.buffer} if model is not None else {}
+    plan: list[tuple[str, dict, object]] = []
+    for p in state.params:
+        if not p.path or not _PARAM_DIR.match(p.path) or p.path in (".", ".."):
+            raise MappingError(f"parameter {p.label()}: a universal checkpoint keeps one folder per parameter name; "
+                               "this one has no usable name (give --names or --model)", path)
+        weight = weights.get(p.path)
+        if weight is None or weight.tensor is None:
+            where = "the model given with --model" if model is not None else "the input (it holds no weights)"
+            raise MappingError(f"parameter {p.path}: no fp32 master weight in {where}; a universal checkpoint "
+                               "needs the weights (give --model with them)", path)
+        missing = [s for s in SLOTS if s not in p.slots]
+        if missing:
+            raise MappingError(f"parameter {p.path}: no {missing[0]} in the optimizer state", path)
+        for t in (weight.tensor, *(p.slots[s] for s in SLOTS)):
+            if tuple(t.shape) != tuple(p.slots["exp_avg"].shape):
+                raise MappingError(f"parameter {p.path}: weight and moments have shapes {list(weight.tensor.shape)}, "
+                                   f"{list(p.slots['exp_avg'].shape)}", path)
+        plan.append((p.path, {"fp32": weight.tensor, **{s: p.slots[s] for s in SLOTS}}, p.step))
+    if not plan:
+        raise MappingError("no parameter state to write", path)
+    return plan
