@@ -343,32 +343,37 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
     lr = float(hp_a.get("lr", 1e-3))
     rows, ok = [], True
-    # One parameter at a time, one lane after the other; each step's gradient is generated when
-    # it is used (the same numbers for every lane: one seeded stream per parameter and step).
-    # Peak memory: one lane's parameter and slots, one gradient and the original's final
-    # parameter, whatever the number of steps and parameters.
+    # One parameter at a time, the three lanes side by side: each step's gradient is drawn once
+    # (one seeded stream per parameter and step) and steps every lane; the transposed copy the
+    # migrated and cold lanes take is made once too. Peak memory: the three lanes' parameter and
+    # slots and one gradient (two when transposed), whatever the number of steps and parameters.
     for index, pr in enumerate(pairs):
         shape = tuple(pr.original.shape or ())
-        ref, seen = None, {}
+        start = synthetic(seed, index, 0, shape, 0.5)
         for which, ln in lanes.items():
             t = pr.transpose and which != "original"
-            ln.params[pr.path] = _layout(synthetic(seed, index, 0, shape, 0.5), t)
+            ln.params[pr.path] = np.array(_layout(start, t))  # each lane its own (a transpose may be a view)
             src = pr.original if which == "original" else pr.migrated if which == "migrated" else None
             if src is not None and src.slots:
                 ln.slots[pr.path] = slots_of(src, transpose=False)
             if src is not None and src.step is not None:
                 ln.steps[pr.path] = int(src.step)
-            for k in range(steps):
-                ln.step_one(pr.path, _layout(synthetic(seed, index, k + 1, shape, 0.1), t))
-            ln.slots.pop(pr.path, None)
-            final = _layout(ln.params.pop(pr.path), t)
-            if ref is None:
-                ref = final
-            else:
-                seen[which] = _compare(ref, final, lr, steps)
-            del final
+        del start
+        for k in range(steps):
+            grad = synthetic(seed, index, k + 1, shape, 0.1)
+            flipped = _layout(grad, True) if pr.transpose else grad
+            for which, ln in lanes.items():
+                ln.step_one(pr.path, flipped if which != "original" else grad)
+            del grad, flipped
             if progress:
-                progress(steps / (len(lanes) * len(pairs)))
+                progress(1 / len(pairs))
+        finals = {}
+        for which, ln in lanes.items():
+            ln.slots.pop(pr.path, None)
+            finals[which] = _layout(ln.params.pop(pr.path), pr.transpose and which != "original")
+        ref = finals.pop("original")
+        seen = {which: _compare(ref, final, lr, steps) for which, final in finals.items()}
+        del finals
         max_diff, ratio, identical = seen["migrated"]
         tracks = identical if exact else ratio <= 1.0
         ok &= tracks
