@@ -25,7 +25,7 @@ def format_shape(dims) -> str:
     """A shape for people: ``4×16``; ``scalar`` for ``()``; ``-`` when unknown (one spelling everywhere)."""
     if dims is None:
         return "-"
-    return "×".join(str(d) for d in dims) if len(dims) else "scalar"
+    return "×".join(map(str, dims)) if len(dims) else "scalar"
 
 
 def matches(pattern: str, *, path: str | None, key: str | None = None, id: int | None = None,
