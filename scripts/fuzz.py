@@ -195,9 +195,9 @@ def run(args) -> int:
         w.proc.stdin.close()
         w.proc.wait()
     wall = time.monotonic() - started
-    print(f"\n{'group':<14}{'cases':>9}{'crashers':>10}{'refused':>9}{'cases/s':>9}{'slowest s':>11}{'peak RSS MiB':>14}")
+    print(f"\n{'group':<14}{'cases':>9}{'crashers':>10}{'refused':>9}{'ms/case':>9}{'slowest s':>11}{'peak RSS MiB':>14}")
     for g, s in stats.items():
-        print(f"{g:<14}{s['cases']:>9}{s['crashers']:>10}{s['errors']:>9}{s['cases'] / wall:>9.1f}"
+        print(f"{g:<14}{s['cases']:>9}{s['crashers']:>10}{s['errors']:>9}{1000 * s['seconds'] / max(s['cases'], 1):>9.1f}"
               f"{s['slowest']:>11.2f}{s['rss']:>14}")
     total = sum(s["cases"] for s in stats.values())
     print(f"{'all':<14}{total:>9}{sum(s['crashers'] for s in stats.values()):>10}{'':>9}{total / wall:>9.1f}"
@@ -218,8 +218,16 @@ def main() -> int:
     parser.add_argument("--rss-mib", type=int, default=1024, help="peak RSS per worker")
     parser.add_argument("--keep", type=int, default=3, help="corpus files kept per distinct failure")
     parser.add_argument("--report", help="write the counts and crashers as JSON here")
+    parser.add_argument("--replay", nargs=2, metavar=("GROUP", "SEED"), help="run one case here, with its traceback")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replay:
+        group, seed = args.replay[0], int(args.replay[1])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"case{harness.EXTENSIONS[group]}"
+            path.write_bytes(harness.make_case(group, seed))
+            print(harness.exercise(path, tmp, seed))
+        return 0
     if args.worker:
         worker(args.timeout, args.rss_mib)
         return 0

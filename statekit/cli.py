@@ -490,7 +490,10 @@ def _click_exception(exc: BaseException) -> int | None:
 
 
 def _run(args: list[str] | None = None) -> int:
+    from statekit.atomic import exit_cleanly_on_sigterm
+
     debug = bool(os.environ.get("STATEKIT_DEBUG"))
+    exit_cleanly_on_sigterm()
     try:
         rc = app(args=args, standalone_mode=False, prog_name="statekit")
     except StatekitError as exc:

@@ -30,7 +30,7 @@ import numpy as np
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError
-from statekit.formats import cbor
+from statekit.formats import cbor, limits
 from statekit.tensor import TensorRef
 
 MAGIC = b"NRUB"
@@ -167,8 +167,8 @@ class BurnpackFile:
                 f"file has {size - HEADER_SIZE} after the header"
             )
         self.raw_metadata = self._fh.read(self.metadata_size)
-        try:
-            meta = cbor.decode(self.raw_metadata)
+        try:  # no list or map longer than burn's tensor limit: refused at its head, before decoding it
+            meta = cbor.decode(self.raw_metadata, max_items=MAX_TENSOR_COUNT)
         except cbor.CborError as exc:
             raise self._error(f"invalid CBOR metadata: {exc}") from None
         if not isinstance(meta, dict) or "tensors" not in meta:
@@ -197,10 +197,10 @@ class BurnpackFile:
         except ValueError as exc:
             raise self._error(f"tensor {name!r}: {exc}") from None
         shape, offsets, pid = desc["shape"], desc["data_offsets"], desc.get("param_id")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise self._error(f"tensor {name!r}: shape {shape!r} is not a list of unsigned integers")
-        if len(shape) > MAX_RANK:
-            raise self._error(f"tensor {name!r}: rank {len(shape)} is not plausible")
+        itemsize = 1 if dtype == "QFloat" else _element_numpy_dtype(desc["dtype"]).itemsize
+        problem = limits.shape_problem(shape, itemsize)
+        if problem:
+            raise self._error(f"tensor {name!r}: {problem}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -309,10 +309,32 @@ class BurnpackFile:
             info=info,
             chunk_reader=lambda size: self.read_chunks(name, size),
         )
+        if entry.dtype == "Bool" and _element_numpy_dtype(entry.burn_dtype).itemsize != 1:
+            return self._wide_bool(entry, info)
         if entry.dtype == "Bool":
             store = _element_numpy_dtype(entry.burn_dtype)
             ref.array_loader = lambda: np.frombuffer(self.raw(name), dtype=store).reshape(entry.shape) != 0
         return ref
+
+    def _wide_bool(self, entry: TensorEntry, info: dict) -> TensorRef:
+        """A Bool tensor stored 4 bytes an element (``{"Bool": "U32"}``) seen as one byte each, as every
+        other reader and writer holds Bool; :meth:`stored_tensor` keeps burn's own bytes for copies."""
+        store = _element_numpy_dtype(entry.burn_dtype)
+        numel = math.prod(entry.shape)
+
+        def values() -> np.ndarray:
+            return np.frombuffer(self.raw(entry.name), dtype=store).reshape(entry.shape) != 0
+
+        info = {**info, "burn_dtype": {"Bool": "Native"}, "bool_store": entry.burn_dtype["Bool"]}
+        return TensorRef(dtype="Bool", shape=entry.shape, loader=lambda: values().view(np.uint8).reshape(-1),
+                         array_loader=values, nbytes_hint=numel, info=info)
+
+    def stored_tensor(self, name: str) -> TensorRef:
+        """A tensor's bytes exactly as stored (burn's dtype value and width), for byte-exact copies."""
+        entry = self._get(name)
+        return TensorRef(dtype=entry.dtype, shape=entry.shape, loader=lambda: self.raw(name), nbytes_hint=entry.nbytes,
+                         info={"burn_dtype": entry.burn_dtype, "param_id": entry.param_id, "name": name},
+                         chunk_reader=lambda size: self.read_chunks(name, size))
 
     def close(self) -> None:
         if self._map is not None:
@@ -452,7 +474,7 @@ def write_burnpack(
 def copy_burnpack(src: BurnpackFile, dst: str | os.PathLike, progress=None) -> int:
     """Rewrite an opened burnpack file with burn's writer rules (byte-identical for burn's files)."""
     tensors = [
-        PackTensor(n, src.tensor(n), src.tensors[n].burn_dtype, src.tensors[n].param_id)
+        PackTensor(n, src.stored_tensor(n), src.tensors[n].burn_dtype, src.tensors[n].param_id)
         for n in src.data_order
     ]
     return write_burnpack(

@@ -37,6 +37,7 @@ import numpy as np
 
 from statekit import dtypes
 from statekit.errors import FormatError, MappingError, UnsafePickleError
+from statekit.formats import limits
 from statekit.tensor import TensorRef
 
 # --------------------------------------------------------------------------------------------
@@ -191,6 +192,9 @@ def _tensor(
     size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
         raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
+    problem = limits.shape_problem(size, itemsize) or limits.stride_problem(size, stride, itemsize)
+    if problem:
+        raise FormatError(f"tensor of storage '{storage.key}': {problem}")
     numel = math.prod(size)
     capacity = storage.nbytes // itemsize
     if numel:
@@ -343,7 +347,24 @@ def _ordered_dict(items=()):
         isinstance(p, list | tuple) and len(p) == 2 for p in items
     ):
         raise FormatError("OrderedDict arguments are not a list of pairs")
-    return dict(items)
+    return dict((_key(k), v) for k, v in items)
+
+
+_FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype)
+
+
+def _key(key: object) -> object:
+    """A dict key or set member: a scalar, or a short flat tuple of scalars (hashing nested
+    shared tuples takes exponential time, so those are refused)."""
+    if isinstance(key, _FLAT_KEYS):
+        return key
+    if isinstance(key, tuple) and len(key) <= 64 and all(isinstance(k, _FLAT_KEYS) for k in key):
+        return key
+    raise FormatError(f"malformed pickle: a {type(key).__name__} as a dict key or set member is not supported")
+
+
+def _keys(keys) -> list:
+    return [_key(k) for k in keys]
 
 
 def _size(dims=()):
@@ -353,7 +374,7 @@ def _size(dims=()):
 def _set(items=()):
     if not isinstance(items, list | tuple | set | frozenset):
         raise FormatError(f"set() argument is {type(items).__name__}, not a list")
-    return set(items)
+    return set(_keys(items))
 
 
 def _complex(real=0.0, imag=0.0):
@@ -427,6 +448,10 @@ def find_global(module: str, name: str) -> object:
 # reading
 
 StorageLoader = Callable[[StorageId], Storage]
+MAX_DEPTH = 100  # container nesting; torch's checkpoints nest a handful of levels
+MAX_STEPS = 200_000_000  # opcodes in one pickle (a torch.save pickle runs ~40 a tensor)
+MAX_EXPANSION = 1_000_000  # objects by reference beyond 16 per opcode (shared objects counted per use)
+_MAX_LONG_BYTES = 1024
 _OPS: dict[int, Callable[[_Unpickler], None]] = {}
 _STOP = pickle.STOP[0]
 _I32, _U16, _U32, _U64, _F64 = (struct.Struct(f) for f in ("<i", "<H", "<I", "<Q", ">d"))
@@ -452,6 +477,9 @@ class _Unpickler:
         self.stack: list = []
         self.metastack: list[list] = []
         self.memo: dict[int, object] = {}
+        self.depths: dict[int, int] = {}  # id → nesting depth of the containers built so far
+        self.built: list = []  # keeps them alive, so that ids stay unique
+        self.steps = 0
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -485,6 +513,21 @@ class _Unpickler:
         line, self.pos = self.data[self.pos : end], end + 1
         return line.decode("utf-8")
 
+    def nest(self, container: object, items) -> object:
+        """Record ``container``'s depth from ``items`` (refused past the limit, as it is built)."""
+        depths = self.depths
+        depth = depths.get(id(container), 1)
+        for item in items:
+            inner = depths.get(id(item))
+            if inner is not None and inner >= depth:
+                depth = inner + 1
+        if depth > MAX_DEPTH:
+            raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+        if id(container) not in depths:
+            self.built.append(container)
+        depths[id(container)] = depth
+        return container
+
     def pop_mark(self) -> list:
         if not self.metastack:
             raise FormatError("malformed pickle: no MARK on the stack")
@@ -501,10 +544,13 @@ class _Unpickler:
         while True:
             start = self.pos
             self.code = code = self.byte()
+            self.steps += 1
             if code == _STOP:
                 if not self.stack:
                     raise FormatError("malformed pickle: empty stack at STOP")
                 return self.stack.pop()
+            if self.steps > MAX_STEPS:
+                raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
             handler = _OPS.get(code)
             if handler is None:
                 raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
@@ -534,9 +580,61 @@ def loads(
     """
     unpickler = _Unpickler(data, pos, storage_loader)
     try:
-        return unpickler.load(), unpickler.pos
+        obj = unpickler.load()
     except RecursionError:
         raise FormatError("malformed pickle: nesting too deep") from None
+    check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
+    return obj, unpickler.pos
+
+
+def _children(node: object):
+    if isinstance(node, list | tuple | set):
+        return node
+    if isinstance(node, dict):
+        return node.values()
+    if isinstance(node, TensorRef):
+        state = node.info.get("python_state")
+        return state.values() if state else None
+    return None
+
+
+def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_EXPANSION) -> None:
+    """Refuse a loaded object that contains itself, nests deeper than ``max_depth`` or — counting
+    shared objects once per reference, as every walk over it will — holds more than ``max_nodes``
+    (a memo "billion laughs"). Iterative, and linear in the distinct objects."""
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        children = _children(node)
+        if children is None:
+            continue
+        key = id(node)
+        if done:
+            active.discard(key)
+            size, depth = 1, 1
+            for child in children:
+                inner = sizes.get(id(child))
+                if inner is None:
+                    size += 1
+                else:
+                    size += inner
+                    depth = max(depth, depths[id(child)] + 1)
+            if size > max_nodes:
+                raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
+            if depth > max_depth:
+                raise FormatError(f"pickle nests containers deeper than {max_depth} levels")
+            sizes[key], depths[key] = size, depth
+            continue
+        if key in sizes:
+            continue
+        if key in active:
+            raise FormatError("pickle builds a container that contains itself")
+        active.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if _children(child) is not None)
 
 
 @_op(pickle.PROTO)
@@ -552,6 +650,8 @@ def _frame(u: _Unpickler) -> None:
 
 @_op(pickle.MARK)
 def _mark(u: _Unpickler) -> None:
+    if len(u.metastack) >= MAX_DEPTH:
+        raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
     u.metastack.append(u.stack)
     u.stack = []
 
@@ -607,6 +707,8 @@ def _long4(u: _Unpickler) -> None:
     n = u.unpack(_I32)
     if n < 0:
         raise FormatError("malformed pickle: negative LONG4 length")
+    if n > _MAX_LONG_BYTES:
+        raise FormatError(f"pickled integer of {n} bytes is too large (limit {_MAX_LONG_BYTES})")
     u.stack.append(int.from_bytes(u.read(n), "little", signed=True))
 
 
@@ -616,7 +718,11 @@ def _binfloat(u: _Unpickler) -> None:
 
 
 def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogatepass")
+    text = raw.decode("utf-8", "surrogatepass")
+    problem = limits.text_problem(text)
+    if problem:  # torch reads it, but no name holding it can be written to any output
+        raise FormatError(f"pickled string {problem}")
+    return text
 
 
 @_op(pickle.SHORT_BINUNICODE)
@@ -678,7 +784,7 @@ def _empty(u: _Unpickler) -> None:
 @_op(pickle.TUPLE)
 def _tuple(u: _Unpickler) -> None:
     items = u.pop_mark()  # before touching u.stack: pop_mark replaces it
-    u.stack.append(tuple(items))
+    u.stack.append(u.nest(tuple(items), items))
 
 
 @_op(pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
@@ -686,49 +792,50 @@ def _tuple_n(u: _Unpickler) -> None:
     n = u.code - pickle.TUPLE1[0] + 1
     if len(u.stack) < n:
         raise FormatError("malformed pickle: stack underflow in TUPLE")
-    u.stack[-n:] = [tuple(u.stack[-n:])]
+    items = tuple(u.stack[-n:])
+    u.stack[-n:] = [u.nest(items, items)]
 
 
 @_op(pickle.LIST)
 def _list(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.stack.append(items)
+    u.stack.append(u.nest(items, items))
 
 
 @_op(pickle.DICT)
 def _dict(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.stack.append(dict(zip(items[::2], items[1::2], strict=True)))
+    u.stack.append(u.nest(dict(zip(_keys(items[::2]), items[1::2], strict=True)), items[1::2]))
 
 
 @_op(pickle.APPEND)
 def _append(u: _Unpickler) -> None:
     item = u.stack.pop()
-    u.target(list).append(item)
+    u.nest(u.target(list), (item,)).append(item)
 
 
 @_op(pickle.APPENDS)
 def _appends(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.target(list).extend(items)
+    u.nest(u.target(list), items).extend(items)
 
 
 @_op(pickle.SETITEM)
 def _setitem(u: _Unpickler) -> None:
     value, key = u.stack.pop(), u.stack.pop()
-    u.target(dict)[key] = value
+    u.nest(u.target(dict), (value,))[_key(key)] = value
 
 
 @_op(pickle.SETITEMS)
 def _setitems(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.target(dict).update(zip(items[::2], items[1::2], strict=True))
+    u.nest(u.target(dict), items[1::2]).update(zip(_keys(items[::2]), items[1::2], strict=True))
 
 
 @_op(pickle.ADDITEMS)
 def _additems(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.target(set).update(items)
+    u.target(set).update(_keys(items))
 
 
 @_op(pickle.BINGET)

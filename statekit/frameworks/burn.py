@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from statekit import hyper, naming, paramid
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 
@@ -104,7 +105,7 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         key, leaf = _split(name)
         p = param(key)
         if leaf == naming.BURN_RANK:
-            p.rank = int(scalar.value)
+            p.rank = _rank(scalar, name, pack.path)
         elif leaf == STEP_KEY:
             p.step = scalar.value  # a step burn's layout has no field for, kept by statekit
         else:
@@ -228,3 +229,11 @@ def _put(tensors, scalars, key, leaf, value, pid) -> None:
         return
     else:
         tensors.append(PackTensor(f"{key}.{leaf}", value, param_id=pid))
+
+
+def _rank(scalar, name: str, path: str) -> int:
+    """A ``__rank`` scalar's value: an integer from 0 to the rank limit (burn writes a UInt)."""
+    value = scalar.value
+    if not limits.is_finite_integral(value) or not 0 <= value <= limits.MAX_RANK:
+        raise FormatError(f"scalar {name!r} is {value!r}, not a tensor rank (0 to {limits.MAX_RANK})", path)
+    return int(value)

@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from statekit import dtypes, paramid
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.formats.burnpack import Scalar
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
@@ -75,7 +76,11 @@ class SafetensorsFile:
                 raw_dtype = view.get_dtype()
                 if raw_dtype not in FROM_SAFETENSORS:
                     raise FormatError(f"tensor {name!r} has dtype {raw_dtype}, which statekit does not handle")
-                self.entries[name] = (FROM_SAFETENSORS[raw_dtype], tuple(int(d) for d in view.get_shape()))
+                shape = [int(d) for d in view.get_shape()]
+                problem = limits.shape_problem(shape, dtypes.itemsize(FROM_SAFETENSORS[raw_dtype]))
+                if problem:
+                    raise FormatError(f"tensor {name!r}: {problem}")
+                self.entries[name] = (FROM_SAFETENSORS[raw_dtype], tuple(shape))
         except SafetensorError as exc:
             raise FormatError(f"not a valid safetensors file: {exc}", self.path) from None
         except FormatError as exc:
@@ -374,9 +379,56 @@ def _loads(sf: SafetensorsFile, key: str, default: object = None) -> object:
     if text is None:
         return default
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise FormatError(f"metadata {key!r} is not valid JSON: {exc.msg}", sf.path) from None
+    except RecursionError:
+        value = [[]] * (limits.MAX_DEPTH + 1)  # nested far too deep: refused below
+    problem = limits.depth_problem(value)
+    if problem:
+        raise FormatError(f"metadata {key!r}: JSON {problem}", sf.path)
+    return value
+
+
+def _check_param(p: ParamState, sf: SafetensorsFile) -> None:
+    """The types the layout's parameter entries hold (a list where a step belongs is refused here)."""
+    def integer(v: object) -> bool:
+        return type(v) is int
+
+    checks = {
+        "key": isinstance(p.key, str),
+        "id": p.id is None or (integer(p.id) and 0 <= p.id < 1 << 64),
+        "index": p.index is None or (integer(p.index) and p.index >= 0),
+        "path": p.path is None or isinstance(p.path, str),
+        "rank": p.rank is None or (integer(p.rank) and 0 <= p.rank <= limits.MAX_RANK),
+        "step": p.step is None or (type(p.step) in (int, float)) or isinstance(p.step, Scalar),
+        "group": integer(p.group) and p.group >= 0,
+        "family": p.family is None or isinstance(p.family, str),
+        "declared_shape": p.declared_shape is None or limits.shape_problem(p.declared_shape) is None,
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        value = getattr(p, bad[0])
+        raise FormatError(f"parameter entry {p.key!r:.40}: {bad[0]} {limits.short(value)} has the wrong type", sf.path)
+
+
+def _check_state(state: OptimizerState, sf: SafetensorsFile) -> None:
+    """The types of the layout's state-wide entries (family, candidates, notes, groups)."""
+    def texts(values) -> bool:
+        return all(isinstance(v, str) for v in values)
+
+    checks = {
+        "family": state.family is None or isinstance(state.family, str),
+        "candidates": texts(state.candidates),
+        "notes": texts(state.notes),
+        "framework": isinstance(state.framework, str),
+        "groups": all(isinstance(g.hyperparams, dict) and texts(g.hyperparams) and texts(g.keys)
+                      for g in state.groups),
+        "global": isinstance(state.global_scalars, dict) and texts(state.global_scalars),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        raise FormatError(f"statekit state metadata: {bad[0]} has the wrong type", sf.path)
 
 
 def read_state(sf: SafetensorsFile) -> Checkpoint:
@@ -413,6 +465,7 @@ def read_state(sf: SafetensorsFile) -> Checkpoint:
             for slot in entry.get("flex32", []):
                 p.slots[slot].dtype = "Flex32"
             p.extra = {k: _decode(v, sf) for k, v in entry.get("extra", {}).items()}
+            _check_param(p, sf)
             state.params.append(p)
         for g in _loads(sf, "groups", []):
             state.groups.append(ParamGroup(hyperparams=_decode(g["hyperparams"], sf), keys=list(g["keys"])))
@@ -422,6 +475,7 @@ def read_state(sf: SafetensorsFile) -> Checkpoint:
                 raise FormatError(f"global slot {n!r} refers to a missing tensor", sf.path)
             state.global_slots[n] = sf.tensor(name)
         state.global_scalars = _decode(glob.get("scalars", {}), sf)
+        _check_state(state, sf)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"malformed statekit state metadata: {type(exc).__name__}: {exc}", sf.path) from None
     ckpt = _checkpoint(sf, FORMAT, "optimizer", int(STATE_VERSION))

@@ -65,6 +65,14 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     return family
 
 
+def _same_shapes(p: ParamState) -> None:
+    """Every slot of a parameter has the parameter's shape (transposes and resizes apply to all)."""
+    shapes = {name: list(ref.shape) for name, ref in p.slots.items()}
+    if len({tuple(s) for s in shapes.values()}) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise MappingError(f"parameter {p.label()}: its state slots differ in shape ({listed})")
+
+
 def _slots_check(p: ParamState, family: str, target: str) -> None:
     """Refuse, by name, a slot the target framework's state has no field for (never drop it)."""
     if target not in naming.FRAMEWORKS:
@@ -112,6 +120,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         )
         if p.slots or p.step is not None:
             try:
+                _same_shapes(p)
                 _slots_check(p, family, dst_fw)
             except MappingError as exc:
                 problems.append(exc.message)
