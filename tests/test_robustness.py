@@ -259,3 +259,97 @@ def test_norm_preset_rename_of_a_70000_character_path():
     assert rename("a" * 70_000 + ".gamma", rules) == "a" * 70_000 + ".weight"
     assert rename("b." * 35_000, rules) == "b." * 35_000
     assert rename("ln.gamma.beta", rules) == "ln.gamma.bias"
+
+
+# ------------------------------------------------------------------------------ limits while decoding
+
+
+def hyper_pickle(value: bytes) -> bytes:
+    """``{"param_groups": [{"lr": <value>}]}`` with ``value`` as raw opcodes."""
+    s = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.BINUNICODE + struct.pack("<I", 12) + b"param_groups"
+    s += pickle.EMPTY_LIST + pickle.EMPTY_DICT + pickle.BINUNICODE + struct.pack("<I", 2) + b"lr" + value
+    return s + pickle.SETITEM + pickle.APPEND + pickle.SETITEM + pickle.STOP
+
+
+def memo_laughs(levels: int) -> bytes:
+    s = pickle.NONE
+    for i in range(levels):
+        s += pickle.BINPUT + bytes([i]) + pickle.POP + pickle.MARK + pickle.BINGET + bytes([i])
+        s += pickle.BINGET + bytes([i]) + pickle.LIST
+    return s
+
+
+PICKLE_BOMBS = {
+    "memo-laughs": (memo_laughs(40), "memo bomb"),
+    "self-list": (pickle.EMPTY_LIST + pickle.BINPUT + b"\0" + pickle.BINGET + b"\0" + pickle.APPEND, "itself"),
+    "self-dict": (pickle.EMPTY_DICT + pickle.BINPUT + b"\0" + pickle.BININT1 + b"\1" + pickle.BINGET + b"\0"
+                  + pickle.SETITEM, "itself"),
+    "deep-marks": ((pickle.EMPTY_LIST + pickle.MARK) * 10**5 + pickle.NONE + pickle.APPENDS * 10**5, "deeper"),
+    "deep-tuples": (pickle.NONE + pickle.TUPLE1 * 10**5, "deeper"),
+    "huge-long4": (pickle.LONG4 + struct.pack("<i", 10**6) + b"\1" * 10**6, "too large"),
+    "tuple-key-hash": (pickle.EMPTY_DICT + pickle.NONE + pickle.TUPLE1 * 3 + pickle.NONE + pickle.SETITEM,
+                       "dict key"),
+}
+
+
+@pytest.mark.parametrize("name", [k for k, v in PICKLE_BOMBS.items() if v[1]])
+def test_pickle_bombs_are_refused_while_decoding(tmp_path, name):
+    value, message = PICKLE_BOMBS[name]
+    refuse(write(tmp_path, f"{name}.pt", torch_zip(hyper_pickle(value))), message)
+
+
+def test_nested_shared_tuples_as_a_key_are_refused_before_hashing(tmp_path):
+    """Hashing t40 = (t39, t39) … would visit 2^40 tuples; the key is refused by its type first."""
+    s = pickle.NONE
+    for i in range(40):
+        s += pickle.BINPUT + bytes([i]) + pickle.POP + pickle.BINGET + bytes([i]) + pickle.BINGET + bytes([i])
+        s += pickle.TUPLE2
+    pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + s + pickle.NONE + pickle.SETITEM + pickle.STOP
+    refuse(write(tmp_path, "hash.pt", torch_zip(pkl)), "dict key")
+
+
+def test_pickle_opcode_count_limit(tmp_path, monkeypatch):
+    from statekit.formats import torch_pickle
+
+    monkeypatch.setattr(torch_pickle, "MAX_STEPS", 1000)
+    pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_LIST + (pickle.NONE + pickle.APPEND) * 600 + pickle.STOP
+    refuse(write(tmp_path, "steps.pt", torch_zip(pkl)), "opcodes")
+
+
+def test_burnpack_tensor_count_is_refused_at_the_map_head(tmp_path):
+    """A map declaring more tensors than burn's limit is refused before any entry is decoded."""
+    head = cbor._head(5, 1) + cbor.encode("tensors") + cbor._head(5, 100_001)
+    refuse(write(tmp_path, "many.bpk", b"NRUB" + struct.pack("<HI", 1, len(head)) + head), "100000")
+
+
+def test_cbor_nesting_limit():
+    with pytest.raises(cbor.CborError, match="nesting"):
+        cbor.decode(b"\x81" * 200 + b"\x00")
+
+
+def test_msgpack_nesting_limit(tmp_path):
+    deep: object = 0
+    for _ in range(200):
+        deep = [deep]
+    refuse(write(tmp_path, "deep.mpk", record({"a": deep})), "nested deeper")
+
+
+def test_gzip_inflate_cap(tmp_path):
+    import zlib
+
+    from statekit.formats import limits
+
+    comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+    data = comp.compress(b"\x83\xa8metadata" + b"\0" * (limits.MAX_INFLATE + (1 << 20))) + comp.flush()
+    assert limits.inflate_cap(len(data)) == limits.MAX_INFLATE  # the floor applies to this small file
+    refuse(write(tmp_path, "bomb.mpk.gz", data), "decompression bomb")
+
+
+def test_bincode_entry_count_limit():
+    from statekit.formats import limits
+    from statekit.formats.bincode import BincodeError, BincodeReader
+
+    n = limits.MAX_CONTAINER + 1
+    data = b"\xfc" + struct.pack("<I", n) + b"\0" * (3 * n)
+    with pytest.raises(BincodeError, match="limit"):
+        BincodeReader(data).length(min_item_size=3)

@@ -348,12 +348,13 @@ def _inflate(src, dst, compressed_size: int, path: str | None) -> None:
     total = 0
     try:
         with gzip.GzipFile(fileobj=src) as gz:
-            while chunk := gz.read(_CHUNK):
+            while chunk := gz.read(_CHUNK * 4):
                 total += len(chunk)
                 if total > cap:
                     raise FormatError(
-                        f"gzip stream inflates past {cap >> 20} MiB ({compressed_size} bytes compressed): refused as "
-                        "a decompression bomb; gunzip it yourself and open the result", path)
+                        f"gzip stream inflates past {cap >> 20} MiB, over {cap // max(compressed_size, 1)}x its "
+                        f"{compressed_size} bytes: refused as a decompression bomb (gunzip it yourself and open "
+                        "the result, or set STATEKIT_GZIP_RATIO)", path)
                 dst.write(chunk)
     except (OSError, EOFError, zlib.error) as exc:
         raise FormatError(f"corrupt gzip stream: {_why(exc)}", path) from None

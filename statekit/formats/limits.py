@@ -8,6 +8,7 @@ frameworks themselves write (burn's own: 100 MB of metadata, 100,000 tensors, 10
 from __future__ import annotations
 
 import math
+import os
 
 MAX_RANK = 64  # numpy's limit (and far above any framework's tensors)
 MAX_ELEMENTS = (1 << 63) - 1  # bytes or elements of one tensor, zero-size dimensions or not
@@ -15,8 +16,9 @@ MAX_TENSORS = 100_000 * 10  # tensors (or records) in one file; burnpack keeps b
 MAX_CONTAINER = 1_000_000  # items in one decoded list or map
 MAX_DEPTH = 64  # nesting of decoded metadata, pickles, JSON
 MAX_PICKLE_OBJECTS = 50_000_000  # objects one pickle may build (by reference, after the memo)
-MAX_INFLATE = 256 << 20  # a gzip stream may inflate to this many bytes …
-MAX_INFLATE_RATIO = 20  # … or to this many times its compressed size, whichever is larger
+MAX_INFLATE = 64 << 20  # a gzip stream may inflate to this many bytes …
+MAX_INFLATE_RATIO = 8  # … or to this many times its compressed size, whichever is larger
+# (optimizer state compresses 1.1–2x; a gzip bomb ~1000x. STATEKIT_GZIP_RATIO=N raises the ratio.)
 
 
 def shape_problem(shape: object, itemsize: int = 1) -> str | None:
@@ -73,7 +75,11 @@ def depth_problem(value: object, max_depth: int = MAX_DEPTH) -> str | None:
 
 
 def inflate_cap(compressed_size: int) -> int:
-    return max(MAX_INFLATE, MAX_INFLATE_RATIO * compressed_size)
+    try:
+        ratio = int(os.environ.get("STATEKIT_GZIP_RATIO", MAX_INFLATE_RATIO))
+    except ValueError:
+        ratio = MAX_INFLATE_RATIO
+    return max(MAX_INFLATE, ratio * compressed_size)
 
 
 def short(value: object, width: int = 60) -> str:

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 # cases per group in CI, by how long a case of the group takes
-EXAMPLES = {"burnpack": 150, "msgpack": 150, "bincode": 150, "gzip": 100, "torch-zip": 150, "torch-legacy": 150,
-            "safetensors": 120}
+EXAMPLES = {"burnpack": 600, "msgpack": 700, "bincode": 700, "gzip": 450, "torch-zip": 700, "torch-legacy": 700,
+            "safetensors": 600}
 
 
 @pytest.mark.slow
