@@ -13,7 +13,6 @@ tensor" staying flat as N grows is the linear-time claim (goal: 10^6 tensors in 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pickle

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from statekit.ops.build import Options
+from statekit.ops.options import given_hyperparams, make_options
 from statekit.ops.plan import Plan
 from statekit.state import Checkpoint
 
@@ -38,26 +38,6 @@ def inspect(path: PathLike, *, stats: bool = False, params: Sequence[str] | None
         return describe(ckpt, stats=stats, only=list(params) if params else None)
 
 
-def _options(*, optimizer=None, names=None, model=None, old_model=None, transpose=(), no_transpose=(), rename=(),
-             preset=True, dtype=None, resize=False, reset_step=(), step_policy=None, allow_nonfinite=False,
-             **hyperparams) -> Options:
-    from statekit.ops.convert import load_model, read_names
-
-    def as_model(m):
-        return load_model(os.fspath(m)) if isinstance(m, str | os.PathLike) else m
-
-    if isinstance(names, str | os.PathLike):
-        names = read_names(os.fspath(names))
-    unknown = set(hyperparams) - {"lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov"}
-    if unknown:
-        raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
-    return Options(optimizer=optimizer, hyperparams={k: v for k, v in hyperparams.items() if v is not None},
-                   renames=list(rename), preset=preset, transpose=list(transpose), no_transpose=list(no_transpose),
-                   names=list(names) if names is not None else None, model=as_model(model),
-                   old_model=as_model(old_model), resize=resize, reset_step=list(reset_step),
-                   dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite)
-
-
 def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | None = None, dry_run: bool = False,
             plan: PathLike | None = None, plan_out: PathLike | None = None, **options) -> Plan | None:
     """``statekit convert``: returns the plan it carried out (None for an exact burnpack copy).
@@ -68,7 +48,7 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
     """
     from statekit.ops.convert import convert as run
 
-    result = run(os.fspath(src), os.fspath(dst), _options(**options), to=to, key=key, dry_run=dry_run,
+    result = run(os.fspath(src), os.fspath(dst), make_options(**options), to=to, key=key, dry_run=dry_run,
                  plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None)
     return result.plan
 
@@ -79,7 +59,7 @@ def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = Fa
     plus ``old_model``, ``resize`` and ``reset_step``)."""
     from statekit.ops.remap import remap as run
 
-    return run(os.fspath(state), os.fspath(dst), _options(model=model, **options), to=to, dry_run=dry_run,
+    return run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
                plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None).plan
 
 
@@ -105,10 +85,26 @@ def doctor(state: PathLike, model: PathLike | None = None) -> dict:
 
 
 def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, seed: int = 0,
-                  optimizer: str | None = None, lr: float | None = None, transpose: Sequence[str] = ()) -> dict:
-    """``statekit verify-resume --json`` as a dict (``report["tracks"]``)."""
+                  optimizer: str | None = None, lr: float | None = None, transpose: Sequence[str] = (),
+                  kernel: str = "auto") -> dict:
+    """``statekit verify-resume --json`` as a dict (``report["tracks"]``; ``report["kernels"]``:
+    the code that ran each side, :mod:`statekit.optim.kernels`)."""
     from statekit.ops.replay import verify_resume as run
 
     with open(original) as a, open(migrated) as b:
-        return run(a, b, steps=steps, seed=seed, optimizer=optimizer, given={"lr": lr} if lr else {},
-                   transpose=list(transpose))
+        return run(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
+                   transpose=list(transpose), kernel=kernel)
+
+
+def replay(params: PathLike, grads: Sequence[PathLike], out_params: PathLike, *, state: PathLike | None = None,
+           out_state: PathLike | None = None, optimizer: str | None = None, flavor: str | None = None,
+           device: str = "cpu", backend: str | None = None, **hyperparams) -> dict:
+    """``statekit replay --json`` as a dict: apply one gradient file per step to ``params`` (and
+    ``state``, reconstructed from the gradients when omitted), write ``out_params`` (and
+    ``out_state``). Hyperparameters ``lr betas eps weight_decay amsgrad momentum dampening nesterov``."""
+    from statekit.ops.replay import replay_files
+
+    return replay_files(os.fspath(params), [os.fspath(g) for g in grads], os.fspath(out_params),
+                        state=os.fspath(state) if state else None, out_state=os.fspath(out_state) if out_state else None,
+                        optimizer=optimizer, flavor=flavor, hyperparams=given_hyperparams(**hyperparams),
+                        device=device, backend=backend)

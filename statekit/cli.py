@@ -80,10 +80,10 @@ def inspect(
     out = Output(json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
         if names and ckpt.optimizer is not None:
-            from statekit.ops.build import Options
-            from statekit.ops.convert import name_source_params, read_names
+            from statekit.ops.convert import name_source_params
+            from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, Options(names=read_names(str(names))), str(file))
+            name_source_params(ckpt.optimizer, make_options(names=names), str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
@@ -92,40 +92,6 @@ def inspect(
     else:
         for item in inspect_table(result, stats):
             out.print(item)
-
-
-def _betas(text: str | None) -> tuple[float, float] | None:
-    if text is None:
-        return None
-    try:
-        b1, b2 = (float(x) for x in text.replace(" ", "").split(","))
-    except ValueError:
-        raise UsageError(f"--betas {text!r}: expected two numbers, e.g. 0.9,0.999") from None
-    return (b1, b2)
-
-
-def _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov) -> dict:
-    hp = {"lr": lr, "betas": _betas(betas), "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
-          "momentum": momentum, "dampening": dampening, "nesterov": nesterov}
-    return {k: v for k, v in hp.items() if v is not None}
-
-
-def _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
-             preset, transpose, no_transpose, names, model, dtype, **more):
-    from statekit.ops.build import Options
-    from statekit.ops.convert import load_model, read_names
-    from statekit.ops.rules import read_rules_file
-
-    renames = list(rename or [])
-    for f in rules or []:
-        renames += read_rules_file(str(f))
-    return Options(
-        optimizer=optimizer, renames=renames,
-        hyperparams=_given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov),
-        preset=preset, transpose=list(transpose or []), no_transpose=list(no_transpose or []),
-        names=read_names(str(names)) if names else None, model=load_model(str(model)) if model else None,
-        dtype=dtype.upper() if dtype else None, **more,
-    )
 
 
 OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
@@ -149,6 +115,19 @@ DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and writ
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
 PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", help="Also save the plan as JSON.")]
 PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved plan instead of building one.")]
+
+
+def _show_plan(plan, out: Output) -> None:
+    """The plan, before anything is written: JSON on stdout, or a table and warnings."""
+    if out.json_mode:
+        out.json(plan.to_json())
+        return
+    from statekit.render import plan_table
+
+    for item in plan_table(plan):
+        out.print(item)
+    for w in plan.warnings:
+        out.warn(w)
 
 
 @app.command()
@@ -194,15 +173,20 @@ def convert(
     names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
     """
     from statekit.ops.convert import convert as run_convert
+    from statekit.ops.options import make_options
 
     out = Output(json_out)
     if step not in (None, "max"):
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
-    opts = _options(optimizer, lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov, rename, rules,
-                    preset, transpose, no_transpose, names, model, dtype, step_policy=step,
-                    allow_nonfinite=allow_nonfinite)
-    run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
-                plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None, out=out)
+    opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
+                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names, model=model,
+                        dtype=dtype, step_policy=step, allow_nonfinite=allow_nonfinite)
+    result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
+                         plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out))
+    for line in result.messages:
+        out.info(line)
 
 
 @app.command()
@@ -233,15 +217,17 @@ def remap(
     \b
       statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
     """
-    from statekit.ops.convert import load_model
+    from statekit.ops.options import make_options
     from statekit.ops.remap import remap as run_remap
 
     out = Output(json_out)
-    opts = _options(None, None, None, None, None, None, None, None, None, rename, rules, True, None, None, names,
-                    model, None, resize=resize, reset_step=list(reset_step or []),
-                    old_model=load_model(str(old_model)) if old_model else None, allow_nonfinite=allow_nonfinite)
-    run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
-              plan_out=str(plan_out) if plan_out else None, out=out)
+    opts = make_options(rename=rename, rules=rules, names=names, model=model, resize=resize, reset_step=reset_step,
+                        old_model=old_model, allow_nonfinite=allow_nonfinite)
+    result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
+                       plan_out=str(plan_out) if plan_out else None, progress=out.progress,
+                       on_plan=lambda p: _show_plan(p, out))
+    for line in result.messages:
+        out.info(line)
 
 
 FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
@@ -278,46 +264,22 @@ def replay(
       statekit replay --state opt.pt --params p.safetensors --grads g1.safetensors g2.safetensors \\
           --optimizer adam --flavor torch-fused --lr 1e-3 --out-state opt2.pt --out-params p2.safetensors
     """
-    from statekit import io
-    from statekit.ops.convert import output_format
-    from statekit.ops.replay import (
-        default_flavor,
-        lane_state,
-        pick_algorithm,
-        registry_hp,
-        state_hp,
-        write_state,
-    )
-    from statekit.ops.replay import replay as run_replay
-    from statekit.ops.tensorfile import read_tensors, write_tensors
+    from statekit.ops.options import given_hyperparams
+    from statekit.ops.replay import replay_files
 
     out = Output(json_out)
-    ckpt = io.open_checkpoint(str(state)) if state else None
-    st = ckpt.optimizer if ckpt else None
-    if ckpt is not None and st is None:
-        raise UsageError(f"{state}: holds no optimizer state")
-    algorithm = pick_algorithm(st, given=optimizer)
-    flav = flavor or default_flavor(st)
-    hp = registry_hp(algorithm, flav, state_hp(st), _given_hp(lr, betas, eps, weight_decay, amsgrad, momentum, dampening, nesterov))
-    grad_sets = [read_tensors(str(g)) for g in [*grads, *(more_grads or [])]]
-    with out.progress("steps", len(grad_sets)) as advance:
-        lane = run_replay(st, read_tensors(str(params)), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
-                          device=device, backend=backend, progress=advance)
-    write_tensors(str(out_params), lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
-    if out_state:
-        fmt = output_format(out_state)
-        write_state(lane_state(lane, st, algorithm), str(out_state), fmt, algorithm, ckpt)
-    from statekit.optim.registry import exactness
-
-    result = {"optimizer": algorithm, "flavor": flav, "hyperparams": hp, "steps": len(grad_sets),
-              "exactness": exactness(flav, algorithm=algorithm), "out_params": str(out_params),
-              "out_state": str(out_state) if out_state else None,
-              "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
+    given = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                              momentum=momentum, dampening=dampening, nesterov=nesterov)
+    result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
+                          state=str(state) if state else None, out_state=str(out_state) if out_state else None,
+                          optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
+                          progress=out.progress)
     if json_out:
         out.json(result)
     else:
-        shown = ", ".join(f"{k}={v}" for k, v in hp.items())
-        out.print(f"replayed {len(grad_sets)} steps of {algorithm} ({flav} arithmetic, {result['exactness']}): {shown}")
+        shown = ", ".join(f"{k}={v}" for k, v in result["hyperparams"].items())
+        out.print(f"replayed {result['steps']} steps of {result['optimizer']} ({result['flavor']} arithmetic, "
+                  f"{result['exactness']}): {shown}")
         out.print(f"wrote {out_params}" + (f" and {out_state}" if out_state else ""))
 
 
@@ -343,13 +305,14 @@ def verify_resume_cmd(
     |Δp| ≤ 4·ulp(p) + 2e-5·lr·n; the cold run shows how far a silent no-op restore would drift.
     """
     from statekit import io
+    from statekit.ops.options import given_hyperparams
     from statekit.ops.replay import verify_resume
     from statekit.render_replay import verify_table
 
     out = Output(json_out)
     with io.open_checkpoint(str(original)) as a, io.open_checkpoint(str(migrated), **({"key": key} if key else {})) as b:
         with out.progress("steps", steps) as advance:
-            report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=_given_hp(lr, None, None, None, None, None, None, None),
+            report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
                                    flavor_original=flavor_original, flavor_migrated=flavor_migrated,
                                    transpose=list(transpose or []), progress=advance)
     if json_out:
@@ -442,7 +405,7 @@ def merge(
     from statekit.render_ops import merge_view
 
     out = Output(json_out)
-    result = merge_files(inputs, output, on_conflict=on_conflict, dry_run=dry_run, out=out)
+    result = merge_files(inputs, output, on_conflict=on_conflict, dry_run=dry_run, progress=out.progress)
     if json_out:
         out.json(result)
     else:

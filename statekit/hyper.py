@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import json
 
-# Defaults of burn 0.22's optimizer configs (burn-formats.md §2.5). The learning rate is not part
-# of burn's optimizer config (it comes from the LR scheduler); 1e-3 is assumed and reported.
-BURN_DEFAULTS: dict[str, dict[str, object]] = {
-    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 0.0, "amsgrad": False},
-    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 1e-4, "amsgrad": False},
-    "sgd": {"lr": 1e-3, "momentum": 0.9, "dampening": 0.1, "nesterov": False, "weight_decay": 0.0},
-    "rmsprop": {"lr": 1e-2, "alpha": 0.99, "eps": 1e-5, "momentum": 0.9, "centered": False, "weight_decay": 0.0},
-    "adagrad": {"lr": 1e-2, "lr_decay": 0.0, "eps": 1e-5, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
-}
+# ---------------------------------------------------------------------------------------------
+# THE table: every framework's own defaults per optimizer, in its own key order, in statekit's
+# neutral names (torch's: ``betas`` is a pair). ``None``: the framework has no default (burn's
+# learning rate lives in its LR scheduler, not in the optimizer config). ``fixed``: keys the
+# framework cannot change. The compute core (:mod:`statekit.optim.registry`), conversions
+# (:func:`conversion_defaults`), candle's writer and torch's param groups all read this table.
 
 # torch 2.13's param_group keys in insertion order, with the constructor defaults
-# (torch-candle-numerics.md §1.2).
+# (torch-candle-numerics.md §1.2); the execution flags (EXECUTION_FLAGS) do not change the math.
 TORCH_GROUPS: dict[str, dict[str, object]] = {
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "amsgrad": False,
              "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
@@ -44,6 +41,80 @@ TORCH_GROUPS: dict[str, dict[str, object]] = {
     "adamax": {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "foreach": None,
                "maximize": False, "differentiable": False, "capturable": False},
 }
+EXECUTION_FLAGS = frozenset({"foreach", "capturable", "differentiable", "fused"})
+
+_NO_MAXIMIZE = frozenset({"maximize"})
+
+# burn 0.22's optimizer configs (burn-formats.md §2.5; crates/burn-optim/src/optim/*.rs).
+# SgdConfig has no momentum unless a MomentumConfig is given; that config's defaults are
+# BURN_MOMENTUM (§2.5.2: momentum 0.9, dampening 0.1, not torch's 0).
+BURN_CONFIGS: dict[str, dict[str, object]] = {
+    "adam": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 0.0, "amsgrad": False},
+    "adamw": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-5, "weight_decay": 1e-4, "amsgrad": False},
+    "sgd": {"lr": None, "momentum": 0.0, "dampening": 0.1, "nesterov": False, "weight_decay": 0.0},
+    "rmsprop": {"lr": None, "alpha": 0.99, "eps": 1e-5, "momentum": 0.9, "centered": False, "weight_decay": 0.0},
+    "adagrad": {"lr": None, "lr_decay": 0.0, "eps": 1e-5, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
+    "adan": {"lr": None, "beta1": 0.98, "beta2": 0.92, "beta3": 0.99, "eps": 1e-8, "weight_decay": 0.0,
+             "no_prox": False},
+}
+BURN_MOMENTUM: dict[str, object] = {"momentum": 0.9, "dampening": 0.1, "nesterov": False}
+BURN_FIXED: dict[str, frozenset[str]] = {
+    "adam": _NO_MAXIMIZE, "adamw": _NO_MAXIMIZE, "sgd": _NO_MAXIMIZE, "rmsprop": _NO_MAXIMIZE,
+    "adagrad": frozenset({"initial_accumulator_value", "maximize"}), "adan": frozenset(),
+}
+
+# candle-nn's ``ParamsAdamW::default()`` (docs/candle.md): the same values as torch.optim.AdamW's.
+CANDLE_CONFIGS: dict[str, dict[str, object]] = {
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
+}
+CANDLE_FIXED: dict[str, frozenset[str]] = {"adamw": frozenset({"amsgrad", "maximize", "decoupled_weight_decay"})}
+
+CONFIGS: dict[str, dict[str, dict[str, object]]] = {
+    "torch": {f: {k: v for k, v in g.items() if k not in EXECUTION_FLAGS} for f, g in TORCH_GROUPS.items()},
+    "burn": BURN_CONFIGS,
+    "candle": CANDLE_CONFIGS,
+}
+FIXED: dict[str, dict[str, frozenset[str]]] = {"torch": {}, "burn": BURN_FIXED, "candle": CANDLE_FIXED}
+
+# The hyperparameters the CLI and the Python API accept (--lr, lr=…), in one list.
+FLAGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov")
+
+
+def split_betas(values: dict[str, object]) -> dict[str, object]:
+    """The compute core's spelling: torch's ``betas`` pair becomes ``beta1``/``beta2`` in place."""
+    out: dict[str, object] = {}
+    for key, value in values.items():
+        if key == "betas" and value is not None:
+            out["beta1"], out["beta2"] = (float(b) for b in value)
+        else:
+            out[key] = value
+    return out
+
+
+def core_defaults(framework: str, family: str) -> dict[str, object]:
+    """Every hyperparameter the compute core knows for ``family`` with ``framework``'s defaults:
+    the algorithm's keys (torch's math, execution flags left out) overlaid by the framework's
+    config; ``beta1``/``beta2`` spelling, numbers as floats."""
+    base = CONFIGS["torch"].get(family, {}) if framework != "torch" else {}
+    merged = split_betas({**base, **CONFIGS[framework][family]})
+    return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in merged.items()}
+
+
+def fixed(framework: str, family: str) -> frozenset[str]:
+    return FIXED[framework].get(family, frozenset())
+
+
+def conversion_defaults(family: str) -> dict[str, object]:
+    """What a conversion from burn assumes for values a burn file does not store: burn's config
+    (a state with momentum was configured with BURN_MOMENTUM); burn keeps no learning rate, so
+    torch's default for the family is assumed (and reported as assumed)."""
+    values = dict(BURN_CONFIGS.get(family, {}))
+    if family == "sgd":
+        values.update(BURN_MOMENTUM)
+    if values.get("lr", 0) is None:
+        values["lr"] = TORCH_GROUPS[family]["lr"]
+    return values
+
 
 # The group key that only one torch optimizer has: identifies the family from a saved group.
 TORCH_SIGNATURES: tuple[tuple[str, str], ...] = (
@@ -56,8 +127,7 @@ TORCH_SIGNATURES: tuple[tuple[str, str], ...] = (
     ("amsgrad", "adam"),
 )
 
-CLI_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov",
-            "alpha", "centered", "lr_decay")
+CLI_KEYS = (*FLAGS, "alpha", "centered", "lr_decay")
 
 
 def neutral(values: dict[str, object]) -> dict[str, object]:
@@ -81,15 +151,13 @@ def torch_family(group: dict, slots: set[str]) -> str | None:
     return None
 
 
-def resolve(family: str, given: dict[str, object], base: dict[str, object] | None = None,
-            defaults: dict[str, dict[str, object]] = BURN_DEFAULTS) -> tuple[dict[str, object], list[str]]:
-    """Fill a family's hyperparameters: ``given`` (the user's) over ``base`` (stored) over defaults.
-
-    Returns the values and the names that were assumed (taken from ``defaults``).
-    """
+def resolve(family: str, given: dict[str, object], base: dict[str, object] | None = None
+            ) -> tuple[dict[str, object], list[str]]:
+    """Fill a family's hyperparameters: ``given`` (the user's) over ``base`` (stored) over
+    :func:`conversion_defaults`. Returns the values and the names that were assumed."""
     values: dict[str, object] = {}
     assumed: list[str] = []
-    for key, default in defaults.get(family, {}).items():
+    for key, default in conversion_defaults(family).items():
         if given.get(key) is not None:
             values[key] = given[key]
         elif base and key in base:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import re
 
 U64_MAX = (1 << 64) - 1
@@ -71,3 +72,8 @@ def parse(text: str | int) -> int:
 def is_decimal_id(text: str) -> bool:
     """True when ``text`` is how burnpack spells an id: a decimal u64 without sign or padding."""
     return text.isdigit() and (text == "0" or not text.startswith("0")) and int(text) <= U64_MAX
+
+
+def generated(path: str) -> int:
+    """A stable ParamId for a path that has none (the same path always gets the same id)."""
+    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")

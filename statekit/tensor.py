@@ -79,3 +79,15 @@ class TensorRef:
         buf = self.raw()
         arr = np.frombuffer(buf, dtype=dtypes.numpy_dtype(self.dtype))
         return arr.reshape(self.shape)
+
+    def cast(self, dtype: str) -> TensorRef:
+        """A lazy value cast (``F16`` → ``F32`` widens exactly); ``self`` when already ``dtype``."""
+        if dtype == self.dtype:
+            return self
+        want = dtypes.numpy_dtype(dtype)
+        source = self
+
+        def load() -> np.ndarray:
+            return np.ascontiguousarray(source.numpy().astype(want))
+
+        return TensorRef(dtype=dtype, shape=tuple(self.shape), array_loader=load)

@@ -1,7 +1,22 @@
+"""Shared paths and the ``cli`` fixture.
+
+``cli(*args, env=..., cwd=...)`` runs ``statekit`` in this process, through the same ``_run``
+the console script calls (exit codes and one-line errors included), and returns an object with
+``returncode``, ``stdout`` and ``stderr`` like :func:`subprocess.run`. :func:`run_entry_point`
+starts the real console script in a fresh interpreter; a few tests use it to check the entry
+point itself (start-up imports, ``python -m statekit``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,10 +30,62 @@ def fixtures() -> Path:
     return FIXTURES
 
 
-def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the installed CLI as a user would (a fresh process)."""
+@dataclass
+class CliResult:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class _Stream(io.TextIOWrapper):
+    """A text stream over bytes that is not a terminal (as a pipe is)."""
+
+    def __init__(self) -> None:
+        super().__init__(io.BytesIO(), encoding="utf-8", newline="", write_through=True)
+
+    def text(self) -> str:
+        self.flush()
+        return self.buffer.getvalue().decode("utf-8")
+
+
+@contextlib.contextmanager
+def _environment(env: dict | None, cwd: Path):
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    if not env or "STATEKIT_DEBUG" not in env:
+        os.environ.pop("STATEKIT_DEBUG", None)
+    os.environ.update(env or {})
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> CliResult:
+    """Run the CLI in this process, as the console script would, capturing its output."""
+    from statekit.cli import _run
+
+    argv = [str(a) for a in args]
+    out, err = _Stream(), _Stream()
+    with _environment(env, cwd or ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = _run(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # STATEKIT_DEBUG=1 lets the traceback through, as Python prints it
+            traceback.print_exc(file=sys.stderr)
+            code = 1
+    return CliResult(argv, code, out.text(), err.text())
+
+
+def run_entry_point(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the installed console script as a user would (a fresh process)."""
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("STATEKIT_DEBUG", None) if not env or "STATEKIT_DEBUG" not in env else None
+    if not env or "STATEKIT_DEBUG" not in env:
+        full_env.pop("STATEKIT_DEBUG", None)
     exe = shutil.which("statekit")
     cmd = [exe] if exe else [sys.executable, "-m", "statekit"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=full_env,
@@ -28,3 +95,8 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture
+def entry_point():
+    return run_entry_point

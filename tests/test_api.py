@@ -1,14 +1,13 @@
 """The Python API a conversion script uses, end to end on the shipped fixtures."""
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import statekit
 
-ROOT = Path(__file__).resolve().parent.parent
 HAND = ROOT / "fixtures/hand-optim.bpk"
 
 
@@ -67,3 +66,20 @@ def test_import_is_light():
 
     code = "import statekit, sys; print(any(m in sys.modules for m in ('torch', 'numpy', 'rich')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_replay_sgd_by_hand(tmp_path):
+    """statekit.replay: plain SGD is p - lr·g per step, in float32 (hand-computed)."""
+    from safetensors.numpy import load_file, save_file
+
+    p = np.array([1.0, -2.0, 0.5], np.float32)
+    g1, g2 = np.array([0.5, 0.25, -1.0], np.float32), np.array([1.0, 1.0, 1.0], np.float32)
+    save_file({"w": p}, str(tmp_path / "p.safetensors"))
+    save_file({"w": g1}, str(tmp_path / "g1.safetensors"))
+    save_file({"w": g2}, str(tmp_path / "g2.safetensors"))
+    result = statekit.replay(tmp_path / "p.safetensors", [tmp_path / "g1.safetensors", tmp_path / "g2.safetensors"],
+                             tmp_path / "out.safetensors", optimizer="sgd", flavor="torch", lr=0.5)
+    assert result["steps"] == 2 and result["step_counts"] == {"w": 2} and result["hyperparams"]["lr"] == 0.5
+    assert load_file(str(tmp_path / "out.safetensors"))["w"].tolist() == [0.25, -2.625, 0.5]
+    with pytest.raises(TypeError, match="unknown options: lrr"):
+        statekit.replay(tmp_path / "p.safetensors", [], tmp_path / "o.safetensors", optimizer="sgd", lrr=1)

@@ -8,11 +8,11 @@ import mmap
 import struct
 import time
 import uuid
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+from conftest import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +21,6 @@ from statekit.formats import burn_legacy as bl
 from statekit.formats.bincode import BincodeError, BincodeReader
 from statekit.tensor import TensorRef
 
-ROOT = Path(__file__).resolve().parent.parent
 LEGACY = ROOT / "fixtures" / "legacy"
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,6 @@ from statekit.formats.burnpack import (
 from statekit.frameworks import burn
 from statekit.tensor import TensorRef
 
-ROOT = Path(__file__).resolve().parent.parent
 MNIST = ROOT / "fixtures/burn/mnist-model.bpk"
 VALID = sorted((ROOT / "fixtures").glob("*.bpk")) + [MNIST]
 MALFORMED = sorted((ROOT / "fixtures/malformed").glob("*.bpk"))

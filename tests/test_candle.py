@@ -6,11 +6,11 @@ import importlib.util
 import json
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ROOT
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -20,7 +20,6 @@ from statekit.frameworks import burn_legacy_io, candle, safetensors_io
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
-ROOT = Path(__file__).resolve().parent.parent
 CANDLE = ROOT / "fixtures" / "candle"
 LEGACY = ROOT / "fixtures" / "legacy"
 NAMES = ["l1.bias", "l1.weight", "l2.bias", "l2.weight"]

@@ -2,11 +2,10 @@
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 HAND = {
     "18402649998147242804": ("6j5mg0dcb1hvu", "l1.weight", [4, 16]),
     "4872954564708272749": (None, "l1.bias", [16]),

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LEGACY, LEGACY_BPK = ROOT / "fixtures/legacy", ROOT / "fixtures/legacy-bpk"
 
 

@@ -1,19 +1,19 @@
 """convert between burn .bpk and PyTorch .pt, checked against real torch 2.13."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import ROOT  # noqa: E402
+
 from statekit import io  # noqa: E402
 from statekit.formats.burnpack import BurnpackFile  # noqa: E402
 from statekit.ops.build import Options  # noqa: E402
 from statekit.ops.convert import convert  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 HAND_NAMES = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
 
 

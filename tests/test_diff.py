@@ -7,6 +7,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import ROOT
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from statekit.ops.diff import compare_refs, diff, diff_files, match_method
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
-ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures"
 MIG = FIX / "migration"
 HAND = FIX / "hand-optim.bpk"

@@ -1,13 +1,12 @@
 """statekit doctor: every planted problem in fixtures/migration/ is found; the shipped fixtures are clean."""
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from statekit.ops.doctor import doctor_files
 
-ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures"
 MIG = FIX / "migration"
 HAND, MODEL = FIX / "hand-optim.bpk", FIX / "hand-model.bpk"

@@ -16,14 +16,14 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from statekit import io, paramid
 from statekit.errors import FormatError, MappingError
 from statekit.formats.burnpack import BurnpackFile, Scalar, write_burnpack
-from statekit.frameworks import burn, burn_legacy_io
+from statekit.frameworks import burn, burn_io, burn_legacy_io
 from statekit.state import ModelInfo, ModelParam
 
-ROOT = Path(__file__).resolve().parent.parent
 LEGACY = ROOT / "fixtures" / "legacy"
 EXPECTED = ROOT / "fixtures" / "legacy-bpk"
 MODEL = LEGACY / "model-21.mpk"
@@ -161,11 +161,11 @@ def test_model_record_to_burnpack(tmp_path):
             (path, pid, TRUTH[f"model.{path}"].shape, "F32") for pid, path in PATHS.items()
         ]
         out = tmp_path / "model-21.bpk"
-        size = burn_legacy_io.save_model_as_burnpack(ckpt.model, str(out))
+        size = burn_io.save_model(ckpt.model, str(out))
         assert size == out.stat().st_size
         assert out.read_bytes() == (EXPECTED / "model-21.bpk").read_bytes()
         half = tmp_path / "half.bpk"
-        burn_legacy_io.save_model_as_burnpack(ckpt.model, str(half), dtype="F16")
+        burn_io.save_model(ckpt.model, str(half), dtype="F16")
     with io.open_checkpoint(out) as bpk:
         assert bpk.kind == "model"
         assert [(p.path, p.id) for p in bpk.model.params] == [(p, i) for i, p in PATHS.items()]
@@ -174,15 +174,15 @@ def test_model_record_to_burnpack(tmp_path):
         assert w.dtype == "F16" and pack.tensors["l1.weight"].param_id == 18402649998147242804
         np.testing.assert_array_equal(w.numpy(), TRUTH["model.l1.weight"].astype(np.float16))
     with pytest.raises(MappingError, match="not a float"):
-        burn_legacy_io.save_model_as_burnpack(ckpt.model, str(half), dtype="I32")
+        burn_io.save_model(ckpt.model, str(half), dtype="I32")
     with pytest.raises(MappingError, match="no burn ParamId"):
-        burn_legacy_io.save_model_as_burnpack(ModelInfo([ModelParam("a", (1,), "F32", tensor=w)]), str(half))
+        burn_io.save_model(ModelInfo([ModelParam("a", (1,), "F32", tensor=w)]), str(half))
 
 
 def test_half_to_full_cast_is_exact():
     with io.open_checkpoint(LEGACY / "adam_half.mpk") as ckpt:
         ref = ckpt.optimizer.params[0].slots["exp_avg"]
-        wide = burn_legacy_io.cast(ref, "F32")
+        wide = ref.cast("F32")
         assert (wide.dtype, wide.shape) == ("F32", ref.shape)
         np.testing.assert_array_equal(wide.numpy(), ref.numpy().astype(np.float32))
         assert len(bytes(wide.raw())) == 2 * ref.nbytes

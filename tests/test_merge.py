@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from statekit import io
 from statekit.errors import MappingError, UsageError
@@ -14,7 +15,6 @@ from statekit.frameworks import burn_io
 from statekit.ops.diff import diff_files
 from statekit.ops.merge import merge_files
 
-ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "fixtures"
 MIG = FIX / "migration"
 HAND = FIX / "hand-optim.bpk"

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from statekit.formats.burnpack import BurnpackFile, PackTensor, write_burnpack
 from statekit.frameworks import burn
 from statekit.tensor import TensorRef
 
-ROOT = Path(__file__).resolve().parent.parent
 OPTIM, V1, V2 = (str(ROOT / "fixtures" / n) for n in ("lm-optim.bpk", "lm-model.bpk", "lm-model-v2.bpk"))
 RULE = r"^ff\.=blocks.0.ff."
 

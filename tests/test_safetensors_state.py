@@ -9,6 +9,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import FIXTURES
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -18,9 +19,6 @@ from statekit.formats.burnpack import Scalar, write_burnpack
 from statekit.frameworks import burn, safetensors_io
 from statekit.state import OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
-
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "fixtures"
 
 
 def same_value(a: object, b: object) -> bool:

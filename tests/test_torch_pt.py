@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FIXTURES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_torch_pickle import ExecCall, SystemCall, tensor_call, wrap
@@ -30,7 +31,6 @@ from statekit.formats.torch_pickle import STATEKIT_TO_TORCH, TorchDtype
 from statekit.formats.torch_pt import is_pt, load_pt, save_pt, sniff_pt
 from statekit.tensor import TensorRef
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ALL_FIXTURES = sorted((FIXTURES / "torch").iterdir()) + sorted((FIXTURES / "torch_extra").iterdir())
 REFUSED = {
     "broken.pt": "not a PyTorch file",

@@ -287,6 +287,14 @@ def sniff(head: bytes) -> str | None:
     return None
 
 
+def claims(head: bytes, path: str) -> bool:
+    """Sniffer: a msgpack or bincode record, or gzip (unless the name says safetensors)."""
+    kind = sniff(head)
+    if kind == "gzip":
+        return not path.endswith(".safetensors")
+    return kind is not None
+
+
 def is_legacy_record(path: str | os.PathLike) -> bool:
     """Whether ``path`` looks like a legacy burn record (gzip'd ones are peeked into)."""
     try:

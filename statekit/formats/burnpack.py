@@ -119,6 +119,11 @@ def _element_numpy_dtype(burn_dtype: object) -> np.dtype:
     return dtypes.numpy_dtype(dtype_name(burn_dtype))
 
 
+def claims(head: bytes, path: str) -> bool:
+    """Sniffer: the file starts with burnpack's magic bytes."""
+    return head[:4] == MAGIC
+
+
 class BurnpackFile:
     """A burnpack file opened for reading: metadata parsed and validated, tensors lazy.
 

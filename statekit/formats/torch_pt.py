@@ -81,6 +81,12 @@ def sniff_pt(path: str | os.PathLike) -> str | None:
     return "tar" if _is_torch_tar(path) else None
 
 
+def claims(head: bytes, path: str) -> bool:
+    """Sniffer (from the first bytes only): a zip archive, a pickle, or a tar (legacy torch.save)."""
+    pickle = head[:2] in (b"\x80\x02", b"\x80\x04", b"\x80\x05")
+    return head[:4] == ZIP_MAGIC or pickle or (len(head) > 262 and head[257:262] == b"ustar")
+
+
 def is_pt(path: str | os.PathLike) -> bool:
     """True when ``path`` is a file written by ``torch.save`` (zip, legacy or tar format)."""
     return sniff_pt(path) is not None

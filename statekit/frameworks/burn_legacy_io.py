@@ -10,14 +10,12 @@ by :func:`statekit.frameworks.burn.to_pack` is the record burn 0.22 would write 
 Legacy optimizer records hold no module paths; ``open_checkpoint(path, model=MODEL)`` takes them
 from a model record (legacy ``.mpk`` or burnpack), joined on the ParamId. Model records become a
 :class:`~statekit.state.ModelInfo` and can be written as burnpack model files with
-:func:`save_model_as_burnpack`.
+:func:`statekit.frameworks.burn_io.save_model`.
 """
 
 from __future__ import annotations
 
 import os
-
-import numpy as np
 
 from statekit import dtypes, naming
 from statekit.errors import MappingError
@@ -28,7 +26,7 @@ from statekit.formats.burn_legacy import (
     LegacyScheduler,
     read_legacy,
 )
-from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack
+from statekit.formats.burnpack import Scalar
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -157,9 +155,9 @@ def load_model_info(model: object) -> ModelInfo:
             raise MappingError(f"{model.path} is a {model.kind} file, not a model", model.path)
         return model.model
     if isinstance(model, str | os.PathLike):
-        from statekit import io
+        from statekit.formats import registry
 
-        with io.open_checkpoint(os.fspath(model)) as ckpt:
+        with registry.open_checkpoint(os.fspath(model)) as ckpt:
             if ckpt.kind != "model" or ckpt.model is None:
                 raise MappingError(f"a model record is needed for module paths, found a {ckpt.kind} file",
                                    os.fspath(model))
@@ -226,34 +224,3 @@ def scheduler_scalars(sched: LegacyScheduler) -> tuple[dict[str, object], list[s
             f"the state fits the {', '.join(sched.candidates)} schedulers; the record does not say which"
         )
     return out, notes
-
-
-def save_model_as_burnpack(model: ModelInfo, path: str, *, dtype: str | None = None,
-                           metadata: dict[str, str] | None = None, progress=None) -> int:
-    """Write a model as a burn 0.22 burnpack model record: one tensor per module path with its
-    ``param_id``, in record order. ``dtype`` casts float tensors (``"F32"`` for half-precision
-    records); integer and bool tensors are kept. Returns the file size."""
-    if dtype is not None and not dtypes.is_float(dtype):
-        raise MappingError(f"cannot cast model tensors to {dtype}: not a float dtype")
-    tensors: list[PackTensor] = []
-    for p in model.params:
-        if p.tensor is None:
-            raise MappingError(f"model parameter {p.path} has no tensor data")
-        if p.id is None:
-            raise MappingError(f"model parameter {p.path} has no burn ParamId")
-        ref = p.tensor
-        if dtype is not None and dtypes.is_float(ref.dtype) and ref.dtype != dtype:
-            ref = cast(ref, dtype)
-        tensors.append(PackTensor(p.path, ref, param_id=p.id))
-    return write_burnpack(path, tensors, dict(metadata or {}), {}, progress=progress)
-
-
-def cast(ref: TensorRef, dtype: str) -> TensorRef:
-    """A lazy value cast of a float tensor (``F16`` → ``F32`` widens exactly)."""
-    want = dtypes.numpy_dtype(dtype)
-
-    def load() -> np.ndarray:
-        return np.ascontiguousarray(ref.numpy().astype(want))
-
-    return TensorRef(dtype=dtype, shape=tuple(ref.shape), array_loader=load)
-

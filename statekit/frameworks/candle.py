@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from statekit import naming
+from statekit import hyper
 from statekit.errors import FormatError, MappingError
+from statekit.formats.safetensors import write_safetensors
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -37,22 +38,13 @@ FORMAT_VERSION = "1"
 OPTIMIZER = "candle_nn::AdamW"
 FIRST, SECOND, STEP = "first_moment", "second_moment", "step_t"
 KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
-# candle-nn's ``ParamsAdamW::default()`` (the same values as torch.optim.AdamW's).
-DEFAULTS: dict[str, float] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
-# candle's field names onto statekit's neutral slots live in the one table, statekit.naming.
-ADAMW = naming.layout("candle", "adamw")
-LAYOUTS = naming.CANDLE
+# candle-nn's ``ParamsAdamW::default()``, from the one table of defaults (statekit.hyper).
+DEFAULTS: dict[str, float] = {k: v for k, v in hyper.core_defaults("candle", "adamw").items() if k in KEYS}
 STEP_POLICIES = ("exact", "max")
 ONE_STEP_NOTE = "candle-nn's AdamW keeps one step_t for all variables"
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def open_checkpoint(path: str, **options) -> Checkpoint:
-    from statekit.frameworks import safetensors_io
-
-    return safetensors_io.open_checkpoint(path, **options)
 
 
 def looks_like_candle_state(names: list[str]) -> bool:
@@ -62,9 +54,7 @@ def looks_like_candle_state(names: list[str]) -> bool:
 
 
 def read(sf) -> Checkpoint:
-    """Interpret an opened :class:`~statekit.frameworks.safetensors_io.SafetensorsFile`."""
-    from statekit.frameworks import safetensors_io
-
+    """Interpret an opened :class:`~statekit.formats.safetensors.SafetensorsFile`."""
     meta = sf.metadata
     tagged = meta.get("format") == FORMAT_TAG
     if tagged and meta.get("format_version") != FORMAT_VERSION:
@@ -111,7 +101,8 @@ def read(sf) -> Checkpoint:
     state.groups = [ParamGroup(hyperparams=hyper, keys=[p.key for p in state.params])]
     if not tagged:
         state.notes.append("no statekit metadata: hyperparameters are not stored in this file")
-    ckpt = safetensors_io._checkpoint(sf, FORMAT, "optimizer", int(FORMAT_VERSION))
+    ckpt = Checkpoint(path=sf.path, format=FORMAT, kind="optimizer", version=int(FORMAT_VERSION),
+                      metadata=dict(sf.metadata), n_tensors=len(sf.entries), nbytes=sf.nbytes, container=sf)
     if STEP in meta and meta[STEP] != str(step):
         ckpt.warnings.append(f"metadata says step_t={meta[STEP]} but the step_t tensor holds {step}")
     ckpt.optimizer = state
@@ -138,10 +129,9 @@ def hyperparams(group: dict) -> tuple[dict[str, float], list[str]]:
     pair is split); missing ones take candle's defaults and are returned as assumed."""
     values: dict[str, float] = {}
     given = dict(group)
-    if "betas" in given and given["betas"] is not None:
-        beta1, beta2 = given.pop("betas")
-        given.setdefault("beta1", beta1)
-        given.setdefault("beta2", beta2)
+    betas = given.pop("betas", None)
+    if betas is not None:
+        given = {**hyper.split_betas({"betas": betas}), **given}
     assumed = []
     for key in KEYS:
         if given.get(key) is None:
@@ -158,7 +148,7 @@ def _names(params: list[ParamState], limit: int = 3) -> str:
 
 
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
-                   metadata: dict[str, str] | None = None, progress=None, step_policy: str = "exact",
+                   metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning: Callable[[str], None] | None = None) -> int:
     """Write ``state`` as candle AdamW state (format ``candle``); returns the file size.
 
@@ -167,9 +157,8 @@ def save_optimizer(state: OptimizerState, path: str, *, family: str | None = Non
     ``path`` (the candle var name). ``step_policy="max"`` writes the largest step when the
     parameters' steps differ (and warns through ``on_warning``, default :func:`warnings.warn`).
     """
-    from statekit.frameworks import safetensors_io
-
     warn = on_warning or _warn
+    step_policy = step_policy or "exact"
     if step_policy not in STEP_POLICIES:
         raise MappingError(f"step policy {step_policy!r} is not one of {', '.join(STEP_POLICIES)}")
     family = family or state.family
@@ -236,7 +225,7 @@ def save_optimizer(state: OptimizerState, path: str, *, family: str | None = Non
     meta.update({"format": FORMAT_TAG, "format_version": FORMAT_VERSION, "optimizer": OPTIMIZER,
                  STEP: str(step_t), "source": f"{state.framework} {family}"})
     meta.update({k: repr(values[k]) for k in KEYS})
-    return safetensors_io.write_safetensors(path, tensors, meta, progress)
+    return write_safetensors(path, tensors, meta, progress)
 
 
 def _global_step(live: list[ParamState], policy: str, warn: Callable[[str], None]) -> int:

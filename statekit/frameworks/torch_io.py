@@ -1,4 +1,6 @@
-"""Entry points for PyTorch ``.pt`` files: open as a Checkpoint, save optimizer state.
+"""PyTorch ``.pt`` files: open as a Checkpoint, write optimizer state and state_dicts.
+
+Implements :class:`statekit.frameworks.base.Framework` for the registry's ``torch`` entry.
 
 ``open_checkpoint`` finds the optimizer state_dict (the file itself, or an entry of a training
 checkpoint; ``key=`` chooses when several), and a model state_dict when the checkpoint carries
@@ -7,10 +9,13 @@ one, whose parameter names (buffers excluded) name the optimizer's positions.
 
 from __future__ import annotations
 
+import os
+
+from statekit import dtypes
 from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pt
 from statekit.frameworks import torch_state
-from statekit.state import Checkpoint, OptimizerState
+from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
 FORMAT = "torch"
 
@@ -55,10 +60,26 @@ def _name_from_model(ckpt: Checkpoint) -> None:
         ckpt.warnings.append(f"could not name parameters from the checkpoint's model: {exc.message}")
 
 
-def save_optimizer(state: OptimizerState, path: str, *, family: str, groups: list[dict],
-                   metadata: dict[str, str] | None = None, progress=None) -> int:
-    sd = torch_state.to_state_dict(state, family, groups)
-    torch_pt.save_pt(sd, path)
-    import os
+def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
+                   metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
+                   on_warning=None) -> int:
+    """Write ``state`` as a torch ``optimizer.state_dict()``. ``family`` defaults to the state's,
+    ``groups`` (torch's param_group dicts) to the state's own groups; torch keeps no free-form
+    metadata and a step per parameter, so ``metadata`` and ``step_policy`` are not used."""
+    family = family or state.family
+    if groups is None:
+        groups = [dict(g.hyperparams) for g in state.groups] or [{}]
+    torch_pt.save_pt(torch_state.to_state_dict(state, family, groups), path)
+    return os.path.getsize(path)
 
+
+def save_model(model: ModelInfo, path: str, *, dtype: str | None = None, metadata: dict[str, str] | None = None,
+               progress=None) -> int:
+    """Write named tensors as a torch ``state_dict`` (``{name: tensor}``, ``torch.save`` zip format)."""
+    tensors = {}
+    for p in model.params:
+        if p.tensor is None:
+            raise MappingError(f"model parameter {p.path} has no tensor data")
+        tensors[p.path] = p.tensor.cast(dtype) if dtype and dtypes.is_float(p.tensor.dtype) else p.tensor
+    torch_pt.save_pt(tensors, path)
     return os.path.getsize(path)

@@ -8,43 +8,13 @@ whatever it would otherwise have to guess, listing every conflict at once.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-
-from statekit import hyper, naming
+from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
+from statekit.formats import registry
+from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
-from statekit.state import ModelInfo, OptimizerState, ParamState
-
-FRAMEWORK_OF_FORMAT = {"burnpack": "burn", "burn-legacy": "burn", "torch": "torch", "candle": "candle",
-                       "safetensors": "neutral"}
-
-
-@dataclass
-class Options:
-    """What the user asked for (the CLI's flags, the Python API's keywords)."""
-
-    optimizer: str | None = None
-    hyperparams: dict[str, object] = field(default_factory=dict)
-    renames: list[str] = field(default_factory=list)
-    preset: bool = True
-    transpose: list[str] = field(default_factory=list)
-    no_transpose: list[str] = field(default_factory=list)
-    names: list[str] | None = None
-    model: ModelInfo | None = None  # the target model (ids, order, shapes)
-    old_model: ModelInfo | None = None  # remap: the source's model, to learn paths by id
-    resize: bool = False
-    reset_step: list[str] = field(default_factory=list)  # globs; remap: reset the step of resized params
-    allow_drop: bool = False
-    dtype: str | None = None
-    step_policy: str | None = None
-    allow_nonfinite: bool = False  # NaN/Inf moments are refused unless asked for
-
-
-def generated_id(path: str) -> int:
-    """A stable ParamId for a path that has none (the same path always gets the same id)."""
-    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")
+from statekit.state import OptimizerState, ParamState
 
 
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
@@ -95,7 +65,7 @@ def _derived(family: str) -> set[str]:
 def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
                opts: Options, operation: str = "convert") -> Plan:
     src_fw = state.framework
-    dst_fw = FRAMEWORK_OF_FORMAT.get(target_format, target_format)
+    dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
     family = _family(state, opts, crossing)
     plan = Plan(operation, source, source_format, target, target_format, family)
@@ -274,7 +244,7 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
             if not a.dst_path:
                 problems.append(f"parameter #{a.src_key} has neither a path nor an id")
                 continue
-            a.dst_id = str(generated_id(a.dst_path))
+            a.dst_id = str(paramid.generated(a.dst_path))
             generated.append(a.dst_path)
         elif p.id is not None:
             a.dst_id = str(p.id)

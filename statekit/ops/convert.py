@@ -7,65 +7,21 @@ state and the options, shows it, and (unless ``dry_run``) writes the target atom
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from statekit import io
 from statekit.errors import MappingError, UsageError
-from statekit.ops.build import Options, build_plan
+from statekit.formats import registry
+from statekit.ops.build import build_plan
 from statekit.ops.execute import write
+from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
 from statekit.ops.plan import Plan
-from statekit.output import Output
-from statekit.state import Checkpoint, ModelInfo
+from statekit.ops.progress import ProgressFactory, silent
+from statekit.state import Checkpoint
 
-FORMATS_BY_EXTENSION = {
-    ".bpk": "burnpack",
-    ".pt": "torch",
-    ".pth": "torch",
-    ".safetensors": "safetensors",
-}
-TARGET_FORMATS = ("burnpack", "torch", "safetensors", "candle")
-
-
-def output_format(path: str | os.PathLike, explicit: str | None = None) -> str:
-    if explicit:
-        if explicit not in TARGET_FORMATS:
-            raise UsageError(f"unknown output format {explicit!r} (known: {', '.join(TARGET_FORMATS)})")
-        return explicit
-    ext = os.path.splitext(os.fspath(path))[1].lower()
-    try:
-        return FORMATS_BY_EXTENSION[ext]
-    except KeyError:
-        known = ", ".join(sorted(FORMATS_BY_EXTENSION))
-        raise UsageError(f"cannot tell the output format from {os.fspath(path)!r} (known: {known}; or --to)") from None
-
-
-def read_names(path: str) -> list[str]:
-    """A names file: a JSON list, or one name per line, in model.named_parameters() order."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read names: {exc.strerror}") from None
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            names = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}: names file is not a JSON list: {exc}") from None
-    else:
-        names = [line.strip() for line in text.splitlines() if line.strip()]
-    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise UsageError(f"{path}: names must be distinct strings")
-    return names
-
-
-def load_model(path: str) -> ModelInfo:
-    with io.open_checkpoint(path) as ckpt:
-        if ckpt.model is None:
-            raise UsageError(f"{path}: not a model file (it holds {ckpt.format} {ckpt.kind} data)")
-        return ckpt.model
+output_format = registry.from_extension
 
 
 def name_source_params(state, opts: Options, path: str) -> None:
@@ -84,9 +40,13 @@ def name_source_params(state, opts: Options, path: str) -> None:
 
 @dataclass
 class Result:
+    """What ``convert`` / ``remap`` did: the plan carried out (None for an exact burnpack copy or a
+    model file), the bytes written (None on a dry run), and lines for a human reader."""
+
     plan: Plan | None
     written: int | None
     copied: bool = False
+    messages: list[str] = field(default_factory=list)
 
 
 def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
@@ -95,26 +55,18 @@ def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
 
 def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None = None, key: str | None = None,
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
-            out: Output | None = None) -> Result:
-    """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``."""
-    out = out or Output(quiet=True)
+            progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None) -> Result:
+    """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
+    called with the finished plan before any byte is written (the CLI shows it there)."""
     opts = opts or Options()
     fmt = output_format(dst, to)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("source and destination are the same file")
     with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):
-            if dry_run:
-                out.info(f"would copy {src} → {dst} byte for byte (burnpack → burnpack, nothing to change)")
-                return Result(None, None, copied=True)
-            from statekit.frameworks import burn_io
-
-            with out.progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
-                size = burn_io.save_checkpoint(ckpt, dst, progress=advance)
-            out.info(f"wrote {dst} ({size} bytes, an exact copy)")
-            return Result(None, size, copied=True)
+            return _copy(ckpt, dst, dry_run, progress or silent)
         if ckpt.kind == "model" and ckpt.model is not None and plan_in is None:
-            return _convert_model(ckpt, dst, fmt, opts, dry_run, out)
+            return _convert_model(ckpt, dst, fmt, opts, dry_run)
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
@@ -126,58 +78,51 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
-        return carry_out(plan, state, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out)
+        return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                         on_plan=on_plan)
 
 
-def carry_out(plan: Plan, state, nbytes: int, out: Output, *, dry_run: bool, plan_out: str | None) -> Result:
-    """Save the plan if asked, show it, and (unless a dry run) write the target."""
+def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) -> Result:
+    """burnpack → burnpack with nothing to change: burn's own bytes, copied."""
+    if dry_run:
+        return Result(None, None, copied=True, messages=[
+            f"would copy {ckpt.path} → {dst} byte for byte (burnpack → burnpack, nothing to change)"])
+    from statekit.frameworks import burn_io
+
+    with progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
+        size = burn_io.save_checkpoint(ckpt, dst, progress=advance)
+    return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, an exact copy)"])
+
+
+def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | None,
+              progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None) -> Result:
+    """Save the plan if asked, hand it to ``on_plan``, and (unless a dry run) write the target."""
     if plan_out:
         from statekit.atomic import atomic_write
 
         with atomic_write(plan_out) as fh:
             fh.write(plan.dumps().encode() + b"\n")
-    show_plan(plan, out)
+    if on_plan is not None:
+        on_plan(plan)
     if dry_run:
-        out.info("dry run: nothing written")
-        return Result(plan, None)
-    with out.progress("writing", nbytes, unit_bytes=True) as advance:
+        return Result(plan, None, messages=["dry run: nothing written"])
+    with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
         size = write(plan, state, plan.target, progress=advance)
-    out.info(f"wrote {plan.target} ({size} bytes)")
-    return Result(plan, size)
+    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"])
 
 
-def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run: bool, out: Output) -> Result:
+def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run: bool) -> Result:
     """Model records change container, not layout: burn ≤ 0.21 → burnpack, any → safetensors."""
     if opts != Options(dtype=opts.dtype):
         raise UsageError("model files are converted as they are: only --dtype applies")
     model = ckpt.model
     if dry_run:
-        out.info(f"would write {len(model.params)} model tensors from {ckpt.path} to {fmt} {dst}")
-        return Result(None, None)
-    if fmt == "burnpack":
-        from statekit.frameworks.burn_legacy_io import save_model_as_burnpack
-
-        size = save_model_as_burnpack(model, dst, dtype=opts.dtype)
-    elif fmt == "safetensors":
-        from statekit.frameworks import safetensors_io
-
-        if opts.dtype:
-            raise UsageError("--dtype applies to burnpack model output only")
-        size = safetensors_io.save_model(model, dst)
-    else:
+        return Result(None, None, messages=[
+            f"would write {len(model.params)} model tensors from {ckpt.path} to {fmt} {dst}"])
+    if fmt == "safetensors" and opts.dtype:
+        raise UsageError("--dtype applies to burnpack model output only")
+    if fmt not in ("burnpack", "safetensors"):
         raise UsageError(f"model files convert to burnpack or safetensors, not {fmt} (statekit moves optimizer "
                          "state; weights across frameworks need their layout changes too)")
-    out.info(f"wrote {dst} ({size} bytes, {len(model.params)} model tensors)")
-    return Result(None, size)
-
-
-def show_plan(plan: Plan, out: Output) -> None:
-    if out.json_mode:
-        out.json(plan.to_json())
-        return
-    from statekit.render import plan_table
-
-    for item in plan_table(plan):
-        out.print(item)
-    for w in plan.warnings:
-        out.warn(w)
+    size = registry.model_writer(fmt)(model, dst, dtype=opts.dtype)
+    return Result(None, size, messages=[f"wrote {dst} ({size} bytes, {len(model.params)} model tensors)"])

@@ -7,22 +7,14 @@ saved for another file is refused rather than half-applied.
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 
 from statekit import dtypes
 from statekit.errors import MappingError
+from statekit.formats import registry
 from statekit.ops.plan import ParamAction, Plan
 from statekit.state import OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
-
-WRITERS = {
-    "burnpack": "statekit.frameworks.burn_io",
-    "torch": "statekit.frameworks.torch_io",
-    "safetensors": "statekit.frameworks.safetensors_io",
-    "candle": "statekit.frameworks.candle",
-}
 
 
 def transformed(ref: TensorRef, transpose: bool = False, shape: tuple | None = None, cast: str | None = None) -> TensorRef:
@@ -95,8 +87,9 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
 def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
     """The target state the plan describes (tensors still lazy)."""
     by_key = _check(plan, state)
-    target_fw = {"burnpack": "burn", "torch": "torch", "safetensors": state.framework}.get(
-        plan.target_format, plan.target_format)
+    target_fw = registry.framework_of(plan.target_format)
+    if target_fw == "neutral":  # statekit's generic layout keeps the source framework's state as it is
+        target_fw = state.framework
     params: list[ParamState] = []
     for a in plan.params:
         if a.action == "drop":
@@ -163,7 +156,6 @@ def _with_burn_avg(slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
 def write(plan: Plan, state: OptimizerState, path: str, progress=None) -> int:
     """Apply the plan and write the result with the target format's writer (atomically)."""
     target = apply_plan(plan, state)
-    module = importlib.import_module(WRITERS[plan.target_format])
-    extra = {"step_policy": plan.step_policy} if plan.step_policy else {}
-    return module.save_optimizer(target, path, family=plan.family, groups=plan.hyperparams,
-                                 metadata=dict(plan.metadata), progress=progress, **extra)
+    save = registry.writer(plan.target_format)
+    return save(target, path, family=plan.family, groups=plan.hyperparams, metadata=dict(plan.metadata),
+                progress=progress, step_policy=plan.step_policy)

@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import os
 
 import numpy as np
 
 from statekit import dtypes, io
 from statekit.errors import MappingError, UsageError
+from statekit.formats import registry
 from statekit.ops.diff import METHOD_WORDS, match_key, match_method
-from statekit.output import Output
+from statekit.ops.progress import ProgressFactory, silent
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
 POLICIES = ("error", "first", "last", "mean")
-FRAMEWORK_OF_FORMAT = {"burnpack": "burn", "torch": "torch"}
-EXTENSION_OF_FRAMEWORK = {"burn": ".bpk", "torch": ".pt"}
 MAX_NAMED = 12
 
 
@@ -88,7 +86,7 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
     states: list[OptimizerState] = []
     for ckpt in ckpts:
         if ckpt.kind == "empty":
-            states.append(OptimizerState(family=None, framework="burn" if ckpt.format == "burnpack" else "neutral"))
+            states.append(OptimizerState(family=None, framework=registry.framework_of(ckpt.format)))
             continue
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; merge combines optimizer states",
@@ -242,58 +240,40 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.abspath(a) == os.path.abspath(b)
 
 
-def _writers() -> dict[str, str]:
-    """Format → module with ``save_optimizer``: convert's table when it has one, else burnpack only."""
-    try:
-        from statekit.ops.execute import WRITERS
-    except ImportError:
-        return {"burnpack": "statekit.frameworks.burn_io"}
-    return dict(WRITERS)
-
-
 def save_state(state: OptimizerState, path: str, metadata: dict[str, str], fmt: str, progress=None) -> int:
     """Write ``state`` as ``fmt`` with the writer ``convert`` uses for that format (atomically)."""
-    module_name = _writers().get(fmt)
-    if module_name is None:
-        raise MappingError(f"merge cannot write {fmt} files")
-    module = importlib.import_module(module_name)
-    if fmt == "burnpack":
-        return module.save_optimizer(state, path, metadata=metadata, progress=progress)
-    return module.save_optimizer(state, path, family=state.family,
-                                 groups=[dict(g.hyperparams) for g in state.groups],
-                                 metadata=metadata, progress=progress)
+    save = registry.writer(fmt)
+    return save(state, path, family=state.family, groups=[dict(g.hyperparams) for g in state.groups],
+                metadata=metadata, progress=progress)
 
 
 def merge_files(inputs: list, output, on_conflict: str = "error", dry_run: bool = False,
-                out: Output | None = None) -> dict:
-    from statekit.ops.convert import output_format
-
-    out = out or Output(quiet=True)
+                progress: ProgressFactory | None = None) -> dict:
     inputs = [os.fspath(p) for p in inputs]
     output = os.fspath(output)
     if len(inputs) < 2:
         raise UsageError("merge needs at least two input files")
     if on_conflict not in POLICIES:
         raise UsageError(f"--on-conflict must be one of {', '.join(POLICIES)} (got {on_conflict!r})")
-    fmt = output_format(output)
+    fmt = registry.from_extension(output)
     for path in inputs:
         if _same_file(path, output):
             raise UsageError(f"the output {output} is also an input; inputs are never overwritten")
     with contextlib.ExitStack() as stack:
         ckpts = [stack.enter_context(io.open_checkpoint(p)) for p in inputs]
         state, account = merge_states(ckpts, on_conflict)
-        framework = FRAMEWORK_OF_FORMAT.get(fmt, fmt)
+        framework = registry.framework_of(fmt)
         if state.params and state.framework != framework:
             raise MappingError(
                 f"the inputs hold {state.framework} state and {output} asks for {fmt}: merge writes the inputs' "
-                f"own framework; merge to {EXTENSION_OF_FRAMEWORK.get(state.framework, 'their format')} and then "
+                f"own framework; merge to {registry.extension_of_framework(state.framework) or 'their format'} and then "
                 "run statekit convert (which asks for what the other framework needs)")
         metadata = _metadata(ckpts, account["warnings"])
         account.update(output=output, format=fmt, written=False, bytes=None)
         if dry_run:
             return account
         total = sum(p.nbytes for p in state.params)
-        with out.progress("writing", total, unit_bytes=True) as advance:
+        with (progress or silent)("writing", total, unit_bytes=True) as advance:
             account["bytes"] = save_state(state, output, metadata, fmt, progress=advance)
         account["written"] = True
     return account

@@ -9,18 +9,19 @@ frameworks initialise state lazily), shape changes refused unless ``resize`` pad
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.ops.build import Options, build_plan
 from statekit.ops.convert import Result, carry_out, name_source_params, output_format
 from statekit.ops.plan import Plan
-from statekit.output import Output
+from statekit.ops.progress import ProgressFactory
 
 
 def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = None, dry_run: bool = False,
-          plan_in: str | None = None, plan_out: str | None = None, out: Output | None = None) -> Result:
-    out = out or Output(quiet=True)
+          plan_in: str | None = None, plan_out: str | None = None, progress: ProgressFactory | None = None,
+          on_plan: Callable[[Plan], None] | None = None) -> Result:
     if opts.model is None and plan_in is None:
         raise UsageError("remap needs the new model: --model NEW_MODEL")
     if os.path.abspath(state_path) == os.path.abspath(out_path):
@@ -42,4 +43,5 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
             plan.warnings.append(f"dropped (not in the new model): {', '.join(map(str, dropped))}")
         if new:
             plan.warnings.append(f"new without state (initialised at their first step): {', '.join(map(str, new))}")
-        return carry_out(plan, ckpt.optimizer, ckpt.nbytes, out, dry_run=dry_run, plan_out=plan_out)
+        return carry_out(plan, ckpt.optimizer, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                         on_plan=on_plan)

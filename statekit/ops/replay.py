@@ -9,21 +9,21 @@ bit-exact when both use the same arithmetic, else within ``|Δp| ≤ 4·ulp(p) +
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from statekit import dtypes, hyper
+from statekit import dtypes, hyper, paramid
 from statekit.errors import MappingError, UsageError
+from statekit.formats import registry as formats
+from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import registry
 from statekit.optim.tolerance import param_bound
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
 FLAVOR_OF_FRAMEWORK = {"burn": "burn", "torch": "torch", "candle": "candle"}
-WRITER_OF_FORMAT = {"burnpack": "statekit.frameworks.burn_io", "torch": "statekit.frameworks.torch_io",
-                    "safetensors": "statekit.frameworks.safetensors_io", "candle": "statekit.frameworks.candle"}
 
 
 # ------------------------------------------------------------------ hyperparameters
@@ -35,9 +35,7 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     torch's ``betas`` tuple becomes ``beta1``/``beta2``; keys the algorithm does not know under
     this flavour's framework (torch's ``foreach``, ``fused`` …) are left out.
     """
-    merged = {**stored, **{k: v for k, v in given.items() if v is not None}}
-    if "betas" in merged:
-        merged["beta1"], merged["beta2"] = (float(b) for b in merged.pop("betas"))
+    merged = hyper.split_betas({**stored, **{k: v for k, v in given.items() if v is not None}})
     framework = registry.get_algorithm(algorithm).frameworks[registry.FRAMEWORK_OF[flavor]]
     out = {k: v for k, v in merged.items() if k in framework.defaults and v is not None}
     for key in framework.fixed:
@@ -76,7 +74,13 @@ def pick_algorithm(*states: OptimizerState | None, given: str | None) -> str:
 
 @dataclass
 class Lane:
-    """One replay: its arithmetic, hyperparameters and evolving arrays, per parameter path."""
+    """One replay: its arithmetic, hyperparameters and evolving arrays, per parameter path.
+
+    ``kernel`` is asked for (``auto``: the fastest that has the step,
+    :func:`statekit.optim.registry.choose_kernel`); :attr:`chosen` is the one that runs. The
+    lane owns its arrays and steps them in place: a step allocates nothing parameter-sized
+    beyond the kernel's own block-sized temporaries.
+    """
 
     algorithm: str
     flavor: str
@@ -85,12 +89,30 @@ class Lane:
     slots: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     xp: object = None
+    kernel: str = "auto"
+    chosen: str = field(init=False, default="")
+
+    def __post_init__(self):
+        self.chosen = registry.choose_kernel(self.algorithm, self.flavor, xp=self.xp, kernel=self.kernel)
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
         for path, g in grads.items():
-            p, slots, t = registry.step(self.algorithm, self.params[path], g, self.slots.get(path, {}),
-                                        self.steps.get(path, 0), self.hp, self.flavor, self.xp)
-            self.params[path], self.slots[path], self.steps[path] = p, slots, t
+            self.step_one(path, g)
+
+    def step_one(self, path: str, g) -> None:
+        """One step of one parameter, in place on the lane's arrays."""
+        slots = self.slots.get(path, {})
+        p, slots, t = registry.step(self.algorithm, self.params[path], g, slots, self.steps.get(path, 0), self.hp,
+                                    self.flavor, self.xp, inplace=_owned(self.params[path], slots),
+                                    kernel=self.chosen)
+        self.params[path], self.slots[path], self.steps[path] = p, slots, t
+
+
+def _owned(param, slots: dict) -> bool:
+    """Whether a parameter and its slots can be stepped in place (numpy: writable float32
+    C-contiguous; torch/CuPy arrays are the lane's own device copies)."""
+    return all(not isinstance(a, np.ndarray) or (a.dtype == np.float32 and a.flags.c_contiguous and a.flags.writeable)
+               for a in (param, *slots.values()))
 
 
 def slots_of(p: ParamState, transpose: bool = False) -> dict[str, np.ndarray]:
@@ -118,11 +140,17 @@ def _device_namespace(device: str, backend: str | None):
 
 def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: list[dict[str, TensorRef]], *,
            algorithm: str, flavor: str, hp: dict, device: str = "cpu", backend: str | None = None,
-           progress=None) -> Lane:
-    """Apply each gradient set in turn; returns the final lane (params, slots, steps by path)."""
+           progress=None, kernel: str = "auto") -> Lane:
+    """Apply each gradient set in turn; returns the final lane (params, slots, steps by path;
+    ``lane.chosen`` is the kernel that ran).
+
+    Gradients are read one parameter of one step at a time (a memory-mapped file's tensor is
+    used in place): memory is the parameters and their state plus one gradient tensor,
+    whatever the number of steps.
+    """
     xp, to_dev, to_host = _device_namespace(device, backend)
     lane = Lane(algorithm, flavor, hp, {n: to_dev(np.array(r.numpy(), dtype=np.float32)) for n, r in params.items()},
-                xp=xp)
+                xp=xp, kernel=kernel)
     if state is not None:
         for p in state.params:
             if p.path is None:
@@ -139,7 +167,8 @@ def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: li
         unknown = sorted(set(grad_set) - set(lane.params))
         if unknown:
             raise MappingError(f"gradients for parameters that are not in the parameter file: {', '.join(unknown[:5])}")
-        lane.step({n: to_dev(np.asarray(r.numpy(), dtype=np.float32)) for n, r in grad_set.items()})
+        for n, r in grad_set.items():
+            lane.step_one(n, to_dev(np.asarray(r.numpy(), dtype=np.float32)))
         if progress:
             progress()
     lane.params = {n: to_host(a) for n, a in lane.params.items()}
@@ -161,9 +190,7 @@ def lane_state(lane: Lane, template: OptimizerState | None, family: str) -> Opti
             params.append(ParamState(key=old.key, id=old.id, index=old.index, path=path, rank=old.rank, step=step,
                                      slots=slots or old.slots, extra=dict(old.extra), group=old.group, family=family))
         elif path in lane.slots:
-            from statekit.ops.build import generated_id
-
-            params.append(ParamState(key=str(i), id=generated_id(path), index=i, path=path, rank=lane.params[path].ndim,
+            params.append(ParamState(key=str(i), id=paramid.generated(path), index=i, path=path, rank=lane.params[path].ndim,
                                      step=step, slots=slots, family=family))
     groups = template.groups if template else [ParamGroup(keys=[p.key for p in params])]
     fw = template.framework if template else "neutral"
@@ -178,7 +205,7 @@ def _dtype(old: ParamState | None, slot: str) -> str:
 
 
 def write_state(state: OptimizerState, path: str, fmt: str, family: str, source: Checkpoint | None) -> int:
-    module = importlib.import_module(WRITER_OF_FORMAT[fmt])
+    save = formats.writer(fmt)
     groups = [dict(g.hyperparams) for g in state.groups] if state.groups else [{}]
     if fmt == "torch":
         groups = [hyper.torch_group(family, g) for g in groups]
@@ -186,10 +213,69 @@ def write_state(state: OptimizerState, path: str, fmt: str, family: str, source:
             if p.index is None:
                 raise MappingError(f"{p.path}: no torch position (replay a torch state, or write .bpk/.safetensors)")
     metadata = dict(source.metadata) if source is not None and fmt == "burnpack" else {}
-    return module.save_optimizer(state, path, family=family, groups=groups, metadata=metadata)
+    return save(state, path, family=family, groups=groups, metadata=metadata)
+
+
+def replay_files(params: str, grads: list[str], out_params: str, *, state: str | None = None,
+                 out_state: str | None = None, optimizer: str | None = None, flavor: str | None = None,
+                 hyperparams: dict | None = None, device: str = "cpu", backend: str | None = None,
+                 progress: ProgressFactory | None = None) -> dict:
+    """``statekit replay``: apply the gradient files in order, write the parameters (and state)
+    after the last step; returns what ``--json`` prints. Output formats are checked first."""
+    from statekit import io
+    from statekit.ops.tensorfile import read_tensors, write_tensors
+
+    formats.from_extension(out_params)
+    fmt = formats.from_extension(out_state) if out_state else None
+    with contextlib.ExitStack() as stack:
+        ckpt = stack.enter_context(io.open_checkpoint(state)) if state else None
+        st = ckpt.optimizer if ckpt else None
+        if ckpt is not None and st is None:
+            raise UsageError(f"{state}: holds no optimizer state")
+        algorithm = pick_algorithm(st, given=optimizer)
+        flav = flavor or default_flavor(st)
+        hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
+        grad_sets = [read_tensors(g) for g in grads]
+        with (progress or silent)("steps", len(grad_sets)) as advance:
+            lane = replay(st, read_tensors(params), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
+                          device=device, backend=backend, progress=advance)
+        write_tensors(out_params, lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
+        if out_state:
+            write_state(lane_state(lane, st, algorithm), out_state, fmt, algorithm, ckpt)
+    return {"optimizer": algorithm, "flavor": flav, "hyperparams": hp, "steps": len(grad_sets),
+            "exactness": registry.exactness(flav, algorithm=algorithm), "out_params": out_params,
+            "out_state": out_state, "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
 
 
 # ------------------------------------------------------------------ verify-resume
+
+
+def synthetic(seed: int, index: int, step: int, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    """verify-resume's seeded float32 normal values for parameter ``index`` at ``step`` (0: the
+    initial parameter): one independent stream per (seed, parameter, step), so any step of any
+    parameter is generated alone, identically for every lane."""
+    rng = np.random.default_rng([seed, index, step])
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(scale)
+    return out
+
+
+def _compare(ref: np.ndarray, other: np.ndarray, lr: float, steps: int, block: int = 1 << 20):
+    """``(max |Δp|, max |Δp| / bound, bit-identical)`` of ``other`` against ``ref``, a block at a
+    time (the float64 differences never exist for the whole tensor)."""
+    a, b = ref.reshape(-1), other.reshape(-1)
+    max_diff, ratio, identical = 0.0, 0.0, True
+    for lo in range(0, a.shape[0], block):
+        x, y = a[lo:lo + block], b[lo:lo + block]
+        identical &= bool(np.array_equal(x.view(np.uint32), y.view(np.uint32)))
+        diff = np.abs(y.astype(np.float64) - x)
+        max_diff = max(max_diff, float(diff.max()))
+        ratio = max(ratio, float((diff / param_bound(x, lr, steps)).max()))
+    return max_diff, ratio, identical
+
+
+def _layout(array: np.ndarray, transpose: bool) -> np.ndarray:
+    return np.ascontiguousarray(array.T) if transpose else array
 
 
 @dataclass
@@ -228,7 +314,8 @@ def pair(original: OptimizerState, migrated: OptimizerState, transpose_globs: li
 
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
-                  flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None) -> dict:
+                  flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
+                  kernel: str = "auto") -> dict:
     """Run ``steps`` seeded steps three ways and compare; returns a JSON-able report."""
     a_state, b_state = original.optimizer, migrated.optimizer
     if a_state is None:
@@ -247,48 +334,45 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     hp_a = registry_hp(algorithm, flav_a, stored_a, given)
     hp_b = registry_hp(algorithm, flav_b, stored_b, given)
     pairs = pair(a_state, b_state, transpose or [])
-    rng = np.random.default_rng(seed)
-    shapes = {pr.path: tuple(pr.original.shape or ()) for pr in pairs}
-    init = {n: rng.normal(0, 0.5, s).astype(np.float32) for n, s in shapes.items()}
-    grads = [{n: rng.normal(0, 0.1, s).astype(np.float32) for n, s in shapes.items()} for _ in range(steps)]
-
-    def lane(flavor, hp, which: str) -> Lane:
-        ln = Lane(algorithm, flavor, hp, {})
-        for pr in pairs:
+    lanes = {"original": Lane(algorithm, flav_a, hp_a, {}, kernel=kernel),
+             "migrated": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
+             "cold": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel)}
+    exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
+    lr = float(hp_a.get("lr", 1e-3))
+    rows, ok = [], True
+    # One parameter at a time, one lane after the other; each step's gradient is generated when
+    # it is used (the same numbers for every lane: one seeded stream per parameter and step).
+    # Peak memory: one lane's parameter and slots, one gradient and the original's final
+    # parameter, whatever the number of steps and parameters.
+    for index, pr in enumerate(pairs):
+        shape = tuple(pr.original.shape or ())
+        ref, seen = None, {}
+        for which, ln in lanes.items():
             t = pr.transpose and which != "original"
-            ln.params[pr.path] = np.ascontiguousarray(init[pr.path].T if t else init[pr.path]).copy()
+            ln.params[pr.path] = _layout(synthetic(seed, index, 0, shape, 0.5), t)
             src = pr.original if which == "original" else pr.migrated if which == "migrated" else None
             if src is not None and src.slots:
                 ln.slots[pr.path] = slots_of(src, transpose=False)
             if src is not None and src.step is not None:
                 ln.steps[pr.path] = int(src.step)
-        return ln
-
-    lanes = {"original": lane(flav_a, hp_a, "original"), "migrated": lane(flav_b, hp_b, "migrated"),
-             "cold": lane(flav_b, hp_b, "cold")}
-    for g in grads:
-        for name, ln in lanes.items():
-            t = {pr.path: pr.transpose and name != "original" for pr in pairs}
-            ln.step({n: np.ascontiguousarray(a.T) if t[n] else a for n, a in g.items()})
-        if progress:
-            progress()
-    exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
-    lr = float(hp_a.get("lr", 1e-3))
-    rows, ok = [], True
-    for pr in pairs:
-        ref = lanes["original"].params[pr.path]
-        back = {k: (np.ascontiguousarray(v.params[pr.path].T) if pr.transpose else v.params[pr.path])
-                for k, v in lanes.items() if k != "original"}
-        bound = param_bound(ref, lr, steps)
-        d_m = np.abs(back["migrated"].astype(np.float64) - ref)
-        d_c = np.abs(back["cold"].astype(np.float64) - ref)
-        identical = bool(np.array_equal(back["migrated"].view(np.uint32), ref.view(np.uint32)))
-        ratio = float((d_m / bound).max()) if ref.size else 0.0
+            for k in range(steps):
+                ln.step_one(pr.path, _layout(synthetic(seed, index, k + 1, shape, 0.1), t))
+            ln.slots.pop(pr.path, None)
+            final = _layout(ln.params.pop(pr.path), t)
+            if ref is None:
+                ref = final
+            else:
+                seen[which] = _compare(ref, final, lr, steps)
+            del final
+            if progress:
+                progress(steps / (len(lanes) * len(pairs)))
+        max_diff, ratio, identical = seen["migrated"]
         tracks = identical if exact else ratio <= 1.0
         ok &= tracks
         rows.append({"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
-                     "tracks": tracks, "bit_exact": identical, "max_abs_diff": float(d_m.max()) if ref.size else 0.0,
-                     "tolerance_ratio": ratio, "cold_ratio": float((d_c / bound).max()) if ref.size else 0.0})
+                     "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff,
+                     "tolerance_ratio": ratio, "cold_ratio": seen["cold"][1]})
+        del ref
     notes = []
     squares = [pr.path for pr in pairs if len(pr.original.shape or ()) == 2 and pr.original.shape[0] == pr.original.shape[1]
                and not pr.transpose and a_state.framework != b_state.framework]
@@ -297,6 +381,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
                      "transposed them)")
     return {"original": original.path, "migrated": migrated.path, "optimizer": algorithm, "notes": notes,
             "flavors": {"original": flav_a, "migrated": flav_b},
+            "kernels": {"original": lanes["original"].chosen, "migrated": lanes["migrated"].chosen},
             "criterion": "bit-exact" if exact else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})",
             "hyperparams": {"original": hp_a, "migrated": hp_b}, "steps": steps, "seed": seed,
             "tracks": ok, "params": rows}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from statekit.errors import UsageError
-from statekit.optim import driver
+from statekit.optim import driver, kernels
 from statekit.optim.backend import Backend, get_backend
 from statekit.optim.fp import f32
 
@@ -23,20 +23,30 @@ TORCH = "torch"
 BURN = "burn"
 CANDLE = "candle"
 FLAVORS = (TORCH_FUSED, TORCH, BURN, CANDLE)
+REFERENCE_KERNEL = "reference"
 
 
 def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm: str):
     """The public ``step`` function of one algorithm, dispatching on the flavour."""
 
-    def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None):
+    def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None,
+             kernel=REFERENCE_KERNEL, name=algorithm):
         if flavor not in builders:
             raise UsageError(f"{algorithm} has no flavour {flavor!r} (has {', '.join(builders)})")
         b = get_backend(xp, like=param)
         names = slot_names(hp, flavor)
         present = frozenset(slots)
-        kernel, init, tail = builders[flavor](b, hp, int(step), present, param, vector_width)
+        chosen = kernels.choose(name, flavor, b, kernel, vector_width)
+        block, init, tail = builders[flavor](b, hp, int(step), present, param, vector_width)
         p, g, s, shape = driver.prepare(b, param, grad, slots, names, init, inplace)
-        driver.run(b, kernel, p, g, s, tail(b.numel(p)))
+        if chosen == kernels.TORCH_KERNEL:
+            kernels.run_torch(name, flavor, b, p, g, s, int(step), hp, present)
+        elif chosen == kernels.NUMBA:
+            from statekit.optim import numba_kernels
+
+            numba_kernels.run(name, flavor, p, g, s, int(step), hp, present)
+        else:
+            driver.run(b, block, p, g, s, tail(b.numel(p)))
         return p.reshape(shape), {name: s[name].reshape(shape) for name in names}, int(step) + 1
 
     step.__name__ = f"{algorithm}_step"
@@ -50,7 +60,9 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
     start at their initial value (a first step). Without ``inplace`` the inputs are not
     modified; with it, ``param`` and the slots (writable float32 C-contiguous arrays of the
     namespace) are updated in place and returned. ``vector_width`` applies to ``torch-fused``
-    only (:func:`fused_vector_width`).
+    only (:func:`fused_vector_width`). ``kernel`` chooses the code (:mod:`statekit.optim.kernels`:
+    ``reference``, the default, ``torch``, ``numba`` or ``auto``); ``name`` is the registry's
+    algorithm name (``adamw`` shares Adam's step).
     """
     return step
 

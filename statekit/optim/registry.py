@@ -9,8 +9,9 @@ The step count is an int held beside the slots: the number of steps already take
 
 Each algorithm lists, per framework, every hyperparameter with that framework's default
 (``None``: no default, the caller must give it: burn's learning rate lives outside its
-optimizer) and the hyperparameters the framework cannot change (``fixed``). A flavour uses its
-framework's column: ``torch`` and ``torch-fused`` → torch, ``burn`` → burn, ``candle`` → candle.
+optimizer) and the hyperparameters the framework cannot change (``fixed``); both come from the
+one table of defaults, :mod:`statekit.hyper`. A flavour uses its framework's column: ``torch``
+and ``torch-fused`` → torch, ``burn`` → burn, ``candle`` → candle.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from statekit import hyper
 from statekit.errors import UsageError
 from statekit.optim import adagrad, adam, adan, rmsprop, sgd
 from statekit.optim.backend import get_backend, torch_available
@@ -48,136 +50,23 @@ class Algorithm:
     frameworks: Mapping[str, Framework]
 
 
-def _adam_defaults(**overrides) -> dict:
-    base = dict(
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
-        maximize=False,
-        decoupled_weight_decay=False,
-    )
-    return base | overrides
+def _frameworks(name: str, flavors: tuple[str, ...]) -> dict[str, Framework]:
+    """The defaults of ``name`` in every framework its flavours run, from :mod:`statekit.hyper`'s one table."""
+    names = dict.fromkeys(FRAMEWORK_OF[f] for f in flavors)
+    return {fw: Framework(hyper.core_defaults(fw, name), hyper.fixed(fw, name)) for fw in names}
 
 
-_FIXED_MAXIMIZE = frozenset({"maximize"})
+def _algorithm(name: str, module, flavors: tuple[str, ...]) -> Algorithm:
+    return Algorithm(name, module.step, module.slot_names, flavors, _frameworks(name, flavors))
+
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "adam": Algorithm(
-        "adam",
-        adam.step,
-        adam.slot_names,
-        (TORCH_FUSED, TORCH, BURN),
-        {
-            "torch": Framework(_adam_defaults()),
-            "burn": Framework(_adam_defaults(lr=None, eps=1e-5), _FIXED_MAXIMIZE),
-        },
-    ),
-    "adamw": Algorithm(
-        "adamw",
-        adam.step,
-        adam.slot_names,
-        (TORCH_FUSED, TORCH, BURN, CANDLE),
-        {
-            "torch": Framework(_adam_defaults(weight_decay=1e-2, decoupled_weight_decay=True)),
-            "burn": Framework(
-                _adam_defaults(lr=None, eps=1e-5, weight_decay=1e-4, decoupled_weight_decay=True),
-                _FIXED_MAXIMIZE,
-            ),
-            "candle": Framework(
-                _adam_defaults(weight_decay=1e-2, decoupled_weight_decay=True),
-                frozenset({"amsgrad", "maximize", "decoupled_weight_decay"}),
-            ),
-        },
-    ),
-    "sgd": Algorithm(
-        "sgd",
-        sgd.step,
-        sgd.slot_names,
-        (TORCH_FUSED, TORCH, BURN),
-        {
-            "torch": Framework(
-                dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
-            ),
-            "burn": Framework(
-                dict(lr=None, momentum=0.0, dampening=0.1, weight_decay=0.0, nesterov=False, maximize=False),
-                _FIXED_MAXIMIZE,
-            ),
-        },
-    ),
-    "rmsprop": Algorithm(
-        "rmsprop",
-        rmsprop.step,
-        rmsprop.slot_names,
-        (TORCH, BURN),
-        {
-            "torch": Framework(
-                dict(
-                    lr=1e-2,
-                    alpha=0.99,
-                    eps=1e-8,
-                    weight_decay=0.0,
-                    momentum=0.0,
-                    centered=False,
-                    maximize=False,
-                )
-            ),
-            "burn": Framework(
-                dict(
-                    lr=None,
-                    alpha=0.99,
-                    eps=1e-5,
-                    weight_decay=0.0,
-                    momentum=0.9,
-                    centered=False,
-                    maximize=False,
-                ),
-                _FIXED_MAXIMIZE,
-            ),
-        },
-    ),
-    "adagrad": Algorithm(
-        "adagrad",
-        adagrad.step,
-        adagrad.slot_names,
-        (TORCH_FUSED, TORCH, BURN),
-        {
-            "torch": Framework(
-                dict(
-                    lr=1e-2,
-                    lr_decay=0.0,
-                    weight_decay=0.0,
-                    eps=1e-10,
-                    initial_accumulator_value=0.0,
-                    maximize=False,
-                )
-            ),
-            "burn": Framework(
-                dict(
-                    lr=None,
-                    lr_decay=0.0,
-                    weight_decay=0.0,
-                    eps=1e-5,
-                    initial_accumulator_value=0.0,
-                    maximize=False,
-                ),
-                frozenset({"initial_accumulator_value", "maximize"}),
-            ),
-        },
-    ),
-    "adan": Algorithm(
-        "adan",
-        adan.step,
-        adan.slot_names,
-        (BURN,),
-        {
-            "burn": Framework(
-                dict(lr=None, beta1=0.98, beta2=0.92, beta3=0.99, eps=1e-8, weight_decay=0.0, no_prox=False)
-            ),
-        },
-    ),
+    "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN)),
+    "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE)),
+    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN)),
+    "rmsprop": _algorithm("rmsprop", rmsprop, (TORCH, BURN)),
+    "adagrad": _algorithm("adagrad", adagrad, (TORCH_FUSED, TORCH, BURN)),
+    "adan": _algorithm("adan", adan, (BURN,)),
 }
 
 
@@ -230,6 +119,7 @@ def step(
     *,
     inplace: bool = False,
     vector_width: int | None = None,
+    kernel: str | None = "reference",
 ):
     """One optimizer step: ``(new_param, new_slots, new_step)``.
 
@@ -238,11 +128,26 @@ def step(
     shape (missing ones start fresh); ``step`` counts the steps already taken. ``xp`` chooses
     the array namespace (numpy, torch, cupy; default: that of ``param``). See the algorithm
     modules for each flavour's arithmetic and :func:`exactness` for what it reproduces.
+    ``kernel`` is the code that runs it (:mod:`statekit.optim.kernels`): ``reference`` (the
+    default: the emulation every other kernel is tested against), ``torch``, ``numba`` or
+    ``auto`` (:func:`choose_kernel`); all give the same bits.
     """
     full = resolve(name, flavor, hp)
     return get_algorithm(name).step(
-        param, grad, dict(slots or {}), step, full, flavor, xp, inplace=inplace, vector_width=vector_width
+        param, grad, dict(slots or {}), step, full, flavor, xp, inplace=inplace, vector_width=vector_width,
+        kernel=kernel, name=name,
     )
+
+
+def choose_kernel(name: str, flavor: str, xp=None, like=None, kernel: str | None = "auto",
+                  vector_width: int | None = None) -> str:
+    """The kernel :func:`step` runs for ``name``/``flavor`` on ``xp`` (or ``like``'s namespace):
+    ``auto`` picks the fastest that has the step, an explicit name is checked
+    (:func:`statekit.optim.kernels.choose`)."""
+    from statekit.optim import kernels
+
+    get_algorithm(name)
+    return kernels.choose(name, flavor, get_backend(xp, like=like), kernel, vector_width)
 
 
 def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:

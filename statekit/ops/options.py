@@ -1,0 +1,118 @@
+"""Options objects, built once for the CLI and the Python API.
+
+:func:`make_options` takes what a user gives — flags or keywords, paths or loaded objects — and
+returns the :class:`Options` an operation runs with; :func:`given_hyperparams` does the same for
+hyperparameters alone (``replay``, ``verify-resume``). The names a user may give are
+:data:`statekit.hyper.FLAGS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from statekit import hyper, io
+from statekit.errors import UsageError
+from statekit.state import ModelInfo
+
+
+@dataclass
+class Options:
+    """What the user asked for (the CLI's flags, the Python API's keywords)."""
+
+    optimizer: str | None = None
+    hyperparams: dict[str, object] = field(default_factory=dict)
+    renames: list[str] = field(default_factory=list)
+    preset: bool = True
+    transpose: list[str] = field(default_factory=list)
+    no_transpose: list[str] = field(default_factory=list)
+    names: list[str] | None = None
+    model: ModelInfo | None = None  # the target model (ids, order, shapes)
+    old_model: ModelInfo | None = None  # remap: the source's model, to learn paths by id
+    resize: bool = False
+    reset_step: list[str] = field(default_factory=list)  # globs; remap: reset the step of resized params
+    allow_drop: bool = False
+    dtype: str | None = None
+    step_policy: str | None = None
+    allow_nonfinite: bool = False  # NaN/Inf moments are refused unless asked for
+
+
+def parse_betas(value: object) -> tuple[float, float] | None:
+    """``"B1,B2"`` (the CLI's spelling) or a pair."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            b1, b2 = (float(x) for x in value.replace(" ", "").split(","))
+        except ValueError:
+            raise UsageError(f"--betas {value!r}: expected two numbers, e.g. 0.9,0.999") from None
+        return (b1, b2)
+    b1, b2 = value
+    return (b1, b2)
+
+
+def given_hyperparams(**values: object) -> dict[str, object]:
+    """The hyperparameters a user gave (``None``: not given), by the names in ``hyper.FLAGS``."""
+    unknown = set(values) - set(hyper.FLAGS)
+    if unknown:
+        raise TypeError(f"unknown options: {', '.join(sorted(unknown))}")
+    if "betas" in values:
+        values["betas"] = parse_betas(values["betas"])
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def read_names(path: str) -> list[str]:
+    """A names file: a JSON list, or one name per line, in model.named_parameters() order."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read names: {exc.strerror}") from None
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            names = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}: names file is not a JSON list: {exc}") from None
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise UsageError(f"{path}: names must be distinct strings")
+    return names
+
+
+def load_model(path: str) -> ModelInfo:
+    """The model (parameter paths, ids, shapes) of a model file in any format."""
+    with io.open_checkpoint(path) as ckpt:
+        if ckpt.model is None:
+            raise UsageError(f"{path}: not a model file (it holds {ckpt.format} {ckpt.kind} data)")
+        return ckpt.model
+
+
+def _model(value: object) -> ModelInfo | None:
+    return load_model(os.fspath(value)) if isinstance(value, str | os.PathLike) else value
+
+
+def make_options(*, optimizer: str | None = None, names: object = None, model: object = None,
+                 old_model: object = None, transpose: Iterable[str] = (), no_transpose: Iterable[str] = (),
+                 rename: Iterable[str] = (), rules: Iterable[object] = (), preset: bool = True,
+                 dtype: str | None = None, resize: bool = False, reset_step: Iterable[str] = (),
+                 step_policy: str | None = None, allow_nonfinite: bool = False, **hyperparams: object) -> Options:
+    """:class:`Options` from a user's flags or keywords. ``names``: a list or a names file;
+    ``model`` / ``old_model``: a path or a :class:`ModelInfo`; ``rules``: rename-rule files added
+    after ``rename``; hyperparameters by the names of ``hyper.FLAGS`` (``betas`` as a pair or
+    ``"B1,B2"``)."""
+    from statekit.ops.rules import read_rules_file
+
+    renames = list(rename or ())
+    for path in rules or ():
+        renames += read_rules_file(os.fspath(path))
+    if isinstance(names, str | os.PathLike):
+        names = read_names(os.fspath(names))
+    return Options(optimizer=optimizer, hyperparams=given_hyperparams(**hyperparams), renames=renames,
+                   preset=preset, transpose=list(transpose or ()), no_transpose=list(no_transpose or ()),
+                   names=list(names) if names is not None else None, model=_model(model),
+                   old_model=_model(old_model), resize=resize, reset_step=list(reset_step or ()),
+                   dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite)

@@ -1,0 +1,199 @@
+"""Every fast kernel gives the reference's bits: torch's own kernels and the numba kernels.
+
+bit-exact: float32 bit patterns of the parameter and every slot equal after every one of 50
+steps, on sizes 1 … 4099 (around torch's 8-float vectors and 16-float chunks) and, marked
+slow, a 10M-element tensor. Where torch is the reference (torch's own kernels) the reference
+emulation was itself tested against torch.optim (tests/test_optim_torch.py); here the torch
+kernel is also compared with a real ``torch.optim`` optimizer stepping the same tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import statekit.optim as so
+from statekit.errors import UsageError
+from statekit.optim import backend, kernels, registry
+
+SIZES = [1, 7, 8, 9, 16, 17, 100, 4095, 4099]
+STEPS = 50
+BIG = 10_000_000
+
+ADAM = [
+    ("adam", {}),
+    ("adam", {"lr": 3e-2, "weight_decay": 0.1}),
+    ("adam", {"amsgrad": True}),
+    ("adam", {"maximize": True}),
+    ("adamw", {}),
+    ("adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6}),
+]
+TORCH_ONLY = [
+    ("sgd", {"momentum": 0.9}),
+    ("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    ("sgd", {"lr": 0.1}),
+    ("sgd", {"momentum": 0.5, "dampening": 0.3, "maximize": True}),
+    ("adagrad", {"lr_decay": 0.01, "weight_decay": 0.1}),
+    ("adagrad", {"initial_accumulator_value": 0.1, "maximize": True}),
+    ("rmsprop", {"momentum": 0.9, "centered": True}),
+    ("rmsprop", {"weight_decay": 0.1, "maximize": True}),
+]
+BURN_ADAM = [
+    ("adam", {"lr": 1e-3}),
+    ("adam", {"lr": 3e-2, "weight_decay": 0.1, "amsgrad": True}),
+    ("adamw", {"lr": 1e-3}),
+    ("adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6}),
+]
+CANDLE_ADAMW = [("adamw", {}), ("adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta2": 0.99})]
+
+
+def bits(array) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(array, dtype=np.float32)).view(np.int32)
+
+
+def gradients(rng, n: int, steps: int = STEPS):
+    """A gradient per step: scales 1e-3 … 10, 2 % exact zeros, read-only (a memory-mapped file's)."""
+    for _ in range(steps):
+        g = rng.standard_normal(n, dtype=np.float32) * np.float32(10 ** rng.uniform(-3, 1))
+        g[rng.random(n) < 0.02] = 0
+        g.flags.writeable = False
+        yield g
+
+
+def same_bits(name, hp, flavor, kernel, n, seed=0, steps=STEPS, inplace=False):
+    """Run the reference and ``kernel`` side by side for ``steps`` steps, asserting equal bits."""
+    rng = np.random.default_rng(seed)
+    p0 = rng.standard_normal(n, dtype=np.float32)
+    ref, fast = (p0.copy(), {}, 0), (p0.copy(), {}, 0)
+    for k, g in enumerate(gradients(rng, n, steps)):
+        before = g.copy()
+        ref = so.step(name, ref[0], g, ref[1], ref[2], hp, flavor, kernel="reference", inplace=inplace and k > 0)
+        fast = so.step(name, fast[0], g, fast[1], fast[2], hp, flavor, kernel=kernel, inplace=inplace and k > 0)
+        assert np.array_equal(g, before), "the kernel wrote to the gradient"
+        assert fast[2] == ref[2]
+        assert np.array_equal(bits(fast[0]), bits(ref[0])), f"param differs after step {k + 1} (n={n})"
+        assert set(fast[1]) == set(ref[1])
+        for slot in ref[1]:
+            assert np.array_equal(bits(fast[1][slot]), bits(ref[1][slot])), f"{slot} differs after step {k + 1}"
+
+
+# ------------------------------------------------------------------------------ choice
+
+
+def test_reference_is_the_default_and_auto_prefers_fast_kernels(monkeypatch):
+    monkeypatch.setattr(kernels, "torch_available", lambda: False)
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    assert so.choose_kernel("adam", "torch-fused") == "reference"
+    monkeypatch.setattr(kernels, "numba_available", lambda: True)
+    assert so.choose_kernel("adam", "burn") == "numba"
+    assert so.choose_kernel("adan", "burn") == "reference"  # no numba Adan
+    monkeypatch.setattr(kernels, "torch_available", lambda: True)
+    assert so.choose_kernel("adam", "torch-fused") == "torch"
+    assert so.choose_kernel("adamw", "candle") == "numba"  # torch cannot run candle's arithmetic
+    assert so.choose_kernel("sgd", "burn") == "reference"
+
+
+def test_an_impossible_kernel_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    with pytest.raises(UsageError, match="numba is not installed"):
+        so.choose_kernel("adam", "torch", kernel="numba")
+    with pytest.raises(UsageError, match="unknown kernel"):
+        so.choose_kernel("adam", "torch", kernel="fortran")
+    monkeypatch.setattr(kernels, "torch_available", lambda: True)
+    with pytest.raises(UsageError, match="torch has no burn adam kernel"):
+        so.choose_kernel("adam", "burn", kernel="torch")
+    with pytest.raises(UsageError, match="8-float"):
+        so.choose_kernel("adam", "torch-fused", kernel="torch", vector_width=4)
+
+
+# ------------------------------------------------------------------------------ torch
+
+torch_needed = pytest.mark.skipif(not backend.torch_available(), reason="torch is not installed")
+
+
+@pytest.fixture
+def one_torch_thread():
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("flavor", ["torch-fused", "torch"])
+@pytest.mark.parametrize(("name", "hp"), ADAM + TORCH_ONLY)
+def test_torch_kernels_give_the_reference_bits(name, hp, flavor):
+    if (name, flavor) not in kernels.TORCH_SUPPORTS:
+        pytest.skip(f"torch has no {flavor} {name}")
+    for i, n in enumerate(SIZES):
+        same_bits(name, hp, flavor, "torch", n, seed=i, steps=STEPS)
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize(("flavor", "kwargs"), [("torch-fused", {"fused": True}), ("torch", {"foreach": False})])
+def test_torch_kernel_is_torch_optim(flavor, kwargs):
+    """The torch kernel (in place on numpy memory) steps exactly like a real torch.optim.AdamW."""
+    import torch
+
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal(4099, dtype=np.float32)
+    param = torch.nn.Parameter(torch.from_numpy(p.copy()))
+    opt = torch.optim.AdamW([param], lr=3e-2, weight_decay=0.1, amsgrad=True, **kwargs)
+    ours = (p.copy(), {}, 0)
+    hp = {"lr": 3e-2, "weight_decay": 0.1, "amsgrad": True}
+    for g in gradients(rng, p.size):
+        param.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours = so.step("adamw", ours[0], g, ours[1], ours[2], hp, flavor, kernel="torch")
+    assert np.array_equal(bits(ours[0]), bits(param.detach()))
+    for slot, value in ours[1].items():
+        assert np.array_equal(bits(value), bits(opt.state[param][slot]))
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor", ["torch-fused", "torch"])
+def test_torch_kernel_on_10m_elements(flavor):
+    """10M elements (a multiple of neither 8 nor 16 plus 3), in place, 3 steps: the reference's bits."""
+    same_bits("adamw", {"lr": 3e-2, "weight_decay": 0.1}, flavor, "torch", BIG + 3, steps=3, inplace=True)
+
+
+# ------------------------------------------------------------------------------ numba
+
+numba_needed = pytest.mark.skipif(not kernels.numba_available(), reason="numba (statekit[fast]) is not installed")
+
+
+@pytest.fixture
+def ieee_reference(monkeypatch):
+    """The reference's torch flavour with the IEEE root, as without torch (what numba computes)."""
+    monkeypatch.setattr(backend, "torch_available", lambda: False)
+
+
+@numba_needed
+@pytest.mark.parametrize(
+    ("flavor", "name", "hp"),
+    [("torch-fused", *c) for c in ADAM] + [("torch", *c) for c in ADAM] + [("burn", *c) for c in BURN_ADAM]
+    + [("candle", *c) for c in CANDLE_ADAMW],
+)
+def test_numba_kernels_give_the_reference_bits(flavor, name, hp, ieee_reference):
+    for i, n in enumerate(SIZES):
+        same_bits(name, hp, flavor, "numba", n, seed=i, steps=STEPS)
+
+
+@numba_needed
+@pytest.mark.slow
+@pytest.mark.parametrize(("flavor", "hp"), [("torch-fused", {"lr": 3e-2, "weight_decay": 0.1}), ("burn", {"lr": 1e-3}),
+                                            ("candle", {}), ("torch", {"amsgrad": True})])
+def test_numba_kernel_on_10m_elements(flavor, hp, ieee_reference):
+    same_bits("adamw", hp, flavor, "numba", BIG + 3, steps=3, inplace=True)
+
+
+def test_registry_step_accepts_every_kernel_name():
+    assert set(kernels.CHOICES) == {"auto", "reference", "torch", "numba"}
+    assert registry.step("adam", np.ones(3, np.float32), np.ones(3, np.float32), kernel="reference")[2] == 1
