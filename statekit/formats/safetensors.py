@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.tensor import TensorRef
 
 MAX_HEADER = 100 * 1024 * 1024
