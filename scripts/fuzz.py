@@ -118,8 +118,10 @@ def save_crasher(answer: dict, counts: dict, keep: int) -> str | None:
 
 
 def run(args) -> int:
-    cases = [(g, s) for g in args.groups for s in range(args.start, args.start + args.cases)]
+    # round robin over the groups, so that a run stopped by --minutes has covered each alike
+    cases = [(g, s) for s in range(args.start, args.start + args.cases) for g in args.groups]
     cases.reverse()
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes else None
     for g in args.groups:
         harness.seeds(g)  # fail early if a seed cannot be made
     stats = {g: {"cases": 0, "crashers": 0, "seconds": 0.0, "slowest": 0.0, "rss": 0, "errors": 0} for g in args.groups}
@@ -150,6 +152,9 @@ def run(args) -> int:
             s["errors"] += 1
 
     while cases or busy:
+        if deadline is not None and time.monotonic() > deadline and cases:
+            print(f"... --minutes {args.minutes} reached: {len(cases)} cases not run", flush=True)
+            cases.clear()
         while idle and cases:
             w = idle.pop()
             w.send(*cases.pop())
@@ -190,7 +195,8 @@ def run(args) -> int:
         if now - last_report > 60:
             last_report = now
             done = sum(s["cases"] for s in stats.values())
-            print(f"... {done} cases in {now - started:.0f} s", flush=True)
+            crashed = sum(s["crashers"] for s in stats.values())
+            print(f"... {done} cases, {crashed} crashers in {now - started:.0f} s", flush=True)
     for w in workers:
         w.proc.stdin.close()
         w.proc.wait()
@@ -200,8 +206,8 @@ def run(args) -> int:
         print(f"{g:<14}{s['cases']:>9}{s['crashers']:>10}{s['errors']:>9}{1000 * s['seconds'] / max(s['cases'], 1):>9.1f}"
               f"{s['slowest']:>11.2f}{s['rss']:>14}")
     total = sum(s["cases"] for s in stats.values())
-    print(f"{'all':<14}{total:>9}{sum(s['crashers'] for s in stats.values()):>10}{'':>9}{total / wall:>9.1f}"
-          f"   wall {wall:.0f} s, {args.jobs} worker(s), seeds {args.start}..{args.start + args.cases - 1}")
+    print(f"{'all':<14}{total:>9}{sum(s['crashers'] for s in stats.values()):>10}{'':>9}{1000 * wall / max(total, 1):>9.1f}"
+          f"   wall {wall:.0f} s ({total / wall:.1f} cases/s), {args.jobs} worker(s), first seed {args.start}")
     if args.report:
         Path(args.report).write_text(json.dumps({"wall_s": wall, "jobs": args.jobs, "start": args.start,
                                                  "stats": stats, "crashers": crashers}, indent=1))
@@ -218,6 +224,7 @@ def main() -> int:
     parser.add_argument("--rss-mib", type=int, default=1024, help="peak RSS per worker")
     parser.add_argument("--keep", type=int, default=3, help="corpus files kept per distinct failure")
     parser.add_argument("--report", help="write the counts and crashers as JSON here")
+    parser.add_argument("--minutes", type=float, help="stop starting cases after this long (counts say how many ran)")
     parser.add_argument("--replay", nargs=2, metavar=("GROUP", "SEED"), help="run one case here, with its traceback")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -3,9 +3,13 @@ StatekitError."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
-import harness
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
 import pytest
 
 CASES = sorted(p for p in harness.CORPUS.glob("*") if p.is_file() and p.name != "README.md") \

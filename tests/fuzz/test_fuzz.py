@@ -7,9 +7,13 @@ long campaigns with time and memory limits and keeps crashers under ``fixtures/f
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
-import harness
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
