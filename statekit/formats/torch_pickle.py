@@ -25,7 +25,6 @@ accepts, and only globals on its allow-list.
 
 from __future__ import annotations
 
-import math
 import mmap
 import pickle
 import struct
@@ -167,13 +166,36 @@ def _int_tuple(value: object, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for n, s in zip(reversed(size), reversed(stride), strict=True):
+_DTYPE_CACHE: dict[str, tuple[str, np.dtype]] = {}
+
+
+def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype]:
+    name = statekit_dtype(torch_dtype)
+    _DTYPE_CACHE[torch_dtype] = entry = (name, dtypes.numpy_dtype(name))
+    return entry
+
+
+def _geometry(size: tuple, stride: tuple, itemsize: int, key: str) -> tuple[int, int, bool]:
+    """(element count, furthest element offset, C-contiguous) of a view; one pass that also checks
+    the dimensions (non-negative ints, rank, byte counts within 63 bits even beside a zero-size
+    dimension) and the strides (non-negative ints whose byte offsets fit in 63 bits)."""
+    if len(size) > limits.MAX_RANK:
+        raise FormatError(f"tensor of storage '{key}': rank {len(size)} exceeds the limit of {limits.MAX_RANK}")
+    numel, nonzero, extent, expected, contiguous = 1, itemsize, 0, 1, True
+    for i in range(len(size) - 1, -1, -1):
+        n, s = size[i], stride[i]
+        if type(n) is not int or type(s) is not int or n < 0 or s < 0:
+            raise FormatError(f"tensor size {size!r} or stride {stride!r} is not a tuple of non-negative integers")
+        numel *= n
+        nonzero *= n or 1
+        extent += (n - 1) * s if n else 0
+        if nonzero > limits.MAX_ELEMENTS or s * itemsize > limits.MAX_ELEMENTS or extent * itemsize > limits.MAX_ELEMENTS:
+            problem = limits.shape_problem(size, itemsize) or limits.stride_problem(size, stride, itemsize)
+            raise FormatError(f"tensor of storage '{key}': {problem or 'byte offsets beyond 2^63'}")
         if n != 1 and s != expected:
-            return False
+            contiguous = False
         expected *= n
-    return True
+    return numel, extent, contiguous
 
 
 def _tensor(
@@ -186,19 +208,16 @@ def _tensor(
     if not isinstance(storage, Storage):
         raise FormatError(f"tensor storage is {type(storage).__name__}, not a storage reference")
     torch_dtype = torch_dtype or storage.dtype
-    name = statekit_dtype(torch_dtype)
-    np_dtype = dtypes.numpy_dtype(name)
+    name, np_dtype = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
     itemsize = np_dtype.itemsize
-    size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
+    if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
+        size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
         raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
-    problem = limits.shape_problem(size, itemsize) or limits.stride_problem(size, stride, itemsize)
-    if problem:
-        raise FormatError(f"tensor of storage '{storage.key}': {problem}")
-    numel = math.prod(size)
+    numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
     capacity = storage.nbytes // itemsize
     if numel:
-        needed = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+        needed = offset + extent + 1
         if needed > capacity:
             raise FormatError(
                 f"a tensor of size {list(size)} needs {needed} elements of storage '{storage.key}', "
@@ -213,7 +232,7 @@ def _tensor(
         "storage_offset": offset,
         "stride": stride,
     }
-    if numel == 0 or (_is_contiguous(size, stride) and not storage.big_endian):
+    if numel == 0 or (contiguous and not storage.big_endian):
         start, stop = offset * itemsize, (offset + numel) * itemsize
         return TensorRef(name, size, loader=lambda: storage.resolve()[start:stop], info=info)
 
@@ -341,6 +360,8 @@ class _TensorType:
 
 
 def _ordered_dict(items=()):
+    if items == ():
+        return {}
     if isinstance(items, dict):
         return dict(items)
     if not isinstance(items, list | tuple) or not all(
@@ -486,6 +507,10 @@ class _Unpickler:
             f"pickle is truncated: needs {n} bytes at offset {self.pos}, data ends at {len(self.data)}"
         )
 
+    def truncated_at(self, pos: int, n: int) -> FormatError:
+        self.pos = pos
+        return self.truncated(n)
+
     def byte(self) -> int:
         if self.pos >= len(self.data):
             raise self.truncated(1)
@@ -514,18 +539,26 @@ class _Unpickler:
         return line.decode("utf-8")
 
     def nest(self, container: object, items) -> object:
-        """Record ``container``'s depth from ``items`` (refused past the limit, as it is built)."""
+        """Record ``container``'s depth from ``items`` (refused past the limit, as it is built).
+
+        Containers of depth 1 (a tuple of ints) are not recorded — a container with no record
+        counts as depth 1 — so the many small tuples of a large pickle are not kept alive; those
+        recorded are, so that their ids stay unique."""
         depths = self.depths
         depth = depths.get(id(container), 1)
         for item in items:
             inner = depths.get(id(item))
-            if inner is not None and inner >= depth:
+            if inner is None:
+                if depth < 2 and isinstance(item, _CONTAINERS):
+                    depth = 2
+            elif inner >= depth:
                 depth = inner + 1
-        if depth > MAX_DEPTH:
-            raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-        if id(container) not in depths:
-            self.built.append(container)
-        depths[id(container)] = depth
+        if depth > 1:
+            if depth > MAX_DEPTH:
+                raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+            if id(container) not in depths:
+                self.built.append(container)
+            depths[id(container)] = depth
         return container
 
     def pop_mark(self) -> list:
@@ -541,33 +574,95 @@ class _Unpickler:
         return top
 
     def load(self) -> object:
-        while True:
-            start = self.pos
-            self.code = code = self.byte()
-            self.steps += 1
-            if code == _STOP:
-                if not self.stack:
-                    raise FormatError("malformed pickle: empty stack at STOP")
-                return self.stack.pop()
-            if self.steps > MAX_STEPS:
-                raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
-            handler = _OPS.get(code)
-            if handler is None:
-                raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
-            try:
-                handler(self)
-            except (
-                AttributeError,
-                IndexError,
-                KeyError,
-                OverflowError,
-                TypeError,
-                ValueError,
-                struct.error,
-            ) as exc:
-                raise FormatError(
-                    f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}"
-                ) from None
+        """The interpreter loop: the opcodes torch.save's pickles are made of run inline (a pickle
+        of 10^6 tensors runs ~3·10^7 of them); the rest through their handlers in ``_OPS``."""
+        data, end, memo, ops = self.data, len(self.data), self.memo, _OPS
+        pos, start, steps = self.pos, self.pos, self.steps
+        stack = self.stack
+        try:
+            while True:
+                start = pos
+                if pos >= end:
+                    raise self.truncated_at(pos, 1)
+                code = data[pos]
+                pos += 1
+                steps += 1
+                if code == _BINGET:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    stack.append(memo[data[pos]])
+                    pos += 1
+                elif code == _LONG_BINPUT:
+                    if pos + 4 > end:
+                        raise self.truncated_at(pos, 4)
+                    memo[_U32.unpack_from(data, pos)[0]] = stack[-1]
+                    pos += 4
+                elif code == _BININT1:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    stack.append(data[pos])
+                    pos += 1
+                elif code == _MARK:
+                    if len(self.metastack) >= MAX_DEPTH:
+                        raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+                    self.metastack.append(stack)
+                    self.stack = stack = []
+                elif code == _TUPLE:
+                    if not self.metastack:
+                        raise FormatError("malformed pickle: no MARK on the stack")
+                    items = tuple(stack)
+                    self.stack = stack = self.metastack.pop()
+                    for item in items:
+                        if isinstance(item, _CONTAINERS):
+                            self.nest(items, items)
+                            break
+                    stack.append(items)
+                elif code == _TUPLE1:
+                    item = stack[-1]
+                    stack[-1] = self.nest((item,), (item,)) if isinstance(item, _CONTAINERS) else (item,)
+                elif code == _BINPUT:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    memo[data[pos]] = stack[-1]
+                    pos += 1
+                elif code == _BININT:
+                    if pos + 4 > end:
+                        raise self.truncated_at(pos, 4)
+                    stack.append(_I32.unpack_from(data, pos)[0])
+                    pos += 4
+                elif code == _NEWFALSE:
+                    stack.append(False)
+                elif code == _EMPTY_TUPLE:
+                    stack.append(())
+                elif code == _BININT2:
+                    if pos + 2 > end:
+                        raise self.truncated_at(pos, 2)
+                    stack.append(_U16.unpack_from(data, pos)[0])
+                    pos += 2
+                elif code == _STOP:
+                    self.pos, self.steps = pos, steps
+                    if not stack:
+                        raise FormatError("malformed pickle: empty stack at STOP")
+                    return stack.pop()
+                else:
+                    if steps > MAX_STEPS:
+                        raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
+                    handler = ops.get(code)
+                    if handler is None:
+                        raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
+                    self.pos, self.code, self.steps = pos, code, steps
+                    handler(self)
+                    pos, stack = self.pos, self.stack
+        except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
+            raise FormatError(f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.pos, self.steps = pos, steps
+
+
+_CONTAINERS = (list, tuple, dict, set)
+(_BINGET, _LONG_BINPUT, _BININT1, _MARK, _TUPLE, _TUPLE1, _BINPUT, _BININT, _NEWFALSE, _EMPTY_TUPLE, _BININT2) = (
+    op[0] for op in (pickle.BINGET, pickle.LONG_BINPUT, pickle.BININT1, pickle.MARK, pickle.TUPLE, pickle.TUPLE1,
+                     pickle.BINPUT, pickle.BININT, pickle.NEWFALSE, pickle.EMPTY_TUPLE, pickle.BININT2))
 
 
 def loads(
