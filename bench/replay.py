@@ -1,37 +1,80 @@
-"""Throughput of statekit's Adam replays beside torch's Adam and the machine's copy bandwidth.
+"""Throughput of statekit's replay kernels beside torch's Adam and the machine's bandwidth.
 
-    python bench/replay.py [--numel 50000000] [--repeat 3] [--device cpu|cuda]
+    python bench/replay.py [--numel 50000000] [--repeat 3] [--threads 2] [--baseline-rev REV]
+                           [--device cpu|cuda]
 
-One float32 parameter of ``--numel`` elements with its gradient and Adam state. For each
-statekit flavour (Adam; candle is AdamW with weight_decay 0, i.e. the same update) one in-place
-step is timed, best of ``--repeat``; beside them torch's Adam with ``foreach=False``,
-``foreach=True`` and ``fused=True``, and a plain copy of the same size (``np.copyto`` on CPU,
-``Tensor.copy_`` / CuPy on CUDA) that gives the memory bandwidth. "fraction of memory bound"
-divides elements/s by bandwidth/28: an Adam step reads p, g, m, v and writes p, m, v, 7 float32
-streams of 4 bytes; the copy counts its 2 streams (8 bytes per element).
+One float32 parameter of ``--numel`` elements with its gradient and Adam state; every row times
+one in-place step, best of ``--repeat`` after a warm-up. Rows:
 
-``--device cuda`` runs the statekit flavours on torch CUDA tensors (or CuPy arrays when torch
-has no CUDA) against a device copy; without a CUDA device it says so and exits 0.
+* the machine: ``np.copyto`` (2 streams) and a STREAM triad ``a = b + s*c`` (3 streams, 12 B per
+  element) on one thread and on ``--threads`` threads (numba when installed, else torch);
+* torch's ``Adam(fused=True)`` / ``AdamW(fused=True)`` on 1 and ``--threads`` threads;
+* statekit's kernels (:mod:`statekit.optim.kernels`): ``torch`` (torch's own code on zero-copy
+  numpy views), ``numba`` (1 and ``--threads`` threads) and the ``reference`` emulation, for
+  each flavour (candle is AdamW with weight_decay 0, the same update);
+* the reference of ``--baseline-rev`` (default: main before issue 13's kernels), exported
+  with ``git archive`` and timed in a subprocess alternating with today's, same method.
+
+Then the ratios of issue 13's "Done when", all from this run. An Adam step moves 7 float32
+streams (p, g, m, v read; p, m, v written): 28 B per element.
+
+``--device cuda`` times torch's fused Adam and statekit's torch kernel on CUDA tensors; without a
+CUDA device it says so and exits 0 (no GPU was available where this was written: that path is
+code-reviewed, not measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-import statekit.optim as so
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import statekit.optim as so  # noqa: E402
+from statekit.optim import kernels  # noqa: E402
 
 ADAM_BYTES = 7 * 4
-COPY_BYTES = 2 * 4
+TRIAD_BYTES = 3 * 4
 FLAVORS = [("torch-fused", "adam"), ("torch", "adam"), ("burn", "adam"), ("candle", "adamw")]
-HP = {
-    "adam": {"lr": 1e-3},
-    "adamw": {"lr": 1e-3, "weight_decay": 0.0},
-}
+HP = {"adam": {"lr": 1e-3}, "adamw": {"lr": 1e-3, "weight_decay": 0.0}}
+#: main just before issue 13's kernels landed: "today" in the issue's numpy-fallback goal
+BASELINE_REV = "519fc40"
+
+# Times the reference of whatever statekit is on sys.path (today's or the baseline's export);
+# run in a subprocess so that two versions of the package never share a process.
+REFERENCE_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import statekit.optim as so
+numel, repeat = int(sys.argv[1]), int(sys.argv[2])
+flavors = json.loads(sys.argv[3]); hps = json.loads(sys.argv[4])
+rng = np.random.default_rng(0)
+p0 = rng.standard_normal(numel, dtype=np.float32)
+g = rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-2)
+out = {}
+for flavor, algo in flavors:
+    p, s, k = p0.copy(), {"exp_avg": np.zeros_like(p0), "exp_avg_sq": np.zeros_like(p0)}, 0
+    extra = {"kernel": "reference"} if "kernel" in so.step.__code__.co_varnames else {}
+    best = float("inf")
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        so.step(algo, p, g, s, k, hps[algo], flavor, inplace=True, **extra)
+        k += 1
+        if i:
+            best = min(best, time.perf_counter() - t)
+    out[flavor] = best
+print(json.dumps(out))
+"""
 
 
 def best_time(fn, repeat: int, sync=lambda: None) -> float:
@@ -47,155 +90,212 @@ def best_time(fn, repeat: int, sync=lambda: None) -> float:
     return best
 
 
+def have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def set_threads(n: int) -> None:
+    if have("torch"):
+        import torch
+
+        torch.set_num_threads(n)
+    if have("numba"):
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def triad_seconds(numel: int, threads: int, repeat: int):
+    """(seconds, how) of ``a = b + s*c`` on ``threads`` threads."""
+    rng = np.random.default_rng(1)
+    b, c = rng.standard_normal(numel, dtype=np.float32), rng.standard_normal(numel, dtype=np.float32)
+    a = np.empty_like(b)
+    s = np.float32(0.5)
+    if have("numba"):
+        import numba
+
+        @numba.njit(parallel=True)
+        def triad(a, b, c, s):
+            for i in numba.prange(a.shape[0]):
+                a[i] = b[i] + s * c[i]
+
+        set_threads(threads)
+        return best_time(lambda: triad(a, b, c, s), repeat), "numba"
+    if have("torch"):
+        import torch
+
+        set_threads(threads)
+        ta, tb, tc = (torch.from_numpy(x) for x in (a, b, c))
+        return best_time(lambda: torch.add(tb, tc, alpha=0.5, out=ta), repeat), "torch"
+    return best_time(lambda: (np.multiply(c, s, out=a), np.add(a, b, out=a)), repeat), "numpy (2 passes)"
+
+
 class Host:
-    """numpy arrays; torch CPU tensors for the torch rows (when torch is installed)."""
-
-    name = "cpu"
-    xp = np
-
     def __init__(self, numel: int):
         rng = np.random.default_rng(0)
         self.p = rng.standard_normal(numel, dtype=np.float32)
         self.g = rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-2)
 
-    def sync(self):
-        pass
-
-    def fresh(self, array):
-        return array.copy()
-
-    def zeros(self):
-        return np.zeros_like(self.p)
-
-    def copy_seconds(self, repeat):
-        dst = np.empty_like(self.p)
-        return best_time(lambda: np.copyto(dst, self.p), repeat)
-
-    def torch_pair(self):
-        if not importlib.util.find_spec("torch"):
-            return None
-        import torch
-
-        return torch.from_numpy(self.p.copy()), torch.from_numpy(self.g)
+    def slots(self):
+        return {"exp_avg": np.zeros_like(self.p), "exp_avg_sq": np.zeros_like(self.p)}
 
 
-class Cuda:
-    """torch CUDA tensors, or CuPy arrays when torch has no CUDA (then there are no torch rows)."""
+def statekit_seconds(dev: Host, flavor: str, algo: str, kernel: str, repeat: int, xp=None) -> float:
+    p, slots, state = dev.p.copy(), dev.slots(), {"step": 0}
 
-    name = "cuda"
+    def one_step():
+        so.step(algo, p, dev.g, slots, state["step"], HP[algo], flavor, xp, inplace=True, kernel=kernel)
+        state["step"] += 1
 
-    def __init__(self, numel: int, module):
-        self.xp = module
-        host = Host(numel)
-        if module.__name__ == "torch":
-            self.p, self.g = (module.from_numpy(a).cuda() for a in (host.p, host.g))
-            self.sync = module.cuda.synchronize
-        else:
-            self.p, self.g = (module.asarray(a) for a in (host.p, host.g))
-            self.sync = module.cuda.Device().synchronize
-
-    def fresh(self, array):
-        return array.clone() if self.xp.__name__ == "torch" else array.copy()
-
-    def zeros(self):
-        return self.xp.zeros_like(self.p)
-
-    def copy_seconds(self, repeat):
-        dst = self.xp.empty_like(self.p)
-        if self.xp.__name__ == "torch":
-            return best_time(lambda: dst.copy_(self.p), repeat, self.sync)
-        return best_time(lambda: self.xp.copyto(dst, self.p), repeat, self.sync)
-
-    def torch_pair(self):
-        return (self.p.clone(), self.g.clone()) if self.xp.__name__ == "torch" else None
+    return best_time(one_step, repeat)
 
 
-def cuda_device():
-    """A :class:`Cuda` factory, or None when no CUDA device is usable."""
-    if importlib.util.find_spec("torch"):
-        import torch
+def torch_fused_seconds(dev: Host, algo: str, repeat: int, device: str = "cpu") -> float:
+    import torch
 
-        if torch.cuda.is_available():
-            return lambda numel: Cuda(numel, torch)
-    if importlib.util.find_spec("cupy"):
-        import cupy
-
-        try:
-            if cupy.cuda.runtime.getDeviceCount() > 0:
-                return lambda numel: Cuda(numel, cupy)
-        except cupy.cuda.runtime.CUDARuntimeError:
-            return None
-    return None
+    param = torch.nn.Parameter(torch.from_numpy(dev.p.copy()).to(device))
+    param.grad = torch.from_numpy(dev.g).to(device)
+    cls = torch.optim.AdamW if algo == "adamw" else torch.optim.Adam
+    opt = cls([param], fused=True, **HP[algo])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return best_time(opt.step, repeat, sync)
 
 
-def statekit_rows(dev, repeat):
-    """(label, seconds) for one in-place step of each statekit flavour."""
-    for flavor, algo in FLAVORS:
-        p, slots = dev.fresh(dev.p), {"exp_avg": dev.zeros(), "exp_avg_sq": dev.zeros()}
-        state = {"step": 0}
-
-        def one_step(p=p, slots=slots, state=state, flavor=flavor, algo=algo):
-            so.step(algo, p, dev.g, slots, state["step"], HP[algo], flavor, dev.xp, inplace=True)
-            state["step"] += 1
-
-        exact = so.exactness(flavor, so.get_backend(dev.xp, like=dev.p), algo)
-        yield f"statekit {flavor} ({exact})", best_time(one_step, repeat, dev.sync)
-
-
-def torch_rows(dev, repeat):
-    """(label, seconds) for torch's Adam: for-loop, foreach and fused."""
-    for label, kwargs in [
-        ("for-loop", {"foreach": False}),
-        ("foreach", {"foreach": True}),
-        ("fused", {"fused": True}),
-    ]:
-        pair = dev.torch_pair()
-        if pair is None:
-            return
-        import torch
-
-        param = torch.nn.Parameter(pair[0])
-        param.grad = pair[1]
-        opt = torch.optim.Adam([param], lr=1e-3, **kwargs)
-        yield f"torch Adam {label}", best_time(opt.step, repeat, dev.sync)
-        del opt, param
+def reference_runs(numel: int, repeat: int, rev: str) -> tuple[dict, dict]:
+    """Best seconds per flavour of the reference, baseline export vs today, alternating twice."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "statekit"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        args = [str(numel), str(repeat), json.dumps(FLAVORS), json.dumps(HP)]
+        best = {"baseline": {}, "today": {}}
+        for _ in range(2):
+            for which, path in (("baseline", tmp), ("today", str(ROOT))):
+                env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+                out = subprocess.run([sys.executable, "-c", REFERENCE_SCRIPT, *args], env=env, check=True,
+                                     capture_output=True, text=True).stdout
+                for flavor, seconds in json.loads(out).items():
+                    best[which][flavor] = min(seconds, best[which].get(flavor, float("inf")))
+        return best["baseline"], best["today"]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=50_000_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--baseline-rev", default=BASELINE_REV)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the reference-vs-baseline rows")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
+    n, r, threads = args.numel, args.repeat, args.threads
 
     if args.device == "cuda":
-        factory = cuda_device()
-        if factory is None:
-            print("no CUDA device (torch.cuda / CuPy): skipping the CUDA benchmark")
-            return 0
-        dev = factory(args.numel)
-    else:
-        dev = Host(args.numel)
+        return cuda_main(args)
 
-    copy_s = dev.copy_seconds(args.repeat)
-    bandwidth = COPY_BYTES * args.numel / copy_s
-    bound = bandwidth / ADAM_BYTES
-    rows = list(statekit_rows(dev, args.repeat)) + list(torch_rows(dev, args.repeat))
-    fused = dict(rows).get("torch Adam fused")
+    load = os.getloadavg()
+    dev = Host(n)
+    rows: list[tuple[str, float, float]] = []  # label, seconds, bytes per element
 
-    print(
-        f"{args.numel:,} float32 elements on {args.device}; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"(2 streams) -> Adam memory bound {bound / 1e6:,.0f} M elem/s ({ADAM_BYTES} B/elem)"
-    )
-    header = f"| {'implementation':38} | {'ms/step':>8} | {'M elem/s':>9} | {'x torch fused':>13} | {'of memory bound':>15} |"
+    def add(label, seconds, nbytes=ADAM_BYTES):
+        rows.append((label, seconds, nbytes))
+        return seconds
+
+    dst = np.empty_like(dev.p)
+    add("np.copyto (1 thread)", best_time(lambda: np.copyto(dst, dev.p), r), 8)
+    triad = {}
+    for t in sorted({1, threads}):
+        seconds, how = triad_seconds(n, t, r)
+        triad[t] = add(f"triad a=b+s*c, {how} ({t} thr)", seconds, TRIAD_BYTES)
+
+    fused = {}
+    if have("torch"):
+        for t in sorted({1, threads}):
+            set_threads(t)
+            for algo in ("adam", "adamw"):
+                fused[algo, t] = add(f"torch {algo} fused=True ({t} thr)", torch_fused_seconds(dev, algo, r))
+    set_threads(threads)
+    ours = {}
+    if have("torch"):
+        for algo in ("adam", "adamw"):
+            ours["torch", "torch-fused", algo, threads] = add(
+                f"statekit torch kernel torch-fused {algo} ({threads} thr)",
+                statekit_seconds(dev, "torch-fused", algo, "torch", r))
+        ours["torch", "torch", "adam", threads] = add(
+            f"statekit torch kernel torch adam ({threads} thr)", statekit_seconds(dev, "torch", "adam", "torch", r))
+    if kernels.numba_available():
+        for t in sorted({1, threads}):
+            set_threads(t)
+            for flavor, algo in [*FLAVORS, ("torch-fused", "adamw")]:
+                ours["numba", flavor, algo, t] = add(
+                    f"statekit numba {flavor} {algo} ({t} thr)", statekit_seconds(dev, flavor, algo, "numba", r))
+        set_threads(threads)
+    base = today = {}
+    if not args.no_baseline:
+        base, today = reference_runs(n, r, args.baseline_rev)
+        for flavor, _ in FLAVORS:
+            add(f"reference {flavor} @ {args.baseline_rev} (1 thr)", base[flavor])
+            add(f"reference {flavor} today (1 thr)", today[flavor])
+
+    print(f"{n:,} float32 elements; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; "
+          f"{os.cpu_count()} CPUs; torch {'yes' if have('torch') else 'no'}, numba "
+          f"{'yes' if kernels.numba_available() else 'no'}")
+    header = f"| {'row':46} | {'ms/step':>8} | {'M elem/s':>9} | {'GB/s':>6} |"
     print(header)
-    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    for label, seconds in rows:
-        rate = args.numel / seconds
-        vs_fused = f"{fused / seconds:.2f}" if fused else "-"
-        print(
-            f"| {label:38} | {seconds * 1e3:8.1f} | {rate / 1e6:9.1f} | {vs_fused:>13} | {rate / bound:15.2f} |"
-        )
+    print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
+    for label, seconds, nbytes in rows:
+        print(f"| {label:46} | {seconds * 1e3:8.1f} | {n / seconds / 1e6:9.1f} | {n * nbytes / seconds / 1e9:6.1f} |")
+
+    print("\nissue 13 Done-when ratios (this run):")
+
+    def ratio(label, value, goal):
+        verdict = "met" if value >= goal else "NOT met"
+        print(f"  {label:72} {value:6.2f}  (goal >= {goal:g}: {verdict})")
+
+    for algo in ("adam", "adamw"):
+        key = ("torch", "torch-fused", algo, threads)
+        if key in ours and (algo, threads) in fused:
+            ratio(f"with torch: statekit {algo} torch-fused / torch fused ({threads} thr)",
+                  fused[algo, threads] / ours[key], 1.0)
+    for algo in ("adam", "adamw"):
+        key = ("numba", "torch-fused", algo, 1)
+        if key in ours and (algo, 1) in fused:
+            ratio(f"numba {algo} torch-fused / torch fused (1 thr)", fused[algo, 1] / ours[key], 0.9)
+        key = ("numba", "torch-fused", algo, threads)
+        if key in ours:
+            frac = (n * ADAM_BYTES / ours[key]) / (n * TRIAD_BYTES / triad[threads])
+            ratio(f"numba {algo} torch-fused bandwidth / triad bandwidth ({threads} thr)", frac, 0.6)
+    for flavor, _ in FLAVORS:
+        if flavor in base:
+            ratio(f"reference {flavor}: today / {args.baseline_rev}", base[flavor] / today[flavor], 2.0)
+    return 0
+
+
+def cuda_main(args) -> int:
+    if not have("torch"):
+        print("torch is not installed: skipping the CUDA benchmark")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipping the CUDA benchmark")
+        return 0
+    n, r = args.numel, args.repeat
+    p = torch.randn(n, device="cuda")
+    g = torch.randn(n, device="cuda") * 1e-2
+    for algo in ("adam", "adamw"):
+        host = Host.__new__(Host)
+        host.p, host.g = p.cpu().numpy(), g.cpu().numpy()
+        t_fused = torch_fused_seconds(host, algo, r, "cuda")
+        pp, slots, state = p.clone(), {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}, {"k": 0}
+
+        def one_step(algo=algo, pp=pp, slots=slots, state=state):
+            so.step(algo, pp, g, slots, state["k"], HP[algo], "torch-fused", inplace=True, kernel="torch")
+            state["k"] += 1
+
+        t_ours = best_time(one_step, r, torch.cuda.synchronize)
+        print(f"cuda {algo}: torch fused {n / t_fused / 1e6:,.0f} M elem/s, statekit torch kernel "
+              f"{n / t_ours / 1e6:,.0f} M elem/s, ratio {t_fused / t_ours:.2f}")
     return 0
 
 

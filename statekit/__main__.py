@@ -1,3 +1,3 @@
-from statekit.cli import main
+from statekit.entry import main
 
 main()

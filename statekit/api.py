@@ -98,13 +98,14 @@ def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, se
 
 def replay(params: PathLike, grads: Sequence[PathLike], out_params: PathLike, *, state: PathLike | None = None,
            out_state: PathLike | None = None, optimizer: str | None = None, flavor: str | None = None,
-           device: str = "cpu", backend: str | None = None, **hyperparams) -> dict:
+           device: str = "cpu", backend: str | None = None, kernel: str = "auto", **hyperparams) -> dict:
     """``statekit replay --json`` as a dict: apply one gradient file per step to ``params`` (and
     ``state``, reconstructed from the gradients when omitted), write ``out_params`` (and
-    ``out_state``). Hyperparameters ``lr betas eps weight_decay amsgrad momentum dampening nesterov``."""
+    ``out_state``). Hyperparameters ``lr betas eps weight_decay amsgrad momentum dampening nesterov``;
+    ``kernel``: ``auto``, ``torch``, ``numba`` or ``reference`` (``result["kernel"]`` says which ran)."""
     from statekit.ops.replay import replay_files
 
     return replay_files(os.fspath(params), [os.fspath(g) for g in grads], os.fspath(out_params),
                         state=os.fspath(state) if state else None, out_state=os.fspath(out_state) if out_state else None,
                         optimizer=optimizer, flavor=flavor, hyperparams=given_hyperparams(**hyperparams),
-                        device=device, backend=backend)
+                        device=device, backend=backend, kernel=kernel)

@@ -6,6 +6,7 @@ errors); ``STATEKIT_DEBUG=1`` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 from pathlib import Path
@@ -13,8 +14,11 @@ from typing import Annotated
 
 import typer
 
+from statekit import typer_fast
 from statekit.errors import StatekitError, UsageError
 from statekit.output import Output, error_line
+
+typer_fast.install()  # plain options without typer's pydantic adapters (statekit/typer_fast.py)
 
 app = typer.Typer(
     name="statekit",
@@ -37,7 +41,16 @@ app = typer.Typer(
 
 FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, PyTorch .pt, burn .mpk/.bin or safetensors file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Tensors read and transformed at once (threads; default: the cores). The output never depends on it.")]
 KeyOpt = Annotated[str | None, typer.Option("--key", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
+
+
+def _jobs(n: int | None) -> None:
+    """--jobs for the rest of this command (statekit.stream reads it)."""
+    if n is not None:
+        from statekit import stream
+
+        stream.set_jobs(n)
 
 
 def _version(value: bool) -> None:
@@ -60,7 +73,9 @@ def inspect(
     file: FileArg,
     stats: Annotated[bool, typer.Option("--stats", help="Add min/max/mean/RMS and NaN/Inf counts per field (reads all data).")] = False,
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Show only this parameter: a path, a ParamId (decimal or the 13-character form) or #index; repeatable.")] = None,
-    names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions (model.named_parameters() order).")] = None,
+    names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions: see convert --help.")] = None,
+    names_order: Annotated[str | None, typer.Option("--names-order", help="What order the --names list is in: 'model' (model.named_parameters()) or 'optimizer' (its param groups, one after the other).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -79,11 +94,12 @@ def inspect(
 
     out = Output(json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
-        if names and ckpt.optimizer is not None:
+        if (names or model) and ckpt.optimizer is not None:
             from statekit.ops.convert import name_source_params
             from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, make_options(names=names), str(file))
+            name_source_params(ckpt.optimizer, make_options(names=names, names_order=names_order, model=model),
+                               str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
@@ -108,8 +124,9 @@ RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", help="File of re
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
 TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
 NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
-NamesOpt = Annotated[Path | None, typer.Option("--names", help="Parameter names in model.named_parameters() order (one per line or a JSON list).")]
-ModelOpt = Annotated[Path | None, typer.Option("--model", help="Target model file (.bpk with ParamIds, .pt/.safetensors state_dict): ids, order and shapes.")]
+NamesOpt = Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions: one per line (optionally with its shape, 'fc.weight [16, 4]') or JSON. A list with shapes is read in model.named_parameters() order and each param group is placed in it by shape; a flat list without shapes for a state with several param groups needs --names-order.")]
+NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Cast every state tensor, e.g. f32.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
@@ -133,8 +150,9 @@ def _show_plan(plan, out: Output) -> None:
 @app.command()
 def convert(
     src: FileArg,
-    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
+    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -151,6 +169,7 @@ def convert(
     transpose: TransposeOpt = None,
     no_transpose: NoTransposeOpt = None,
     names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
@@ -159,6 +178,7 @@ def convert(
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -170,8 +190,13 @@ def convert(
       statekit convert optim-10.bpk optim.pt --optimizer adamw --names names.txt --transpose '*.weight' --lr 3e-4
     PyTorch → burn (ids from the burn model, joined by path):
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
-    names.txt comes from: python -c "import torch; m = ...; print(*[n for n, _ in m.named_parameters()], sep='\\n')"
+    A torch state's positions are named by solving, never by assuming an order: each param group
+    is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
+    --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
+      python -c "m = ...; print(*[f'{n} {list(p.shape)}' for n, p in m.named_parameters()], sep='\\n')"
+    is enough; an ambiguous or impossible naming is refused, naming the positions.
     """
+    _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
 
@@ -180,11 +205,12 @@ def convert(
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
-                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names, model=model,
-                        dtype=dtype, step_policy=step, allow_nonfinite=allow_nonfinite)
+                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
+                        names_order=names_order, model=model, dtype=dtype, step_policy=step,
+                        allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out))
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
     for line in result.messages:
         out.info(line)
 
@@ -201,11 +227,13 @@ def remap(
     resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
     reset_step: Annotated[list[str] | None, typer.Option("--reset-step", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
     names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Move optimizer state onto a refactored model: renamed modules, new heads, grown embeddings.
 
@@ -217,12 +245,13 @@ def remap(
     \b
       statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
     """
+    _jobs(jobs)
     from statekit.ops.options import make_options
     from statekit.ops.remap import remap as run_remap
 
     out = Output(json_out)
-    opts = make_options(rename=rename, rules=rules, names=names, model=model, resize=resize, reset_step=reset_step,
-                        old_model=old_model, allow_nonfinite=allow_nonfinite)
+    opts = make_options(rename=rename, rules=rules, names=names, names_order=names_order, model=model, resize=resize,
+                        reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
                        on_plan=lambda p: _show_plan(p, out))
@@ -230,6 +259,7 @@ def remap(
         out.info(line)
 
 
+KernelOpt = Annotated[str, typer.Option("--kernel", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference), torch, numba or reference; all give the same bits.")]
 FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
 
 
@@ -252,6 +282,7 @@ def replay(
     nesterov: NestOpt = None,
     device: Annotated[str, typer.Option("--device", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
     backend: Annotated[str | None, typer.Option("--backend", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
+    kernel: KernelOpt = "auto",
     json_out: JsonOpt = False,
     more_grads: Annotated[list[Path] | None, typer.Argument(metavar="G2 ...", help="Further gradient files after --grads G1.", show_default=False)] = None,
 ) -> None:
@@ -273,13 +304,13 @@ def replay(
     result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
                           state=str(state) if state else None, out_state=str(out_state) if out_state else None,
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
-                          progress=out.progress)
+                          progress=out.progress, kernel=kernel)
     if json_out:
         out.json(result)
     else:
         shown = ", ".join(f"{k}={v}" for k, v in result["hyperparams"].items())
         out.print(f"replayed {result['steps']} steps of {result['optimizer']} ({result['flavor']} arithmetic, "
-                  f"{result['exactness']}): {shown}")
+                  f"{result['exactness']}, {result['kernel']} kernel): {shown}")
         out.print(f"wrote {out_params}" + (f" and {out_state}" if out_state else ""))
 
 
@@ -295,6 +326,7 @@ def verify_resume_cmd(
     lr: LrOpt = None,
     transpose: TransposeOpt = None,
     key: KeyOpt = None,
+    kernel: KernelOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Check that a migrated state resumes like the original: exit 0 if it tracks, 1 if not.
@@ -314,7 +346,7 @@ def verify_resume_cmd(
         with out.progress("steps", steps) as advance:
             report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
                                    flavor_original=flavor_original, flavor_migrated=flavor_migrated,
-                                   transpose=list(transpose or []), progress=advance)
+                                   transpose=list(transpose or []), progress=advance, kernel=kernel)
     if json_out:
         out.json(report)
     else:
@@ -361,6 +393,7 @@ def diff(
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Compare two optimizer states (or two models) parameter by parameter.
 
@@ -370,6 +403,7 @@ def diff(
     in ULPs. NaN equals NaN at the same place. Exit status: 0 equal within tolerance, 1 they
     differ, 2 error (like GNU diff).
     """
+    _jobs(jobs)
     from statekit.ops.diff import diff_files
     from statekit.render_ops import diff_view
 
@@ -394,6 +428,7 @@ def merge(
              "elementwise and keep the largest step (mean).")] = "error",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be merged and write nothing.")] = False,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Merge optimizer states (parameter groups saved apart, or several runs) into one file.
 
@@ -401,6 +436,7 @@ def merge(
     the same optimizer family. The output keeps the inputs' order and is written atomically;
     the inputs are only read.
     """
+    _jobs(jobs)
     from statekit.ops.merge import merge_files
     from statekit.render_ops import merge_view
 
@@ -418,6 +454,7 @@ def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
     model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Find what bites when training resumes from STATE (and, with --model, into MODEL).
 
@@ -425,6 +462,7 @@ def doctor(
     duplicate paths; with --model: orphaned state, parameters without state, shape mismatches
     (transposed ones named as such). Exit status: 0 clean, 1 problems found, 2 error.
     """
+    _jobs(jobs)
     from statekit.ops.doctor import doctor_files
     from statekit.render_ops import doctor_view
 
@@ -458,7 +496,8 @@ def _run(args: list[str] | None = None) -> int:
     debug = bool(os.environ.get("STATEKIT_DEBUG"))
     exit_cleanly_on_sigterm()
     try:
-        rc = app(args=args, standalone_mode=False, prog_name="statekit")
+        # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
+        rc = contextvars.copy_context().run(app, args=args, standalone_mode=False, prog_name="statekit")
     except StatekitError as exc:
         if debug:
             raise

@@ -40,6 +40,10 @@ TORCH_GROUPS: dict[str, dict[str, object]] = {
               "foreach": None, "capturable": False, "decoupled_weight_decay": False, "differentiable": False},
     "adamax": {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0, "foreach": None,
                "maximize": False, "differentiable": False, "capturable": False},
+    "adadelta": {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0, "maximize": False, "capturable": False,
+                 "foreach": None, "differentiable": False},
+    "adafactor": {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0,
+                  "foreach": None, "maximize": False},
 }
 EXECUTION_FLAGS = frozenset({"foreach", "capturable", "differentiable", "fused"})
 
@@ -116,17 +120,6 @@ def conversion_defaults(family: str) -> dict[str, object]:
     return values
 
 
-# The group key that only one torch optimizer has: identifies the family from a saved group.
-TORCH_SIGNATURES: tuple[tuple[str, str], ...] = (
-    ("momentum_decay", "nadam"),
-    ("beta2_decay", "adafactor"),
-    ("rho", "adadelta"),
-    ("initial_accumulator_value", "adagrad"),
-    ("centered", "rmsprop"),
-    ("nesterov", "sgd"),
-    ("amsgrad", "adam"),
-)
-
 CLI_KEYS = (*FLAGS, "alpha", "centered", "lr_decay")
 
 
@@ -137,18 +130,6 @@ def neutral(values: dict[str, object]) -> dict[str, object]:
         b1, b2 = out.pop("beta1", 0.9), out.pop("beta2", 0.999)
         out.setdefault("betas", (b1, b2))
     return out
-
-
-def torch_family(group: dict, slots: set[str]) -> str | None:
-    """Which torch optimizer saved a param group (by its hyperparameter keys and state slots)."""
-    for key, family in TORCH_SIGNATURES:
-        if key in group:
-            if family == "adam" and group.get("decoupled_weight_decay"):
-                return "adamw"
-            return family
-    if "betas" in group:
-        return "adamax" if "exp_inf" in slots else "radam"
-    return None
 
 
 def resolve(family: str, given: dict[str, object], base: dict[str, object] | None = None
@@ -178,19 +159,40 @@ def torch_group(family: str, values: dict[str, object]) -> dict[str, object]:
     if family not in TORCH_GROUPS:
         raise KeyError(family)
     group = dict(TORCH_GROUPS[family])
-    for key, value in values.items():
-        if key in group or key in CLI_KEYS:
-            group[key] = tuple(value) if key == "betas" else value
+    for key, value in values.items():  # every key survives: initial_lr, a scheduler's, the user's own
+        if key in ("params", "param_names"):
+            continue
+        group[key] = tuple(value) if key in TUPLE_KEYS and isinstance(value, list | tuple) else value
     return group
+
+
+# torch group values that are tuples (JSON brings them back as lists)
+TUPLE_KEYS = frozenset({"betas", "eps", "etas", "step_sizes", "ns_coefficients"})
+KEYS_KEY = "statekit.group_keys"  # the hyperparameter names stored as statekit.<name>
+PATHS_KEY = "statekit.param_names"  # {ParamId: module path}: torch's param_names through burn
+NOT_HYPER = ("statekit.optimizer", "statekit.groups", KEYS_KEY, PATHS_KEY)
+
+
+def _json(key: str, value: object) -> str:
+    try:
+        return json.dumps(list(value) if isinstance(value, tuple) else value, allow_nan=True)
+    except (TypeError, ValueError):
+        from statekit.errors import MappingError
+
+        raise MappingError(f"param group key {key!r} holds a {type(value).__name__}, which burnpack string "
+                           "metadata cannot keep") from None
 
 
 def to_metadata(family: str, values: dict[str, object]) -> dict[str, str]:
     """burnpack string metadata keys (``statekit.*``) that keep hyperparameters beside burn state."""
     out = {"statekit.optimizer": family}
+    keys = []
     for key, value in values.items():
         if key in ("params", "param_names"):  # torch's execution flags (fused, foreach …) are kept too
             continue
-        out[f"statekit.{key}"] = json.dumps(list(value) if isinstance(value, tuple) else value)
+        out[f"statekit.{key}"] = _json(key, value)
+        keys.append(key)
+    out[KEYS_KEY] = json.dumps(keys)
     return out
 
 
@@ -206,6 +208,9 @@ def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]]
     skip = ("params", "param_names")
     payload = [{"hyperparams": {k: _plain(v) for k, v in g.items() if k not in skip}, "params": ids}
                for g, ids in zip(groups, members, strict=True)]
+    for g in payload:
+        for k, v in g["hyperparams"].items():
+            _json(k, v)
     return {GROUPS_KEY: json.dumps(payload, separators=(",", ":"))}
 
 
@@ -213,7 +218,7 @@ def groups_from_metadata(metadata: dict[str, str]) -> list[tuple[dict[str, objec
     """The groups :func:`groups_to_metadata` stored ([] when none or unreadable)."""
     try:
         payload = json.loads(metadata.get(GROUPS_KEY, "[]"))
-        return [({k: tuple(v) if isinstance(v, list) else v for k, v in g["hyperparams"].items()},
+        return [({k: tuple(v) if isinstance(v, list) and k in TUPLE_KEYS else v for k, v in g["hyperparams"].items()},
                  [str(i) for i in g["params"]]) for g in payload]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return []
@@ -222,11 +227,32 @@ def groups_from_metadata(metadata: dict[str, str]) -> list[tuple[dict[str, objec
 def from_metadata(metadata: dict[str, str]) -> tuple[str | None, dict[str, object]]:
     family = metadata.get("statekit.optimizer")
     values: dict[str, object] = {}
+    try:
+        listed = json.loads(metadata[KEYS_KEY]) if KEYS_KEY in metadata else None
+    except json.JSONDecodeError:
+        listed = None
     for key, text in metadata.items():
-        if key.startswith("statekit.") and key not in ("statekit.optimizer", GROUPS_KEY):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError:
-                value = text
-            values[key[len("statekit."):]] = tuple(value) if key.endswith(".betas") else value
+        if not key.startswith("statekit.") or key in NOT_HYPER:
+            continue
+        name = key[len("statekit."):]
+        if listed is not None and name not in listed:
+            continue  # other statekit metadata (not a hyperparameter)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        values[name] = tuple(value) if name in TUPLE_KEYS and isinstance(value, list) else value
     return family, values
+
+
+def paths_to_metadata(paths: dict[str, str]) -> dict[str, str]:
+    """torch's ``param_names`` (ParamId → module path) kept in a burnpack's metadata."""
+    return {PATHS_KEY: json.dumps(paths, separators=(",", ":"))} if paths else {}
+
+
+def paths_from_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    try:
+        data = json.loads(metadata.get(PATHS_KEY, "{}"))
+    except json.JSONDecodeError:
+        return {}
+    return {str(k): v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}

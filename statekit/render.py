@@ -99,6 +99,9 @@ def inspect_table(d: dict, stats: bool = False) -> list:
         for k, v in d["scalar_values"].items():
             table.add_row(k, str(v))
         out.append(table)
+    for i, sched in enumerate(d.get("schedulers", [])):
+        shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
+        out.append(Text(f"lr scheduler {i}: {shown}"))
     for g in d.get("groups", []):
         if g["hyperparameters"]:
             hp = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params")

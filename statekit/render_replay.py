@@ -10,8 +10,10 @@ def verify_table(report: dict) -> list:
     verdict = Text("TRACKS", style="bold green") if report["tracks"] else Text("DIVERGES", style="bold red")
     head = Text(f"{report['migrated']} vs {report['original']}: ") + verdict
     fl = report["flavors"]
+    kn = report.get("kernels", {})
+    kernels = f" ({kn['original']} → {kn['migrated']} kernel)" if kn else ""
     sub = Text(f"{report['optimizer']}, {report['steps']} steps, seed {report['seed']}; arithmetic "
-               f"{fl['original']} → {fl['migrated']}; criterion {report['criterion']}", style="dim")
+               f"{fl['original']} → {fl['migrated']}{kernels}; criterion {report['criterion']}", style="dim")
     table = Table(header_style="bold", pad_edge=False)
     for col in ("parameter", "state", "layout", "result", "max |Δp|", "Δ / tolerance", "cold Δ / tolerance"):
         table.add_column(col, justify="right" if "Δ" in col else "left")

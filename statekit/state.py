@@ -102,11 +102,12 @@ class OptimizerState:
     hyperparams_stored: bool = False
     framework: str = "neutral"
     notes: list[str] = field(default_factory=list)
+    family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
 
     @property
     def family_label(self) -> str:
         if not self.family:
-            return "unknown"
+            return self.family_detail or "unknown"
         if len(self.candidates) > 1:
             return "/".join(self.candidates)
         return self.family
@@ -157,7 +158,13 @@ class ModelParam:
 
 @dataclass
 class ModelInfo:
+    """A model's tensors. ``order`` says what order ``params`` are in, as far as the file knows:
+    ``"named_parameters"`` (a torch state_dict: module registration order), ``"burn"`` (burn's
+    module order), None (no meaningful order: safetensors sorts by name)."""
+
     params: list[ModelParam] = field(default_factory=list)
+    order: str | None = None
+    source: str | None = None  # the file it was read from, for messages
 
     def by_path(self) -> dict[str, ModelParam]:
         return {p.path: p for p in self.params}
@@ -182,6 +189,7 @@ class Checkpoint:
     n_scalars: int = 0
     nbytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    schedulers: list[dict] = field(default_factory=list)  # LR scheduler state beside the optimizer, for display
     container: object = None
 
     def close(self) -> None:

@@ -1,12 +1,24 @@
 """Lazy tensors: a name, a dtype, a shape, and bytes that are read only when asked for.
 
-Containers hand out :class:`TensorRef` objects; operations call :meth:`TensorRef.numpy` (or
-:meth:`TensorRef.raw`) only when they need values, so memory stays bounded by one tensor.
+Containers hand out :class:`TensorRef` objects. Writers and scans never ask for a whole tensor:
+they iterate :meth:`TensorRef.iter_bytes` (raw bytes) or :meth:`TensorRef.pieces` (flat arrays
+of elements), which read the file with ``pread`` in bounded pieces (:class:`FileSpan`), so no map
+stays resident and memory is one piece, whatever the file's size. :meth:`TensorRef.numpy` still
+gives the whole tensor for the few users that need it (replay, small scalars).
+
+Where a tensor's bytes come from, most direct first:
+
+- ``span``: a contiguous little-endian byte range of an input file (burnpack, torch zip,
+  safetensors) — read with ``pread``;
+- ``piece_source``: a function ``(elements) -> iterator of 1-D arrays`` (the transforms of
+  :mod:`statekit.stream`: casts, transposes, resizes, NaN/Inf checks, averages);
+- ``array_loader`` / ``loader`` / ``chunk_reader``: an in-memory array, a buffer, a byte stream.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -14,14 +26,100 @@ import numpy as np
 
 from statekit import dtypes
 
+PIECE = 16 << 20  # bytes per piece: what the data path holds of one tensor at a time
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+class SourceFile:
+    """An input file read with ``pread`` at explicit offsets (thread-safe: no shared position).
+
+    Pieces already read are dropped from the page cache (``posix_fadvise(DONTNEED)``) when the
+    file is larger than half the machine's memory, where caching it could only evict everything
+    else; smaller files stay cached for the next command. ``STATEKIT_DROP_CACHE=1`` (or ``0``)
+    forces the choice. The file object stays owned by whoever opened it.
+    """
+
+    def __init__(self, fh, path: str, size: int | None = None):
+        self.fh = fh
+        self.path = path
+        size = os.fstat(fh.fileno()).st_size if size is None else size
+        self.size = size
+        forced = os.environ.get("STATEKIT_DROP_CACHE")
+        self.drop_cache = forced == "1" if forced in ("0", "1") else size > _physical_memory() // 2
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
+
+    @classmethod
+    def open(cls, path: str) -> SourceFile:
+        return cls(open(path, "rb"), path)  # noqa: SIM115 - closed by close() or with the last span
+
+    def close(self) -> None:
+        self.fh.close()
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """Exactly ``n`` bytes at ``offset`` (fewer only at the end of the file)."""
+        if self.fh.closed:
+            from statekit.errors import FormatError
+
+            raise FormatError("file was closed before its tensors were read", self.path)
+        fd = self.fh.fileno()
+        data = os.pread(fd, n, offset)
+        if len(data) < n and data:
+            parts = [data]
+            got = len(data)
+            while got < n:
+                more = os.pread(fd, n - got, offset + got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        if self.drop_cache and data:
+            os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
+        return data
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """``length`` contiguous bytes at ``offset`` of a :class:`SourceFile`."""
+
+    file: SourceFile
+    offset: int
+    length: int
+
+    def read(self, lo: int = 0, n: int | None = None) -> bytes:
+        n = self.length - lo if n is None else n
+        data = self.file.pread(self.offset + lo, n)
+        if len(data) != n:
+            from statekit.errors import FormatError
+
+            raise FormatError(f"file ended while reading a tensor ({len(data)} of {n} bytes at offset "
+                              f"{self.offset + lo})", self.file.path)
+        return data
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        for lo in range(0, self.length, size):
+            yield self.read(lo, min(size, self.length - lo))
+
 
 @dataclass
 class TensorRef:
-    """A tensor whose bytes live somewhere else (a memory map, a zip entry, an array).
+    """A tensor whose bytes live somewhere else (a file span, a transform, an array).
 
     ``dtype`` is a statekit dtype name (see :mod:`statekit.dtypes`). ``loader`` returns the raw
     little-endian bytes (a ``bytes``/``memoryview``/array buffer) of exactly ``nbytes`` length;
     ``array_loader``, when given, returns the numpy array directly (used for strided views).
+    ``resident`` is how many bytes producing the values holds at once beyond one piece (a
+    transpose holds its source): :func:`statekit.stream.ordered` runs such tensors one at a time.
     """
 
     dtype: str
@@ -31,6 +129,9 @@ class TensorRef:
     nbytes_hint: int | None = None
     info: dict = field(default_factory=dict)
     chunk_reader: Callable[[int], Iterator[bytes]] | None = field(default=None, repr=False)
+    span: FileSpan | None = field(default=None, repr=False)
+    piece_source: Callable[[int], Iterator[np.ndarray]] | None = field(default=None, repr=False)
+    resident: int = 0
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:
@@ -50,44 +151,146 @@ class TensorRef:
     def nbytes(self) -> int:
         if self.nbytes_hint is not None:
             return self.nbytes_hint
+        if self.span is not None:
+            return self.span.length
         return self.numel * dtypes.itemsize(self.dtype)
 
     def raw(self) -> memoryview:
-        """The tensor's bytes, little-endian, C order."""
+        """The tensor's bytes, little-endian, C order (the whole tensor: prefer :meth:`iter_bytes`)."""
         if self.loader is not None:
             return memoryview(self.loader()).cast("B")
+        if self.span is not None and self.array_loader is None:
+            return memoryview(self.span.read())
         arr = np.ascontiguousarray(self.numpy())
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         return memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
 
-    def iter_bytes(self, chunk: int = 16 << 20) -> Iterator[bytes | memoryview]:
-        """The raw bytes in pieces of at most ``chunk`` bytes (bounded memory for copies)."""
-        if self.chunk_reader is not None:
+    def iter_bytes(self, chunk: int | None = None) -> Iterator[bytes | memoryview]:
+        """The raw bytes in pieces of at most ``chunk`` bytes (default :data:`PIECE`)."""
+        chunk = chunk or PIECE
+        if self.span is not None:
+            yield from self.span.chunks(chunk)
+        elif self.chunk_reader is not None:
             yield from self.chunk_reader(chunk)
+        elif self.piece_source is not None:
+            for piece in self.piece_source(max(1, chunk // dtypes.itemsize(self.dtype))):
+                if piece.size:
+                    yield _as_bytes(piece)
+        else:
+            data = self.raw()
+            for lo in range(0, len(data), chunk):
+                yield data[lo : lo + chunk]
+
+    def pieces(self, elements: int | None = None) -> Iterator[np.ndarray]:
+        """The values flat in C order, as consecutive 1-D arrays of exactly ``elements`` (the last
+        one shorter); default: :data:`PIECE` bytes' worth. Read-only views; never the whole file."""
+        if self.dtype == "QFloat":
+            raise ValueError("QFloat tensors are opaque bytes; use iter_bytes()")
+        want = dtypes.numpy_dtype(self.dtype)
+        elements = max(1, elements or PIECE // want.itemsize)
+        if self.array_loader is None and (self.span is not None or self.chunk_reader is not None):
+            raw = self.iter_bytes(elements * want.itemsize)
+            source = (np.frombuffer(b, dtype=want) for b in raw)
+            if self.span is not None:  # pread returns exact sizes
+                yield from source
+                return
+        elif self.piece_source is not None:
+            source = self.piece_source(elements)
+        else:
+            flat = self.numpy().reshape(-1)
+            for lo in range(0, flat.size, elements):
+                yield flat[lo : lo + elements]
             return
-        data = self.raw()
-        for lo in range(0, len(data), chunk):
-            yield data[lo : lo + chunk]
+        yield from rechunk(source, elements)
 
     def numpy(self) -> np.ndarray:
-        """The values as a numpy array of the statekit dtype (read-only when memory mapped)."""
+        """The values as a numpy array of the statekit dtype (the whole tensor in memory)."""
         if self.array_loader is not None:
             return self.array_loader()
         if self.dtype == "QFloat":
             raise ValueError("QFloat tensors are opaque bytes; use raw()")
+        if self.loader is None and self.span is None and self.piece_source is not None:
+            out = np.empty(self.numel, dtype=dtypes.numpy_dtype(self.dtype))
+            lo = 0
+            for piece in self.piece_source(max(1, PIECE // out.itemsize)):
+                out[lo : lo + piece.size] = piece
+                lo += piece.size
+            return out.reshape(self.shape)
         buf = self.raw()
         arr = np.frombuffer(buf, dtype=dtypes.numpy_dtype(self.dtype))
         return arr.reshape(self.shape)
 
     def cast(self, dtype: str) -> TensorRef:
-        """A lazy value cast (``F16`` → ``F32`` widens exactly); ``self`` when already ``dtype``."""
+        """A lazy value cast (``F16`` → ``F32`` widens exactly), piece by piece; ``self`` when
+        already ``dtype``."""
         if dtype == self.dtype:
             return self
         want = dtypes.numpy_dtype(dtype)
         source = self
 
-        def load() -> np.ndarray:
-            return np.ascontiguousarray(source.numpy().astype(want))
+        def pieces(elements: int) -> Iterator[np.ndarray]:
+            for piece in source.pieces(elements):
+                yield piece.astype(want)
 
-        return TensorRef(dtype=dtype, shape=tuple(self.shape), array_loader=load)
+        return TensorRef(dtype=dtype, shape=tuple(self.shape), piece_source=pieces, resident=self.resident)
+
+def _as_bytes(piece: np.ndarray) -> memoryview:
+    arr = np.ascontiguousarray(piece)
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def rechunk(source: Iterator[np.ndarray], elements: int) -> Iterator[np.ndarray]:
+    """Consecutive 1-D arrays of exactly ``elements`` (the last shorter) from arrays of any sizes;
+    pieces that already have the size pass through without a copy."""
+    taker = Elements(source)
+    while True:
+        piece = taker.take(elements)
+        if not piece.size:
+            return
+        yield piece
+        if piece.size < elements:
+            return
+
+
+class Elements:
+    """Reads a stream of 1-D arrays element by element: ``take(n)`` returns the next ``n``."""
+
+    def __init__(self, source: Iterator[np.ndarray]):
+        self._source = iter(source)
+        self._head: np.ndarray | None = None
+        self._done = False
+
+    def _next(self) -> np.ndarray | None:
+        if self._head is not None and self._head.size:
+            head, self._head = self._head, None
+            return head
+        while not self._done:
+            try:
+                piece = next(self._source)
+            except StopIteration:
+                self._done = True
+                return None
+            if piece.size:
+                return piece.reshape(-1)
+        return None
+
+    def take(self, n: int) -> np.ndarray:
+        """The next ``n`` elements (fewer at the end; an empty array when none are left)."""
+        first = self._next()
+        if first is None:
+            return np.empty(0)
+        if first.size >= n:
+            self._head = first[n:]
+            return first[:n]
+        parts, got = [first], first.size
+        while got < n:
+            piece = self._next()
+            if piece is None:
+                break
+            if got + piece.size > n:
+                self._head = piece[n - got :]
+                piece = piece[: n - got]
+            parts.append(piece)
+            got += piece.size
+        return np.concatenate(parts)

@@ -247,7 +247,8 @@ def test_two_param_groups_survive_a_round_trip_through_burn(tmp_path, cli):
     train(model, opt, data[4:])
     expected = [p.detach().clone() for p in model.parameters()]
 
-    assert cli("convert", tmp_path / "ckpt.pt", tmp_path / "o.bpk", "--names", names, "--transpose", "*.weight").returncode == 0
+    assert cli("convert", tmp_path / "ckpt.pt", tmp_path / "o.bpk", "--names", names, "--names-order", "optimizer",
+               "--transpose", "*.weight").returncode == 0
     d = json.loads(cli("inspect", tmp_path / "o.bpk", "--json").stdout)
     assert [g["params"] for g in d["groups"]] == [2, 2]
     r = cli("convert", tmp_path / "o.bpk", tmp_path / "back.pt", "--names", names, "--transpose", "*.weight")

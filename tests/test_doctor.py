@@ -123,4 +123,6 @@ def test_torch_state_against_torch_model(tmp_path):
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     torch.save(model.state_dict(), tmp_path / "model.pt")
     d = doctor_files(tmp_path / "opt.pt", tmp_path / "model.pt")
-    assert d["clean"] and d["matched_by"] == "index" and d["params"] == d["model_params"] == 4
+    # positions are named from the model's named_parameters() order and shapes, then paired by path
+    assert d["clean"] and d["matched_by"] == "path" and d["params"] == d["model_params"] == 4
+    assert any("parameter names from" in n for n in d["notes"])

@@ -216,3 +216,30 @@ def test_verify_resume_memory_does_not_grow_with_steps(tmp_path, kernel="auto"):
         assert report["tracks"] and all(p["bit_exact"] for p in report["params"])
     assert peaks[12] <= 1.1 * peaks[2]
     assert peaks[12] <= 4 * state_bytes, (peaks, state_bytes)
+
+
+def test_the_kernel_is_chosen_printed_and_can_be_forced(tmp_path, cli):
+    """auto picks a kernel and says which; --kernel reference gives the same bytes; an
+    impossible --kernel is one clear error line."""
+    p0, grads = make_files(tmp_path, 3)
+    outs = {}
+    for kernel in ("auto", "reference"):
+        out = tmp_path / f"p_{kernel}.safetensors"
+        r = cli("replay", "--params", p0, *grad_args(grads), "--optimizer", "adam", "--flavor", "torch-fused",
+                "--lr", "1e-2", "--out-params", out, "--kernel", kernel, "--json")
+        assert r.returncode == 0, r.stderr
+        outs[kernel] = json.loads(r.stdout)["kernel"]
+    from statekit.optim import kernels
+
+    assert outs == {"reference": "reference",
+                    "auto": "torch" if kernels.torch_available() else "numba" if kernels.numba_available() else "reference"}
+    assert load_file(str(tmp_path / "p_auto.safetensors")).keys() == load_file(str(tmp_path / "p_reference.safetensors")).keys()
+    for k, v in load_file(str(tmp_path / "p_auto.safetensors")).items():
+        assert np.array_equal(v.view(np.uint32), load_file(str(tmp_path / "p_reference.safetensors"))[k].view(np.uint32))
+    r = cli("replay", "--params", p0, *grad_args(grads), "--optimizer", "adam", "--flavor", "burn", "--lr", "1e-2",
+            "--out-params", tmp_path / "x.safetensors", "--kernel", "torch")
+    assert r.returncode != 0 and "--kernel torch" in r.stderr and "burn" in r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+    r = cli("replay", "--params", p0, *grad_args(grads), "--optimizer", "adam", "--flavor", "torch-fused",
+            "--lr", "1e-2", "--out-params", tmp_path / "y.safetensors")
+    assert r.returncode == 0 and " kernel)" in r.stdout

@@ -31,7 +31,8 @@ from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError
 from statekit.formats import cbor, limits
-from statekit.tensor import TensorRef
+from statekit.stream import write_all
+from statekit.tensor import FileSpan, SourceFile, TensorRef
 
 MAGIC = b"NRUB"
 VERSION = 1
@@ -135,6 +136,7 @@ class BurnpackFile:
         self.path = os.fspath(path)
         self._fh = None
         self._map: mmap.mmap | None = None
+        self._source: SourceFile | None = None
         try:
             self._fh = open(self.path, "rb")
         except OSError as exc:
@@ -303,22 +305,23 @@ class BurnpackFile:
             raise self._error(f"no tensor named {name!r}") from None
 
     def tensor(self, name: str) -> TensorRef:
-        """A lazy view of one tensor; values are read from the memory map when asked for."""
+        """A lazy view of one tensor; its bytes are read with ``pread`` in pieces when asked for."""
         entry = self._get(name)
         info = {"burn_dtype": entry.burn_dtype, "param_id": entry.param_id, "name": name}
+        if self._source is None:
+            self._source = SourceFile(self._fh, self.path, self.file_size)
         ref = TensorRef(
             dtype=entry.dtype,
             shape=entry.shape,
-            loader=lambda: self.raw(name),
             nbytes_hint=entry.nbytes,
             info=info,
-            chunk_reader=lambda size: self.read_chunks(name, size),
+            span=FileSpan(self._source, self.data_start + entry.start, entry.nbytes),
         )
         if entry.dtype == "Bool" and _element_numpy_dtype(entry.burn_dtype).itemsize != 1:
             return self._wide_bool(entry, info)
         if entry.dtype == "Bool":
             store = _element_numpy_dtype(entry.burn_dtype)
-            ref.array_loader = lambda: np.frombuffer(self.raw(name), dtype=store).reshape(entry.shape) != 0
+            ref.array_loader = lambda: np.frombuffer(ref.span.read(), dtype=store).reshape(entry.shape) != 0
         return ref
 
     def _wide_bool(self, entry: TensorEntry, info: dict) -> TensorRef:
@@ -337,9 +340,11 @@ class BurnpackFile:
     def stored_tensor(self, name: str) -> TensorRef:
         """A tensor's bytes exactly as stored (burn's dtype value and width), for byte-exact copies."""
         entry = self._get(name)
-        return TensorRef(dtype=entry.dtype, shape=entry.shape, loader=lambda: self.raw(name), nbytes_hint=entry.nbytes,
+        if self._source is None:
+            self._source = SourceFile(self._fh, self.path, self.file_size)
+        return TensorRef(dtype=entry.dtype, shape=entry.shape, nbytes_hint=entry.nbytes,
                          info={"burn_dtype": entry.burn_dtype, "param_id": entry.param_id, "name": name},
-                         chunk_reader=lambda size: self.read_chunks(name, size))
+                         span=FileSpan(self._source, self.data_start + entry.start, entry.nbytes))
 
     def close(self) -> None:
         if self._map is not None:
@@ -458,19 +463,22 @@ def write_burnpack(
     with atomic_write(path) as out:
         out.write(MAGIC + struct.pack("<HI", version, len(layout.metadata)) + layout.metadata)
         position = HEADER_SIZE + len(layout.metadata)
-        for t in tensors:
+
+        def pad(i: int, _ref: TensorRef) -> None:
+            start, _ = layout.offsets[tensors[i].name]
+            out.write(b"\0" * (layout.data_start + start - position))
+
+        def done(i: int, _ref: TensorRef, stream) -> None:
+            nonlocal position
+            t = tensors[i]
             start, end = layout.offsets[t.name]
-            gap = layout.data_start + start - position
-            out.write(b"\0" * gap)
-            written = 0
-            for piece in t.source.iter_bytes():
-                out.write(piece)
-                written += len(piece)
-            if written != end - start:
-                raise ValueError(f"tensor {t.name!r} produced {written} bytes, expected {end - start}")
+            if stream.nbytes != end - start:
+                raise ValueError(f"tensor {t.name!r} produced {stream.nbytes} bytes, expected {end - start}")
             position = layout.data_start + end
             if progress is not None:
                 progress(end - start)
+
+        write_all(out, [t.source for t in tensors], before=pad, after=done)
         if not tensors:
             out.write(b"\0" * (layout.data_start - position))
     return layout.file_size

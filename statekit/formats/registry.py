@@ -70,6 +70,13 @@ FORMATS: tuple[Format, ...] = (
     Format("torch", "torch", (".pt", ".pth"), sniff="statekit.formats.torch_pt:claims",
            open="statekit.frameworks.torch_io:open_checkpoint", write="statekit.frameworks.torch_io:save_optimizer",
            write_model="statekit.frameworks.torch_io:save_model", description="PyTorch .pt"),
+    Format("dcp", "torch", sniff="statekit.formats.dcp:claims", open="statekit.frameworks.dcp_io:open_checkpoint",
+           write="statekit.frameworks.dcp_io:save_optimizer", directory=True,
+           description="torch.distributed checkpoint (DCP) directories"),
+    # HF Trainer checkpoint-N/ and Accelerate save_state folders: opened as the torch optimizer inside.
+    Format("torch-folder", "torch", sniff="statekit.frameworks.wrappers:claims",
+           open="statekit.frameworks.wrappers:open_checkpoint", directory=True,
+           description="HF Trainer / Accelerate checkpoint folders"),
     # candle AdamW state is a safetensors file: read through the safetensors entry, written on request.
     Format("candle", "candle", write="statekit.frameworks.candle:save_optimizer"),
 )
@@ -152,7 +159,8 @@ def sniff(path: str | os.PathLike) -> str:
         if fmt.sniff and fmt.directory == is_dir and resolve(fmt.sniff)(head, path):
             return fmt.name
     if is_dir:
-        raise FormatError("cannot open: Is a directory", path)
+        known = ", ".join(f.description for f in FORMATS if f.directory and f.description)
+        raise FormatError(f"a folder no reader claims (statekit reads {known}; or give a file in it)", path)
     if not head:
         raise FormatError("file is empty", path)
     described = [f.description for f in FORMATS if f.open and f.description]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from collections.abc import Callable
 
 import numpy as np
@@ -24,7 +25,8 @@ from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
-from statekit.tensor import TensorRef
+from statekit.stream import write_all
+from statekit.tensor import FileSpan, SourceFile, TensorRef
 
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -65,6 +67,7 @@ class SafetensorsFile:
                 if problem:  # numpy could not hold it either (a zero-size dimension beside huge ones)
                     raise FormatError(f"tensor {name!r}: {problem}")
                 self.entries[name] = (FROM_SAFETENSORS[raw_dtype], tuple(shape))
+            self._spans = self._locate()
         except SafetensorError as exc:
             raise FormatError(f"not a valid safetensors file: {exc}", self.path) from None
         except FormatError as exc:
@@ -72,12 +75,28 @@ class SafetensorsFile:
         except OSError as exc:
             raise FormatError(f"cannot open: {exc.strerror or exc}", self.path) from None
 
+    def _locate(self) -> dict[str, FileSpan]:
+        """Each tensor's byte range in the file (the header the safetensors package validated),
+        so that its bytes are read with ``pread`` in pieces, never the whole file mapped."""
+        source = SourceFile.open(self.path)
+        (size,) = struct.unpack("<Q", source.pread(0, 8))
+        header = json.loads(source.pread(8, size))
+        base = 8 + size
+        spans = {}
+        for name in self.entries:
+            lo, hi = header[name]["data_offsets"]
+            spans[name] = FileSpan(source, base + lo, hi - lo)
+        return spans
+
     @property
     def names(self) -> list[str]:
         return list(self.entries)
 
     def tensor(self, name: str) -> TensorRef:
         dtype, shape = self.entries[name]
+        span = self._spans.get(name)
+        if span is not None and span.length == math.prod(shape) * dtypes.itemsize(dtype):
+            return TensorRef(dtype=dtype, shape=shape, span=span)
         return TensorRef(dtype=dtype, shape=shape, array_loader=lambda: self._load(name))
 
     def _load(self, name: str) -> np.ndarray:
@@ -102,6 +121,9 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._handle = None
+        for span in getattr(self, "_spans", {}).values():
+            span.file.close()
+            break
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -144,18 +166,17 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, TensorRe
     text += b" " * (-len(text) % 8)
     if len(text) > MAX_HEADER:
         raise MappingError(f"safetensors header would be {len(text)} bytes (readers accept at most 100 MiB)")
+    def done(i: int, _ref: TensorRef, stream) -> None:
+        name = items[i][0]
+        want = header[name]["data_offsets"]
+        if stream.nbytes != want[1] - want[0]:
+            raise ValueError(f"tensor {name!r} produced {stream.nbytes} bytes, expected {want[1] - want[0]}")
+        if progress is not None:
+            progress(stream.nbytes)
+
     with atomic_write(path) as out:
         out.write(len(text).to_bytes(8, "little") + text)
-        for name, _, ref in items:
-            want = header[name]["data_offsets"]
-            written = 0
-            for piece in ref.iter_bytes():
-                out.write(piece)
-                written += len(piece)
-            if written != want[1] - want[0]:
-                raise ValueError(f"tensor {name!r} produced {written} bytes, expected {want[1] - want[0]}")
-            if progress is not None:
-                progress(written)
+        write_all(out, [ref for _, _, ref in items], after=done)
     return 8 + len(text) + offset
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import mmap
 import pickle
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -150,6 +150,7 @@ class Storage:
         self.location = sid.location
         self.resolve = resolve
         self.big_endian = big_endian
+        self.span = None  # a FileSpan of the storage's bytes, when the container can pread them
 
     def array(self, dtype: np.dtype) -> np.ndarray:
         """The whole storage as a 1-D little-endian array of ``dtype`` (read-only unless swapped)."""
@@ -234,6 +235,9 @@ def _tensor(
     }
     if numel == 0 or (contiguous and not storage.big_endian):
         start, stop = offset * itemsize, (offset + numel) * itemsize
+        if storage.span is not None:
+            span = storage.span
+            return TensorRef(name, size, info=info, span=type(span)(span.file, span.offset + start, stop - start))
         return TensorRef(name, size, loader=lambda: storage.resolve()[start:stop], info=info)
 
     def strided() -> np.ndarray:
@@ -454,15 +458,69 @@ _ALLOWED = _allowed_globals()
 _MODULE_RENAMES = {"__builtin__": "builtins"}  # Python 2 spellings that protocol 2 still writes
 
 
-def find_global(module: str, name: str) -> object:
-    """statekit's stand-in for global ``module.name``; UnsafePickleError when not allowed."""
+def find_global(module: str, name: str, extra: Mapping[str, object] | None = None) -> object:
+    """statekit's stand-in for global ``module.name``; UnsafePickleError when not allowed.
+
+    ``extra`` adds globals allowed for one kind of pickle only (DCP's ``.metadata`` classes).
+    """
     full = f"{_MODULE_RENAMES.get(module, module)}.{name}"
-    try:
-        return _ALLOWED[full]
-    except KeyError:
-        raise UnsafePickleError(
-            f"refusing to load global '{full}' from pickle: not on statekit's allow-list"
-        ) from None
+    found = _ALLOWED.get(full)
+    if found is None and extra is not None:
+        found = extra.get(full)
+    if found is None:
+        raise UnsafePickleError(f"refusing to load global '{full}' from pickle: not on statekit's allow-list")
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# plain records: instances of allowed classes (DCP metadata), never the classes themselves
+
+
+@dataclass(frozen=True)
+class RecordClass:
+    """An allowed class that pickles as ``NEWOBJ(cls, ()) + BUILD(state)``.
+
+    Unpickling builds a :class:`Record` instead of an instance: nothing of the class runs.
+    ``state_fields`` names the items of a tuple state (what a custom ``__getstate__`` returns,
+    e.g. DCP's ``TensorProperties``); a dict state (or ``(dict, slots dict)``) sets fields by name.
+    """
+
+    name: str
+    state_fields: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)  # hashed by identity: records serve as dict keys (DCP's MetadataIndex)
+class Record:
+    """A plain stand-in for one instance of a :class:`RecordClass`: its class name and fields."""
+
+    cls: str
+    fields: dict = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> object:
+        return self.fields[name]
+
+    def get(self, name: str, default: object = None) -> object:
+        return self.fields.get(name, default)
+
+    @property
+    def kind(self) -> str:
+        """The class name without its module (``TensorStorageMetadata``)."""
+        return self.cls.rsplit(".", 1)[-1]
+
+
+def allowed_callable(name: str, fn: Callable) -> object:
+    """A stand-in that REDUCE may call, for ``extra_globals`` (``fn`` gets the pickled arguments)."""
+    return _Callable(name, fn)
+
+
+def _build_record(record: Record, rclass: RecordClass, state: object) -> None:
+    if isinstance(state, tuple) and rclass.state_fields and len(state) == len(rclass.state_fields):
+        record.fields.update(zip(rclass.state_fields, state, strict=True))
+        return
+    merged = _python_state(state)
+    if not all(isinstance(k, str) for k in merged):
+        raise FormatError(f"state of a {rclass.name} has non-string field names")
+    record.fields.update(merged)
 
 
 # --------------------------------------------------------------------------------------------
@@ -490,8 +548,16 @@ def _op(*codes: bytes):
 class _Unpickler:
     """Interprets one pickle from ``data[pos:]`` using only the opcodes registered in ``_OPS``."""
 
-    def __init__(self, data: bytes | mmap.mmap, pos: int, storage_loader: StorageLoader | None):
+    def __init__(
+        self,
+        data: bytes | mmap.mmap,
+        pos: int,
+        storage_loader: StorageLoader | None,
+        extra_globals: Mapping[str, object] | None = None,
+    ):
         self.data = data
+        self.extra_globals = extra_globals
+        self.records: dict[int, RecordClass] = {}  # id(Record) -> its class, for BUILD
         self.pos = pos
         self.code = 0  # the opcode being interpreted
         self.storage_loader = storage_loader
@@ -666,14 +732,18 @@ _CONTAINERS = (list, tuple, dict, set)
 
 
 def loads(
-    data: bytes | mmap.mmap, pos: int = 0, storage_loader: StorageLoader | None = None
+    data: bytes | mmap.mmap,
+    pos: int = 0,
+    storage_loader: StorageLoader | None = None,
+    extra_globals: Mapping[str, object] | None = None,
 ) -> tuple[object, int]:
     """Read one pickle from ``data`` at ``pos``; returns ``(object, offset after its STOP)``.
 
     ``storage_loader`` supplies the storage for each persistent id; a pickle with persistent ids
-    and no loader is a FormatError.
+    and no loader is a FormatError. ``extra_globals`` allows more globals for this pickle only
+    (stand-ins: :class:`_Callable` for REDUCE, :class:`RecordClass` for NEWOBJ, or constants).
     """
-    unpickler = _Unpickler(data, pos, storage_loader)
+    unpickler = _Unpickler(data, pos, storage_loader, extra_globals)
     try:
         obj = unpickler.load()
     except RecursionError:
@@ -961,7 +1031,7 @@ def _memoize(u: _Unpickler) -> None:
 @_op(pickle.GLOBAL)
 def _global(u: _Unpickler) -> None:
     module = u.readline()
-    u.stack.append(find_global(module, u.readline()))
+    u.stack.append(find_global(module, u.readline(), u.extra_globals))
 
 
 @_op(pickle.STACK_GLOBAL)
@@ -969,7 +1039,7 @@ def _stack_global(u: _Unpickler) -> None:
     name, module = u.stack.pop(), u.stack.pop()
     if not isinstance(module, str) or not isinstance(name, str):
         raise FormatError("malformed pickle: STACK_GLOBAL names are not strings")
-    u.stack.append(find_global(module, name))
+    u.stack.append(find_global(module, name, u.extra_globals))
 
 
 @_op(pickle.REDUCE)
@@ -986,11 +1056,28 @@ def _reduce(u: _Unpickler) -> None:
         raise FormatError(f"bad arguments to {func.name}: {exc}") from None
 
 
+@_op(pickle.NEWOBJ)
+def _newobj(u: _Unpickler) -> None:
+    if u.extra_globals is None:  # torch.save pickles never create objects this way
+        raise FormatError(f"unsupported pickle opcode {pickle.NEWOBJ!r} at offset {u.pos - 1}")
+    args = u.stack.pop()
+    cls = u.stack[-1]
+    if not isinstance(cls, RecordClass):
+        raise UnsafePickleError(f"refusing to instantiate {cls!r} from pickle: not an allowed class")
+    if args != ():
+        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {args!r}")
+    record = Record(cls.name)
+    u.records[id(record)] = cls
+    u.stack[-1] = record
+
+
 @_op(pickle.BUILD)
 def _build(u: _Unpickler) -> None:
     state = u.stack.pop()
     inst = u.stack[-1]
-    if isinstance(inst, TensorRef):
+    if isinstance(inst, Record):
+        _build_record(inst, u.records[id(inst)], state)
+    elif isinstance(inst, TensorRef):
         attributes = _python_state(state)
         if attributes:
             u.stack[-1] = _with_info(inst, python_state={**inst.info.get("python_state", {}), **attributes})

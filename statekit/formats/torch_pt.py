@@ -34,6 +34,7 @@ when a TensorRef is asked for its values. Nothing here knows about optimizers.
 from __future__ import annotations
 
 import hashlib
+import io
 import mmap
 import os
 import struct
@@ -48,7 +49,8 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pickle
 from statekit.formats.torch_pickle import Storage, StorageId
-from statekit.tensor import TensorRef
+from statekit.stream import ordered
+from statekit.tensor import FileSpan, SourceFile, TensorRef
 
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -154,7 +156,7 @@ def _map(path: str | os.PathLike) -> mmap.mmap:
             raise FormatError("file is empty") from None
 
 
-def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
+def _zip_records(path: str | os.PathLike | BinaryIO) -> dict[str, zipfile.ZipInfo]:
     """Entries by name inside the archive folder (the first entry's folder, as torch takes it)."""
     try:
         with zipfile.ZipFile(path) as archive:
@@ -173,8 +175,56 @@ def _zip_records(path: str | os.PathLike) -> dict[str, zipfile.ZipInfo]:
 
 
 def _load_zip(path: str | os.PathLike) -> object:
-    records = _zip_records(path)
-    buffer = _map(path)
+    # tensor bytes are read from the file with pread
+    return _load_zip_buffer(_map(path), _zip_records(path), SourceFile.open(os.fspath(path)), 0)
+
+
+class _ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview (zipfile reads a region without copying it)."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.view))[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        data = self.view[self.pos : self.pos + len(buffer)]
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int, source: SourceFile) -> object:
+    """The object a ``torch.save`` zip archive lying at ``buffer[offset:offset + length]`` holds.
+
+    DCP's ``.distcp`` files hold such archives back to back. ``source`` is the same file, from
+    which tensor bytes are read with pread; any problem raises FormatError (the caller names the
+    file).
+    """
+    if offset < 0 or length <= 0 or offset + length > len(buffer):
+        raise FormatError(f"byte range [{offset}, {offset + length}) lies outside the file ({len(buffer)} bytes)")
+    view = memoryview(buffer)[offset : offset + length]
+    if bytes(view[:4]) != ZIP_MAGIC:
+        raise FormatError(f"no torch.save archive at offset {offset} (starts with {bytes(view[:4]).hex(' ')})")
+    return _load_zip_buffer(view, _zip_records(_ViewFile(view)), source, offset)
+
+
+def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.ZipInfo], source: SourceFile,
+                     base: int) -> object:
+    """The archive's object; ``buffer`` holds the archive, which starts at ``base`` in ``source``."""
     byteorder = _entry_bytes(buffer, records["byteorder"]).tobytes() if "byteorder" in records else b"little"
     if byteorder not in (b"little", b"big"):
         raise FormatError(f"unknown byteorder record {byteorder[:20]!r}")
@@ -192,11 +242,19 @@ def _load_zip(path: str | os.PathLike) -> object:
                 f"but data/{sid.key} holds {info.file_size} bytes"
             )
         data = _entry_bytes(buffer, info)
-        storages[sid.key] = Storage(sid, lambda: data, big_endian=byteorder == b"big")
-        return storages[sid.key]
+        storage = Storage(sid, lambda: data, big_endian=byteorder == b"big")
+        storage.span = FileSpan(source, base + _entry_start(buffer, info), info.file_size)
+        storages[sid.key] = storage
+        return storage
 
     obj, _ = torch_pickle.loads(_entry_bytes(buffer, records["data.pkl"]).tobytes(), 0, load_storage)
     return obj
+
+
+def _entry_start(buffer: mmap.mmap, info: zipfile.ZipInfo) -> int:
+    """Where an entry's bytes start in the file (after its local header; checked by _entry_bytes)."""
+    *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(buffer, info.header_offset)
+    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
 
 
 def _entry_bytes(buffer: mmap.mmap, info: zipfile.ZipInfo) -> memoryview:
@@ -304,18 +362,29 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
     (see :func:`torch_pickle.dumps`); each tensor gets its own storage. The file loads with
     ``torch.load(path, weights_only=True)``, with or without ``mmap=True``.
     """
-    pickled, tensors = torch_pickle.dumps(obj)
     with atomic_write(path) as fh:
-        writer = _ZipWriter(fh, _archive_name(path))
-        writer.add("data.pkl", pickled)
-        writer.add(".format_version", b"1")
-        writer.add(".storage_alignment", str(ALIGNMENT).encode())
-        writer.add("byteorder", b"little")
-        for key, tensor in enumerate(tensors):
-            writer.add(f"data/{key}", _tensor_size(tensor), tensor.iter_bytes())
-        writer.add("version", b"3\n")
-        writer.add(".data/serialization_id", writer.serialization_id())
-        writer.finish()
+        write_pt_stream(fh, obj, _archive_name(path))
+
+
+def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive") -> int:
+    """Write ``obj`` as one torch.save zip archive at ``fh``'s position; returns its length.
+
+    Offsets inside the archive count from where it starts, as when torch.save writes to a stream
+    (DCP writes its chunks this way, back to back in one file). Tensor bytes are streamed.
+    """
+    pickled, tensors = torch_pickle.dumps(obj)
+    writer = _ZipWriter(fh, folder)
+    writer.add("data.pkl", pickled)
+    writer.add(".format_version", b"1")
+    writer.add(".storage_alignment", str(ALIGNMENT).encode())
+    writer.add("byteorder", b"little")
+    sizes = [_tensor_size(tensor) for tensor in tensors]
+    for key, (_, stream) in enumerate(ordered(tensors, crc=True)):
+        writer.add(f"data/{key}", sizes[key], stream)
+    writer.add("version", b"3\n")
+    writer.add(".data/serialization_id", writer.serialization_id())
+    writer.finish()
+    return writer.pos
 
 
 def _archive_name(path: str | os.PathLike) -> str:
@@ -366,10 +435,14 @@ class _ZipWriter:
         )
         self.write(raw_name + extra)
         crc = written = 0
+        streamed = getattr(pieces, "crc", None) is not None  # a PieceStream computes its CRC on the way
         for piece in pieces:
             self.write(piece)
-            crc = zlib.crc32(piece, crc)
+            if not streamed:
+                crc = zlib.crc32(piece, crc)
             written += len(piece)
+        if streamed:
+            crc = pieces.crc
         if written != size:
             raise MappingError(f"entry {name} produced {written} bytes, expected {size}")
         if size:

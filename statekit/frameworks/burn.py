@@ -74,7 +74,8 @@ def read(pack: BurnpackFile) -> Checkpoint:
                 ModelParam(n, pack.tensors[n].shape, pack.tensors[n].dtype, id=pack.tensors[n].param_id,
                            tensor=pack.tensor(n))
                 for n in pack.data_order
-            ]
+            ],
+            order="burn",
         )
         ckpt.metadata = dict(pack.metadata)
     else:
@@ -161,6 +162,11 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.groups[0].keys += [k for k in params if k not in grouped]
     else:
         state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+    # torch's param_names, kept by statekit in torch's order: the torch positions too
+    for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
+        if key in params and params[key].path in (None, path):
+            params[key].path = path
+            params[key].index = position
     return state
 
 

@@ -203,7 +203,7 @@ def model_info(model: LegacyModel) -> ModelInfo:
         ModelParam(p.path, tuple(p.tensor.shape), p.tensor.dtype, id=p.id,
                    buffer=not dtypes.is_float(p.tensor.dtype), tensor=p.tensor)
         for p in model.params
-    ])
+    ], order="burn")
 
 
 def scheduler_scalars(sched: LegacyScheduler) -> tuple[dict[str, object], list[str]]:

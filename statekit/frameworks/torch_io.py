@@ -21,13 +21,28 @@ FORMAT = "torch"
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
-    obj = torch_pt.load_pt(path)
+    from statekit.formats import dcp
+
+    directory = dcp.directory_of(path)  # one chunk file of a DCP checkpoint: read the whole checkpoint
+    if directory is not None:
+        from statekit.formats import registry
+
+        return registry.open_checkpoint(directory, **({"key": key} if key else {}), **options)
+    return checkpoint_from_object(torch_pt.load_pt(path), path, key, FORMAT)
+
+
+def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) -> Checkpoint:
+    """A Checkpoint for the object a torch file (or DCP directory) holds."""
+    from statekit.frameworks import torch_fqn
+
+    obj, fqn_notes = torch_fqn.normalize(obj, path)
     sd, where = torch_state.find_optimizer(obj, key, path)
     model_sd = torch_state.find_model(obj)
-    ckpt = Checkpoint(path=path, format=FORMAT, kind="tensors")
+    ckpt = Checkpoint(path=path, format=fmt, kind="tensors")
     if sd is not None:
         ckpt.kind = "optimizer"
         ckpt.optimizer = torch_state.read_optimizer(sd, path)
+        ckpt.optimizer.notes.extend(fqn_notes)
         refs = [r for p in ckpt.optimizer.params for r in p.slots.values()]
         ckpt.n_tensors = len(refs) + sum(1 for p in ckpt.optimizer.params if "__step_dtype" in p.extra
                                          and p.extra["__step_dtype"] != "python")
@@ -44,20 +59,28 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             ckpt.n_tensors = len(model_sd)
             ckpt.nbytes = sum(r.nbytes for r in model_sd.values())
         elif not any(p.path for p in ckpt.optimizer.params):
-            _name_from_model(ckpt)
+            name_from_model(ckpt, ordered=True, source="the checkpoint's model state_dict")
+    ckpt.schedulers = torch_state.schedulers_of(obj)
     if ckpt.kind == "tensors" and not (isinstance(obj, dict) and obj):
         raise FormatError("holds neither an optimizer state_dict nor a model state_dict", path)
     return ckpt
 
 
-def _name_from_model(ckpt: Checkpoint) -> None:
-    """Name positional optimizer parameters from the checkpoint's own model state_dict."""
-    params = [m for m in ckpt.model.params if not m.buffer]
+def name_from_model(ckpt: Checkpoint, *, ordered: bool | None = None, source: str) -> None:
+    """Name positional optimizer parameters from a model's parameters (``ckpt.model``): solved by
+    :mod:`statekit.frameworks.torch_names` from order and shapes, never assumed.
+
+    ``ordered``: the model lists its parameters in ``named_parameters()`` order (a torch state_dict
+    does; a safetensors file does not); None: what ``ckpt.model.order`` says. A naming that is
+    ambiguous or impossible leaves the parameters unnamed, with the reason as a warning.
+    """
+    from statekit.frameworks import torch_names
+
     try:
-        torch_state.apply_names(ckpt.optimizer, [m.path for m in params], {m.path: m.shape for m in params}, ckpt.path)
-        ckpt.optimizer.notes.append("parameter names taken from the checkpoint's model state_dict")
+        torch_names.name_state(ckpt.optimizer, torch_names.from_model_info(ckpt.model, source, ordered=ordered),
+                               ckpt.path)
     except MappingError as exc:
-        ckpt.warnings.append(f"could not name parameters from the checkpoint's model: {exc.message}")
+        ckpt.warnings.append(f"parameters left unnamed: {exc.message}")
 
 
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,

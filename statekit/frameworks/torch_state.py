@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from statekit import hyper, naming
+from statekit import naming
 from statekit.errors import FormatError, MappingError
+from statekit.frameworks import torch_families
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
+LIGHTNING_OPTIMIZERS = "optimizer_states"  # Lightning .ckpt: a list, one state_dict per optimizer
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
+BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "muon"})  # burn 0.22's optimizers
 STEP_NOT_IN_UPDATE = frozenset({"rmsprop"})  # torch counts steps there but its update never reads it
 
 
@@ -37,9 +40,14 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
     if key is not None:
         node = obj
         for part in key.split("."):
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+                continue
             if not isinstance(node, dict) or part not in node:
                 raise FormatError(f"no entry {key!r} in the checkpoint", path)
             node = node[part]
+        if isinstance(node, list) and len(node) == 1 and is_optimizer_dict(node[0]):
+            return node[0], f"{key}.0"
         if not is_optimizer_dict(node):
             raise FormatError(f"entry {key!r} is not an optimizer state_dict", path)
         return node, key
@@ -47,6 +55,12 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
         return obj, None
     if not isinstance(obj, dict):
         return None, None
+    listed = obj.get(LIGHTNING_OPTIMIZERS)
+    if isinstance(listed, list) and listed and all(is_optimizer_dict(o) for o in listed):
+        if len(listed) > 1:
+            keys = ", ".join(f"{LIGHTNING_OPTIMIZERS}.{i}" for i in range(len(listed)))
+            raise FormatError(f"{len(listed)} optimizer states in the checkpoint ({keys}); choose one with --key", path)
+        return listed[0], f"{LIGHTNING_OPTIMIZERS}.0"
     found = [k for k, v in obj.items() if is_optimizer_dict(v)]
     if len(found) > 1:
         raise FormatError(
@@ -79,7 +93,7 @@ def read_model(sd: dict) -> ModelInfo:
         buf = is_buffer(name, ref)
         params.append(ModelParam(name, tuple(ref.shape), ref.dtype, index=None if buf else index, buffer=buf, tensor=ref))
         index += 0 if buf else 1
-    return ModelInfo(params)
+    return ModelInfo(params, order="named_parameters")
 
 
 def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]:
@@ -100,8 +114,9 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         notes.append("state is keyed by strings: torch ignores such entries on load and restarts from step 1")
     params: list[ParamState] = []
     groups: list[ParamGroup] = []
-    families: set[str | None] = set()
     seen: set[int] = set()
+    per_group_fields: list[list[set[str]]] = []
+    raw_groups: list[dict] = []
     for g, group in enumerate(sd["param_groups"]):
         if not isinstance(group, dict) or not isinstance(group.get("params"), list):
             raise FormatError(f"param_groups[{g}] has no 'params' list", path)
@@ -110,8 +125,8 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         if names is not None and (not isinstance(names, list) or len(names) != len(ids)):
             raise FormatError(f"param_groups[{g}]: param_names does not match params", path)
         hp = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        slots_seen: set[str] = set()
         keys = []
+        fields_here: list[set[str]] = []
         for pos, idx in enumerate(ids):
             if not isinstance(idx, int) or idx in seen:
                 raise FormatError(f"param_groups[{g}]: parameter id {idx!r} is not a fresh integer", path)
@@ -121,6 +136,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
             if entry is not None:
                 if not isinstance(entry, dict):
                     raise FormatError(f"state[{idx}] is not a dict", path)
+                fields_here.append({str(k) for k in entry})
                 for name, value in entry.items():
                     if name == "step":
                         p.step, p.extra["__step_dtype"] = _step_value(value, f"state[{idx}]", path)
@@ -130,49 +146,70 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
                         p.slots[name] = value
                     else:
                         p.extra[name] = value
-                slots_seen |= set(p.slots)
                 if p.shape is not None:
                     p.rank = len(p.shape)
             params.append(p)
             keys.append(p.key)
-        family = hyper.torch_family(hp, slots_seen)
-        if family is None and slots_seen:
-            lay = naming.classify("torch", slots_seen | {"step"}) or naming.classify("torch", slots_seen)
-            family = lay.family if lay else None
-        for p in params[len(params) - len(keys):]:
-            p.family = family
-        families.add(family)
+        per_group_fields.append(fields_here)
+        raw_groups.append(group)
         groups.append(ParamGroup(hyperparams=hp, keys=keys))
+    verdict = torch_families.classify(raw_groups, per_group_fields)
+    for p in params:
+        p.family = verdict.family
+    if verdict.family and verdict.family not in BURN_FAMILIES:
+        notes.append(f"burn has no {torch_families.class_name(verdict.family).split('.')[-1]} optimizer: "
+                     "this state can move to other torch files, not to burn")
     extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
     if extra_ids:
         notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
-    family = families.pop() if len(families) == 1 else ("mixed" if families else None)
     return OptimizerState(
-        family=family,
-        candidates=(family,) if family and family != "mixed" else (),
+        family=verdict.family,
+        candidates=(verdict.family,) if verdict.family else verdict.candidates,
         params=params,
         groups=groups,
         hyperparams_stored=True,
         framework="torch",
         notes=notes,
+        family_detail=None if verdict.family else verdict.label,
     )
 
 
-def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple] | None, path: str) -> None:
-    """Give positional parameters their names (named_parameters order), checking counts and shapes."""
-    if len(names) != len(state.params):
-        raise MappingError(
-            f"{len(names)} names for {len(state.params)} optimizer parameters; the names must list exactly "
-            "the parameters the optimizer was built with, in model.named_parameters() order", path)
-    for p, name in zip(state.params, names, strict=True):
-        if p.path and p.path != name:
-            raise MappingError(f"parameter #{p.index} is named {p.path!r} in the file but {name!r} in the names list", path)
-        want = shapes.get(name) if shapes else None
-        if want is not None and p.shape is not None and tuple(want) != tuple(p.shape):
-            raise MappingError(
-                f"parameter #{p.index}: its state has shape {list(p.shape)} but {name!r} has shape {list(want)}; "
-                "the names are not in the optimizer's order", path)
-        p.path = name
+def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple] | None, path: str,
+                order: str | None = None) -> None:
+    """Name positional parameters from a names list (see :mod:`statekit.frameworks.torch_names`)."""
+    from statekit.frameworks import torch_names
+
+    shape_list = [shapes.get(n) for n in names] if shapes else None
+    if shape_list is not None and any(s is None for s in shape_list):
+        shape_list = None
+    torch_names.name_state(state, torch_names.from_names(names, shape_list, source="the names list", order=order),
+                           path)
+
+
+def describe_scheduler(sd: object) -> dict:
+    """The JSON-able part of an LR scheduler's state_dict (``last_epoch``, ``base_lrs``, …)."""
+    if not isinstance(sd, dict):
+        return {"value": type(sd).__name__}
+    out: dict = {}
+    for k, v in sd.items():
+        if isinstance(v, TensorRef):
+            out[k] = f"tensor {list(v.shape)} {v.dtype}"
+        elif isinstance(v, bool | int | float | str) or v is None:
+            out[k] = v
+        elif isinstance(v, list | tuple) and all(isinstance(x, bool | int | float | str) or x is None for x in v):
+            out[k] = list(v)
+        elif k == "lr_lambdas":  # LambdaLR keeps only a callable object's __dict__ (functions: None)
+            out[k] = [None if x is None else "(object state)" for x in v]
+        else:
+            out[k] = type(v).__name__
+    return out
+
+
+def schedulers_of(obj: object) -> list[dict]:
+    """A Lightning checkpoint's ``lr_schedulers`` (a list of scheduler state_dicts), described."""
+    if isinstance(obj, dict) and isinstance(obj.get("lr_schedulers"), list):
+        return [describe_scheduler(s) for s in obj["lr_schedulers"]]
+    return []
 
 
 # ----------------------------------------------------------------------------- writing

@@ -16,13 +16,24 @@ from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
 from statekit.state import OptimizerState, ParamState
 
+# torch families statekit reads but does not convert (their state or update is not modelled)
+NOT_CONVERTED = ("asgd", "rprop", "sparseadam", "muon", "lbfgs")
+
 
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     family = state.family
+    wanted = opts.optimizer.lower() if opts.optimizer else None
+    if family is None and wanted and wanted in state.candidates:
+        return wanted  # the user settles what the file cannot tell (an older torch's Adam or AdamW)
     if family in (None, "mixed"):
-        raise MappingError("the optimizer family could not be determined from the file (mixed or unknown layouts)")
-    if opts.optimizer:
-        wanted = opts.optimizer.lower()
+        label = state.family_label if state.family_detail else "mixed or unknown layouts"
+        raise MappingError(f"the optimizer family could not be determined from the file: {label}; "
+                           "statekit converts only states it recognises exactly")
+    if state.framework == "torch" and family in NOT_CONVERTED:
+        from statekit.frameworks.torch_families import class_name
+
+        raise MappingError(f"{class_name(family)} state: statekit reads it but does not convert it")
+    if wanted:
         allowed = set(state.candidates) | {family}
         if wanted not in allowed:
             raise UsageError(f"--optimizer {wanted}: the file holds {state.family_label} state, not {wanted}")
@@ -35,26 +46,31 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     return family
 
 
-def _same_shapes(p: ParamState) -> None:
-    """Every slot of a parameter has the parameter's shape (transposes and resizes apply to all)."""
+def _same_shapes(p: ParamState) -> str | None:
+    """Why the slots of a parameter do not share one shape (transposes and resizes apply to all), or None."""
     shapes = {name: list(ref.shape) for name, ref in p.slots.items()}
     if len({tuple(s) for s in shapes.values()}) > 1:
         listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-        raise MappingError(f"parameter {p.label()}: its state slots differ in shape ({listed})")
+        return f"parameter {p.label()}: its state slots differ in shape ({listed})"
+    return None
 
 
-def _slots_check(p: ParamState, family: str, target: str) -> None:
-    """Refuse, by name, a slot the target framework's state has no field for (never drop it)."""
+def _slots_missing(p: ParamState, family: str, target: str) -> tuple[str, ...]:
+    """The slots of ``p`` the target framework's state has no field for (refused, never dropped)."""
     if target not in naming.FRAMEWORKS:
-        return
-    try:
-        lay = naming.layout(target, family)
-    except KeyError:
-        raise MappingError(f"{target} has no {family} optimizer") from None
+        return ()
+    lay = naming.layout(target, family)
     neutral = set(lay.slots.values())
-    missing = [s for s in p.slots if s not in neutral and s not in _derived(family)]
-    if missing:
-        raise MappingError(f"parameter {p.label()}: {target}'s {family} state has no field for {', '.join(missing)}")
+    return tuple(s for s in p.slots if s not in neutral and s not in _derived(family))
+
+
+def _grouped(by_problem: dict[tuple, list[str]], say) -> list[str]:
+    """One problem line per distinct problem, naming the parameters it concerns (a few, then a count)."""
+    out = []
+    for key, labels in by_problem.items():
+        more = f" (+{len(labels) - 3} more)" if len(labels) > 3 else ""
+        out.append(say(key, f"{', '.join(labels[:3])}{more}"))
+    return out
 
 
 def _derived(family: str) -> set[str]:
@@ -78,6 +94,13 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     old_paths = opts.old_model.by_id() if opts.old_model else {}
     problems: list[str] = []
     actions: list[ParamAction] = []
+    no_field: dict[tuple, list[str]] = {}
+    if dst_fw in naming.FRAMEWORKS:
+        try:
+            naming.layout(dst_fw, family)
+        except KeyError:
+            raise MappingError(f"{dst_fw} has no {family} optimizer: this state cannot move to {dst_fw}", source) \
+                from None
     for p in state.params:
         src_path = p.path
         if src_path is None and p.id is not None and p.id in old_paths:
@@ -89,12 +112,15 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
             dst_path=dst_path, group=p.group,
         )
         if p.slots or p.step is not None:
-            try:
-                _same_shapes(p)
-                _slots_check(p, family, dst_fw)
-            except MappingError as exc:
-                problems.append(exc.message)
+            uneven = _same_shapes(p)
+            if uneven:
+                problems.append(uneven)
+            missing = _slots_missing(p, family, dst_fw)
+            if missing:
+                no_field.setdefault(missing, []).append(p.label())
         actions.append(action)
+    problems += _grouped(no_field, lambda m, who: f"{dst_fw}'s {family} state has no field for {', '.join(m)} "
+                                                  f"(parameters {who})")
     for rule in rules:
         if rule.matches == 0 and rule.origin == "user":
             plan.warnings.append(f"rename rule {rule.pattern!r} matched no parameter")
@@ -124,6 +150,8 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     for a in actions:
         if a.action in ("drop", "new") or a.src_shape is None:
             continue
+        if dst_fw == "burn" and a.dst_path is None and a.src_path is None and a.dst_id is None:
+            continue  # refused above for having no name at all
         shape = tuple(a.src_shape)
         want = target_shapes.get(a.dst_path) if a.dst_path else None
         cross_layout = crossing and {src_fw, dst_fw} in ({"burn", "torch"}, {"burn", "candle"})
@@ -171,6 +199,9 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         raise MappingError("; ".join(problems), source)
     plan.params = actions
     _hyperparams(state, family, src_fw, dst_fw, opts, plan)
+    if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
+        plan.metadata.update(hyper.paths_to_metadata(
+            {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))
     return plan
 
 
@@ -179,10 +210,27 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
     # --names names a torch *source*'s parameters (applied before planning); it orders the target
     # only when the source is another framework.
     names = opts.names if state.framework != "torch" else None
+    if names is not None and hasattr(names, "entries"):  # a torch_names.ModelOrder
+        names = [e.name for e in names.entries]
+    if state.framework == "torch" and plan.operation == "convert":
+        for i, a in enumerate(actions):  # the same optimizer: every position stays where it is
+            a.dst_index = i
+        return actions
+    if names is None and opts.model is None and state.params and all(
+            p.index is not None and p.path for p in state.params):  # torch's order, recorded in the file
+        names = [p.path for p in sorted(state.params, key=lambda p: p.index)]
     if names is None and opts.model is not None:
+        if opts.model.order != "named_parameters":
+            problems.append(
+                "the --model file keeps no model.named_parameters() order (safetensors sorts tensors by name; a "
+                "burn model has burn's order), and PyTorch pairs optimizer state with parameters by position: "
+                "give --names FILE in named_parameters() order, or a torch state_dict (.pt/.bin) as --model")
+            return actions
         names = [m.path for m in opts.model.params if not m.buffer]
     if names is None:
-        if state.framework == "torch":
+        # torch.distributed (DCP) keys optimizer state by parameter name: a named state needs no order
+        by_name = plan.target_format == "dcp" and all(a.dst_path for a in actions)
+        if state.framework == "torch" or by_name:
             for i, a in enumerate(actions):
                 a.dst_index = i
             return actions
@@ -192,12 +240,7 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
         return actions
     by_path = {a.dst_path: a for a in actions if a.dst_path}
     unnamed = [a for a in actions if not a.dst_path]
-    if unnamed and state.framework == "torch" and len(unnamed) == len(actions) and len(names) == len(actions):
-        for a, name in zip(actions, names, strict=True):
-            a.dst_path = name
-            a.action = "rename" if a.src_path else "keep"
-        by_path = {a.dst_path: a for a in actions}
-    elif unnamed:
+    if unnamed:
         problems.append(f"{len(unnamed)} parameters have no path to match against the names "
                         f"({', '.join('#' + a.src_key for a in unnamed[:5])})")
     ordered: list[ParamAction] = []
@@ -213,16 +256,23 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
             ordered.append(a)
         else:
             problems.append(f"{a.dst_path} (from {a.src_path or a.src_key}) is not among the target's parameters")
+    # torch numbers ids group after group; each group keeps named_parameters() order
+    ordered.sort(key=lambda a: a.group)
+    index = 0
+    for a in ordered:
+        if a.action != "drop":
+            a.dst_index = index
+            index += 1
     return ordered
 
 
 def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
-    if dst_fw == "burn" and opts.model is not None and not opts.model.by_id():
-        raise UsageError("--model for a burn target must be a burn model file (.bpk with a ParamId per tensor)")
+    # a model without ParamIds (a torch/safetensors file) gives paths and shapes; ids are then generated
     model_ids = {m.path: m.id for m in opts.model.params if m.id is not None} if opts.model else {}
     model_paths = {m.path for m in opts.model.params} if opts.model else set()
     by_key = {p.key: p for p in state.params}
     generated = []
+    nameless: list[str] = []
     for a in actions:
         p = by_key[a.src_key]
         if opts.model is not None and a.dst_path not in model_paths:
@@ -238,18 +288,23 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
                 continue
         if a.dst_path in model_ids:
             a.dst_id = str(model_ids[a.dst_path])
-        elif dst_fw == "burn" and p.id is not None and opts.model is None:
+        elif dst_fw == "burn" and p.id is not None and not model_ids:
             a.dst_id = str(p.id)
         elif dst_fw == "burn":
             if not a.dst_path:
-                problems.append(f"parameter #{a.src_key} has neither a path nor an id")
+                nameless.append(f"#{a.src_key}")
                 continue
             a.dst_id = str(paramid.generated(a.dst_path))
             generated.append(a.dst_path)
         elif p.id is not None:
             a.dst_id = str(p.id)
+    if nameless:
+        more = f" (+{len(nameless) - 3} more)" if len(nameless) > 3 else ""
+        problems.append(f"{len(nameless)} parameters have neither a path nor an id ({', '.join(nameless[:3])}{more}); "
+                        "name a torch state's positions with --names FILE or --model MODEL")
     if generated:
-        plan.warnings.append(f"generated ParamIds for {len(generated)} parameters (no --model given): "
+        why = "no --model given" if opts.model is None else "the --model file has no ParamIds"
+        plan.warnings.append(f"generated ParamIds for {len(generated)} parameters ({why}): "
                              "burn will only match them to a model saved with the same ids")
     if opts.model is not None:
         present = {a.dst_path for a in actions if a.action != "drop"}

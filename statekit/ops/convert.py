@@ -24,18 +24,45 @@ from statekit.state import Checkpoint
 output_format = registry.from_extension
 
 
-def name_source_params(state, opts: Options, path: str) -> None:
-    """Give source parameters their paths: --names for a torch source's positions; a model with
-    ParamIds (--model, --old-model) for sources that have ids but no paths (burn ≤ 0.21 records)."""
-    if opts.names is not None and state.framework == "torch":
-        from statekit.frameworks.torch_state import apply_names
+def name_source_params(state, opts: Options, path: str, *, model_names_source: bool = True):
+    """Give source parameters their paths.
 
-        apply_names(state, opts.names, None, path)
+    A torch source's positions are named by :mod:`statekit.frameworks.torch_names` from ``--names``
+    (its order: ``opts.names_order``) and/or a model (``--old-model``, else ``--model`` when
+    ``model_names_source``: for convert it is the same model) — solved from order and shapes, refused
+    when ambiguous. A model with ParamIds names sources that have ids but no paths (burn ≤ 0.21).
+    Returns the :class:`~statekit.frameworks.torch_names.Resolution` used, or None.
+    """
+    resolution = None
+    if state.framework == "torch":
+        resolution = _name_torch(state, opts, path, model_names_source)
     for model in (opts.old_model, opts.model):
         by_id = model.by_id() if model is not None else {}
         for p in state.params:
             if p.path is None and p.id is not None and p.id in by_id:
                 p.path = by_id[p.id].path
+    return resolution
+
+
+def _name_torch(state, opts: Options, path: str, model_names_source: bool):
+    from statekit.frameworks import torch_names
+
+    names = opts.names
+    if names is not None and not isinstance(names, torch_names.ModelOrder):
+        names = torch_names.from_names(list(names), source="--names", order=opts.names_order)
+    elif names is not None and opts.names_order and not names.positional and opts.names_order == "optimizer":
+        names.positional = True
+    model = opts.old_model if opts.old_model is not None else opts.model if model_names_source else None
+    flag = "--model" if opts.old_model is None else "--old-model"
+    model_src = torch_names.from_model_info(model, model.source or flag) \
+        if model is not None and any(not m.buffer for m in model.params) else None
+    if names is not None:
+        if model_src is not None and all(e.shape is None for e in names.entries):
+            names = torch_names.with_shapes(names, model_src)
+        return torch_names.name_state(state, names, path)
+    if model_src is not None and not all(p.path for p in state.params):
+        return torch_names.name_state(state, model_src, path)
+    return None
 
 
 @dataclass
@@ -55,14 +82,21 @@ def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
 
 def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None = None, key: str | None = None,
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
-            progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None) -> Result:
+            progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
+            shards: int | None = None) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
-    called with the finished plan before any byte is written (the CLI shows it there)."""
+    called with the finished plan before any byte is written (the CLI shows it there). ``shards``
+    (DCP output, a directory) is the number of data files to write."""
     opts = opts or Options()
-    fmt = output_format(dst, to)
+    directory = os.path.isdir(dst) or dst.endswith(("/", os.sep))
+    fmt = output_format(dst, to or ("dcp" if shards or directory else None))
+    if shards is not None and (fmt != "dcp" or shards < 1):
+        raise UsageError("--shards applies to DCP (directory) output and must be at least 1")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("source and destination are the same file")
     with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
+        if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
+            return _copy_container(ckpt, dst, fmt, shards or 1, dry_run, progress or silent)
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):
             return _copy(ckpt, dst, dry_run, progress or silent)
         if ckpt.kind == "model" and ckpt.model is not None and plan_in is None:
@@ -78,8 +112,41 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+        if fmt == "dcp":  # the DCP writer's layout choice travels with the plan (and a saved plan)
+            plan.metadata[SHARDS_KEY] = str(shards or int(plan.metadata.get(SHARDS_KEY, 1)))
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+FQN_NOTE = "optimizer state keyed by parameter name (torch.distributed form)"
+SHARDS_KEY = "dcp.shards"  # plan metadata the DCP writer reads: how many data files
+
+
+def is_container_copy(ckpt: Checkpoint, fmt: str) -> bool:
+    """DCP ⇄ torch.save with nothing to change moves the whole saved object, as torch's own
+    ``dcp_to_torch_save`` / ``torch_save_to_dcp`` do: the model and every other entry come along,
+    the optimizer stays keyed by name (what ``set_optimizer_state_dict`` loads)."""
+    if {ckpt.format, fmt} != {"dcp", "torch"}:
+        return False
+    if ckpt.format == "dcp" or ckpt.optimizer is None:
+        return True
+    return FQN_NOTE in ckpt.optimizer.notes
+
+
+def _copy_container(ckpt: Checkpoint, dst: str, fmt: str, shards: int, dry_run: bool,
+                    progress: ProgressFactory) -> Result:
+    from statekit.formats import dcp, torch_pt
+
+    if dry_run:
+        return Result(None, None, copied=True, messages=[
+            f"would copy the whole saved state_dict: {ckpt.format} {ckpt.path} → {fmt} {dst}"])
+    with progress("writing", ckpt.nbytes or None, unit_bytes=True) as advance:
+        if fmt == "torch":
+            torch_pt.save_pt(ckpt.container.state_dict(), dst)
+            size = os.path.getsize(dst)
+        else:
+            size = dcp.save(dst, torch_pt.load_pt(ckpt.path), shards=shards, progress=advance)
+    return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, the whole saved state_dict)"])
 
 
 def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) -> Result:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from statekit import dtypes, io
+from statekit import dtypes, io, stream
+from statekit import tensor as _tensor
 from statekit.errors import MappingError, UsageError
 from statekit.ops import ulp
 from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState
@@ -100,36 +101,26 @@ def _index(flat: int, shape: tuple[int, ...]) -> list[int]:
     return [int(i) for i in np.unravel_index(flat, shape)] if shape else []
 
 
-def compare_refs(ra: TensorRef, rb: TensorRef, atol: float = 0.0, rtol: float = 0.0,
-                 block: int = BLOCK) -> dict:
-    """Compare two tensors elementwise; one dict of facts (JSON-able), ``equal`` among them."""
-    out: dict = {
-        "dtype_a": ra.dtype, "dtype_b": rb.dtype,
-        "shape_a": list(ra.shape), "shape_b": list(rb.shape),
-        "elements": ra.numel, "compared": False, "differing": 0, "nan_mismatch": 0,
-        "max_abs": None, "max_rel": None, "max_ulp": None, "ulp_dtype": None, "worst": None,
-    }
-    if tuple(ra.shape) != tuple(rb.shape):
-        out.update(equal=False, reason="shape")
-        return out
-    if "QFloat" in (ra.dtype, rb.dtype):
-        same = ra.dtype == rb.dtype and bytes(ra.raw()) == bytes(rb.raw())
-        out.update(compared=True, equal=same, differing=0 if same else ra.numel, reason="quantized bytes")
-        return out
-    float_a, float_b = dtypes.is_float(ra.dtype), dtypes.is_float(rb.dtype)
-    ulp_dtype = None
-    if float_a and float_b:
-        ulp_dtype = ra.dtype if ra.dtype == rb.dtype else ulp.coarser(ra.dtype, rb.dtype)
-        if ulp_dtype == "Flex32":
-            ulp_dtype = "F32"
-    flat_a, flat_b = ra.numpy().reshape(-1), rb.numpy().reshape(-1)
-    n = flat_a.size
-    max_abs, max_rel, max_ulp = 0.0, 0.0, 0
-    worst_at, worst_d = None, -1.0
-    differing = nan_mismatch = 0
-    first_nan = None
-    for lo in range(0, n, block):
-        x, y = flat_a[lo : lo + block], flat_b[lo : lo + block]
+def _same_bytes(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether two pieces hold the same bytes (``memcmp`` of the buffers read from the files)."""
+    bx, by = x.base, y.base
+    if type(bx) is bytes and type(by) is bytes and len(bx) == x.nbytes and len(by) == y.nbytes:
+        return bx == by
+    return x.nbytes == y.nbytes and np.array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+class _Tally:
+    """The running facts of one comparison, fed block by block where the bytes differ."""
+
+    def __init__(self, atol: float, rtol: float, ulp_dtype: str | None):
+        self.atol, self.rtol, self.ulp_dtype = atol, rtol, ulp_dtype
+        self.max_abs, self.max_rel, self.max_ulp = 0.0, 0.0, 0
+        self.worst_at, self.worst_d, self.worst = None, -1.0, None
+        self.differing = self.nan_mismatch = 0
+        self.first_nan, self.first_nan_values = None, None
+
+    def block(self, x: np.ndarray, y: np.ndarray, lo: int) -> None:
+        atol, rtol = self.atol, self.rtol
         xf, yf = x.astype(np.float64), y.astype(np.float64)
         nx, ny = np.isnan(xf), np.isnan(yf)
         mismatch = nx ^ ny
@@ -144,34 +135,82 @@ def compare_refs(ra: TensorRef, rb: TensorRef, atol: float = 0.0, rtol: float = 
             limit = atol + rtol * scale if rtol else atol
             # Inf against a number (or an overflowing difference) is never within tolerance.
             bad = mismatch | (d > limit) | np.isinf(d)
-        differing += int(bad.sum())
+        self.differing += int(bad.sum())
         count = int(mismatch.sum())
-        if count and first_nan is None:
-            first_nan = lo + int(np.argmax(mismatch))
-        nan_mismatch += count
+        if count and self.first_nan is None:
+            k = int(np.argmax(mismatch))
+            self.first_nan, self.first_nan_values = lo + k, (x[k], y[k])
+        self.nan_mismatch += count
         if d.size:
             k = int(np.argmax(d))
-            if d[k] > worst_d and d[k] > 0:
-                worst_d, worst_at = float(d[k]), lo + k
-            max_abs = max(max_abs, float(d[k]))
-            max_rel = max(max_rel, float(rel.max()))
-        if ulp_dtype is not None and x.size:
-            want = dtypes.numpy_dtype(ulp_dtype)
+            if d[k] > self.worst_d and d[k] > 0:
+                self.worst_d, self.worst_at, self.worst = float(d[k]), lo + k, (x[k], y[k])
+            self.max_abs = max(self.max_abs, float(d[k]))
+            self.max_rel = max(self.max_rel, float(rel.max()))
+        if self.ulp_dtype is not None and x.size:
+            want = dtypes.numpy_dtype(self.ulp_dtype)
             xc = x if x.dtype == want else x.astype(want)
             yc = y if y.dtype == want else y.astype(want)
             u = ulp.distance(xc, yc)
             u[nx | ny | same] = 0
-            max_ulp = max(max_ulp, int(u.max()))
-    where = worst_at if worst_at is not None else first_nan
+            self.max_ulp = max(self.max_ulp, int(u.max()))
+
+
+def _element(value) -> object:
+    return _jsonable_scalar(value.astype(np.float64) if value.dtype != bool else value)
+
+
+def compare_refs(ra: TensorRef, rb: TensorRef, atol: float = 0.0, rtol: float = 0.0,
+                 block: int = BLOCK) -> dict:
+    """Compare two tensors elementwise; one dict of facts (JSON-able), ``equal`` among them.
+
+    Both tensors are read in pieces side by side; pieces (then blocks) whose bytes are equal are
+    skipped at ``memcmp`` speed, and differences, ULPs and tolerances are computed only where the
+    bytes differ. Memory: two pieces.
+    """
+    out: dict = {
+        "dtype_a": ra.dtype, "dtype_b": rb.dtype,
+        "shape_a": list(ra.shape), "shape_b": list(rb.shape),
+        "elements": ra.numel, "compared": False, "differing": 0, "nan_mismatch": 0,
+        "max_abs": None, "max_rel": None, "max_ulp": None, "ulp_dtype": None, "worst": None,
+    }
+    if tuple(ra.shape) != tuple(rb.shape):
+        out.update(equal=False, reason="shape")
+        return out
+    if "QFloat" in (ra.dtype, rb.dtype):
+        same = ra.dtype == rb.dtype and ra.nbytes == rb.nbytes and all(
+            bytes(x) == bytes(y) for x, y in zip(ra.iter_bytes(), rb.iter_bytes(), strict=False))
+        out.update(compared=True, equal=same, differing=0 if same else ra.numel, reason="quantized bytes")
+        return out
+    float_a, float_b = dtypes.is_float(ra.dtype), dtypes.is_float(rb.dtype)
+    ulp_dtype = None
+    if float_a and float_b:
+        ulp_dtype = ra.dtype if ra.dtype == rb.dtype else ulp.coarser(ra.dtype, rb.dtype)
+        if ulp_dtype == "Flex32":
+            ulp_dtype = "F32"
+    tally = _Tally(atol, rtol, ulp_dtype)
+    same_dtype = dtypes.numpy_dtype(ra.dtype) == dtypes.numpy_dtype(rb.dtype)
+    widest = max(dtypes.itemsize(ra.dtype), dtypes.itemsize(rb.dtype))
+    per_piece = max(block, _tensor.PIECE // widest // block * block)
+    base = 0
+    for x, y in zip(ra.pieces(per_piece), rb.pieces(per_piece), strict=True):
+        if not (same_dtype and _same_bytes(x, y)):
+            for lo in range(0, x.size, block):
+                xs, ys = x[lo : lo + block], y[lo : lo + block]
+                if same_dtype and np.array_equal(xs.view(np.uint8), ys.view(np.uint8)):
+                    continue
+                tally.block(xs, ys, base + lo)
+        base += x.size
+    where = tally.worst_at if tally.worst_at is not None else tally.first_nan
     worst = None
     if where is not None:
-        worst = {"index": _index(where, tuple(ra.shape)),
-                 "a": _jsonable_scalar(flat_a[where].astype(np.float64) if flat_a.dtype != bool else flat_a[where]),
-                 "b": _jsonable_scalar(flat_b[where].astype(np.float64) if flat_b.dtype != bool else flat_b[where])}
+        a, b = tally.worst if tally.worst_at is not None else tally.first_nan_values
+        worst = {"index": _index(where, tuple(ra.shape)), "a": _element(a), "b": _element(b)}
+    differing = tally.differing
     out.update(
         compared=True, equal=differing == 0 and ra.dtype == rb.dtype, differing=differing,
-        nan_mismatch=nan_mismatch, max_abs=max_abs, max_rel=max_rel,
-        max_ulp=max_ulp if ulp_dtype is not None else None, ulp_dtype=ulp_dtype, worst=worst,
+        nan_mismatch=tally.nan_mismatch, max_abs=tally.max_abs, max_rel=tally.max_rel,
+        max_ulp=tally.max_ulp if ulp_dtype is not None else None, ulp_dtype=ulp_dtype, worst=worst,
     )
     if ra.dtype != rb.dtype:
         out["reason"] = "dtype"
@@ -215,8 +254,16 @@ def describe_ref(p: ParamState) -> dict:
             "step": p.step}
 
 
+def field_pairs(pa: ParamState, pb: ParamState) -> list[tuple[TensorRef, TensorRef]]:
+    """The tensor pairs :func:`compare_params` compares, in its order."""
+    fa, fb = _fields(pa), _fields(pb)
+    return [(fa[name], fb[name]) for name in fa if name in fb]
+
+
 def compare_params(pa: ParamState, pb: ParamState, method: str, atol: float, rtol: float,
-                   on_bytes: Callable[[int], None] | None = None) -> dict:
+                   on_bytes: Callable[[int], None] | None = None, compared: Iterator[dict] | None = None) -> dict:
+    """One pair's differences; ``compared`` (when given) yields the :func:`compare_refs` results
+    of :func:`field_pairs` in order (computed ahead, concurrently)."""
     diffs: list[dict] = []
 
     def note(what: str, a, b) -> None:
@@ -247,7 +294,8 @@ def compare_params(pa: ParamState, pb: ParamState, method: str, atol: float, rto
             fields.append({"name": name, "only": "b", "equal": False, "shape_b": list(fb[name].shape),
                            "dtype_b": fb[name].dtype})
             continue
-        item = {"name": name, **compare_refs(fa[name], fb[name], atol, rtol)}
+        facts = next(compared) if compared is not None else compare_refs(fa[name], fb[name], atol, rtol)
+        item = {"name": name, **facts}
         fields.append(item)
         if on_bytes:
             on_bytes(fa[name].nbytes + fb[name].nbytes)
@@ -339,7 +387,9 @@ def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
         raise MappingError(f"cannot compare {ca.path} ({kind_a}) with {cb.path} ({kind_b})")
     method = match_method(params_a, params_b)
     pairs, only_a, only_b = pair_params(params_a, params_b, method)
-    compared = [compare_params(pa, pb, method, atol, rtol, on_bytes) for pa, pb in pairs]
+    tasks = [pair for pa, pb in pairs for pair in field_pairs(pa, pb)]
+    results = stream.parallel_map(lambda t: compare_refs(t[0], t[1], atol, rtol), tasks)
+    compared = [compare_params(pa, pb, method, atol, rtol, on_bytes, results) for pa, pb in pairs]
     state_diffs: list[dict] = []
     sa, sb = ca.optimizer, cb.optimizer
     notes: list[str] = []

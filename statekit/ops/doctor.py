@@ -53,6 +53,8 @@ WHY = {
     "transposed": "same elements in the other layout (torch Linear is [out, in], burn [in, out]): "
                   "transpose the moments or every update lands on the wrong weight",
     "path": "burn matches state by ParamId, so this resumes fine; tools that match by path will not",
+    "names": "PyTorch pairs state with parameters by position; which model parameter each position belongs to "
+             "could not be worked out from the model's order and shapes, so the model checks were skipped",
     "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
 }
 
@@ -69,12 +71,10 @@ def scan(ref: TensorRef, block: int = BLOCK) -> dict:
     """NaN / Inf counts and whether every element is zero, streaming ``block`` elements at a time."""
     if ref.dtype in ("QFloat", "Bool"):
         return {"nan": 0, "inf": 0, "zero": False}
-    flat = ref.numpy().reshape(-1)
     nan = inf = 0
-    zero = flat.size > 0
+    zero = ref.numel > 0
     is_float = dtypes.is_float(ref.dtype)
-    for lo in range(0, flat.size, block):
-        chunk = flat[lo : lo + block]
+    for chunk in ref.pieces(block):  # read with pread, one block at a time
         if is_float:
             wide = chunk.astype(np.float32) if chunk.dtype.itemsize < 4 else chunk
             nan += int(np.isnan(wide).sum())
@@ -151,6 +151,22 @@ def _check_paths(params: list[ParamState], findings: list[dict]) -> None:
             findings.append(_finding("info", "no-path", None, "no state stores a module path"))
 
 
+def _name_positions(state: OptimizerState, model_ckpt: Checkpoint, findings: list[dict], notes: list[str]) -> bool:
+    """Name a torch state's positions from the model (solved, see torch_names) before pairing by path;
+    False (with a finding) when that cannot be done without guessing."""
+    if state.framework != "torch" or not state.params or all(p.path for p in state.params):
+        return True
+    from statekit.frameworks import torch_names
+
+    try:
+        res = torch_names.name_state(state, torch_names.from_model_info(model_ckpt.model, model_ckpt.path))
+    except torch_names.NamesError as exc:
+        findings.append(_finding("warning" if exc.ambiguous else "error", "names", None, exc.message))
+        return False
+    notes.append(res.describe())
+    return True
+
+
 def _is_buffer(m: ModelParam) -> bool:
     return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_LEAVES
 
@@ -167,7 +183,10 @@ def _model_method(params: list[ParamState], model: ModelInfo) -> str:
 
 def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict]) -> str:
     method = _model_method(params, model)
-    trainable = [m for m in model.params if not _is_buffer(m)]
+    from statekit.frameworks.torch_names import tied_duplicates
+
+    tied = tied_duplicates(model)  # a tied LM head is the embedding itself: it has that one's state
+    trainable = [m for m in model.params if not _is_buffer(m) and m.path not in tied]
     if method == "id":
         table = model.by_id()
     elif method == "path":
@@ -246,7 +265,7 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     _check_steps(state.params, findings)
     _check_paths(state.params, findings)
     method = None
-    if model_ckpt is not None:
+    if model_ckpt is not None and _name_positions(state, model_ckpt, findings, notes):
         method = _check_model(state.params, model_ckpt.model, findings)
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     counts = {s: sum(1 for f in findings if f["severity"] == s) for s in SEVERITIES}

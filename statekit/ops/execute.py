@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from statekit import dtypes
+from statekit import stream
 from statekit.errors import MappingError
 from statekit.formats import registry
 from statekit.ops.plan import ParamAction, Plan
@@ -18,56 +18,30 @@ from statekit.tensor import TensorRef
 
 
 def transformed(ref: TensorRef, transpose: bool = False, shape: tuple | None = None, cast: str | None = None) -> TensorRef:
-    """A lazy view of ``ref`` transposed, zero-padded/truncated to ``shape``, and cast."""
+    """A lazy view of ``ref`` transposed, zero-padded/truncated to ``shape``, and cast — produced
+    piece by piece when a writer asks (:mod:`statekit.stream`)."""
     if not (transpose or cast or (shape is not None and tuple(shape) != _after_t(ref.shape, transpose))):
         return ref
-    out_dtype = cast or ref.dtype
-    out_shape = tuple(shape) if shape is not None else _after_t(ref.shape, transpose)
-
-    def load() -> np.ndarray:
-        arr = ref.numpy()
-        if transpose:
-            arr = arr.T
-        if tuple(arr.shape) != out_shape:
-            arr = _resize(arr, out_shape)
-        if cast:
-            arr = arr.astype(dtypes.numpy_dtype(cast))
-        return np.ascontiguousarray(arr)
-
-    return TensorRef(dtype=out_dtype, shape=out_shape, array_loader=load)
+    out = stream.transpose(ref) if transpose else ref
+    if shape is not None and tuple(shape) != tuple(out.shape):
+        out = stream.resize(out, tuple(shape))
+    if cast:
+        out = stream.cast(out, cast)
+    return out
 
 
 def finite_checked(ref: TensorRef, label: str, path: str | None = None) -> TensorRef:
     """``ref``, refusing (when its values are read for writing) NaN or Inf in a float tensor.
 
-    A non-finite moment turns the parameter into NaN at its next step; since outputs are written
-    atomically, the refusal leaves no file behind.
+    A non-finite moment turns the parameter into NaN at its next step; the check runs in the same
+    pass that moves the bytes, and since outputs are written atomically, the refusal leaves no
+    file behind.
     """
-    if not dtypes.is_float(ref.dtype):
-        return ref
-
-    def load() -> np.ndarray:
-        arr = ref.numpy()
-        finite = np.isfinite(arr)
-        if not finite.all():
-            nan = int(np.isnan(arr).sum())
-            raise MappingError(f"{label}: {nan} NaN and {int((~finite).sum()) - nan} Inf values; resuming from them "
-                               "would turn the parameter into NaN (--allow-nonfinite writes them anyway)", path)
-        return arr
-
-    return TensorRef(dtype=ref.dtype, shape=tuple(ref.shape), array_loader=load)
+    return stream.checked(ref, label, path)
 
 
 def _after_t(shape, transpose: bool) -> tuple:
     return tuple(shape)[::-1] if transpose else tuple(shape)
-
-
-def _resize(arr: np.ndarray, shape: tuple) -> np.ndarray:
-    """Zero-pad or truncate each axis to ``shape`` (vocabulary growth, a wider head)."""
-    out = np.zeros(shape, dtype=arr.dtype)
-    region = tuple(slice(0, min(a, b)) for a, b in zip(arr.shape, shape, strict=True))
-    out[region] = arr[region]
-    return out
 
 
 def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
@@ -115,7 +89,15 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
 
 def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamState:
     shape = tuple(a.dst_shape) if a.dst_shape is not None else None
-    slots = {name: transformed(ref, a.transpose, shape, a.cast) for name, ref in p.slots.items()}
+    slots = {}
+    for name, ref in p.slots.items():
+        if p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
+            if a.transpose or a.resize:
+                raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
+                                   "it cannot be transposed or resized", plan.source)
+            slots[name] = transformed(ref, cast=a.cast)
+        else:
+            slots[name] = transformed(ref, a.transpose, shape, a.cast)
     if not plan.allow_nonfinite:
         slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
     if target_fw != "burn":
@@ -140,15 +122,15 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
 def _with_burn_avg(slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
     """burn RMSProp stores ``centered.avg`` = square_avg − grad_avg² (or square_avg): compute it."""
     sa, ga = slots["square_avg"], slots.get("grad_avg")
-
-    def avg() -> np.ndarray:
-        square = sa.numpy()
-        return square - ga.numpy() * ga.numpy() if ga is not None else np.array(square)
+    if ga is not None:
+        avg = stream.combine([sa, ga], lambda square, g: square - g * g, sa.dtype)
+    else:
+        avg = stream.combine([sa], np.array, sa.dtype)
 
     ordered = {"square_avg": sa}
     if ga is not None:
         ordered["grad_avg"] = ga
-    ordered["avg"] = TensorRef(dtype=sa.dtype, shape=tuple(sa.shape), array_loader=avg)
+    ordered["avg"] = avg
     ordered.update({k: v for k, v in slots.items() if k not in ordered})
     return ordered
 

@@ -23,22 +23,21 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     """min / max / mean / rms / nan / inf of a tensor, streaming over ``block`` elements at a time."""
     if ref.dtype == "QFloat":
         return {}
-    arr = ref.numpy().reshape(-1)
-    n = arr.size
+    n = ref.numel
     lo, hi, total, squares, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0
-    for i in range(0, n, block):
-        chunk = arr[i : i + block].astype(np.float64)
-        if dtypes.is_float(ref.dtype):
+    for piece in ref.pieces(block):  # read with pread, one block at a time
+        chunk = piece.astype(np.float64)
+        finite = chunk
+        if dtypes.is_float(ref.dtype) and not np.isfinite(chunk).all():
             bad_nan, bad_inf = np.isnan(chunk), np.isinf(chunk)
             nan += int(bad_nan.sum())
             inf += int(bad_inf.sum())
             finite = chunk[~(bad_nan | bad_inf)]
-        else:
-            finite = chunk
         if finite.size:
             lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
             total += float(finite.sum())
-            squares += float(np.dot(finite, finite))
+            # numpy's pairwise sum, not BLAS dot: as fast on one core, and the same on any machine
+            squares += float(np.square(finite).sum())
     count = n - nan - inf
     out = {"min": lo if count else None, "max": hi if count else None,
            "mean": total / count if count else None, "rms": math.sqrt(squares / count) if count else None,
@@ -170,4 +169,6 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
                 on_param()
     if ckpt.scalars:
         out["scalar_values"] = ckpt.scalars
+    if ckpt.schedulers:
+        out["schedulers"] = ckpt.schedulers
     return out

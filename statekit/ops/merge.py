@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from statekit import dtypes, io
+from statekit import dtypes, io, stream
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 from statekit.ops.diff import METHOD_WORDS, match_key, match_method
@@ -37,20 +37,20 @@ def _families(state: OptimizerState) -> set[str]:
 def _mean_ref(refs: list[TensorRef]) -> TensorRef:
     """A lazy tensor: the elementwise mean of ``refs`` (float64 sum, cast back to the dtype)."""
     first = refs[0]
-    shape, dtype = tuple(first.shape), first.dtype
+    dtype = first.dtype
     target = dtypes.numpy_dtype(dtype)
 
-    def load() -> np.ndarray:
-        acc = np.zeros(shape, np.float64)
-        for ref in refs:
-            acc += ref.numpy().astype(np.float64)
-        acc /= len(refs)
+    def mean(*pieces: np.ndarray) -> np.ndarray:
+        acc = np.zeros(pieces[0].shape, np.float64)
+        for piece in pieces:
+            acc += piece.astype(np.float64)
+        acc /= len(pieces)
         if not dtypes.is_float(dtype):
             acc = np.rint(acc)
         return acc.astype(target)
 
     info = {k: v for k, v in first.info.items() if k == "burn_dtype"}
-    return TensorRef(dtype=dtype, shape=shape, array_loader=load, info=info)
+    return stream.combine(refs, mean, dtype, info=info)
 
 
 def _step_max(steps: list):

@@ -8,7 +8,6 @@ hyperparameters alone (``replay``, ``verify-resume``). The names a user may give
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,7 +27,8 @@ class Options:
     preset: bool = True
     transpose: list[str] = field(default_factory=list)
     no_transpose: list[str] = field(default_factory=list)
-    names: list[str] | None = None
+    names: object = None  # list[str] or a torch_names.ModelOrder (--names)
+    names_order: str | None = None  # --names-order: "model" (named_parameters()) or "optimizer"
     model: ModelInfo | None = None  # the target model (ids, order, shapes)
     old_model: ModelInfo | None = None  # remap: the source's model, to learn paths by id
     resize: bool = False
@@ -63,24 +63,12 @@ def given_hyperparams(**values: object) -> dict[str, object]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def read_names(path: str) -> list[str]:
-    """A names file: a JSON list, or one name per line, in model.named_parameters() order."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read names: {exc.strerror}") from None
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            names = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}: names file is not a JSON list: {exc}") from None
-    else:
-        names = [line.strip() for line in text.splitlines() if line.strip()]
-    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise UsageError(f"{path}: names must be distinct strings")
-    return names
+def read_names(path: str, order: str | None = None):
+    """A names file as a :class:`~statekit.frameworks.torch_names.ModelOrder` (see
+    :func:`statekit.frameworks.torch_names.read_names_file` for the accepted forms)."""
+    from statekit.frameworks import torch_names
+
+    return torch_names.read_names_file(path, order=order)
 
 
 def load_model(path: str) -> ModelInfo:
@@ -88,6 +76,7 @@ def load_model(path: str) -> ModelInfo:
     with io.open_checkpoint(path) as ckpt:
         if ckpt.model is None:
             raise UsageError(f"{path}: not a model file (it holds {ckpt.format} {ckpt.kind} data)")
+        ckpt.model.source = path
         return ckpt.model
 
 
@@ -95,12 +84,14 @@ def _model(value: object) -> ModelInfo | None:
     return load_model(os.fspath(value)) if isinstance(value, str | os.PathLike) else value
 
 
-def make_options(*, optimizer: str | None = None, names: object = None, model: object = None,
+def make_options(*, optimizer: str | None = None, names: object = None, names_order: str | None = None,
+                 model: object = None,
                  old_model: object = None, transpose: Iterable[str] = (), no_transpose: Iterable[str] = (),
                  rename: Iterable[str] = (), rules: Iterable[object] = (), preset: bool = True,
                  dtype: str | None = None, resize: bool = False, reset_step: Iterable[str] = (),
                  step_policy: str | None = None, allow_nonfinite: bool = False, **hyperparams: object) -> Options:
     """:class:`Options` from a user's flags or keywords. ``names``: a list or a names file;
+    ``names_order``: ``"model"`` or ``"optimizer"`` (what order ``names`` is in);
     ``model`` / ``old_model``: a path or a :class:`ModelInfo`; ``rules``: rename-rule files added
     after ``rename``; hyperparameters by the names of ``hyper.FLAGS`` (``betas`` as a pair or
     ``"B1,B2"``)."""
@@ -110,9 +101,11 @@ def make_options(*, optimizer: str | None = None, names: object = None, model: o
     for path in rules or ():
         renames += read_rules_file(os.fspath(path))
     if isinstance(names, str | os.PathLike):
-        names = read_names(os.fspath(names))
+        names = read_names(os.fspath(names), names_order)
+    elif names is not None and not hasattr(names, "entries"):
+        names = list(names)
     return Options(optimizer=optimizer, hyperparams=given_hyperparams(**hyperparams), renames=renames,
                    preset=preset, transpose=list(transpose or ()), no_transpose=list(no_transpose or ()),
-                   names=list(names) if names is not None else None, model=_model(model),
+                   names=names, names_order=names_order, model=_model(model),
                    old_model=_model(old_model), resize=resize, reset_step=list(reset_step or ()),
                    dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite)

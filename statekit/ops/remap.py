@@ -31,7 +31,7 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state", state_path)
         fmt = output_format(out_path, to) if (to or os.path.splitext(out_path)[1]) else ckpt.format
         opts.allow_drop = True
-        name_source_params(ckpt.optimizer, opts, state_path)
+        name_source_params(ckpt.optimizer, opts, state_path, model_names_source=False)
         if plan_in:
             plan = Plan.load(plan_in)
             plan.source, plan.target = state_path, out_path

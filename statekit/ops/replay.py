@@ -219,7 +219,7 @@ def write_state(state: OptimizerState, path: str, fmt: str, family: str, source:
 def replay_files(params: str, grads: list[str], out_params: str, *, state: str | None = None,
                  out_state: str | None = None, optimizer: str | None = None, flavor: str | None = None,
                  hyperparams: dict | None = None, device: str = "cpu", backend: str | None = None,
-                 progress: ProgressFactory | None = None) -> dict:
+                 progress: ProgressFactory | None = None, kernel: str = "auto") -> dict:
     """``statekit replay``: apply the gradient files in order, write the parameters (and state)
     after the last step; returns what ``--json`` prints. Output formats are checked first."""
     from statekit import io
@@ -238,11 +238,11 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
             lane = replay(st, read_tensors(params), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
-                          device=device, backend=backend, progress=advance)
+                          device=device, backend=backend, progress=advance, kernel=kernel)
         write_tensors(out_params, lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
         if out_state:
             write_state(lane_state(lane, st, algorithm), out_state, fmt, algorithm, ckpt)
-    return {"optimizer": algorithm, "flavor": flav, "hyperparams": hp, "steps": len(grad_sets),
+    return {"optimizer": algorithm, "flavor": flav, "kernel": lane.chosen, "hyperparams": hp, "steps": len(grad_sets),
             "exactness": registry.exactness(flav, algorithm=algorithm), "out_params": out_params,
             "out_state": out_state, "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
 

@@ -116,7 +116,18 @@ def _torch_kernel(b, hp, like, *, step_size: float, bc2_sqrt: float, decay: floa
         if amsgrad:
             v = b.maximum(s["max_exp_avg_sq"], v)
             s["max_exp_avg_sq"][...] = v
-        p[...] = new_p + (k["neg_step"] * m) / (sqrt(v) / k["bc2_sqrt"] + k["eps"])
+        # p = new_p + (neg_step * m) / (sqrt(v) / bc2_sqrt + eps), in place on two temporaries
+        # (IEEE + and * are commutative, so the operand order does not change a bit)
+        denom = sqrt(v)
+        denom /= k["bc2_sqrt"]
+        denom += k["eps"]
+        update = k["neg_step"] * m
+        update /= denom
+        if new_p is p:
+            p += update
+        else:
+            update += new_p
+            p[...] = update
 
     return kernel
 
@@ -161,27 +172,40 @@ def _burn(b, hp, step, present, like, vector_width):
     k = {name: b.const(float(value), like) for name, value in scalars.items()}
 
     def kernel(p, g, s, tail):
+        # the operations below, in place on the slots and two temporaries where possible
         if not decoupled and wd != 0:
-            g = p * k["wd"] + g
+            decayed = p * k["wd"]
+            decayed += g
+            g = decayed
+        m, v = s["exp_avg"], s["exp_avg_sq"]
         gg = g * g
         if first:
-            m, v = g * k["c1"], gg * k["c2"]
+            m[...] = g * k["c1"]
+            gg *= k["c2"]
+            v[...] = gg
         else:
-            m = s["exp_avg"] * k["beta1"] + g * k["c1"]
-            v = s["exp_avg_sq"] * k["beta2"] + gg * k["c2"]
-        s["exp_avg"][...] = m
-        s["exp_avg_sq"][...] = v
+            m *= k["beta1"]
+            m += g * k["c1"]
+            v *= k["beta2"]
+            gg *= k["c2"]
+            v += gg
         if amsgrad:
             if not (first or "max_exp_avg_sq" not in present):
                 v = b.maximum(s["max_exp_avg_sq"], v)
             s["max_exp_avg_sq"][...] = v
         if decoupled:
-            u = (m / k["bc1"]) / (b.sqrt_ieee(v / k["bc2"]) + k["eps"])
-            base = p if decay == 0 else p * k["decay"]
+            denom = b.sqrt_ieee(v / k["bc2"])
+            denom += k["eps"]
+            u = m / k["bc1"]
         else:
-            u = (m * k["cf"]) / (b.sqrt_ieee(v) + k["eps_b2"])
-            base = p
-        p[...] = base - u * k["lr"]
+            denom = b.sqrt_ieee(v)
+            denom += k["eps_b2"]
+            u = m * k["cf"]
+        u /= denom
+        u *= k["lr"]
+        if decoupled and decay != 0:
+            p *= k["decay"]
+        p -= u
 
     return kernel, {}, no_tail
 
@@ -207,13 +231,22 @@ def _candle(b, hp, step, present, like, vector_width):
     def affine(x, mul, add="zero"):
         return x * k[mul] + k[add]
 
+    def inplace_affine(x, mul, add="zero"):
+        x *= k[mul]
+        x += k[add]
+        return x
+
     def kernel(p, g, s, tail):
-        m = affine(s["exp_avg"], "beta1") + affine(g, "c1")
-        v = affine(s["exp_avg_sq"], "beta2") + affine(g * g, "c2")
-        s["exp_avg"][...] = m
-        s["exp_avg_sq"][...] = v
-        update = affine(m, "scale_m") / affine(b.sqrt_ieee(affine(v, "scale_v")), "one", "eps")
-        p[...] = affine(p, "decay") - affine(update, "lr")
+        # the formulas above, in place on the slots and two temporaries
+        m, v = s["exp_avg"], s["exp_avg_sq"]
+        inplace_affine(m, "beta1")
+        m += affine(g, "c1")
+        inplace_affine(v, "beta2")
+        v += inplace_affine(g * g, "c2")
+        update = affine(m, "scale_m")
+        update /= inplace_affine(b.sqrt_ieee(affine(v, "scale_v")), "one", "eps")
+        inplace_affine(p, "decay")
+        p -= inplace_affine(update, "lr")
 
     return kernel, {}, no_tail
 

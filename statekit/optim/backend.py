@@ -119,7 +119,9 @@ class Backend:
         """``x*y + z`` rounded once to float32 (:func:`statekit.optim.fp.fma32`).
 
         For 1-D numpy blocks (``x`` or ``y`` and ``z`` may be scalars): the same tie test on
-        reused per-thread buffers; blocks with a candidate take the general path.
+        reused per-thread buffers. The elements that are candidates (a float64 tie, or a result
+        under float32's normal range) go through the exact general path alone, so a block with
+        one candidate costs one element more, not a second pass over the block.
         """
         if np.ndim(x) == 0:
             x, y = y, x
@@ -134,7 +136,8 @@ class Backend:
         np.abs(r, out=mag)
         # float32 results under the normal range (zeros included) may hide a float64 tie too
         if tie or np.less(mag, np.float32(2.0**-126), out=mask).any():
-            return fp.fma32(self, x, y, z)
+            where = np.flatnonzero((low == fp.TIE29) | (mag < np.float32(2.0**-126)))
+            r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z, where))
         return r
 
     def sqrt_torch(self, x):
@@ -149,12 +152,23 @@ class Backend:
         # MKL threads vmsSqrt internally; waking its threads for every block costs milliseconds
         # when the cores are busy with numpy, so each call runs on one thread (results do not
         # depend on the thread count: the root is element-wise).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return torch.from_numpy(np.ascontiguousarray(x)).sqrt().numpy()
-        finally:
-            torch.set_num_threads(threads)
+        # The lock keeps blocks on other threads (statekit.optim.driver) from seeing, or leaving
+        # behind, the temporary thread count.
+        with _TORCH_THREADS_LOCK:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                return torch.from_numpy(np.ascontiguousarray(x)).sqrt().numpy()
+            finally:
+                torch.set_num_threads(threads)
+
+
+_TORCH_THREADS_LOCK = threading.Lock()
+
+
+def _at(value, where):
+    """``value[where]`` for an array, the scalar itself otherwise."""
+    return value if np.ndim(value) == 0 else value[where]
 
 
 def _in_float64(value, buffer):

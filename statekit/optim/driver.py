@@ -12,7 +12,10 @@ only full-size arrays are the caller's own.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from statekit.errors import UsageError
 from statekit.optim.backend import Backend
@@ -50,14 +53,52 @@ def prepare(b: Backend, param, grad, slots: Mapping, names, init: Mapping[str, f
     return p, g, s, shape
 
 
+def threads() -> int:
+    """Threads for numpy blocks: ``STATEKIT_THREADS``, else the CPUs this process may use."""
+    value = os.environ.get("STATEKIT_THREADS")
+    if value:
+        return max(1, int(value))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers != workers:
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statekit-block")
+        return _POOL
+
+
 def run(b: Backend, kernel: Kernel, p, g, s: dict, tail: int = 0) -> None:
-    """Apply ``kernel`` to ``(p, g, s)`` block by block; the last ``tail`` elements go alone."""
+    """Apply ``kernel`` to ``(p, g, s)`` block by block; the last ``tail`` elements go alone.
+
+    On numpy, blocks run on a small thread pool (numpy releases the GIL inside its loops, and
+    the kernels' scratch buffers are per thread); every element is computed alone, so the
+    result does not depend on the number of threads.
+    """
     pf, gf = b.flat(p), b.flat(g)
     sf = {name: b.flat(value) for name, value in s.items()}
     n = pf.shape[0]
     body = n - tail
-    for start in range(0, body, b.block):
+
+    def one(start: int) -> None:
         stop = min(start + b.block, body)
         kernel(pf[start:stop], gf[start:stop], {k: v[start:stop] for k, v in sf.items()}, False)
+
+    starts = range(0, body, b.block)
+    workers = min(threads(), len(starts)) if b.name == "numpy" else 1
+    if workers > 1:
+        for _ in _pool(workers).map(one, starts):
+            pass
+    else:
+        for start in starts:
+            one(start)
     if tail:
         kernel(pf[body:], gf[body:], {k: v[body:] for k, v in sf.items()}, True)

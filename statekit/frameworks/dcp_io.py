@@ -1,0 +1,64 @@
+"""torch.distributed.checkpoint directories as Checkpoints, and optimizer state written as DCP.
+
+Reading rebuilds the nested state_dict that was saved (:class:`statekit.formats.dcp.DcpReader`,
+tensors lazy) and reads it like a torch file: the optimizer state_dict found in it (FQN-keyed,
+from ``get_optimizer_state_dict``; Accelerate's ``optimizer`` entry; torchtitan's flat form) has
+its parameters named, and a model state_dict beside it is kept as the model.
+
+Writing (``save_optimizer``) stores the FQN-keyed form ``set_optimizer_state_dict`` takes, under
+the top-level key ``optimizer`` (``dcp.load({"optimizer": osd}, checkpoint_id=...)``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from statekit.errors import MappingError
+from statekit.formats import dcp
+from statekit.frameworks import torch_fqn, torch_io, torch_state
+from statekit.state import Checkpoint, OptimizerState
+
+FORMAT = "dcp"
+OPTIMIZER_KEY = "optimizer"
+SHARDS_KEY = "dcp.shards"
+
+
+def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
+    reader = dcp.DcpReader(path)
+    ckpt = torch_io.checkpoint_from_object(reader.state_dict(), path, key, FORMAT)
+    ckpt.container = reader
+    ckpt.metadata["dcp_files"] = str(len(reader.meta.files))
+    if reader.meta.version:
+        ckpt.metadata["dcp_version"] = reader.meta.version
+    return ckpt
+
+
+def fqn_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> dict:
+    """The FQN-keyed optimizer state_dict for ``state`` (every parameter must be named)."""
+    unnamed = [p.label() for p in state.params if not p.path]
+    if unnamed:
+        raise MappingError(f"parameter {unnamed[0]} has no name; torch.distributed keys optimizer state by "
+                           "parameter name (give --names)")
+    return torch_fqn.from_positional(torch_state.to_state_dict(state, family, groups))
+
+
+def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
+                   metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
+                   on_warning=None) -> int:
+    """Write the FQN-keyed optimizer state as a DCP directory; ``metadata["dcp.shards"]`` (from the
+    plan) is the number of data files (default 1)."""
+    family = family or state.family
+    groups = groups if groups is not None else [g.hyperparams for g in state.groups]
+    shards = _shards((metadata or {}).get(SHARDS_KEY, "1"))
+    sd = {OPTIMIZER_KEY: fqn_state_dict(state, family, groups)}
+    return dcp.save(os.fspath(path), sd, shards=shards, progress=progress)
+
+
+def _shards(text: str) -> int:
+    try:
+        shards = int(text)
+    except ValueError:
+        shards = 0
+    if shards < 1:
+        raise MappingError(f"{SHARDS_KEY} is {text!r}: the number of DCP data files must be a positive integer")
+    return shards

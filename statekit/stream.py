@@ -1,0 +1,411 @@
+"""The streaming data path: tensors move in bounded pieces, transformed on the way.
+
+Every writer (burnpack, torch zip, safetensors, candle, and writers built on these) takes its
+tensors as :class:`~statekit.tensor.TensorRef` objects and writes what :func:`ordered` hands it:
+
+    for ref, piece_stream in ordered(refs, crc=True):
+        for buf in piece_stream:          # bytes-like, at most PIECE bytes each
+            out.write(buf)
+        piece_stream.crc, piece_stream.nbytes   # CRC-32 and size, computed on the way
+
+A writer never asks for a whole tensor. The lazy transforms here compose on top of any source
+and work piece by piece as well: :func:`cast` (per piece), :func:`transpose` (cache-blocked
+tiles; holds its source, the one exception to one-piece memory), :func:`resize` (zero-pad or
+truncate each axis), :func:`checked` (NaN/Inf refused in the same pass that moves the bytes),
+:func:`combine` (elementwise functions of several tensors).
+
+``jobs`` (default: :func:`current_jobs`, the machine's cores; :func:`using_jobs` sets it for a
+block of code, as the CLI's ``--jobs`` does) is how many tensors are read and transformed at once
+by worker threads (``pread``, numpy and zlib release the GIL). The output order and bytes never
+depend on it: pieces are written in tensor order by the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import queue
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from statekit import dtypes, tensor
+from statekit.errors import MappingError
+from statekit.tensor import Elements, TensorRef
+
+QUEUE_PIECES = 2  # pieces a worker may have ready ahead of the writer (plus one in hand)
+_JOBS: contextvars.ContextVar[int | None] = contextvars.ContextVar("statekit_jobs", default=None)
+
+
+def default_jobs() -> int:
+    """``STATEKIT_JOBS`` if set, else the cores this process may run on."""
+    env = os.environ.get("STATEKIT_JOBS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def current_jobs() -> int:
+    """The number of concurrent tensors in effect (:func:`using_jobs`, else the default)."""
+    value = _JOBS.get()
+    return value if value is not None else default_jobs()
+
+
+def set_jobs(n: int | None) -> None:
+    """Set the number of concurrent tensors for the rest of this context (the CLI's ``--jobs``)."""
+    if n is not None and n < 1:
+        from statekit.errors import UsageError
+
+        raise UsageError(f"--jobs must be at least 1 (got {n})")
+    _JOBS.set(n)
+
+
+@contextlib.contextmanager
+def using_jobs(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` concurrent tensors (None: the default)."""
+    if n is not None and n < 1:
+        from statekit.errors import UsageError
+
+        raise UsageError(f"--jobs must be at least 1 (got {n})")
+    token = _JOBS.set(n)
+    try:
+        yield
+    finally:
+        _JOBS.reset(token)
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def _itemsize(ref: TensorRef) -> int:
+    return dtypes.itemsize(ref.dtype)
+
+
+def derived(dtype: str, shape: tuple, source: Callable[[int], Iterator[np.ndarray]], *, resident: int = 0,
+            info: dict | None = None) -> TensorRef:
+    """A lazy tensor whose values ``source(elements)`` yields as 1-D arrays of ≤ ``elements``."""
+    return TensorRef(dtype=dtype, shape=tuple(shape), piece_source=source, resident=resident, info=info or {})
+
+
+def cast(ref: TensorRef, dtype: str) -> TensorRef:
+    """``ref``'s values converted to ``dtype`` piece by piece (numpy's ``astype``)."""
+    return ref.cast(dtype)
+
+
+def _tile(itemsize: int) -> int:
+    return 256 if itemsize <= 4 else 128
+
+
+def transpose_into(out: np.ndarray, src: np.ndarray) -> None:
+    """``out[...] = src.T`` for 2-D arrays, copied in square tiles that stay in cache."""
+    t = _tile(src.itemsize)
+    rows, cols = src.shape
+    for i in range(0, rows, t):
+        for j in range(0, cols, t):
+            out[j : j + t, i : i + t] = src[i : i + t, j : j + t].T
+
+
+def transpose(ref: TensorRef) -> TensorRef:
+    """``ref`` with its axes reversed. A transpose needs the whole source: it is read once with
+    ``pread`` (held while the output is produced), then written out in bands of tiles."""
+    shape = tuple(ref.shape)[::-1]
+
+    def source(elements: int) -> Iterator[np.ndarray]:
+        src = ref.numpy()
+        if src.ndim != 2:
+            flat = np.ascontiguousarray(src.T).reshape(-1)
+            for lo in range(0, flat.size, elements):
+                yield flat[lo : lo + elements]
+            return
+        m, n = src.shape  # output is [n, m]: output row j is source column j
+        if m == 0 or n == 0:
+            return
+        if m <= elements:
+            band = max(1, elements // m)
+            for j in range(0, n, band):
+                width = min(band, n - j)
+                out = np.empty((width, m), dtype=src.dtype)
+                transpose_into(out, src[:, j : j + width])
+                yield out.reshape(-1)
+        else:  # one output row is longer than a piece: gather it in segments
+            for j in range(n):
+                for i in range(0, m, elements):
+                    yield np.ascontiguousarray(src[i : i + elements, j])
+
+    return derived(ref.dtype, shape, source, resident=ref.resident + ref.nbytes)
+
+
+def resize(ref: TensorRef, shape: tuple) -> TensorRef:
+    """``ref`` zero-padded or truncated on each axis to ``shape`` (same rank), row band by row band."""
+    shape = tuple(shape)
+    old = tuple(ref.shape)
+    if len(old) != len(shape):
+        raise MappingError(f"cannot resize a rank-{len(old)} tensor to shape {list(shape)}")
+    if not shape:
+        return ref
+    want = dtypes.numpy_dtype(ref.dtype)
+
+    def source(elements: int) -> Iterator[np.ndarray]:
+        row_in, row_out = int(np.prod(old[1:])), int(np.prod(shape[1:]))
+        band = max(1, elements // max(row_in, row_out, 1))
+        values = Elements(ref.pieces(max(elements, row_in)))
+        keep = tuple(slice(0, min(a, b)) for a, b in zip(old[1:], shape[1:], strict=True))
+        for r in range(0, shape[0], band):
+            rows = min(band, shape[0] - r)
+            out = np.zeros((rows, *shape[1:]), dtype=want)
+            have = max(0, min(rows, old[0] - r))
+            if have:
+                block = values.take(have * row_in).reshape(have, *old[1:])
+                out[(slice(0, have), *keep)] = block[(slice(0, have), *keep)]
+            yield out.reshape(-1)
+
+    return derived(ref.dtype, shape, source, resident=ref.resident)
+
+
+def checked(ref: TensorRef, label: str, path: str | None = None) -> TensorRef:
+    """``ref``, refusing NaN or Inf in a float tensor — counted in the same pass that moves the
+    bytes; raised after the tensor's last piece (an atomic writer then leaves no file)."""
+    if not dtypes.is_float(ref.dtype):
+        return ref
+
+    def source(elements: int) -> Iterator[np.ndarray]:
+        nan = bad = 0
+        for piece in ref.pieces(elements):
+            finite = np.isfinite(piece)
+            if not finite.all():
+                nan += int(np.isnan(piece).sum())
+                bad += int(piece.size - np.count_nonzero(finite))
+            yield piece
+        if bad:
+            raise MappingError(f"{label}: {nan} NaN and {bad - nan} Inf values; resuming from them "
+                               "would turn the parameter into NaN (--allow-nonfinite writes them anyway)", path)
+
+    out = derived(ref.dtype, ref.shape, source, resident=ref.resident)
+    out.info = dict(ref.info)
+    return out
+
+
+def combine(refs: Sequence[TensorRef], fn: Callable[..., np.ndarray], dtype: str, *,
+            info: dict | None = None) -> TensorRef:
+    """``fn(piece_a, piece_b, ...)`` over aligned pieces of same-shaped tensors."""
+    shape = tuple(refs[0].shape)
+
+    def source(elements: int) -> Iterator[np.ndarray]:
+        streams = [r.pieces(elements) for r in refs]
+        for parts in zip(*streams, strict=True):
+            yield fn(*parts)
+
+    return derived(dtype, shape, source, resident=sum(r.resident for r in refs), info=info)
+
+
+# ----------------------------------------------------------------------------- ordered, concurrent
+
+
+class PieceStream:
+    """The bytes of one tensor, in pieces; ``nbytes`` and ``crc`` (when asked) once exhausted."""
+
+    def __init__(self, pieces: Iterator, want_crc: bool):
+        self._pieces = pieces
+        self._want_crc = want_crc
+        self.nbytes = 0
+        self.crc = 0 if want_crc else None
+
+    def __iter__(self) -> Iterator[bytes | memoryview]:
+        for piece, crc in self._pieces:
+            self.nbytes += len(piece)
+            if self._want_crc:
+                self.crc = crc
+            yield piece
+
+
+def _produce(ref: TensorRef, piece: int, want_crc: bool) -> Iterator[tuple]:
+    crc = 0
+    for buf in ref.iter_bytes(piece):
+        if want_crc:
+            crc = zlib.crc32(buf, crc)
+        yield buf, crc
+
+
+_DONE = object()
+
+
+class _Gate:
+    """Lets tensors that hold their whole source (transposes) run one at a time, in order."""
+
+    def __init__(self, holders: list[int]):
+        self._order = holders
+        self._next = 0
+        self._cond = threading.Condition()
+
+    def enter(self, index: int, cancelled: threading.Event) -> None:
+        with self._cond:
+            while self._order[self._next] != index:
+                if cancelled.is_set():
+                    raise _Cancelled
+                self._cond.wait(0.1)
+
+    def leave(self) -> None:
+        with self._cond:
+            self._next += 1
+            self._cond.notify_all()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def ordered(refs: Sequence[TensorRef], *, jobs: int | None = None, piece: int | None = None,
+            crc: bool = False) -> Iterator[tuple[TensorRef, PieceStream]]:
+    """``(ref, stream)`` for each ref, in order; iterate each stream fully before the next.
+
+    With ``jobs`` > 1, up to ``jobs`` tensors are read and transformed ahead by as many worker
+    threads, each holding at most a few pieces; the consumer sees exactly what ``jobs=1`` gives.
+    Small totals (under :data:`CONCURRENT_MIN` bytes) are not worth the threads.
+    """
+    n_jobs = jobs if jobs is not None else current_jobs()
+    piece = piece or tensor.PIECE
+    refs = list(refs)
+    if n_jobs <= 1 or len(refs) <= 1 or sum(_size(r) for r in refs) < CONCURRENT_MIN:
+        for ref in refs:
+            yield ref, PieceStream(_produce(ref, piece, crc), crc)
+        return
+    yield from _concurrent(refs, n_jobs, piece, crc)
+
+
+CONCURRENT_MIN = 32 << 20
+
+
+def _size(ref: TensorRef) -> int:
+    try:
+        return ref.nbytes
+    except ValueError:
+        return 0
+
+
+def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool) -> Iterator[tuple]:
+    cancelled = threading.Event()
+    gate = _Gate([i for i, r in enumerate(refs) if r.resident] + [-1])
+    queues = [queue.Queue(maxsize=QUEUE_PIECES) for _ in refs]
+    slots = threading.Semaphore(n_jobs)  # tensors in flight: taken by a worker, released by the consumer
+    counter = iter(range(len(refs)))
+    counter_lock = threading.Lock()
+    context = contextvars.copy_context()  # worker threads do not inherit context variables
+
+    def put(q: queue.Queue, item) -> None:
+        while True:
+            if cancelled.is_set():
+                raise _Cancelled
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def run_one(index: int) -> None:
+        q, ref = queues[index], refs[index]
+        holder = bool(ref.resident)
+        try:
+            if holder:
+                gate.enter(index, cancelled)
+            try:
+                for item in _produce(ref, piece, crc):
+                    put(q, item)
+            finally:
+                if holder:
+                    gate.leave()
+            put(q, _DONE)
+        except _Cancelled:
+            raise
+        except BaseException as exc:  # handed to the consumer, raised there in order
+            put(q, exc)
+
+    def worker() -> None:
+        while not cancelled.is_set():
+            if not slots.acquire(timeout=0.1):
+                continue
+            with counter_lock:
+                index = next(counter, None)
+            if index is None:
+                return
+            try:
+                run_one(index)
+            except _Cancelled:
+                return
+
+    def drain(q: queue.Queue) -> Iterator[tuple]:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    threads = [threading.Thread(target=context.copy().run, args=(worker,), daemon=True,
+                                name=f"statekit-stream-{k}") for k in range(min(n_jobs, len(refs)))]
+    for t in threads:
+        t.start()
+    try:
+        for i, ref in enumerate(refs):
+            yield ref, PieceStream(drain(queues[i]), crc)
+            queues[i] = None
+            slots.release()
+    finally:
+        cancelled.set()
+        for q in queues:  # unblock workers waiting to put
+            if q is not None:
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        q.get_nowait()
+        for t in threads:
+            t.join()
+
+
+def write_all(out, refs: Sequence[TensorRef], *, crc: bool = False,
+              before: Callable[[int, TensorRef], None] | None = None,
+              after: Callable[[int, TensorRef, PieceStream], None] | None = None) -> None:
+    """Write each tensor's bytes to ``out`` in order (``before``/``after`` hooks per tensor)."""
+    for i, (ref, stream) in enumerate(ordered(refs, crc=crc)):
+        if before is not None:
+            before(i, ref)
+        for buf in stream:
+            out.write(buf)
+        if after is not None:
+            after(i, ref, stream)
+
+
+def parallel_map(fn: Callable, items: Sequence, *, jobs: int | None = None) -> Iterator:
+    """``fn(item)`` for each item, results in order; up to ``jobs`` run at once in threads (each
+    holding its own bounded pieces). With one job, or one item, nothing runs ahead."""
+    n_jobs = jobs if jobs is not None else current_jobs()
+    items = list(items)
+    if n_jobs <= 1 or len(items) <= 1:
+        for item in items:
+            yield fn(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    context = contextvars.copy_context()
+    with ThreadPoolExecutor(max_workers=n_jobs, thread_name_prefix="statekit-map") as pool:
+        futures = []
+        ahead = iter(items)
+        for item in ahead:  # keep at most 2 × jobs submitted: results are held until consumed
+            futures.append(pool.submit(context.copy().run, fn, item))
+            if len(futures) >= 2 * n_jobs:
+                break
+        try:
+            while futures:
+                result = futures.pop(0).result()
+                for item in ahead:
+                    futures.append(pool.submit(context.copy().run, fn, item))
+                    break
+                yield result
+        finally:
+            for f in futures:
+                f.cancel()

@@ -1,0 +1,170 @@
+"""Checkpoints written by HF Trainer, Accelerate and Lightning (fixtures/clients/, made by
+scripts/make_client_fixtures.py with the real programs), read and converted by statekit and resumed
+with real torch 2.13 against the uninterrupted run's record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+CLIENTS = Path(__file__).resolve().parent.parent / "fixtures" / "clients"
+TRAINER = CLIENTS / "trainer" / "checkpoint-3"
+REFERENCE = CLIENTS / "trainer-resume.safetensors"
+ACCELERATE = CLIENTS / "accelerate"
+LIGHTNING = CLIENTS / "lightning" / "epoch=0-step=4.ckpt"
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    with safe_open(str(REFERENCE), "pt") as fh:
+        meta = json.loads(fh.metadata()["resume"])
+    return {"meta": meta, "tensors": load_file(str(REFERENCE))}
+
+
+def linear_warmup(warmup: int, total: int):
+    """transformers' get_linear_schedule_with_warmup lambda, as written there."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+
+    return factor
+
+
+def resume_with_torch(record: dict, optimizer_file) -> tuple[dict, torch.optim.Optimizer]:
+    """Trainer's resume in plain torch: AdamW over the checkpoint's parameters in Trainer's groups,
+    the saved state loaded by position, LambdaLR rebuilt with last_epoch, the recorded gradients fed."""
+    meta, ref = record["meta"], record["tensors"]
+    weights = load_file(str(TRAINER / "model.safetensors"))
+    params = {n: torch.nn.Parameter(weights[n].clone()) for n in meta["names"]}
+    groups = []
+    for names, hp in zip(meta["groups"], meta["hyperparams"], strict=True):
+        hp = {k: tuple(v) if k == "betas" else v for k, v in hp.items() if k != "initial_lr"}
+        groups.append({"params": [params[n] for n in names], **hp})
+    opt = torch.optim.AdamW(groups)
+    opt.load_state_dict(torch.load(optimizer_file, weights_only=True))
+    sched = meta["scheduler"]
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, linear_warmup(sched["num_warmup_steps"], sched["num_training_steps"]), last_epoch=meta["save_at"] - 1)
+    for k in range(meta["steps"]):
+        assert [g["lr"] for g in opt.param_groups] == meta["lrs"][k]
+        for n, p in params.items():
+            p.grad = ref[f"grad.{k}.{n}"].clone()
+        opt.step()
+        lr_sched.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def assert_bit_identical(record: dict, params: dict, opt) -> None:
+    ref = record["tensors"]
+    for n, p in params.items():
+        assert torch.equal(p.detach(), ref[f"param.{n}"]), n
+        state = opt.state[p]
+        assert torch.equal(state["exp_avg"], ref[f"exp_avg.{n}"]), n
+        assert torch.equal(state["exp_avg_sq"], ref[f"exp_avg_sq.{n}"]), n
+        assert torch.equal(state["step"].reshape(1), ref[f"step.{n}"]), n
+
+
+def test_the_record_replays_from_trainers_own_files(record):
+    """The reference itself: Trainer's optimizer.pt resumed in plain torch reproduces the run."""
+    params, opt = resume_with_torch(record, TRAINER / "optimizer.pt")
+    assert_bit_identical(record, params, opt)
+
+
+# ----------------------------------------------------------------------------- folders and wrappers
+
+
+def torch_load(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_trainer_folder_opens_by_content(cli):
+    import statekit
+
+    saved = torch_load(TRAINER / "optimizer.pt")
+    with statekit.open(TRAINER) as ckpt:
+        assert ckpt.format == "torch" and ckpt.kind == "optimizer"
+        assert ckpt.metadata["layout"] == "hf-trainer" and ckpt.metadata["model_file"] == "model.safetensors"
+        state = ckpt.optimizer
+        assert state.family == "adamw"
+        assert [len(g.keys) for g in state.groups] == [len(g["params"]) for g in saved["param_groups"]] == [10, 18]
+        for p in state.params:
+            assert tuple(p.shape) == tuple(saved["state"][p.index]["exp_avg"].shape)
+            assert p.step == saved["state"][p.index]["step"].item()
+        sched = torch_load(TRAINER / "scheduler.pt")
+        assert ckpt.schedulers[0]["last_epoch"] == sched["last_epoch"] == 3
+        assert ckpt.schedulers[0]["base_lrs"] == sched["base_lrs"]
+        trainer_state = json.loads((TRAINER / "trainer_state.json").read_text())
+        assert ckpt.scalars["global_step"] == trainer_state["global_step"]
+    res = cli("inspect", TRAINER)
+    assert res.returncode == 0, res.stderr
+    assert "lr scheduler 0:" in res.stdout and "last_epoch=3" in res.stdout
+
+
+def test_accelerate_folder_opens_by_content():
+    import statekit
+
+    saved = torch_load(ACCELERATE / "optimizer.bin")
+    with statekit.open(ACCELERATE) as ckpt:
+        assert ckpt.metadata["layout"] == "accelerate"
+        assert ckpt.optimizer.family == "adamw"
+        assert [tuple(p.shape) for p in ckpt.optimizer.params] == [
+            tuple(saved["state"][i]["exp_avg"].shape) for i in saved["param_groups"][0]["params"]]
+        assert ckpt.schedulers[0]["step_size"] == torch_load(ACCELERATE / "scheduler.bin")["step_size"]
+
+
+def test_a_folder_statekit_does_not_know_is_one_line(cli, tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    res = cli("inspect", tmp_path)
+    assert res.returncode == 1
+    assert res.stderr.count("\n") == 1 and str(tmp_path) in res.stderr and "Trainer" in res.stderr
+
+
+def lightning_names_and_shapes() -> list[tuple[str, tuple]]:
+    saved = torch_load(LIGHTNING)
+    return [(n, tuple(t.shape)) for n, t in saved["state_dict"].items()]
+
+
+@pytest.mark.parametrize("key", [None, "optimizer_states.0", "optimizer_states"])
+def test_lightning_ckpt_finds_its_optimizer_and_names(key):
+    import statekit
+
+    saved = torch_load(LIGHTNING)
+    opt = saved["optimizer_states"][0]
+    with statekit.open(LIGHTNING, key=key) as ckpt:
+        assert ckpt.kind == "optimizer" and ckpt.optimizer.family == "adam"
+        # Lightning's state_dict lists the module's parameters (no buffers here) in named_parameters() order,
+        # the order of its one param group
+        assert [(p.path, tuple(p.shape)) for p in ckpt.optimizer.params] == lightning_names_and_shapes()
+        assert [p.step for p in ckpt.optimizer.params] == [opt["state"][i]["step"].item() for i in range(7)]
+        assert ckpt.schedulers[0]["step_size"] == saved["lr_schedulers"][0]["step_size"]
+        assert ckpt.scalars["global_step"] == saved["global_step"]
+
+
+def test_lightning_ckpt_converts_without_key_and_back_into_torch(cli, tmp_path):
+    out, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
+    res = cli("convert", LIGHTNING, out, "--transpose", "net.fc*.weight", "--no-transpose", "net.embed.weight")
+    assert res.returncode == 0, res.stderr
+    import statekit
+
+    with statekit.open(out) as ckpt:
+        got = [(p.path, tuple(p.shape)) for p in ckpt.optimizer.params]
+    want = [(n, s[::-1] if n.startswith("net.fc") and len(s) == 2 else s) for n, s in lightning_names_and_shapes()]
+    assert sorted(got) == sorted(want)
+    res = cli("convert", out, back, "--optimizer", "adam", "--model", LIGHTNING, "--lr", "0.0005")
+    assert res.returncode == 0, res.stderr
+    saved = torch_load(LIGHTNING)["optimizer_states"][0]
+    sd = torch_load(back)
+    names = sd["param_groups"][0]["param_names"]
+    order = [n for n, _ in lightning_names_and_shapes()]
+    for i, name in zip(sd["param_groups"][0]["params"], names, strict=True):
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sd["state"][i][field], saved["state"][order.index(name)][field]), (name, field)

@@ -1,0 +1,99 @@
+"""The streaming data path: pieces, transforms and concurrent ordering against plain numpy."""
+
+import numpy as np
+import pytest
+
+from statekit import stream, tensor
+from statekit.errors import MappingError
+from statekit.formats.burnpack import BurnpackFile, PackTensor, write_burnpack
+from statekit.tensor import TensorRef
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 4 KiB and threads for any total, so every boundary and hand-off is exercised."""
+    monkeypatch.setattr(tensor, "PIECE", 4096)
+    monkeypatch.setattr(stream, "CONCURRENT_MIN", 0)
+
+
+def values(ref: TensorRef, elements: int) -> np.ndarray:
+    pieces = list(ref.pieces(elements))
+    assert all(p.size == elements for p in pieces[:-1]) and (not pieces or 0 < pieces[-1].size <= elements)
+    return np.concatenate(pieces) if pieces else np.empty(0)
+
+
+@pytest.fixture
+def packed(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {"w": rng.standard_normal((37, 300)).astype(np.float32),
+              "h": rng.standard_normal((5, 7, 9)).astype(np.float16),
+              "b": rng.standard_normal(1001).astype(np.float64), "e": np.zeros((0, 4), np.float32)}
+    write_burnpack(tmp_path / "a.bpk", [PackTensor(n, TensorRef.from_array(a)) for n, a in arrays.items()])
+    with BurnpackFile(tmp_path / "a.bpk") as pack:
+        yield arrays, {n: pack.tensor(n) for n in arrays}
+
+
+@pytest.mark.parametrize("elements", [1, 7, 300, 4096, 1 << 20])
+def test_pieces_from_a_file_are_exact(packed, elements):
+    arrays, refs = packed
+    for name, arr in arrays.items():
+        assert np.array_equal(values(refs[name], elements), arr.reshape(-1))
+
+
+@pytest.mark.parametrize("elements", [1, 13, 37, 299, 300, 301, 5000, 1 << 20])
+def test_transpose_resize_cast_match_numpy(packed, elements):
+    arrays, refs = packed
+    w, ref = arrays["w"], refs["w"]
+    assert np.array_equal(values(stream.transpose(ref), elements), w.T.reshape(-1))
+    assert np.array_equal(values(stream.transpose(refs["h"]), elements), arrays["h"].T.reshape(-1))
+    grown = np.zeros((40, 310), np.float32)
+    grown[:37, :300] = w
+    assert np.array_equal(values(stream.resize(ref, (40, 310)), elements), grown.reshape(-1))
+    assert np.array_equal(values(stream.resize(ref, (20, 100)), elements), w[:20, :100].reshape(-1))
+    both = stream.cast(stream.resize(stream.transpose(ref), (301, 30)), "F16")
+    expect = np.zeros((301, 30), np.float32)
+    expect[:300, :30] = w.T[:, :30]
+    assert np.array_equal(values(both, elements), expect.astype(np.float16).reshape(-1))
+    assert np.array_equal(stream.transpose(ref).numpy(), w.T)
+
+
+def test_blocked_transpose_of_a_large_matrix():
+    src = np.arange(1000 * 777, dtype=np.float32).reshape(1000, 777)
+    out = np.empty((777, 1000), np.float32)
+    stream.transpose_into(out, src)
+    assert np.array_equal(out, src.T)
+
+
+def test_nonfinite_counted_over_the_whole_tensor(small_pieces):
+    arr = np.ones(5000, np.float32)
+    arr[[3, 4000]] = np.nan
+    arr[4999] = np.inf
+    ref = stream.checked(TensorRef.from_array(arr), "l1.weight.exp_avg", "x.bpk")
+    with pytest.raises(MappingError, match=r"l1.weight.exp_avg: 2 NaN and 1 Inf values"):
+        list(ref.iter_bytes())
+    assert stream.checked(TensorRef.from_array(np.arange(3)), "i", None).piece_source is None  # ints pass
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 5])
+def test_ordered_is_the_same_for_any_jobs(small_pieces, packed, jobs):
+    arrays, refs = packed
+    refs = [refs["w"], stream.transpose(refs["w"]), refs["e"], refs["h"], stream.transpose(refs["b"]), refs["b"]]
+    seen = []
+    for ref, piece_stream in stream.ordered(refs, jobs=jobs, crc=True):
+        data = b"".join(bytes(p) for p in piece_stream)
+        import zlib
+
+        assert piece_stream.crc == zlib.crc32(data) and piece_stream.nbytes == len(data) == ref.nbytes
+        seen.append(data)
+    expect = [arrays["w"].tobytes(), arrays["w"].T.tobytes(), b"", arrays["h"].tobytes(),
+              arrays["b"].tobytes(), arrays["b"].tobytes()]
+    assert seen == expect
+
+
+def test_ordered_raises_the_first_failure_in_order(small_pieces):
+    good = TensorRef.from_array(np.ones(3000, np.float32))
+    bad1 = stream.checked(TensorRef.from_array(np.full(3000, np.nan, np.float32)), "first", None)
+    bad2 = stream.checked(TensorRef.from_array(np.full(10, np.inf, np.float32)), "second", None)
+    with pytest.raises(MappingError, match="first"):
+        for _, piece_stream in stream.ordered([good, bad1, bad2, good], jobs=3):
+            list(piece_stream)
