@@ -353,3 +353,8 @@ def test_bincode_entry_count_limit():
     data = b"\xfc" + struct.pack("<I", n) + b"\0" * (3 * n)
     with pytest.raises(BincodeError, match="limit"):
         BincodeReader(data).length(min_item_size=3)
+
+
+def test_unhashable_bool_store_is_an_unknown_dtype(tmp_path):
+    """Found by scripts/fuzz.py (burnpack 105421): ``{"Bool": [..]}`` used to fail a dict lookup."""
+    refuse(write(tmp_path, "b.bpk", adam_bpk([2], b"\0" * 2, dtype={"Bool": ["U32"]})), "dtype")

@@ -97,7 +97,7 @@ def dtype_name(burn_dtype: object) -> str:
             return burn_dtype
     elif isinstance(burn_dtype, dict) and len(burn_dtype) == 1:
         (key, value), = burn_dtype.items()
-        if key == "Bool" and value in _BOOL_STORES:
+        if key == "Bool" and isinstance(value, str) and value in _BOOL_STORES:
             return "Bool"
         if key == "QFloat" and isinstance(value, dict):
             return "QFloat"
