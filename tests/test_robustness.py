@@ -15,6 +15,7 @@ import struct
 import zipfile
 
 import msgpack
+import numpy as np
 import pytest
 
 import statekit
@@ -358,3 +359,22 @@ def test_bincode_entry_count_limit():
 def test_unhashable_bool_store_is_an_unknown_dtype(tmp_path):
     """Found by scripts/fuzz.py (burnpack 105421): ``{"Bool": [..]}`` used to fail a dict lookup."""
     refuse(write(tmp_path, "b.bpk", adam_bpk([2], b"\0" * 2, dtype={"Bool": ["U32"]})), "dtype")
+
+
+def test_many_views_of_one_storage_are_read_not_refused(tmp_path):
+    """Sharing one storage is no bomb: every view reads its own element (bench/robustness.py times 10^6)."""
+    n = 5000
+    body = b""
+    for i in range(n):
+        key = f"t{i}".encode()
+        call = rebuild_call((1,), (1,), numel=0)[2:]  # without PROTO
+        call = call.replace(pickle.BININT1 + b"\0" + pickle.NONE, pickle.LONG1 + b"\x02" + struct.pack("<H", n) + pickle.NONE)
+        call = call.replace(pickle.BINPERSID + pickle.BININT1 + b"\0", pickle.BINPERSID + pickle.LONG1 + b"\x03"
+                            + i.to_bytes(3, "little"))
+        body += pickle.BINUNICODE + struct.pack("<I", len(key)) + key + call
+    pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.MARK + body + pickle.SETITEMS + pickle.STOP
+    path = write(tmp_path, "views.pt", torch_zip(pkl, {"0": np.arange(n, dtype="<f4").tobytes()}))
+    with statekit.open(path) as ckpt:
+        params = ckpt.model.params
+        assert len(params) == n
+        assert [p.tensor.numpy().tolist() for p in params[::997]] == [[float(i)] for i in range(0, n, 997)]
