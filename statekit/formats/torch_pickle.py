@@ -375,9 +375,6 @@ def _ordered_dict(items=()):
     return dict((_key(k), v) for k, v in items)
 
 
-_FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype)
-
-
 def _key(key: object) -> object:
     """A dict key or set member: a scalar, or a short flat tuple of scalars (hashing nested
     shared tuples takes exponential time, so those are refused)."""
@@ -506,6 +503,10 @@ class Record:
     def kind(self) -> str:
         """The class name without its module (``TensorStorageMetadata``)."""
         return self.cls.rsplit(".", 1)[-1]
+
+
+# dict keys and set members: hashed in constant time (a Record by identity)
+_FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype, Record)
 
 
 def allowed_callable(name: str, fn: Callable) -> object:
@@ -760,6 +761,8 @@ def _children(node: object):
     if isinstance(node, TensorRef):
         state = node.info.get("python_state")
         return state.values() if state else None
+    if isinstance(node, Record):
+        return node.fields.values()
     return None
 
 
