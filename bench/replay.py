@@ -13,7 +13,10 @@ one in-place step, best of ``--repeat`` after a warm-up. Rows:
   numpy views), ``numba`` (1 and ``--threads`` threads) and the ``reference`` emulation, for
   each flavour (candle is AdamW with weight_decay 0, the same update);
 * the reference of ``--baseline-rev`` (default: main before issue 13's kernels), exported
-  with ``git archive`` and timed in a subprocess alternating with today's, same method.
+  with ``git archive`` and timed in a subprocess alternating with today's, same method;
+* ``statekit verify-resume`` of a torch Adam checkpoint of ``--verify-params`` parameters (four
+  square Linear weights, written by torch) against itself, 10 steps, in a fresh process: wall
+  time and peak RSS against the state's size (its two moments). ``--verify-params 0`` skips it.
 
 Then the ratios of issue 13's "Done when", all from this run. An Adam step moves 7 float32
 streams (p, g, m, v read; p, m, v written): 28 B per element.
@@ -179,6 +182,48 @@ def reference_runs(numel: int, repeat: int, rev: str) -> tuple[dict, dict]:
         return best["baseline"], best["today"]
 
 
+VERIFY_SCRIPT = r"""
+import resource, sys, time
+sys.argv = ["statekit", "verify-resume", sys.argv[1], sys.argv[1], "--steps", sys.argv[2], "--json"]
+from statekit.cli import _run
+start = time.perf_counter()
+code = _run()
+sys.stderr.write(f"RESULT {time.perf_counter() - start} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}\n")
+sys.exit(code)
+"""
+
+
+def verify_resume_run(total: int, steps: int = 10) -> tuple[float, int, int]:
+    """(seconds, peak RSS bytes, state bytes) of ``statekit verify-resume`` on a torch Adam
+    checkpoint of ``total`` parameters against itself."""
+    import math
+
+    import torch
+
+    side = int(math.isqrt(total // 4))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "adam.pt"
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(4)])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-2
+        opt.step()
+        numel = sum(p.numel() for p in model.parameters())
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        del model, opt
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, str(path), str(steps)], env=env,
+                              capture_output=True, text=True)
+        line = [x for x in done.stderr.splitlines() if x.startswith("RESULT")]
+        if done.returncode != 0 or not line:
+            raise RuntimeError(f"verify-resume failed: {done.stderr[-500:]}")
+        report = json.loads(done.stdout)
+        assert report["tracks"], "verify-resume of a state against itself must track"
+        seconds, rss_kib = line[0].split()[1:]
+        return float(seconds), int(rss_kib) * 1024, 2 * 4 * numel
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=50_000_000)
@@ -187,6 +232,7 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline-rev", default=BASELINE_REV)
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference-vs-baseline rows")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--verify-params", type=int, default=100_000_000)
     args = parser.parse_args(argv)
     n, r, threads = args.numel, args.repeat, args.threads
 
@@ -194,6 +240,9 @@ def main(argv=None) -> int:
         return cuda_main(args)
 
     load = os.getloadavg()
+    verify = None
+    if args.verify_params and have("torch"):
+        verify = verify_resume_run(args.verify_params)
     dev = Host(n)
     rows: list[tuple[str, float, float]] = []  # label, seconds, bytes per element
 
@@ -268,6 +317,13 @@ def main(argv=None) -> int:
     for flavor, _ in FLAVORS:
         if flavor in base:
             ratio(f"reference {flavor}: today / {args.baseline_rev}", base[flavor] / today[flavor], 2.0)
+    if verify is not None:
+        seconds, rss, state = verify
+        print(f"\nverify-resume, {args.verify_params:,} parameters (torch Adam .pt), 10 steps, fresh process: "
+              f"{seconds:.1f} s, peak RSS {rss / 2**30:.2f} GiB, state {state / 2**30:.2f} GiB")
+        print(f"  {'verify-resume seconds':72} {seconds:6.1f}  (goal <= 60: {'met' if seconds <= 60 else 'NOT met'})")
+        print(f"  {'verify-resume peak RSS / state size':72} {rss / state:6.2f}  "
+              f"(goal <= 4: {'met' if rss <= 4 * state else 'NOT met'})")
     return 0
 
 

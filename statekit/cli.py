@@ -78,6 +78,7 @@ def inspect(
     model: Annotated[Path | None, typer.Option("--model", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
     json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
 ) -> None:
     """Show what a file holds: kind, optimizer family, one row per parameter.
 
@@ -88,6 +89,7 @@ def inspect(
     \b
       statekit inspect optim-10.bpk --param 6j5mg0dcb1hvu --stats
     """
+    _jobs(jobs)
     from statekit import io
     from statekit.ops.inspect import inspect as describe
     from statekit.render import inspect_table
@@ -153,6 +155,7 @@ def convert(
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
     to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
     shards: Annotated[int | None, typer.Option("--shards", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
+    shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
@@ -199,6 +202,7 @@ def convert(
     _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
+    from statekit.ops.shares import resolve as resolve_share
 
     out = Output(json_out)
     if step not in (None, "max"):
@@ -210,7 +214,8 @@ def convert(
                         allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards)
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards,
+                         share=resolve_share(shard))
     for line in result.messages:
         out.info(line)
 
@@ -521,6 +526,24 @@ def _run(args: list[str] | None = None) -> int:
         error_line(f"internal error: {type(exc).__name__}: {exc} (run with STATEKIT_DEBUG=1 for the traceback)")
         return 1
     return rc if isinstance(rc, int) else 0
+
+
+@app.command()
+def finalize(
+    directory: Annotated[Path, typer.Argument(metavar="OUT", help="A DCP output directory written by several processes (--shard I/N).")],
+) -> None:
+    """Write a sharded DCP output's .metadata once every share's part is present and checked.
+
+    The last share to finish does this by itself; run it after a share was re-run by hand, or to
+    check that a multi-process conversion is complete.
+
+    \b
+      statekit finalize out/ckpt-dcp
+    """
+    from statekit.formats import dcp
+
+    size = dcp.finalize(str(directory))
+    Output(False).info(f"wrote {directory}/.metadata ({size} bytes): every part present")
 
 
 def main() -> None:

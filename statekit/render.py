@@ -147,6 +147,8 @@ def plan_table(plan) -> list:
     head = Text(f"{plan.operation}: {plan.source} ({plan.source_format}) → {plan.target} ({plan.target_format})",
                 style="bold")
     items: list = [head, Text(f"optimizer {plan.family} · {plan.summary()}")]
+    if getattr(plan, "names_from", None):
+        items.append(Text(plan.names_from, style="dim"))
     table = Table(header_style="bold", pad_edge=False)
     for col in ("action", "source", "target", "id / index", "shape", "changes"):
         table.add_column(col, no_wrap=col in ("source", "target"))

@@ -103,6 +103,7 @@ class OptimizerState:
     framework: str = "neutral"
     notes: list[str] = field(default_factory=list)
     family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
+    names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
 
     @property
     def family_label(self) -> str:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statekit.errors import FormatError
-from statekit.formats import cbor
+from statekit.formats import burnpack, cbor
 from statekit.formats.burnpack import (
     BurnpackFile,
     PackTensor,
@@ -204,3 +204,34 @@ def test_write_read_roundtrip(tmp_path, case):
             assert data[pack.data_start + end : pack.data_start + e.start] == b"\0" * (e.start - end)
             end = e.end
         assert len(data) == pack.data_start + end
+
+
+@pytest.mark.parametrize("fixture", VALID, ids=lambda p: p.name)
+def test_compiled_metadata_encoding_is_burns(fixture, monkeypatch):
+    """The canonical check's compiled encoder (cbor2) writes burn's bytes: the same as the exact
+    encoder, which reproduces the files burn wrote."""
+    pack = BurnpackFile(str(fixture))
+    fast = burnpack.encode_metadata(pack.tensors, pack.metadata, pack.scalars)
+    monkeypatch.setattr(burnpack, "_fast_encode", lambda value: None)
+    assert fast == burnpack.encode_metadata(pack.tensors, pack.metadata, pack.scalars)
+    assert pack.canonical == (fast == pack.raw_metadata)
+    pack.close()
+
+
+def test_metadata_the_strict_decoder_refuses_is_still_refused(tmp_path):
+    """cbor2 reads an indefinite-length map; burn's bytes never hold one, so the strict decoder
+    has the last word and the file is refused as before, naming the file."""
+    ok = tmp_path / "ok.bpk"
+    write_burnpack(str(ok), [], {"a": "b"}, {})
+    raw = ok.read_bytes()
+    size = struct.unpack("<I", raw[6:10])[0]
+    meta = raw[10 : 10 + size]
+    assert cbor.decode(meta) == {"tensors": {}, "metadata": {"a": "b"}}
+    # the same map, indefinite length: bf ... ff
+    body = meta[1:]
+    bad = b"\xbf" + body + b"\xff"
+    assert burnpack._fast_decode(bad) == {"tensors": {}, "metadata": {"a": "b"}}  # cbor2 takes it
+    path = tmp_path / "bad.bpk"
+    path.write_bytes(raw[:6] + struct.pack("<I", len(bad)) + bad)
+    with pytest.raises(FormatError, match="bad.bpk"):
+        BurnpackFile(str(path))

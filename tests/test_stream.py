@@ -97,3 +97,14 @@ def test_ordered_raises_the_first_failure_in_order(small_pieces):
     with pytest.raises(MappingError, match="first"):
         for _, piece_stream in stream.ordered([good, bad1, bad2, good], jobs=3):
             list(piece_stream)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_crc_with_and_without_isal(monkeypatch, fast):
+    import zlib
+
+    data = np.random.default_rng(1).bytes(100_003)
+    if not fast:
+        monkeypatch.setattr(stream, "_CRC32", zlib.crc32)
+    crc = stream.crc32_function()
+    assert crc(data[50:], crc(data[:50])) == zlib.crc32(data) == crc(data)

@@ -143,7 +143,8 @@ def test_trainer_state_to_burn_and_back_resumes_bit_identically(tmp_path):
     torch = pytest.importorskip("torch")
     mod = _fixture_script()
     model_opts = dict(model=load_model(str(TL / "pytorch_model.bin")), no_transpose=["*"])
-    convert(str(TL / "optimizer.pt"), str(tmp_path / "o.bpk"), Options(**model_opts))
+    res = convert(str(TL / "optimizer.pt"), str(tmp_path / "o.bpk"), Options(**model_opts))
+    assert "parameter names from" in res.plan.names_from and "pytorch_model.bin" in res.plan.names_from
     with io.open_checkpoint(tmp_path / "o.bpk") as ckpt:  # every burn entry carries its true name and shape
         shapes = {n: tuple(t.shape) for n, t in torch.load(TL / "pytorch_model.bin").items()}
         paths = [p.path for p in ckpt.optimizer.params]
@@ -211,3 +212,37 @@ def test_optimizer_names_order(tmp_path):
     got = named(TL / "optimizer.pt", names=read_names(str(tmp_path / "opt-order.txt"), "optimizer"),
                 names_order="optimizer")
     assert got == true_names()
+
+
+# ----------------------------------------------------------------------------- errors that teach
+
+
+def test_unknown_optimizer_lists_the_known_ones(cli, tmp_path):
+    r = cli("convert", "fixtures/hand-optim.bpk", tmp_path / "o.pt", "--optimizer", "adamm", "--names", "/dev/null")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "not an optimizer statekit knows" in r.stderr and "adamw" in r.stderr and "rmsprop" in r.stderr
+
+
+def test_wrong_key_lists_the_keys_present(cli):
+    r = cli("inspect", "fixtures/torch/checkpoint.pt", "--key", "nope")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
+    assert "keys present: model_state_dict, optimizer_state_dict, epoch, loss" in r.stderr
+    r = cli("inspect", "fixtures/torch/checkpoint.pt", "--key", "epoch")
+    assert "'epoch' is an int, not an optimizer state_dict" in r.stderr
+
+
+def test_misfits_are_listed_once_with_one_hint(tmp_path):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.named_parameters())  # param_names in the state
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "o.pt")
+    other = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 2))
+    torch.save(other.state_dict(), tmp_path / "m.pt")
+    from statekit.ops.remap import remap
+
+    with pytest.raises(MappingError) as info:
+        remap(str(tmp_path / "o.pt"), str(tmp_path / "x.pt"), Options(model=load_model(str(tmp_path / "m.pt"))))
+    msg = info.value.message
+    assert msg.count("--resize") == 1 and "0.weight (state [3, 4], model [5, 4])" in msg

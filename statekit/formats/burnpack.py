@@ -174,10 +174,15 @@ class BurnpackFile:
                 f"file has {size - HEADER_SIZE} after the header"
             )
         self.raw_metadata = self._fh.read(self.metadata_size)
-        try:  # no list or map longer than burn's tensor limit: refused at its head, before decoding it
-            meta = cbor.decode(self.raw_metadata, max_items=MAX_TENSOR_COUNT)
-        except cbor.CborError as exc:
-            raise self._error(f"invalid CBOR metadata: {exc}") from None
+        declared = _declared_tensor_count(self.raw_metadata)
+        if declared is not None and declared > MAX_TENSOR_COUNT:  # refused before decoding any entry
+            raise self._error(f"{declared} tensors exceed burn's limit of {MAX_TENSOR_COUNT}")
+        # cbor2's compiled decoder first; the strict decoder (cbor.decode) settles every file
+        # whose bytes are not burn's own encoding (checked below), so both accept the same files.
+        meta = _fast_decode(self.raw_metadata)
+        fast = meta is not None
+        if not fast:
+            meta = self._strict_decode()
         if not isinstance(meta, dict) or "tensors" not in meta:
             raise self._error("metadata has no 'tensors' map")
         tensors, strings, scalars = meta["tensors"], meta.get("metadata", {}), meta.get("scalars", {})
@@ -192,6 +197,14 @@ class BurnpackFile:
         self.data_order = sorted(self.tensors, key=lambda n: (self.tensors[n].start, self.tensors[n].end))
         self._place_data(size)
         self.canonical = self.raw_metadata == encode_metadata(self.tensors, self.metadata, self.scalars)
+        if fast and not self.canonical:
+            self._strict_decode()  # refuses what the strict decoder refuses (indefinite lengths, tags …)
+
+    def _strict_decode(self) -> object:
+        try:  # no list or map longer than burn's tensor limit: refused at its head, before decoding it
+            return cbor.decode(self.raw_metadata, max_items=MAX_TENSOR_COUNT)
+        except cbor.CborError as exc:
+            raise self._error(f"invalid CBOR metadata: {exc}") from None
 
     def _entry(self, name: object, desc: object) -> TensorEntry:
         if not isinstance(name, str) or not isinstance(desc, dict):
@@ -412,7 +425,56 @@ def encode_metadata(
         top["metadata"] = sort(strings)
     if scalars:
         top["scalars"] = {k: v.to_cbor() for k, v in sort(scalars).items()}
+    if not any(isinstance(v.value, float) for v in scalars.values()):
+        # Without floats (the one type cbor2 writes differently: always 8 bytes), cbor2's
+        # compiled encoder writes exactly these bytes: shortest heads, definite lengths, the
+        # maps in the order given. Offsets and ids are below 2**64 (checked when read).
+        fast = _fast_encode(top)
+        if fast is not None:
+            return fast
     return cbor.encode(top)
+
+
+def _declared_tensor_count(raw: bytes) -> int | None:
+    """The entry count the ``tensors`` map declares in its head, when it is the metadata map's first
+    key (as burn writes it); None otherwise (the strict decoder then limits every map at its head)."""
+    if len(raw) < 9 or raw[0] >> 5 != 5 or raw[1:9] != b"\x67tensors":
+        return None
+    head = raw[9] if len(raw) > 9 else 0
+    if head >> 5 != 5:
+        return None
+    info = head & 0x1F
+    if info < 24:
+        return info
+    width = {24: 1, 25: 2, 26: 4, 27: 8}.get(info)
+    return int.from_bytes(raw[10 : 10 + width], "big") if width and len(raw) >= 10 + width else None
+
+
+def _fast_decode(raw: bytes) -> object | None:
+    """``raw`` decoded by cbor2 (no tags allowed), or None when cbor2 is missing or refuses it."""
+    try:
+        import cbor2
+    except ImportError:  # pragma: no cover - a dependency
+        return None
+
+    def no_tags(decoder, tag):
+        raise ValueError("tag")
+
+    try:
+        return cbor2.loads(raw, tag_hook=no_tags)
+    except Exception:  # the strict decoder gives the error message
+        return None
+
+
+def _fast_encode(value: object) -> bytes | None:
+    try:
+        import cbor2
+    except ImportError:  # pragma: no cover - a dependency
+        return None
+    try:
+        return cbor2.dumps(value)
+    except Exception:  # pragma: no cover - the exact encoder decides
+        return None
 
 
 def plan_layout(

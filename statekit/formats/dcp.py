@@ -29,6 +29,9 @@ bytes; a ``.metadata`` pickled with only the DCP names, which real torch loads w
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 import json
 import math
 import mmap
@@ -36,7 +39,7 @@ import os
 import pickle
 import posixpath
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -519,18 +522,76 @@ def data_file_name(index: int) -> str:
     return f"__{index}_0{SUFFIX}"
 
 
-def write_part(directory: str | os.PathLike, index: int, items: list[Item], progress=None) -> dict:
+# --------------------------------------------------------------------------------------------
+# shares: several processes (machines) each write some of the data files; the last finalizes
+
+
+@dataclass
+class Share:
+    """Which share of the work this process does (``index`` of ``count``), and what it did."""
+
+    index: int = 0
+    count: int = 1
+    source: str = "single process"  # where index/count came from (flag, torchrun, SLURM)
+    written: list[int] = field(default_factory=list)  # part numbers written by this process
+    skipped: list[int] = field(default_factory=list)  # already complete from an earlier run
+    parts: int = 0
+    finalized: bool = False
+    waiting: list[int] = field(default_factory=list)  # parts still missing when this one ended
+
+
+_SHARE: contextvars.ContextVar[Share | None] = contextvars.ContextVar("statekit_dcp_share", default=None)
+
+
+@contextlib.contextmanager
+def sharing(share: Share) -> Iterator[Share]:
+    """DCP writes inside the block do only ``share``'s parts (and finalize when they end the work)."""
+    token = _SHARE.set(share)
+    try:
+        yield share
+    finally:
+        _SHARE.reset(token)
+
+
+def assign(groups: list[list[Item]], count: int) -> list[list[int]]:
+    """Part numbers per process, balanced by bytes (largest part first to the lightest process);
+    with as many parts as processes, part ``i`` goes to process ``i``."""
+    if len(groups) == count:
+        return [[i] for i in range(count)]
+    loads = [0] * count
+    out: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(range(len(groups)), key=lambda i: (-sum(it.nbytes for it in groups[i]), i)):
+        j = min(range(count), key=lambda b: (loads[b], b))
+        out[j].append(i)
+        loads[j] += sum(it.nbytes for it in groups[i])
+    return [sorted(x) for x in out]
+
+
+def plan_id(items: list[Item], parts: int) -> str:
+    """A digest of what the whole checkpoint holds and how it is split: parts of one plan only."""
+    digest = hashlib.sha256(f"{parts}".encode())
+    for it in items:
+        shape = list(it.value.shape) if isinstance(it.value, TensorRef) else None
+        dtype = it.value.dtype if isinstance(it.value, TensorRef) else None
+        digest.update(json.dumps([it.key, list(it.path), dtype, shape]).encode())
+    return digest.hexdigest()[:32]
+
+
+def write_part(directory: str | os.PathLike, index: int, items: list[Item], progress=None, *,
+               order: dict[str, int] | None = None, plan: str = "", parts: int = 1) -> dict:
     """Write data file ``index`` (its items' archives back to back) atomically, then its part
     manifest; returns the manifest. Tensor bytes stream through in bounded pieces."""
     directory = os.fspath(directory)
     name = data_file_name(index)
+    _remove_stale_temporaries(directory, name)
     records = []
     with atomic_write(os.path.join(directory, name)) as fh:
         pos = 0
         for it in items:
             value = it.value
             length = torch_pt.write_pt_stream(fh, value)
-            rec = {"key": it.key, "path": list(it.path), "offset": pos, "length": length}
+            rec = {"key": it.key, "path": list(it.path), "offset": pos, "length": length,
+                   "order": (order or {}).get(it.key, len(records))}
             if isinstance(value, TensorRef):
                 rec.update(dtype=value.dtype, shape=list(value.shape))
             records.append(rec)
@@ -538,20 +599,39 @@ def write_part(directory: str | os.PathLike, index: int, items: list[Item], prog
             if progress is not None:
                 progress(it.nbytes)
         size = pos
-    manifest = {"file": name, "size": size, "items": records}
+    manifest = {"file": name, "size": size, "part": index, "parts": parts, "plan": plan, "items": records}
     with atomic_write(os.path.join(directory, name + PART_SUFFIX)) as fh:
         fh.write(json.dumps(manifest).encode())
     return manifest
 
 
-def part_complete(directory: str | os.PathLike, index: int, items: list[Item]) -> bool:
-    """Whether part ``index`` was already written completely for exactly these items."""
-    manifest = _read_manifest(os.path.join(os.fspath(directory), data_file_name(index) + PART_SUFFIX))
-    if manifest is None:
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Temporary files a killed earlier run left for this part (atomic_write's ``.<name>.*.tmp``)."""
+    for entry in os.listdir(directory):
+        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, entry))
+
+
+def _manifest(directory: str, index: int) -> dict | None:
+    return _read_manifest(os.path.join(directory, data_file_name(index) + PART_SUFFIX))
+
+
+def _part_ok(directory: str, manifest: dict | None, plan: str | None = None) -> bool:
+    """A manifest whose data file is present with the size it records (and of plan ``plan``)."""
+    if manifest is None or (plan is not None and manifest.get("plan") != plan):
         return False
-    data = os.path.join(os.fspath(directory), manifest.get("file", ""))
-    return (os.path.isfile(data) and os.path.getsize(data) == manifest.get("size")
-            and [r.get("key") for r in manifest.get("items", [])] == [it.key for it in items])
+    data = os.path.join(directory, str(manifest.get("file")))
+    return posixpath.basename(str(manifest.get("file"))) == manifest.get("file") and os.path.isfile(data) \
+        and os.path.getsize(data) == manifest.get("size")
+
+
+def part_complete(directory: str | os.PathLike, index: int, items: list[Item], plan: str) -> bool:
+    """Whether part ``index`` was already written completely for exactly these items."""
+    directory = os.fspath(directory)
+    manifest = _manifest(directory, index)
+    return _part_ok(directory, manifest, plan) and [r.get("key") for r in manifest.get("items", [])] == [
+        it.key for it in items]
 
 
 def _read_manifest(path: str) -> dict | None:
@@ -563,55 +643,85 @@ def _read_manifest(path: str) -> dict | None:
     return manifest if isinstance(manifest, dict) else None
 
 
-def finalize(directory: str | os.PathLike, parts: int, expected_keys: Iterable[str] | None = None) -> int:
-    """Write ``.metadata`` from the part manifests ``0..parts-1`` once all are present and match
-    their data files; returns its size. FormatError naming the missing or damaged part otherwise."""
+def missing_parts(directory: str | os.PathLike, parts: int, plan: str) -> list[int]:
     directory = os.fspath(directory)
+    return [i for i in range(parts) if not _part_ok(directory, _manifest(directory, i), plan)]
+
+
+def finalize(directory: str | os.PathLike, parts: int | None = None, plan: str | None = None) -> int:
+    """Write ``.metadata`` from the part manifests once every part is present and matches its data
+    file and the same plan; returns its size. FormatError naming the missing or damaged part
+    otherwise. ``parts``/``plan`` default to what the manifests record (``statekit finalize``)."""
+    directory = os.fspath(directory)
+    if parts is None or plan is None:
+        found = sorted(n for n in os.listdir(directory) if n.endswith(PART_SUFFIX))
+        first = _read_manifest(os.path.join(directory, found[0])) if found else None
+        if first is None:
+            raise FormatError("no part manifests (*.part.json) here: nothing to finalize", directory)
+        parts, plan = int(first.get("parts", 0)), str(first.get("plan"))
     records: list[tuple[str, dict]] = []
     for index in range(parts):
+        manifest = _manifest(directory, index)
         mpath = os.path.join(directory, data_file_name(index) + PART_SUFFIX)
-        manifest = _read_manifest(mpath)
         if manifest is None:
-            raise FormatError(f"part {index} of {parts} is missing or unreadable; run that share again", mpath)
-        data = os.path.join(directory, str(manifest.get("file")))
-        if not os.path.isfile(data) or os.path.getsize(data) != manifest.get("size"):
-            raise FormatError(f"part {index}: data file does not match its manifest; run that share again", data)
+            raise FormatError(f"part {index} of {parts} is missing; run its share again", mpath)
+        if manifest.get("plan") != plan:
+            raise FormatError(f"part {index} was written for another plan (another input or --shards); "
+                              "run its share again", mpath)
+        if not _part_ok(directory, manifest):
+            raise FormatError(f"part {index}: the data file does not match its manifest; run its share again",
+                              os.path.join(directory, data_file_name(index)))
         records.extend((manifest["file"], rec) for rec in manifest.get("items", []))
     keys = [rec["key"] for _, rec in records]
     if len(set(keys)) != len(keys):
-        raise FormatError("the parts write some keys twice: they come from different plans", directory)
-    if expected_keys is not None and set(keys) != set(expected_keys):
-        missing = sorted(set(expected_keys) - set(keys))[:3]
-        raise FormatError(f"the parts do not hold every key (missing e.g. {missing})", directory)
-    order = {k: i for i, k in enumerate(expected_keys)} if expected_keys is not None else {}
-    records.sort(key=lambda fr: order.get(fr[1]["key"], 0))
+        raise FormatError("the parts hold some keys twice", directory)
+    records.sort(key=lambda fr: fr[1].get("order", 0))
     payload = _metadata_pickle(records)
     with atomic_write(os.path.join(directory, METADATA)) as fh:
         fh.write(payload)
     return len(payload)
 
 
-def save(directory: str | os.PathLike, state_dict: dict, shards: int = 1, progress=None) -> int:
+def save(directory: str | os.PathLike, state_dict: dict, shards: int | None = None, progress=None) -> int:
     """Write ``state_dict`` (nested dicts/lists, TensorRefs, Python values) as a DCP checkpoint
-    with ``shards`` data files; returns the bytes written."""
+    with ``shards`` data files (default: one, or one per process when sharing); returns the bytes
+    this process wrote.
+
+    Inside :func:`sharing`, only this process's parts are written (parts already complete from an
+    earlier run are skipped), and whichever process finds every part present writes
+    ``.metadata``. Alone, the part manifests are removed once ``.metadata`` is written.
+    """
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
+    share = _SHARE.get()
+    alone = share is None
+    share = share or Share()
     items = flatten(state_dict)
-    groups = split_by_bytes(items, shards)
+    groups = split_by_bytes(items, shards or share.count)
+    plan = plan_id(items, len(groups))
+    order = {it.key: n for n, it in enumerate(items)}
+    share.parts = len(groups)
     total = 0
-    for index, group in enumerate(groups):
-        total += write_part(directory, index, group, progress)["size"]
-    total += finalize(directory, len(groups), [it.key for it in items])
-    remove_manifests(directory, len(groups))
+    for index in assign(groups, share.count)[share.index]:
+        if not alone and part_complete(directory, index, groups[index], plan):
+            share.skipped.append(index)
+            continue
+        total += write_part(directory, index, groups[index], progress, order=order, plan=plan,
+                            parts=len(groups))["size"]
+        share.written.append(index)
+    share.waiting = missing_parts(directory, len(groups), plan)
+    if not share.waiting:
+        total += finalize(directory, len(groups), plan)
+        share.finalized = True
+        if alone:
+            remove_manifests(directory, len(groups))
     return total
 
 
 def remove_manifests(directory: str, parts: int) -> None:
     for index in range(parts):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, data_file_name(index) + PART_SUFFIX))
-        except FileNotFoundError:
-            pass
 
 
 # ----------------------------------------------------------------------- the .metadata pickle

@@ -46,10 +46,11 @@ def save_optimizer(state: OptimizerState, path: str, *, family: str | None = Non
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:
     """Write the FQN-keyed optimizer state as a DCP directory; ``metadata["dcp.shards"]`` (from the
-    plan) is the number of data files (default 1)."""
+    plan) is the number of data files (default 1, or one per process when sharing)."""
     family = family or state.family
     groups = groups if groups is not None else [g.hyperparams for g in state.groups]
-    shards = _shards((metadata or {}).get(SHARDS_KEY, "1"))
+    given = (metadata or {}).get(SHARDS_KEY)
+    shards = None if given is None else _shards(given)
     sd = {OPTIMIZER_KEY: fqn_state_dict(state, family, groups)}
     return dcp.save(os.fspath(path), sd, shards=shards, progress=progress)
 

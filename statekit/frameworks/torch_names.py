@@ -413,8 +413,8 @@ def _ordered(groups, model: ModelOrder, offsets) -> Resolution:
         raise NamesError(_ambiguity(items, model, "several parameters of one shape fit the same positions"),
                          ambiguous=True)
     names = [[entries[min(cands[(g, k)])].name for k in range(len(group))] for g, group in enumerate(groups)]
-    how = ("the only way to place each param group in named_parameters() order with matching shapes"
-           if len(groups) > 1 else "in named_parameters() order, shapes matching")
+    how = ("the one placement of its param groups in that order with matching shapes"
+           if len(groups) > 1 else "in that order, shapes matching")
     return Resolution(names, model.source, how)
 
 
@@ -487,7 +487,7 @@ def name_state(state, model: ModelOrder, path: str | None = None) -> Resolution:
     for g, row in enumerate(keys):
         for k, key in enumerate(row):
             by_key[key].path = res.names[g][k]
-    state.notes.append(res.describe())
+    state.names_from = res.describe()
     return res
 
 

@@ -44,12 +44,14 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
                 node = node[int(part)]
                 continue
             if not isinstance(node, dict) or part not in node:
-                raise FormatError(f"no entry {key!r} in the checkpoint", path)
+                raise FormatError(f"no entry {key!r} in the checkpoint ({_present(obj)})", path)
             node = node[part]
         if isinstance(node, list) and len(node) == 1 and is_optimizer_dict(node[0]):
             return node[0], f"{key}.0"
         if not is_optimizer_dict(node):
-            raise FormatError(f"entry {key!r} is not an optimizer state_dict", path)
+            kind = type(node).__name__
+            raise FormatError(f"entry {key!r} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not an optimizer state_dict "
+                              f"({_present(obj)})", path)
         return node, key
     if is_optimizer_dict(obj):
         return obj, None
@@ -68,6 +70,18 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
             path,
         )
     return (obj[found[0]], str(found[0])) if found else (None, None)
+
+
+def _present(obj: object, limit: int = 8) -> str:
+    """What a --key could name: the top-level keys, those holding optimizer state first."""
+    if not isinstance(obj, dict):
+        return f"the file holds a {type(obj).__name__}, not a dict of entries"
+    keys = [str(k) for k in obj]
+    good = [str(k) for k, v in obj.items() if is_optimizer_dict(v) or (
+        isinstance(v, list) and v and all(is_optimizer_dict(o) for o in v))]
+    shown = ", ".join(keys[:limit]) + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
+    hint = f"; optimizer state under: {', '.join(good)}" if good else "; none holds an optimizer state_dict"
+    return f"keys present: {shown or 'none'}{hint}"
 
 
 def find_model(obj: object) -> dict | None:

@@ -36,7 +36,15 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     if wanted:
         allowed = set(state.candidates) | {family}
         if wanted not in allowed:
-            raise UsageError(f"--optimizer {wanted}: the file holds {state.family_label} state, not {wanted}")
+            from statekit.frameworks.torch_families import BY_NAME
+
+            known = sorted({lay.family for fw in naming.FRAMEWORKS.values() for lay in fw}
+                           | {a for fw in naming.FRAMEWORKS.values() for lay in fw for a in lay.also} | set(BY_NAME))
+            if wanted not in known:
+                raise UsageError(f"--optimizer {wanted}: not an optimizer statekit knows; the file holds "
+                                 f"{state.family_label} state (known: {', '.join(known)})")
+            raise UsageError(f"--optimizer {wanted}: the file holds {state.family_label} state, not {wanted} "
+                             f"(say --optimizer {' or '.join(sorted(allowed))})")
         return wanted
     if crossing and len(state.candidates) > 1:
         raise UsageError(
@@ -85,6 +93,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     crossing = src_fw != dst_fw and dst_fw != "neutral"
     family = _family(state, opts, crossing)
     plan = Plan(operation, source, source_format, target, target_format, family)
+    plan.names_from = state.names_from
     plan.step_policy, plan.allow_nonfinite = opts.step_policy, opts.allow_nonfinite
 
     # --- rename rules: the user's, then the norm preset when crossing burn ⇄ torch
@@ -147,6 +156,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     # --- layout: transposes and shape checks
     by_key = {p.key: p for p in state.params}
     undecided: list[str] = []
+    misfit: list[str] = []
     for a in actions:
         if a.action in ("drop", "new") or a.src_shape is None:
             continue
@@ -179,10 +189,13 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
                     a.reset_step = True
                     a.notes.append("state reset: starts again from step 0 with zero moments")
             else:
-                problems.append(f"{a.dst_path}: state shape {list(out_shape)} but the target model has {list(want)}"
-                                + ("" if opts.resize else " (use --resize to pad or truncate)"))
+                misfit.append(f"{a.dst_path} (state {list(out_shape)}, model {list(want)})")
         if opts.dtype and by_key[a.src_key].dtype != opts.dtype:
             a.cast = opts.dtype
+    if misfit:
+        more = f" (+{len(misfit) - 4} more)" if len(misfit) > 4 else ""
+        problems.append(f"{len(misfit)} parameters' state does not fit the target model: {', '.join(misfit[:4])}{more}"
+                        + ("" if opts.resize else "; use --resize to pad or truncate"))
     if undecided:
         problems.append(
             "cannot tell which rank-2 parameters are Linear weights (burn stores them [d_in, d_out], "
@@ -250,12 +263,17 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
             a = ParamAction(action="new", dst_path=name, notes=["no state: torch starts it at step 0"])
         a.dst_index = i
         ordered.append(a)
+    absent = []
     for a in by_path.values():
         if opts.allow_drop:
             a.action = "drop"
             ordered.append(a)
         else:
-            problems.append(f"{a.dst_path} (from {a.src_path or a.src_key}) is not among the target's parameters")
+            absent.append(a.dst_path if a.dst_path == (a.src_path or a.src_key) else
+                          f"{a.dst_path} (from {a.src_path or a.src_key})")
+    if absent:
+        more = f" (+{len(absent) - 4} more)" if len(absent) > 4 else ""
+        problems.append(f"not among the target's parameters: {', '.join(absent[:4])}{more}")
     # torch numbers ids group after group; each group keeps named_parameters() order
     ordered.sort(key=lambda a: a.group)
     index = 0
@@ -273,6 +291,7 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
     by_key = {p.key: p for p in state.params}
     generated = []
     nameless: list[str] = []
+    not_in_model: list[str] = []
     for a in actions:
         p = by_key[a.src_key]
         if opts.model is not None and a.dst_path not in model_paths:
@@ -284,7 +303,7 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
                 a.action = "drop"
                 continue
             else:
-                problems.append(f"{a.dst_path or a.src_key} is not in the target model")
+                not_in_model.append(a.dst_path or a.src_key)
                 continue
         if a.dst_path in model_ids:
             a.dst_id = str(model_ids[a.dst_path])
@@ -298,6 +317,9 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
             generated.append(a.dst_path)
         elif p.id is not None:
             a.dst_id = str(p.id)
+    if not_in_model:
+        more = f" (+{len(not_in_model) - 4} more)" if len(not_in_model) > 4 else ""
+        problems.append(f"not in the target model: {', '.join(not_in_model[:4])}{more}")
     if nameless:
         more = f" (+{len(nameless) - 3} more)" if len(nameless) > 3 else ""
         problems.append(f"{len(nameless)} parameters have neither a path nor an id ({', '.join(nameless[:3])}{more}); "

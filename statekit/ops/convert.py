@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
+from statekit.formats.dcp import Share
+from statekit.formats.dcp import sharing as dcp_sharing
 from statekit.ops.build import build_plan
 from statekit.ops.execute import write
 from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
@@ -83,20 +85,36 @@ def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
 def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None = None, key: str | None = None,
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
-            shards: int | None = None) -> Result:
+            shards: int | None = None, share: Share | None = None) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
-    (DCP output, a directory) is the number of data files to write."""
+    (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
+    this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index)."""
     opts = opts or Options()
-    directory = os.path.isdir(dst) or dst.endswith(("/", os.sep))
+    # a directory (existing, or a name without extension) is a torch.distributed checkpoint
+    directory = os.path.isdir(dst) or dst.endswith(("/", os.sep)) or not os.path.splitext(dst)[1]
     fmt = output_format(dst, to or ("dcp" if shards or directory else None))
     if shards is not None and (fmt != "dcp" or shards < 1):
         raise UsageError("--shards applies to DCP (directory) output and must be at least 1")
+    if share is not None and share.count > 1 and fmt != "dcp":
+        if share.source == "--shard":
+            raise UsageError("--shard splits a DCP (directory) output; a single file is written by one process")
+        if share.index != 0:
+            return Result(None, None, messages=[f"share {share.index}/{share.count} ({share.source}): "
+                                                "a single-file output is written by share 0 alone"])
+        share = None
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("source and destination are the same file")
+    if fmt == "dcp" and share is not None:
+        with dcp_sharing(share):
+            result = convert(src, dst, opts, to="dcp", key=key, dry_run=dry_run, plan_in=plan_in,
+                             plan_out=plan_out if share.index == 0 else None, progress=progress,
+                             on_plan=on_plan if share.index == 0 else None, shards=shards)
+        result.messages.append(_share_summary(share, dst))
+        return result
     with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
         if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
-            return _copy_container(ckpt, dst, fmt, shards or 1, dry_run, progress or silent)
+            return _copy_container(ckpt, dst, fmt, shards, dry_run, progress or silent)
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):
             return _copy(ckpt, dst, dry_run, progress or silent)
         if ckpt.kind == "model" and ckpt.model is not None and plan_in is None:
@@ -112,8 +130,8 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
-        if fmt == "dcp":  # the DCP writer's layout choice travels with the plan (and a saved plan)
-            plan.metadata[SHARDS_KEY] = str(shards or int(plan.metadata.get(SHARDS_KEY, 1)))
+        if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
+            plan.metadata[SHARDS_KEY] = str(shards)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
 
@@ -126,27 +144,39 @@ def is_container_copy(ckpt: Checkpoint, fmt: str) -> bool:
     """DCP ⇄ torch.save with nothing to change moves the whole saved object, as torch's own
     ``dcp_to_torch_save`` / ``torch_save_to_dcp`` do: the model and every other entry come along,
     the optimizer stays keyed by name (what ``set_optimizer_state_dict`` loads)."""
-    if {ckpt.format, fmt} != {"dcp", "torch"}:
+    if ckpt.format not in ("dcp", "torch") or fmt not in ("dcp", "torch") or ckpt.format == fmt == "torch":
         return False
     if ckpt.format == "dcp" or ckpt.optimizer is None:
         return True
     return FQN_NOTE in ckpt.optimizer.notes
 
 
-def _copy_container(ckpt: Checkpoint, dst: str, fmt: str, shards: int, dry_run: bool,
+def _copy_container(ckpt: Checkpoint, dst: str, fmt: str, shards: int | None, dry_run: bool,
                     progress: ProgressFactory) -> Result:
+    """DCP → .pt, .pt → DCP, DCP → DCP (resharded): the whole saved object, tensors streamed."""
     from statekit.formats import dcp, torch_pt
 
     if dry_run:
         return Result(None, None, copied=True, messages=[
             f"would copy the whole saved state_dict: {ckpt.format} {ckpt.path} → {fmt} {dst}"])
+    whole = ckpt.container.state_dict() if ckpt.format == "dcp" else torch_pt.load_pt(ckpt.path)
     with progress("writing", ckpt.nbytes or None, unit_bytes=True) as advance:
         if fmt == "torch":
-            torch_pt.save_pt(ckpt.container.state_dict(), dst)
+            torch_pt.save_pt(whole, dst)
             size = os.path.getsize(dst)
         else:
-            size = dcp.save(dst, torch_pt.load_pt(ckpt.path), shards=shards, progress=advance)
+            size = dcp.save(dst, whole, shards=shards, progress=advance)
     return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, the whole saved state_dict)"])
+
+
+def _share_summary(share: Share, dst: str) -> str:
+    done = f"share {share.index}/{share.count} ({share.source}): wrote parts {share.written or 'none'}"
+    if share.skipped:
+        done += f", skipped {share.skipped} (complete from an earlier run)"
+    if share.finalized:
+        return done + f"; all {share.parts} parts present: wrote {dst}/.metadata"
+    return done + (f"; waiting for parts {share.waiting}: the last share to finish writes .metadata "
+                   f"(or run: statekit finalize {dst})")
 
 
 def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) -> Result:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from statekit import dtypes, naming, paramid
+from statekit import dtypes, naming, paramid, stream
 from statekit.errors import StatekitError
 from statekit.state import Checkpoint, OptimizerState, ParamState
 from statekit.tensor import TensorRef
@@ -56,19 +56,20 @@ def _native(state: OptimizerState, p: ParamState) -> dict[str, str]:
     return {}
 
 
-def describe_param(state: OptimizerState, p: ParamState, stats: bool = False) -> dict:
+def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
+                   stats_of: Callable[[TensorRef], dict] = tensor_stats) -> dict:
     native = _native(state, p)
     fields: dict[str, dict] = {}
     for slot, ref in p.slots.items():
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
         if stats:
-            item["stats"] = tensor_stats(ref)
+            item["stats"] = stats_of(ref)
         fields[native.get(slot, slot)] = item
     for name, value in p.extra.items():
         if isinstance(value, TensorRef):
             item = {"shape": list(value.shape), "dtype": value.dtype}
             if stats:
-                item["stats"] = tensor_stats(value)
+                item["stats"] = stats_of(value)
             fields[name] = item
     out = {
         "id": None if p.id is None else str(p.id),
@@ -114,6 +115,21 @@ def select(ckpt: Checkpoint, only: list[str] | None) -> set[int] | None:
     return chosen
 
 
+def _prefetched_stats(ckpt: Checkpoint, chosen) -> Callable[[TensorRef], dict]:
+    """``tensor_stats`` of every tensor inspect will ask for, computed ``--jobs`` at a time in
+    the order asked (each holds one block)."""
+    refs: list[TensorRef] = []
+    if ckpt.optimizer is not None:
+        for i, p in enumerate(ckpt.optimizer.params):
+            if chosen is None or i in chosen:
+                refs += list(p.slots.values()) + [v for v in p.extra.values() if isinstance(v, TensorRef)]
+    elif ckpt.model is not None:
+        refs = [m.tensor for i, m in enumerate(ckpt.model.params)
+                if (chosen is None or i in chosen) and m.tensor is not None]
+    results = stream.parallel_map(tensor_stats, refs)
+    return lambda _ref: next(results)
+
+
 def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] | None = None,
             only: list[str] | None = None) -> dict:
     """The description of ``ckpt`` that ``statekit inspect --json`` prints (``only``: a selection)."""
@@ -136,15 +152,16 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         "notes": [],
     }
     state = ckpt.optimizer
+    stats_of = _prefetched_stats(ckpt, chosen) if stats else tensor_stats
     if state is not None:
         out["family"] = state.family
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
-        out["notes"] = list(state.notes)
+        out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
         out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
-                out["params"].append(describe_param(state, p, stats))
+                out["params"].append(describe_param(state, p, stats, stats_of))
             if on_param:
                 on_param()
         if state.global_slots or state.global_scalars:
@@ -163,7 +180,7 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
             if m.buffer:
                 item["buffer"] = True
             if stats and m.tensor is not None:
-                item["stats"] = tensor_stats(m.tensor)
+                item["stats"] = stats_of(m.tensor)
             out["params"].append(item)
             if on_param:
                 on_param()

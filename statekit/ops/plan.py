@@ -56,6 +56,7 @@ class Plan:
     metadata: dict[str, str] = field(default_factory=dict)
     step_policy: str | None = None  # candle: "max" writes the largest of differing steps
     allow_nonfinite: bool = False  # write NaN/Inf state instead of refusing it
+    names_from: str | None = None  # how a torch source's positions were named (torch_names), when they were
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views

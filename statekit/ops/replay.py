@@ -251,12 +251,15 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
 
 
 def synthetic(seed: int, index: int, step: int, shape: tuple[int, ...], scale: float) -> np.ndarray:
-    """verify-resume's seeded float32 normal values for parameter ``index`` at ``step`` (0: the
-    initial parameter): one independent stream per (seed, parameter, step), so any step of any
-    parameter is generated alone, identically for every lane."""
+    """verify-resume's seeded float32 values, uniform in ``[-scale, scale)``, for parameter
+    ``index`` at ``step`` (0: the initial parameter): one independent stream per (seed,
+    parameter, step), so any step of any parameter is generated alone, identically for every
+    lane. Uniform rather than normal: five times faster to draw, and the check only needs
+    gradients of a realistic size and both signs."""
     rng = np.random.default_rng([seed, index, step])
-    out = rng.standard_normal(shape, dtype=np.float32)
-    out *= np.float32(scale)
+    out = rng.random(shape, dtype=np.float32)
+    out -= np.float32(0.5)
+    out *= np.float32(2 * scale)
     return out
 
 
