@@ -378,3 +378,17 @@ def test_many_views_of_one_storage_are_read_not_refused(tmp_path):
         params = ckpt.model.params
         assert len(params) == n
         assert [p.tensor.numpy().tolist() for p in params[::997]] == [[float(i)] for i in range(0, n, 997)]
+
+
+def test_statekit_state_scalar_of_an_unknown_kind(tmp_path, fixtures):
+    """Found by scripts/fuzz.py (safetensors 115939): a ``__scalar__`` whose kind was a list."""
+    import json
+
+    statekit.convert(fixtures / "hand-optim.bpk", tmp_path / "s.safetensors")
+    data = (tmp_path / "s.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    params = json.loads(header["__metadata__"]["params"])
+    params[0]["extra"] = {"x": {"__scalar__": [["UInt"], 3]}}
+    header["__metadata__"]["params"] = json.dumps(params)
+    refuse(write(tmp_path, "bad.safetensors", safetensors_bytes(header, data[8 + n :])), "scalar")

@@ -123,6 +123,17 @@ class _Encoder:
         raise MappingError(f"{where}: a {type(value).__name__} value cannot be stored in safetensors metadata")
 
 
+def _scalar(inner: object, sf: SafetensorsFile) -> Scalar:
+    """A ``{"__scalar__": [kind, value]}`` entry: a burn scalar variant and a value that fits it."""
+    if isinstance(inner, list) and len(inner) == 2 and inner[0] in ("Int", "UInt", "Float", "Bool"):
+        kind, value = inner[0], _decode(inner[1], sf)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if {"Int": type(value) is int, "UInt": type(value) is int and value >= 0, "Float": number,
+                "Bool": isinstance(value, bool)}[kind]:
+            return Scalar(kind, value)
+    raise FormatError(f"metadata scalar {limits.short(inner)} is not [Int|UInt|Float|Bool, value]", sf.path)
+
+
 def _decode(value: object, sf: SafetensorsFile) -> object:
     if isinstance(value, list):
         return [_decode(v, sf) for v in value]
@@ -137,7 +148,7 @@ def _decode(value: object, sf: SafetensorsFile) -> object:
                 raise FormatError(f"metadata refers to a missing tensor {inner!r}", sf.path)
             return sf.tensor(inner)
         if key == "__scalar__":
-            return Scalar(inner[0], _decode(inner[1], sf))
+            return _scalar(inner, sf)
         if key == "__float__":
             return float(inner)
         if key == "__items__":
