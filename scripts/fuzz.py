@@ -151,7 +151,13 @@ def run(args) -> int:
         elif answer["outcome"] != "ok":
             s["errors"] += 1
 
+    stop = []
+    signal.signal(signal.SIGINT, lambda *a: stop.append("interrupted"))
+    signal.signal(signal.SIGTERM, lambda *a: stop.append("terminated"))
     while cases or busy:
+        if stop and cases:
+            print(f"... {stop[0]}: {len(cases)} cases not run", flush=True)
+            cases.clear()
         if deadline is not None and time.monotonic() > deadline and cases:
             print(f"... --minutes {args.minutes} reached: {len(cases)} cases not run", flush=True)
             cases.clear()
