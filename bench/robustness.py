@@ -120,16 +120,16 @@ PROBE = """
 import json, sys, time
 import statekit
 from statekit.errors import StatekitError
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 try:
     with statekit.open(sys.argv[1]) as ckpt:
         n = len(ckpt.model.params) if ckpt.model else len(ckpt.optimizer.params) if ckpt.optimizer else 0
     outcome = f"read ({n} tensors)"
 except StatekitError as exc:
     outcome = "refused: " + str(exc).split(": ", 1)[-1][:60]
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
 hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0].split()[1]
-print(json.dumps({"seconds": seconds, "rss": int(hwm) >> 10, "outcome": outcome}))
+print(json.dumps({"seconds": seconds, "cpu": cpu, "rss": int(hwm) >> 10, "outcome": outcome}))
 """
 
 
@@ -137,7 +137,7 @@ def probe(path: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     if out.returncode:
-        return {"seconds": float("nan"), "rss": 0, "outcome": "CRASH " + out.stderr.strip().splitlines()[-1][:60]}
+        return {"seconds": float("nan"), "cpu": float("nan"), "rss": 0, "outcome": "CRASH " + out.stderr.strip().splitlines()[-1][:60]}
     return json.loads(out.stdout)
 
 
@@ -169,14 +169,16 @@ def main() -> None:
         cases.append(("burnpack declaring 10^6 tensors", tmp / "many.bpk"))
         gzip_bomb(tmp / "bomb.mpk.gz", 10 << 30)
         cases.append((f"gzip {os.path.getsize(tmp / 'bomb.mpk.gz') >> 20} MiB inflating to 10 GiB", tmp / "bomb.mpk.gz"))
-        print(f"{'case':<44}{'seconds':>9}{'peak MiB':>10}{'x base s':>10}  outcome")
+        print(f"{'case':<44}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'x base s':>10}  outcome")
         base = None
         for name, path in cases:
             r = probe(path)
             base = base or r
-            print(f"{name:<44}{r['seconds']:>9.3f}{r['rss']:>10}{r['seconds'] / base['seconds']:>10.1f}  {r['outcome']}")
+            print(f"{name:<44}{r['seconds']:>9.3f}{r['cpu']:>8.3f}{r['rss']:>10}{r['seconds'] / base['seconds']:>10.1f}  "
+                  f"{r['outcome']}")
 
-        print(f"\n{'valid .pt, N views of one storage':<44}{'seconds':>9}{'peak MiB':>10}{'us/tensor':>10}{'x 10^4':>8}")
+        print(f"\n{'valid .pt, N views of one storage':<44}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'us/tensor':>10}"
+              f"{'x 10^4':>8}")
         first = None
         n = 10_000
         while n <= args.max_tensors:
@@ -185,7 +187,8 @@ def main() -> None:
             r = probe(path)
             per = r["seconds"] / n * 1e6
             first = first or per
-            print(f"{'N = ' + format(n, ','):<44}{r['seconds']:>9.2f}{r['rss']:>10}{per:>10.1f}{per / first:>8.2f}  "
+            print(f"{'N = ' + format(n, ','):<44}{r['seconds']:>9.2f}{r['cpu']:>8.2f}{r['rss']:>10}{per:>10.1f}"
+                  f"{per / first:>8.2f}  "
                   f"{r['outcome']}")
             path.unlink()
             n *= 10
