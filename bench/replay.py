@@ -11,7 +11,7 @@ one in-place step, best of ``--repeat`` after a warm-up. Rows:
 * torch's ``Adam(fused=True)`` / ``AdamW(fused=True)`` on 1 and ``--threads`` threads;
 * statekit's kernels (:mod:`statekit.optim.kernels`): ``torch`` (torch's own code on zero-copy
   numpy views), ``numba`` (1 and ``--threads`` threads) and the ``reference`` emulation, for
-  each flavour (candle is AdamW with weight_decay 0, the same update);
+  each flavor (candle is AdamW with weight_decay 0, the same update);
 * the reference of ``--baseline-rev`` (default: main before issue 13's kernels), exported
   with ``git archive`` and timed in a subprocess alternating with today's, same method;
 * ``statekit verify-resume`` of a torch Adam checkpoint of ``--verify-params`` parameters (four
@@ -165,7 +165,7 @@ def torch_fused_seconds(dev: Host, algo: str, repeat: int, device: str = "cpu") 
 
 
 def reference_runs(numel: int, repeat: int, rev: str) -> tuple[dict, dict]:
-    """Best seconds per flavour of the reference, baseline export vs today, alternating twice."""
+    """Best seconds per flavor of the reference, baseline export vs today, alternating twice."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "statekit"], check=True,
                                  capture_output=True).stdout

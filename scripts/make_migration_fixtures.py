@@ -17,7 +17,7 @@ optim-rank9.bpk             an extra parameter deep.kernel of rank 9 (burn loads
 optim-dup-path.bpk          an extra ParamId whose path is also l1.bias
 optim-bad-rank.bpk          l1.weight's __rank says 3 (its tensors are 4×16)
 optim-one-ulp.bpk           l1.weight exp_avg_sq[0, 0] one ULP larger (np.nextafter)
-optim-l1.bpk, optim-l2.bpk  hand-optim.bpk split in two (l1.*, l2.*), as burn_io.save_optimizer writes them
+optim-l1.bpk, optim-l2.bpk  hand-optim.bpk split in two (l1.*, l2.*), as burn.save_optimizer writes them
 optim-run2.bpk              a second run: the same model and ids, other training data (seed 2)
 ==========================  ==================================================================
 
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import make_fixtures as mf  # noqa: E402
 
 from statekit.formats.burnpack import PackTensor, write_burnpack  # noqa: E402
-from statekit.frameworks import burn_io  # noqa: E402
+from statekit.frameworks import burn  # noqa: E402
 from statekit.state import OptimizerState, ParamState  # noqa: E402
 from statekit.tensor import TensorRef  # noqa: E402
 
@@ -63,7 +63,7 @@ RENAMED = {"l1.weight": "encoder.0.weight", "l1.bias": "encoder.0.bias", "l2.wei
 
 def load_state() -> tuple[OptimizerState, dict[str, dict[str, np.ndarray]]]:
     """hand-optim.bpk as a state whose slots are in-memory copies (the file can then be closed)."""
-    ckpt = burn_io.open_checkpoint(os.path.join(FIX, "hand-optim.bpk"))
+    ckpt = burn.open_checkpoint(os.path.join(FIX, "hand-optim.bpk"))
     state = ckpt.optimizer
     arrays = {p.path: {s: np.array(r.numpy()) for s, r in p.slots.items()} for p in state.params}
     for p in state.params:
@@ -87,7 +87,7 @@ def param(state: OptimizerState, path: str, **changes) -> ParamState:
 
 def save(name: str, state: OptimizerState) -> None:
     path = os.path.join(OUT, name)
-    burn_io.save_optimizer(state, path, metadata={})
+    burn.save_optimizer(state, path, metadata={})
     print(f"{path}: {os.path.getsize(path)} bytes")
 
 

@@ -50,7 +50,7 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
 
     result = run(os.fspath(src), os.fspath(dst), make_options(**options), to=to, key=key, dry_run=dry_run,
                  plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None)
-    return result.plan
+    return _warned(result).plan
 
 
 def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = False, plan: PathLike | None = None,
@@ -59,15 +59,27 @@ def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = Fa
     plus ``old_model``, ``resize`` and ``reset_step``)."""
     from statekit.ops.remap import remap as run
 
-    return run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
-               plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None).plan
+    result = run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
+                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None)
+    return _warned(result).plan
 
 
-def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float = 0.0) -> dict:
-    """``statekit diff --json`` as a dict (``result["equal"]`` says whether they match)."""
+def _warned(result):
+    """The writer's warnings (candle's assumed values, a step policy at work) as Python warnings."""
+    import warnings
+
+    for message in result.warnings:
+        warnings.warn(message, UserWarning, stacklevel=3)
+    return result
+
+
+def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float = 0.0,
+         params: Sequence[str] | None = None) -> dict:
+    """``statekit diff --json`` as a dict (``result["equal"]`` says whether they match);
+    ``params``: names or path globs to compare (as ``--param``)."""
     from statekit.ops.diff import diff_files
 
-    return diff_files(a, b, atol=atol, rtol=rtol)
+    return diff_files(a, b, atol=atol, rtol=rtol, only=list(params) if params else None)
 
 
 def merge(inputs: Sequence[PathLike], output: PathLike, *, on_conflict: str = "error", dry_run: bool = False) -> dict:
@@ -77,11 +89,11 @@ def merge(inputs: Sequence[PathLike], output: PathLike, *, on_conflict: str = "e
     return merge_files(list(inputs), output, on_conflict=on_conflict, dry_run=dry_run)
 
 
-def doctor(state: PathLike, model: PathLike | None = None) -> dict:
-    """``statekit doctor --json`` as a dict."""
+def doctor(state: PathLike, model: PathLike | None = None, *, params: Sequence[str] | None = None) -> dict:
+    """``statekit doctor --json`` as a dict (``params``: names or path globs to check, as ``--param``)."""
     from statekit.ops.doctor import doctor_files
 
-    return doctor_files(state, model)
+    return doctor_files(state, model, only=list(params) if params else None)
 
 
 def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, seed: int = 0,

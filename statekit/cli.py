@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.core
 
 from statekit import typer_fast
 from statekit.errors import StatekitError, UsageError
 from statekit.output import Output, error_line
 
 typer_fast.install()  # plain options without typer's pydantic adapters (statekit/typer_fast.py)
+# help shows an argument's metavar (FILE), not its Python type (<path>) beside it
+typer.core.TyperArgument.display_type_rich = lambda self, ctx: None
 
 app = typer.Typer(
     name="statekit",
@@ -34,15 +37,28 @@ app = typer.Typer(
         "Errors are one line on stderr (exit 1; usage errors 2); STATEKIT_DEBUG=1 shows tracebacks."
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
 
 FileArg = Annotated[Path, typer.Argument(metavar="FILE", help="A burnpack .bpk, PyTorch .pt, burn .mpk/.bin or safetensors file.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
-JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, help="Tensors read and transformed at once (threads; default: the cores). The output never depends on it.")]
-KeyOpt = Annotated[str | None, typer.Option("--key", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables (same as --format json).")]
+FormatOpt = Annotated[str | None, typer.Option("--format", metavar="table|json|tsv", help="Output: tables (default), one JSON object, or tab-separated lines with one header.")]
+ParamOpt = Annotated[list[str] | None, typer.Option("--param", "-p", metavar="PARAM", help="Only this parameter: a path or a glob of paths ('l1.*'), a ParamId (decimal or the 13-character form) or #index; repeatable.")]
+JobsOpt = Annotated[int | None, typer.Option("--jobs", min=1, metavar="N", help="Tensors read and transformed at once (threads; default: the cores). The output never depends on it.")]
+KeyOpt = Annotated[str | None, typer.Option("--key", metavar="KEY", help="Entry of a training checkpoint that holds the optimizer state (e.g. optimizer_state_dict).")]
+
+
+def _output(fmt: str | None, json_out: bool) -> Output:
+    """The output of one command: ``--format`` (table, json, tsv); ``--json`` is ``--format json``."""
+    from statekit.render import FORMATS
+
+    if fmt is not None and fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if json_out and fmt not in (None, "json"):
+        raise UsageError(f"--json and --format {fmt} disagree")
+    return Output(fmt=fmt or ("json" if json_out else "table"))
 
 
 def _jobs(n: int | None) -> None:
@@ -72,11 +88,12 @@ def _main(
 def inspect(
     file: FileArg,
     stats: Annotated[bool, typer.Option("--stats", help="Add min/max/mean/RMS and NaN/Inf counts per field (reads all data).")] = False,
-    param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Show only this parameter: a path, a ParamId (decimal or the 13-character form) or #index; repeatable.")] = None,
-    names: Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions: see convert --help.")] = None,
-    names_order: Annotated[str | None, typer.Option("--names-order", help="What order the --names list is in: 'model' (model.named_parameters()) or 'optimizer' (its param groups, one after the other).")] = None,
-    model: Annotated[Path | None, typer.Option("--model", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
+    param: ParamOpt = None,
+    names: Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for a torch state's positions: see convert --help.")] = None,
+    names_order: Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters()) or 'optimizer' (its param groups, one after the other).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
     key: KeyOpt = None,
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
@@ -92,9 +109,7 @@ def inspect(
     _jobs(jobs)
     from statekit import io
     from statekit.ops.inspect import inspect as describe
-    from statekit.render import inspect_table
-
-    out = Output(json_out)
+    out = _output(fmt, json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
         if (names or model) and ckpt.optimizer is not None:
             from statekit.ops.convert import name_source_params
@@ -105,56 +120,55 @@ def inspect(
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
-    if json_out:
-        out.json(result)
-    else:
-        for item in inspect_table(result, stats):
-            out.print(item)
+    out.show("inspect", result, stats=stats, width=out.width)
 
 
-OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
-LrOpt = Annotated[float | None, typer.Option("--lr", help="Learning rate for the target's param group.")]
-BetasOpt = Annotated[str | None, typer.Option("--betas", help="Adam betas as 'B1,B2'.")]
-EpsOpt = Annotated[float | None, typer.Option("--eps", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
-WdOpt = Annotated[float | None, typer.Option("--weight-decay", help="Weight decay.")]
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
+LrOpt = Annotated[float | None, typer.Option("--lr", metavar="LR", help="Learning rate for the target's param group.")]
+BetasOpt = Annotated[str | None, typer.Option("--betas", metavar="B1,B2", help="Adam betas as 'B1,B2'.")]
+EpsOpt = Annotated[float | None, typer.Option("--eps", metavar="EPS", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
+WdOpt = Annotated[float | None, typer.Option("--weight-decay", metavar="WD", help="Weight decay.")]
 AmsOpt = Annotated[bool | None, typer.Option("--amsgrad/--no-amsgrad", help="AMSGrad; default: whether the state holds max_exp_avg_sq.")]
-MomOpt = Annotated[float | None, typer.Option("--momentum", help="SGD/RMSprop momentum.")]
-DampOpt = Annotated[float | None, typer.Option("--dampening", help="SGD dampening (burn's default is 0.1, torch's 0).")]
+MomOpt = Annotated[float | None, typer.Option("--momentum", metavar="M", help="SGD/RMSprop momentum.")]
+DampOpt = Annotated[float | None, typer.Option("--dampening", metavar="D", help="SGD dampening (burn's default is 0.1, torch's 0).")]
 NestOpt = Annotated[bool | None, typer.Option("--nesterov/--no-nesterov", help="SGD Nesterov momentum.")]
-RenameOpt = Annotated[list[str] | None, typer.Option("--rename", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
-RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", help="File of rename rules, one per line.")]
+RenameOpt = Annotated[list[str] | None, typer.Option("--rename", metavar="REGEX=REPLACEMENT", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
+RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", metavar="FILE", help="File of rename rules, one per line.")]
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
-TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
-NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
-NamesOpt = Annotated[Path | None, typer.Option("--names", help="Names for a torch state's positions: one per line (optionally with its shape, 'fc.weight [16, 4]') or JSON. A list with shapes is read in model.named_parameters() order and each param group is placed in it by shape; a flat list without shapes for a state with several param groups needs --names-order.")]
-NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
-ModelOpt = Annotated[Path | None, typer.Option("--model", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
-DtypeOpt = Annotated[str | None, typer.Option("--dtype", help="Cast every state tensor, e.g. f32.")]
+TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", metavar="GLOB", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
+NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", metavar="GLOB", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
+NamesOpt = Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for a torch state's positions: one per line (optionally with its shape, 'fc.weight [16, 4]') or JSON. A list with shapes is read in model.named_parameters() order and each param group is placed in it by shape; a flat list without shapes for a state with several param groups needs --names-order.")]
+NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
+ModelOpt = Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
+DtypeOpt = Annotated[str | None, typer.Option("--dtype", metavar="DTYPE", help="Cast every state tensor, e.g. f32.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
-PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", help="Also save the plan as JSON.")]
-PlanInOpt = Annotated[Path | None, typer.Option("--plan", help="Apply a saved plan instead of building one.")]
+PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", metavar="FILE", help="Also save the plan as JSON.")]
+PlanInOpt = Annotated[Path | None, typer.Option("--plan", metavar="FILE", help="Apply a saved plan instead of building one.")]
 
 
 def _show_plan(plan, out: Output) -> None:
-    """The plan, before anything is written: JSON on stdout, or a table and warnings."""
-    if out.json_mode:
-        out.json(plan.to_json())
-        return
-    from statekit.render import plan_table
+    """The plan, before anything is written, in the chosen format; its warnings on stderr."""
+    out.show("plan", plan)
+    if not out.json_mode:
+        for w in plan.warnings:
+            out.warn(w)
 
-    for item in plan_table(plan):
-        out.print(item)
-    for w in plan.warnings:
+
+def _finish(result, out: Output) -> None:
+    """What convert / remap did: writers' warnings, then the closing lines."""
+    for w in result.warnings:
         out.warn(w)
+    for line in result.messages:
+        out.info(line)
 
 
 @app.command()
 def convert(
     src: FileArg,
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
-    shards: Annotated[int | None, typer.Option("--shards", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,
     optimizer: OptimizerOpt = None,
@@ -175,11 +189,12 @@ def convert(
     names_order: NamesOrderOpt = None,
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    step: Annotated[str | None, typer.Option("--step", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
+    step: Annotated[str | None, typer.Option("--step", metavar="max", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
     allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
@@ -204,7 +219,7 @@ def convert(
     from statekit.ops.options import make_options
     from statekit.ops.shares import resolve as resolve_share
 
-    out = Output(json_out)
+    out = _output(fmt, json_out)
     if step not in (None, "max"):
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -216,27 +231,27 @@ def convert(
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards,
                          share=resolve_share(shard))
-    for line in result.messages:
-        out.info(line)
+    _finish(result, out)
 
 
 @app.command()
 def remap(
     state: FileArg,
-    model: Annotated[Path, typer.Option("--model", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output file (format from its extension, or --to).")],
-    old_model: Annotated[Path | None, typer.Option("--old-model", help="The model the state was saved with, to learn paths by ParamId when the state has none.")] = None,
-    to: Annotated[str | None, typer.Option("--to", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    model: Annotated[Path, typer.Option("--model", metavar="MODEL", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="Output file (format from its extension, or --to).")],
+    old_model: Annotated[Path | None, typer.Option("--old-model", metavar="MODEL", help="The model the state was saved with, to learn paths by ParamId when the state has none.")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors or candle.")] = None,
     rename: RenameOpt = None,
     rules: RulesOpt = None,
     resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
-    reset_step: Annotated[list[str] | None, typer.Option("--reset-step", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
+    reset_step: Annotated[list[str] | None, typer.Option("--reset-step", metavar="GLOB", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
     names: NamesOpt = None,
     names_order: NamesOrderOpt = None,
     allow_nonfinite: NonfiniteOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
@@ -254,27 +269,26 @@ def remap(
     from statekit.ops.options import make_options
     from statekit.ops.remap import remap as run_remap
 
-    out = Output(json_out)
+    out = _output(fmt, json_out)
     opts = make_options(rename=rename, rules=rules, names=names, names_order=names_order, model=model, resize=resize,
                         reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
                        on_plan=lambda p: _show_plan(p, out))
-    for line in result.messages:
-        out.info(line)
+    _finish(result, out)
 
 
-KernelOpt = Annotated[str, typer.Option("--kernel", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference), torch, numba or reference; all give the same bits.")]
-FlavorOpt = Annotated[str | None, typer.Option("--flavor", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
+KernelOpt = Annotated[str, typer.Option("--kernel", metavar="NAME", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference), torch, numba or reference; all give the same bits.")]
+FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
 
 
 @app.command()
 def replay(
-    params: Annotated[Path, typer.Option("--params", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
-    grads: Annotated[list[Path], typer.Option("--grads", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
-    out_params: Annotated[Path, typer.Option("--out-params", help="Where to write the parameters after the last step.")],
-    state: Annotated[Path | None, typer.Option("--state", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
-    out_state: Annotated[Path | None, typer.Option("--out-state", help="Where to write the state after the last step (format by extension).")] = None,
+    params: Annotated[Path, typer.Option("--params", metavar="FILE", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
+    grads: Annotated[list[Path], typer.Option("--grads", metavar="G1", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
+    out_params: Annotated[Path, typer.Option("--out-params", metavar="FILE", help="Where to write the parameters after the last step.")],
+    state: Annotated[Path | None, typer.Option("--state", metavar="FILE", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
+    out_state: Annotated[Path | None, typer.Option("--out-state", metavar="FILE", help="Where to write the state after the last step (format by extension).")] = None,
     optimizer: OptimizerOpt = None,
     flavor: FlavorOpt = None,
     lr: LrOpt = None,
@@ -285,9 +299,10 @@ def replay(
     momentum: MomOpt = None,
     dampening: DampOpt = None,
     nesterov: NestOpt = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
-    backend: Annotated[str | None, typer.Option("--backend", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
+    device: Annotated[str, typer.Option("--device", metavar="DEVICE", help="cpu, or cuda (through torch, or CuPy with --backend cupy).")] = "cpu",
+    backend: Annotated[str | None, typer.Option("--backend", metavar="NAME", help="Array namespace: numpy (default on cpu), torch or cupy.")] = None,
     kernel: KernelOpt = "auto",
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     more_grads: Annotated[list[Path] | None, typer.Argument(metavar="G2 ...", help="Further gradient files after --grads G1.", show_default=False)] = None,
 ) -> None:
@@ -303,37 +318,32 @@ def replay(
     from statekit.ops.options import given_hyperparams
     from statekit.ops.replay import replay_files
 
-    out = Output(json_out)
+    out = _output(fmt, json_out)
     given = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                               momentum=momentum, dampening=dampening, nesterov=nesterov)
     result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
                           state=str(state) if state else None, out_state=str(out_state) if out_state else None,
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
                           progress=out.progress, kernel=kernel)
-    if json_out:
-        out.json(result)
-    else:
-        shown = ", ".join(f"{k}={v}" for k, v in result["hyperparams"].items())
-        out.print(f"replayed {result['steps']} steps of {result['optimizer']} ({result['flavor']} arithmetic, "
-                  f"{result['exactness']}, {result['kernel']} kernel): {shown}")
-        out.print(f"wrote {out_params}" + (f" and {out_state}" if out_state else ""))
+    out.show("replay", result)
 
 
 @app.command("verify-resume")
 def verify_resume_cmd(
     original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The state as the original run left it.")],
     migrated: Annotated[Path, typer.Argument(metavar="MIGRATED", help="The converted / remapped state to check.")],
-    steps: Annotated[int, typer.Option("--steps", "-k", help="Steps to run.", min=1)] = 10,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic parameters and gradients.")] = 0,
+    steps: Annotated[int, typer.Option("--steps", "-k", metavar="K", help="Steps to run.", min=1)] = 10,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic parameters and gradients.")] = 0,
     optimizer: OptimizerOpt = None,
-    flavor_original: Annotated[str | None, typer.Option("--flavor-original", help="Arithmetic of the original run (default: its framework's).")] = None,
-    flavor_migrated: Annotated[str | None, typer.Option("--flavor-migrated", help="Arithmetic of the resumed run (default: its framework's).")] = None,
+    flavor_original: Annotated[str | None, typer.Option("--flavor-original", metavar="FLAVOR", help="Arithmetic of the original run (default: its framework's).")] = None,
+    flavor_migrated: Annotated[str | None, typer.Option("--flavor-migrated", metavar="FLAVOR", help="Arithmetic of the resumed run (default: its framework's).")] = None,
     lr: LrOpt = None,
     transpose: TransposeOpt = None,
     key: KeyOpt = None,
     kernel: KernelOpt = "auto",
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
-) -> None:
+) -> int:
     """Check that a migrated state resumes like the original: exit 0 if it tracks, 1 if not.
 
     Runs k seeded steps from the original, from the migrated state and from a cold (empty) state,
@@ -344,62 +354,33 @@ def verify_resume_cmd(
     from statekit import io
     from statekit.ops.options import given_hyperparams
     from statekit.ops.replay import verify_resume
-    from statekit.render_replay import verify_table
 
-    out = Output(json_out)
+    out = _output(fmt, json_out)
     with io.open_checkpoint(str(original)) as a, io.open_checkpoint(str(migrated), **({"key": key} if key else {})) as b:
         with out.progress("steps", steps) as advance:
             report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
                                    flavor_original=flavor_original, flavor_migrated=flavor_migrated,
                                    transpose=list(transpose or []), progress=advance, kernel=kernel)
-    if json_out:
-        out.json(report)
-    else:
-        for item in verify_table(report):
-            out.print(item)
-    if not report["tracks"]:
-        raise typer.Exit(1)
+    out.show("verify", report)
+    return 0 if report["tracks"] else 1
 
 
 # ----------------------------------------------------------------------------- diff / merge / doctor
-# (statekit/ops/diff.py, merge.py, doctor.py; renderers in statekit/render_ops.py)
-
-
-def _exit(code: int) -> None:
-    """End the command with ``code``. typer.Exit would be returned, not raised, by the runner."""
-    sys.stdout.flush()
-    raise SystemExit(code)
-
-
-def _errors_exit_2(run):
-    """Run ``run()``; any error ends with exit code 2 (1 means "differ"/"problems found")."""
-    try:
-        return run()
-    except StatekitError as exc:
-        exc.exit_code = 2
-        raise
-    except OSError as exc:
-        err = StatekitError(exc.strerror or str(exc), exc.filename)
-        err.exit_code = 2
-        raise err from None
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
-        if os.environ.get("STATEKIT_DEBUG"):
-            raise
-        error_line(f"internal error: {type(exc).__name__}: {exc} (run with STATEKIT_DEBUG=1 for the traceback)")
-        _exit(2)
+# diff and doctor answer a question with their exit code (0 yes, 1 no), so their errors exit 2.
+ERRORS_EXIT_2 = ("diff", "doctor")
 
 
 @app.command()
 def diff(
     a: Annotated[Path, typer.Argument(metavar="A", help="First file (any supported format).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="Second file (any supported format).")],
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
+    atol: Annotated[float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
+    param: ParamOpt = None,
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
-) -> None:
+) -> int:
     """Compare two optimizer states (or two models) parameter by parameter.
 
     Parameters are matched by burn ParamId when both files have them, else by module path, else
@@ -410,28 +391,24 @@ def diff(
     """
     _jobs(jobs)
     from statekit.ops.diff import diff_files
-    from statekit.render_ops import diff_view
 
-    out = Output(json_out)
-    result = _errors_exit_2(lambda: diff_files(a, b, atol=atol, rtol=rtol,
-                                               progress=lambda d, t: out.progress(d, t, unit_bytes=True)))
-    if json_out:
-        out.json(result)
-    else:
-        for item in diff_view(result):
-            out.print(item)
-    _exit(0 if result["equal"] else 1)
+    out = _output(fmt, json_out)
+    result = diff_files(a, b, atol=atol, rtol=rtol, only=param,
+                        progress=lambda d, t: out.progress(d, t, unit_bytes=True))
+    out.show("diff", result)
+    return 0 if result["equal"] else 1
 
 
 @app.command()
 def merge(
     inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="Optimizer state files, in order.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Output file; its extension picks the format (.bpk).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="Output file; its extension picks the format (.bpk).")],
     on_conflict: Annotated[str, typer.Option(
         "--on-conflict", metavar="error|first|last|mean",
         help="A parameter in several inputs: refuse (error), take the first or last, or average the moments "
              "elementwise and keep the largest step (mean).")] = "error",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be merged and write nothing.")] = False,
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
@@ -443,24 +420,21 @@ def merge(
     """
     _jobs(jobs)
     from statekit.ops.merge import merge_files
-    from statekit.render_ops import merge_view
 
-    out = Output(json_out)
+    out = _output(fmt, json_out)
     result = merge_files(inputs, output, on_conflict=on_conflict, dry_run=dry_run, progress=out.progress)
-    if json_out:
-        out.json(result)
-    else:
-        for item in merge_view(result):
-            out.print(item)
+    out.show("merge", result)
 
 
 @app.command()
 def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
-    model: Annotated[Path | None, typer.Option("--model", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
+    param: ParamOpt = None,
+    fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
-) -> None:
+) -> int:
     """Find what bites when training resumes from STATE (and, with --model, into MODEL).
 
     NaN/Inf, all-zero moments after step 1, differing steps, ranks above 8, __rank vs shape,
@@ -469,62 +443,76 @@ def doctor(
     """
     _jobs(jobs)
     from statekit.ops.doctor import doctor_files
-    from statekit.render_ops import doctor_view
 
-    out = Output(json_out)
-    result = _errors_exit_2(lambda: doctor_files(state, model, progress=lambda d, t: out.progress(d, t)))
-    if json_out:
-        out.json(result)
+    out = _output(fmt, json_out)
+    result = doctor_files(state, model, only=param, progress=lambda d, t: out.progress(d, t))
+    out.show("doctor", result)
+    return 0 if result["clean"] else 1
+
+
+def _json_requested(args: list[str]) -> bool:
+    return "--json" in args or "--format=json" in args or any(
+        a == "--format" and b == "json" for a, b in zip(args, args[1:], strict=False))
+
+
+def _is_click(exc: BaseException, *names: str) -> bool:
+    """click's exceptions by name: typer vendors its own copy of click, so classes differ."""
+    return any(cls.__name__ in names and "click" in cls.__module__ for cls in type(exc).__mro__)
+
+
+def _error(exc: BaseException, command: str | None) -> tuple[str, int] | None:
+    """The one line and the exit code for an exception; None for a bug (an internal error).
+
+    StatekitError → its message and exit code (UsageError 2, others 1); OSError → the file and
+    the system's words, 1; click's usage errors → one line with where to find help, 2; Ctrl-C →
+    130. diff and doctor answer with 0/1, so their errors exit 2.
+    """
+    if isinstance(exc, KeyboardInterrupt) or _is_click(exc, "Abort"):
+        return "interrupted", 130
+    if _is_click(exc, "ClickException"):
+        where = f"statekit {command} --help" if command else "statekit --help"
+        return f"{exc.format_message()} (see {where})", exc.exit_code
+    if isinstance(exc, StatekitError):
+        message, code = str(exc), exc.exit_code
+    elif isinstance(exc, OSError):
+        message, code = f"{exc.filename}: {exc.strerror or exc}" if exc.filename else str(exc.strerror or exc), 1
     else:
-        for item in doctor_view(result):
-            out.print(item)
-    _exit(0 if result["clean"] else 1)
+        return None
+    return message, 2 if command in ERRORS_EXIT_2 else code
 
 
-def _click_exception(exc: BaseException) -> int | None:
-    """Exit code for click's (or typer's vendored click's) own exceptions; None for others."""
-    name = type(exc).__name__
-    if name == "Exit" and hasattr(exc, "exit_code"):
-        return exc.exit_code
-    if name == "Abort":
-        error_line("aborted")
-        return 130
-    if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click's (typer vendors its own click)
-        exc.show()
-        return exc.exit_code
-    return None
+def _report(message: str, code: int, json_errors: bool) -> int:
+    """Print the error: one line, or with --json one JSON object, on stderr."""
+    if json_errors:
+        import json
+
+        sys.stderr.write(json.dumps({"error": " ".join(message.split()), "exit_code": code}) + "\n")
+        sys.stderr.flush()
+    else:
+        error_line(message)
+    return code
 
 
 def _run(args: list[str] | None = None) -> int:
-    from statekit.atomic import exit_cleanly_on_sigterm
-
-    debug = bool(os.environ.get("STATEKIT_DEBUG"))
-    exit_cleanly_on_sigterm()
+    """Run the CLI: every error becomes one line (JSON with --json) and an exit code, here only."""
+    args = sys.argv[1:] if args is None else list(args)
+    command = next((a for a in args if not a.startswith("-")), None)
     try:
         # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
         rc = contextvars.copy_context().run(app, args=args, standalone_mode=False, prog_name="statekit")
-    except StatekitError as exc:
+    except (Exception, KeyboardInterrupt) as exc:
+        if _is_click(exc, "Exit"):
+            return exc.exit_code
+        known = _error(exc, command)
+        debug = os.environ.get("STATEKIT_DEBUG") and not (known and known[1] == 130) and not _is_click(
+            exc, "ClickException")
         if debug:
             raise
-        error_line(str(exc))
-        return exc.exit_code
-    except KeyboardInterrupt:
-        error_line("interrupted")
-        return 130
-    except OSError as exc:
-        if debug:
-            raise
-        where = f"{exc.filename}: " if exc.filename else ""
-        error_line(f"{where}{exc.strerror or exc}")
-        return 1
-    except Exception as exc:  # a bug: still one line, with the way to see more
-        code = _click_exception(exc)
-        if code is not None:
-            return code
-        if debug:
-            raise
-        error_line(f"internal error: {type(exc).__name__}: {exc} (run with STATEKIT_DEBUG=1 for the traceback)")
-        return 1
+        if known is None:
+            code = 2 if command in ERRORS_EXIT_2 else 1
+            known = (f"internal error: {type(exc).__name__}: {exc} (run with STATEKIT_DEBUG=1 for the traceback)",
+                     code)
+        return _report(*known, _json_requested(args))
     return rc if isinstance(rc, int) else 0
 
 
@@ -547,4 +535,7 @@ def finalize(
 
 
 def main() -> None:
+    from statekit.atomic import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm()  # SIGTERM unwinds like Ctrl-C: no temporary output file stays behind
     sys.exit(_run())

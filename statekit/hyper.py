@@ -120,9 +120,6 @@ def conversion_defaults(family: str) -> dict[str, object]:
     return values
 
 
-CLI_KEYS = (*FLAGS, "alpha", "centered", "lr_decay")
-
-
 def neutral(values: dict[str, object]) -> dict[str, object]:
     """torch's hyperparameter names are the neutral ones: candle's ``beta1``/``beta2`` → ``betas``."""
     out = dict(values)

@@ -96,13 +96,6 @@ CANDLE: tuple[Layout, ...] = (
 
 FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 
-# Families the torch side can hold for each neutral family (RAdam shares Adam's slots).
-TORCH_OPTIMIZER_CLASSES = {
-    "adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "rmsprop": "RMSprop", "adagrad": "Adagrad",
-    "nadam": "NAdam", "radam": "RAdam", "adamax": "Adamax", "adafactor": "Adafactor",
-}
-
-
 def layout(framework: str, family: str) -> Layout:
     for item in FRAMEWORKS[framework]:
         if item.family == family or family in item.also:
@@ -119,10 +112,8 @@ def classify(framework: str, fields: set[str]) -> Layout | None:
     return None
 
 
-def native_name(framework: str, family: str, slot: str) -> str:
-    """The framework's field name for a neutral slot (KeyError when it has none)."""
-    lay = layout(framework, family)
-    for native, neutral in lay.slots.items():
-        if neutral == slot:
-            return native
-    raise KeyError(f"{framework} {family} has no field for slot {slot!r}")
+def derived_slots(family: str) -> frozenset[str]:
+    """Slots of ``family`` that some framework stores but that are recomputed from the others
+    (burn RMSProp's ``avg``): a target without them drops them, burn recomputes them."""
+    return frozenset(s for layouts in FRAMEWORKS.values() for lay in layouts if lay.family == family
+                     for s in lay.derived)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 
@@ -30,28 +31,51 @@ def _jsonable(value: object) -> object:
 
 
 class Output:
-    def __init__(self, json_mode: bool = False, quiet: bool = False):
-        self.json_mode = json_mode
+    """Where a command's output goes, in the format the user chose (``table``, ``json``, ``tsv``)."""
+
+    def __init__(self, json_mode: bool = False, quiet: bool = False, fmt: str | None = None):
+        self.format = fmt or ("json" if json_mode else "table")
         self.quiet = quiet
-        # Tables are wide: when stdout is not a terminal (a pipe, a file) do not squeeze to 80.
+        # Tables are wide: when stdout is not a terminal (a pipe, a file) do not squeeze to 80,
+        # unless COLUMNS says how wide to be.
         probe = Console()
-        width = None if probe.is_terminal else max(probe.width, 160)
+        width = None if probe.is_terminal or os.environ.get("COLUMNS") else max(probe.width, 160)
         self.console = Console(highlight=False, width=width)
         self.err = Console(stderr=True, highlight=False, width=None if Console(stderr=True).is_terminal else 1000)
+
+    @property
+    def json_mode(self) -> bool:
+        return self.format == "json"
+
+    @property
+    def width(self) -> int:
+        return self.console.width
+
+    def show(self, kind: str, result, **options) -> None:
+        """Render an operation's result in the chosen format (:mod:`statekit.render`)."""
+        from statekit import render
+
+        if self.format == "json":
+            self.json(result.to_json() if hasattr(result, "to_json") else result)
+        elif self.format == "tsv":
+            sys.stdout.write("".join(line + "\n" for line in render.tsv_lines(kind, result)))
+        else:
+            for item in render.table(kind, result, **options):
+                self.print(item)
 
     def json(self, obj: object) -> None:
         sys.stdout.write(json.dumps(_jsonable(obj), indent=2, allow_nan=False) + "\n")
 
     def print(self, *objects: object) -> None:
         """Tables fit the width; lines of text are never wrapped (scripts grep them)."""
-        if not self.json_mode and not self.quiet:
+        if self.format == "table" and not self.quiet:
             self.console.print(*objects, soft_wrap=all(isinstance(o, str | Text) for o in objects))
 
     def info(self, message: str) -> None:
         """A remark for humans (stderr in JSON mode so stdout stays parseable)."""
         if self.quiet:
             return
-        (self.err if self.json_mode else self.console).print(Text(message), soft_wrap=True)
+        (self.console if self.format == "table" else self.err).print(Text(message), soft_wrap=True)
 
     def warn(self, message: str) -> None:
         self.err.print(Text("warning: ", style="yellow") + Text(message), soft_wrap=True)

@@ -11,13 +11,39 @@ Slot names are neutral (PyTorch's: ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 
 from statekit import paramid
 from statekit.tensor import TensorRef
 
-KINDS = ("optimizer", "model", "scheduler", "tensors", "empty")
+GLOB_CHARS = frozenset("*?[")
+
+
+def format_shape(dims) -> str:
+    """A shape for people: ``4×16``; ``scalar`` for ``()``; ``-`` when unknown (one spelling everywhere)."""
+    if dims is None:
+        return "-"
+    return "×".join(str(d) for d in dims) if len(dims) else "scalar"
+
+
+def matches(pattern: str, *, path: str | None, key: str | None = None, id: int | None = None,
+            index: int | None = None) -> bool:
+    """Whether a user's parameter name selects this parameter: its path or key, a glob of paths
+    (``l1.*``), its ParamId in either spelling, or ``#index`` (a position without an id). The one
+    matcher behind ``--param`` of inspect, diff and doctor and :meth:`OptimizerState.find`."""
+    if pattern in (path, key):
+        return True
+    if GLOB_CHARS & set(pattern):
+        return path is not None and fnmatch.fnmatchcase(path, pattern)
+    text = pattern[1:] if pattern.startswith("#") else pattern
+    if text.isdigit() and index == int(text) and id is None:
+        return True
+    try:
+        return id is not None and paramid.parse(pattern) == id
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -118,19 +144,15 @@ class OptimizerState:
         for p in self.params:
             if name in (p.path, p.key):
                 return p
-        text = name[1:] if name.startswith("#") else name
-        if text.isdigit():
-            for p in self.params:
-                if p.index == int(text) and p.id is None:
-                    return p
-        try:
-            wanted = paramid.parse(name)
-        except ValueError:
-            wanted = None
         for p in self.params:
-            if wanted is not None and p.id == wanted:
+            if matches(name, path=None, id=p.id, index=p.index):
                 return p
         raise KeyError(name)
+
+    def select(self, patterns: list[str]) -> list[ParamState]:
+        """The parameters any of ``patterns`` selects (see :func:`matches`), in file order."""
+        return [p for p in self.params if any(matches(n, path=p.path, key=p.key, id=p.id, index=p.index)
+                                              for n in patterns)]
 
     def steps(self) -> set:
         return {p.step for p in self.params if p.step is not None}

@@ -195,3 +195,30 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
             expected = {"torch"}  # Accelerate's optimizer.bin, HF pytorch_model.bin: torch.save's
         assert name in expected, path
     assert {"burnpack", "torch", "safetensors"} <= seen
+
+
+def test_no_function_in_statekit_exceeds_80_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 80:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not long, "\n".join(long)
+
+
+def test_operations_never_print():
+    """ops/ returns results: no print(), no rich, no Output (the CLI renders)."""
+    found = []
+    for path in sorted((PACKAGE / "ops").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                found.append(f"{path.name}:{node.lineno} print()")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import | ast.ImportFrom) else []
+            module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+            if any(n.split(".")[0] == "rich" for n in names) or module.startswith(("rich", "statekit.output")) \
+                    or "Output" in names:
+                found.append(f"{path.name}:{node.lineno} imports {module or names}")
+    assert not found, found

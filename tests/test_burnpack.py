@@ -144,6 +144,7 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.bpk"]
 
 
+@pytest.mark.slow
 def test_too_many_tensors_is_refused(tmp_path):
     desc = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
     meta = cbor.encode({"tensors": {f"t{i}": desc for i in range(100_001)}})
@@ -181,6 +182,7 @@ def packs(draw):
     return tensors, scalars, meta
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(packs())
 def test_write_read_roundtrip(tmp_path, case):

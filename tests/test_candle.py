@@ -198,6 +198,7 @@ def test_legacy_burn_state_to_candle(tmp_path):
             assert p.step == 21
 
 
+@pytest.mark.slow
 def test_torch_adamw_to_candle(tmp_path):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from statekit import io
-from statekit.frameworks import burn_io
+from statekit.frameworks import burn
 from statekit.ops import ulp
 from statekit.ops.diff import compare_refs, diff, diff_files, match_method
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
@@ -37,7 +37,7 @@ def bumped_copy(src: Path, dst: Path, path: str, slot: str, index: tuple, dtype:
             new = np.array([old], ml_dtypes.bfloat16).view(np.uint16) + np.uint16(1)
             new = new.view(ml_dtypes.bfloat16)[0]
         arr[index] = new
-        burn_io.save_optimizer(state, str(dst), metadata={})
+        burn.save_optimizer(state, str(dst), metadata={})
     return float(old), float(new)
 
 

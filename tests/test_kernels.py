@@ -171,7 +171,7 @@ numba_needed = pytest.mark.skipif(not kernels.numba_available(), reason="numba (
 
 @pytest.fixture
 def ieee_reference(monkeypatch):
-    """The reference's torch flavour with the IEEE root, as without torch (what numba computes)."""
+    """The reference's torch flavor with the IEEE root, as without torch (what numba computes)."""
     monkeypatch.setattr(backend, "torch_available", lambda: False)
 
 

@@ -11,7 +11,7 @@ from conftest import ROOT
 
 from statekit import io
 from statekit.errors import MappingError, UsageError
-from statekit.frameworks import burn_io
+from statekit.frameworks import burn
 from statekit.ops.diff import diff_files
 from statekit.ops.merge import merge_files
 
@@ -25,14 +25,14 @@ def sha(path) -> str:
 
 
 def split(src: Path, tmp_path: Path, groups: list[list[str]]) -> list[Path]:
-    """Write each group of parameters of ``src`` to its own file with burn_io.save_optimizer."""
+    """Write each group of parameters of ``src`` to its own file with burn.save_optimizer."""
     out = []
     for i, paths in enumerate(groups):
         with io.open_checkpoint(src) as ckpt:
             state = ckpt.optimizer
             state.params = [p for p in state.params if p.path in paths]
             dst = tmp_path / f"part{i}.bpk"
-            burn_io.save_optimizer(state, str(dst), metadata={})
+            burn.save_optimizer(state, str(dst), metadata={})
         out.append(dst)
     return out
 

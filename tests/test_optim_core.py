@@ -124,8 +124,8 @@ def test_resolve_fills_framework_defaults():
         (("adam", "burn", {"lr": 1.0, "maximize": True}), "cannot use maximize"),
         (("adamw", "candle", {"amsgrad": True}), "cannot use amsgrad"),
         (("adagrad", "burn", {"lr": 1.0, "initial_accumulator_value": 0.1}), "cannot use initial"),
-        (("adan", "torch", {}), "no 'torch' flavour"),
-        (("rmsprop", "torch-fused", {}), "no 'torch-fused' flavour"),
+        (("adan", "torch", {}), "no 'torch' flavor"),
+        (("rmsprop", "torch-fused", {}), "no 'torch-fused' flavor"),
         (("lion", "torch", {}), "unknown optimizer"),
     ],
 )
@@ -259,7 +259,7 @@ def test_exactness(monkeypatch):
     assert so.exactness("torch", np, "sgd") == so.BIT_EXACT
     monkeypatch.setattr(registry, "torch_available", lambda: False)
     assert so.exactness("torch", np, "adam") == so.TOLERANCE
-    with pytest.raises(UsageError, match="unknown flavour"):
+    with pytest.raises(UsageError, match="unknown flavor"):
         so.exactness("jax")
 
 
@@ -304,7 +304,7 @@ def test_cupy_code_path_with_numpy_standing_in(name, hp, flavor):
     out, slots, _ = so.step(name, p, g, {}, 0, hp, flavor, standin)
     out, slots, _ = so.step(name, out, g, slots, 1, hp, flavor, standin, inplace=True)
     same = np.array_equal(out.view(np.int32), ref.view(np.int32))
-    # the torch flavour's root is the namespace's own there (not torch's MKL): tolerance only
+    # the torch flavor's root is the namespace's own there (not torch's MKL): tolerance only
     assert same or so.exactness(flavor, standin, name) == so.TOLERANCE
     if flavor != "torch":
         for slot in slots:

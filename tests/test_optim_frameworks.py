@@ -1,4 +1,4 @@
-"""burn and candle flavours against their formulas, computed here by hand.
+"""burn and candle flavors against their formulas, computed here by hand.
 
 The expected values follow burn-formats.md §2.5 (burn 0.22) and torch-candle-numerics.md §4.1
 (candle-nn AdamW) line by line, one ``np.float32`` scalar operation at a time, element by

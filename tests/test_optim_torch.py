@@ -125,20 +125,20 @@ def test_fused_adam_bit_exact(config):
 
 @pytest.mark.parametrize("config", ADAM_CONFIGS)
 def test_torch_adam_bit_exact_with_torch_sqrt(config):
-    """bit-exact: torch flavour (numpy + torch's CPU sqrt) == Adam/AdamW(foreach=False), 50 steps."""
+    """bit-exact: torch flavor (numpy + torch's CPU sqrt) == Adam/AdamW(foreach=False), 50 steps."""
     cls, kwargs, name, hp = ADAM_CONFIGS[config]
     assert so.exactness("torch", np, name) == so.BIT_EXACT
     compare_run(cls, kwargs | {"foreach": False}, name, hp, "torch")
 
 
 def test_torch_adam_foreach_is_the_same_reference():
-    """bit-exact: the torch flavour also equals foreach=True (identical to foreach=False on CPU)."""
+    """bit-exact: the torch flavor also equals foreach=True (identical to foreach=False on CPU)."""
     cls, kwargs, name, hp = ADAM_CONFIGS["adamw-betas"]
     compare_run(cls, kwargs | {"foreach": True}, name, hp, "torch", steps=10)
 
 
 def test_torch_adam_without_torch_sqrt_is_within_tolerance(monkeypatch):
-    """tolerance: with the IEEE root (torch absent) the torch flavour stays within the bound."""
+    """tolerance: with the IEEE root (torch absent) the torch flavor stays within the bound."""
     monkeypatch.setattr(backend, "torch_available", lambda: False)
     monkeypatch.setattr(registry, "torch_available", lambda: False)
     assert so.exactness("torch", np, "adam") == so.TOLERANCE
@@ -227,7 +227,7 @@ SGD_CONFIGS = {
     ("flavor", "kwargs"), [("torch", {"foreach": False}), ("torch-fused", {"fused": True})]
 )
 def test_sgd_bit_exact(config, flavor, kwargs):
-    """bit-exact: SGD torch flavour == foreach=False, torch-fused == fused=True (no sqrt: always)."""
+    """bit-exact: SGD torch flavor == foreach=False, torch-fused == fused=True (no sqrt: always)."""
     hp = SGD_CONFIGS[config]
     assert so.exactness(flavor, np, "sgd") == so.BIT_EXACT
     compare_run(torch.optim.SGD, hp | kwargs, "sgd", hp, flavor, steps=30)
@@ -244,7 +244,7 @@ RMSPROP_CONFIGS = {
 
 @pytest.mark.parametrize("config", RMSPROP_CONFIGS)
 def test_rmsprop_bit_exact_with_torch_sqrt(config):
-    """bit-exact: RMSprop torch flavour (torch's CPU sqrt) == foreach=False, 30 steps."""
+    """bit-exact: RMSprop torch flavor (torch's CPU sqrt) == foreach=False, 30 steps."""
     hp = RMSPROP_CONFIGS[config]
     assert so.exactness("torch", np, "rmsprop") == so.BIT_EXACT
     compare_run(torch.optim.RMSprop, hp | {"foreach": False}, "rmsprop", hp, "torch", steps=30)
@@ -262,7 +262,7 @@ ADAGRAD_CONFIGS = {
     ("flavor", "kwargs"), [("torch", {"foreach": False}), ("torch-fused", {"fused": True})]
 )
 def test_adagrad_bit_exact(config, flavor, kwargs):
-    """bit-exact: Adagrad torch flavour (torch's sqrt) == foreach=False; torch-fused == fused=True."""
+    """bit-exact: Adagrad torch flavor (torch's sqrt) == foreach=False; torch-fused == fused=True."""
     hp = ADAGRAD_CONFIGS[config]
     assert so.exactness(flavor, np, "adagrad") == so.BIT_EXACT
     compare_run(torch.optim.Adagrad, hp | kwargs, "adagrad", hp, flavor, steps=30)

@@ -192,6 +192,7 @@ def test_a_fused_torch_state_is_verified_with_the_fused_arithmetic(tmp_path, cli
     assert report["tracks"] and report["criterion"] == "bit-exact"
 
 
+@pytest.mark.slow
 def test_verify_resume_memory_does_not_grow_with_steps(tmp_path, kernel="auto"):
     """Gradients are generated one step of one parameter at a time: peak traced memory is the
     same for 2 and 12 steps and stays under 4x the state (its moments) whatever the step count."""

@@ -93,11 +93,6 @@ class BincodeReader:
     def u32(self) -> int:
         return self.varint(U32_MAX)
 
-    def zigzag(self, bits: int = 64) -> int:
-        """A signed varint (zig-zag) that fits in ``bits`` bits."""
-        raw = self.varint(2**bits - 1)
-        return (raw >> 1) ^ -(raw & 1)
-
     def length(self, min_item_size: int = 1) -> int:
         """A sequence/byte length, refused if the items could not fit in what remains."""
         start = self.pos

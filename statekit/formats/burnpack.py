@@ -42,7 +42,6 @@ MAX_METADATA_SIZE = 100 * 1024 * 1024
 MAX_TENSOR_COUNT = 100_000
 MAX_TENSOR_SIZE = 10 * 1024**3
 MAX_RANK = 64
-SCALAR_KINDS = ("Int", "UInt", "Float", "Bool")
 _BOOL_STORES = {"Native": "?", "U8": "u1", "U32": "<u4"}
 
 
@@ -193,7 +192,6 @@ class BurnpackFile:
         self.tensors = {name: self._entry(name, desc) for name, desc in tensors.items()}
         self.metadata = self._strings(strings)
         self.scalars = {name: self._scalar(name, value) for name, value in scalars.items()}
-        self.extra_keys = [k for k in meta if k not in ("tensors", "metadata", "scalars")]
         self.data_order = sorted(self.tensors, key=lambda n: (self.tensors[n].start, self.tensors[n].end))
         self._place_data(size)
         self.canonical = self.raw_metadata == encode_metadata(self.tensors, self.metadata, self.scalars)

@@ -59,8 +59,8 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     # Sniffers are tried in this order; the first that claims a file wins.
     Format("burnpack", "burn", (".bpk",), sniff="statekit.formats.burnpack:claims",
-           open="statekit.frameworks.burn_io:open_checkpoint", write="statekit.frameworks.burn_io:save_optimizer",
-           write_model="statekit.frameworks.burn_io:save_model", description="burnpack .bpk"),
+           open="statekit.frameworks.burn:open_checkpoint", write="statekit.frameworks.burn:save_optimizer",
+           write_model="statekit.frameworks.burn:save_model", description="burnpack .bpk"),
     Format("safetensors", "neutral", (".safetensors",), sniff="statekit.formats.safetensors:claims",
            open="statekit.frameworks.safetensors_io:open_checkpoint",
            write="statekit.frameworks.safetensors_io:save_optimizer",

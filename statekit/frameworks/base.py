@@ -1,6 +1,6 @@
 """The small interface every framework module implements (records ⇄ state).
 
-A framework module (``burn_io``, ``burn_legacy_io``, ``torch_io``, ``safetensors_io``,
+A framework module (``burn``, ``burn_legacy_io``, ``torch_io``, ``safetensors_io``,
 ``candle``) turns one container's records into the neutral state model
 (:mod:`statekit.state`) and back. The registry (:mod:`statekit.formats.registry`) names its
 functions; ops call them only through the registry, so they never know which framework they

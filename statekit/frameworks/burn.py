@@ -1,4 +1,4 @@
-"""burn 0.22 records in burnpack files ⇄ the neutral state model.
+"""burn 0.22 records in burnpack files ⇄ the neutral state model (the registry's ``burnpack`` entry).
 
 An optimizer record (``shared/docs/burn-formats.md`` §2) stores, per parameter id ``P``, tensors
 ``P.<field path>`` (each with ``param_id = P``), scalars ``P.__rank`` and e.g. ``P.momentum.time``,
@@ -8,14 +8,16 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
-from statekit import hyper, naming, paramid
+import numpy as np
+
+from statekit import dtypes, hyper, naming, paramid, stream
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
-from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar
+from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
 
 FORMAT = "burnpack"
-META_PREFIX = "statekit."
 # A step count for families whose burn state has none (RMSProp): kept as an extra scalar, which
 # burn ignores on load, so that torch → burn → torch keeps torch's counter.
 STEP_KEY = "statekit.step"
@@ -111,6 +113,34 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
             p.step = scalar.value  # a step burn's layout has no field for, kept by statekit
         else:
             fields[key][leaf] = scalar
+    state = _classified(params, fields)
+    stored_family, hp = hyper.from_metadata(pack.metadata)
+    state.hyperparams_stored = bool(hp)
+    if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
+        state.family, state.candidates = stored_family, (stored_family,)
+        state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
+        state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
+    stored_groups = hyper.groups_from_metadata(pack.metadata)
+    if stored_groups:  # several parameter groups, kept by statekit (burn itself has none in the file)
+        state.groups = [ParamGroup(hyperparams=g, keys=[k for k in keys if k in params]) for g, keys in stored_groups]
+        for index, group in enumerate(state.groups):
+            for key in group.keys:
+                params[key].group = index
+        grouped = {k for g in state.groups for k in g.keys}
+        state.groups[0].keys += [k for k in params if k not in grouped]
+    else:
+        state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+    # torch's param_names, kept by statekit in torch's order: the torch positions too
+    for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
+        if key in params and params[key].path in (None, path):
+            params[key].path = path
+            params[key].index = position
+    return state
+
+
+
+def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, object]]) -> OptimizerState:
+    """Each parameter's burn fields matched to a layout (naming.BURN); the state's family and notes."""
     families = set()
     for key, p in params.items():
         leaves = fields[key]
@@ -146,27 +176,6 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.notes.append(
             f"{' and '.join(state.candidates)} store identical state in burn; the file cannot tell them apart"
         )
-    stored_family, hp = hyper.from_metadata(pack.metadata)
-    state.hyperparams_stored = bool(hp)
-    if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
-        state.family, state.candidates = stored_family, (stored_family,)
-        state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
-        state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
-    stored_groups = hyper.groups_from_metadata(pack.metadata)
-    if stored_groups:  # several parameter groups, kept by statekit (burn itself has none in the file)
-        state.groups = [ParamGroup(hyperparams=g, keys=[k for k in keys if k in params]) for g, keys in stored_groups]
-        for index, group in enumerate(state.groups):
-            for key in group.keys:
-                params[key].group = index
-        grouped = {k for g in state.groups for k in g.keys}
-        state.groups[0].keys += [k for k in params if k not in grouped]
-    else:
-        state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
-    # torch's param_names, kept by statekit in torch's order: the torch positions too
-    for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
-        if key in params and params[key].path in (None, path):
-            params[key].path = path
-            params[key].index = position
     return state
 
 
@@ -243,3 +252,71 @@ def _rank(scalar, name: str, path: str) -> int:
     if not limits.is_finite_integral(value) or not 0 <= value <= limits.MAX_RANK:
         raise FormatError(f"scalar {name!r} is {value!r}, not a tensor rank (0 to {limits.MAX_RANK})", path)
     return int(value)
+
+
+def with_derived_slots(family: str | None, slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
+    """``slots`` with what burn stores beside them: RMSProp's ``centered.avg`` = square_avg −
+    grad_avg² (or square_avg), computed piece by piece when written."""
+    if family != "rmsprop" or "avg" in slots or "square_avg" not in slots:
+        return slots
+    sa, ga = slots["square_avg"], slots.get("grad_avg")
+    if ga is not None:
+        avg = stream.combine([sa, ga], lambda square, g: square - g * g, sa.dtype)
+    else:
+        avg = stream.combine([sa], np.array, sa.dtype)
+
+    ordered = {"square_avg": sa}
+    if ga is not None:
+        ordered["grad_avg"] = ga
+    ordered["avg"] = avg
+    ordered.update({k: v for k, v in slots.items() if k not in ordered})
+    return ordered
+
+
+# ----------------------------------------------------------------------------- the registry's entry points
+
+
+def open_checkpoint(path: str, **options) -> Checkpoint:
+    return read(BurnpackFile(path))
+
+
+def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
+                   metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
+                   on_warning=None) -> int:
+    """Write ``state`` as a burn 0.22 optimizer record. burn keeps no hyperparameters or groups
+    (``groups`` is not stored); ``metadata`` (e.g. statekit.* keys) is stored as extra string
+    metadata, which burn ignores. Every parameter has its own step, so ``step_policy`` has
+    nothing to decide."""
+    if family is not None and state.family != family:
+        state.family = family
+    tensors, strings, scalars = to_pack(state, metadata)
+    return write_burnpack(path, tensors, strings, scalars, progress=progress)
+
+
+def save_model(model: ModelInfo, path: str, *, dtype: str | None = None, metadata: dict[str, str] | None = None,
+               progress=None) -> int:
+    """Write a model as a burn 0.22 burnpack model record: one tensor per module path with its
+    ``param_id``, in record order. ``dtype`` casts float tensors (``"F32"`` for half-precision
+    records); integer and bool tensors are kept. Returns the file size."""
+    if dtype is not None and not dtypes.is_float(dtype):
+        raise MappingError(f"cannot cast model tensors to {dtype}: not a float dtype")
+    tensors: list[PackTensor] = []
+    for p in model.params:
+        if p.tensor is None:
+            raise MappingError(f"model parameter {p.path} has no tensor data")
+        if p.id is None:
+            raise MappingError(f"model parameter {p.path} has no burn ParamId")
+        ref = p.tensor
+        if dtype is not None and dtypes.is_float(ref.dtype):
+            ref = ref.cast(dtype)
+        tensors.append(PackTensor(p.path, ref, param_id=p.id))
+    return write_burnpack(path, tensors, dict(metadata or {}), {}, progress=progress)
+
+
+def save_checkpoint(ckpt: Checkpoint, path: str, progress=None) -> int:
+    """Write a checkpoint as burnpack; a burnpack source is copied exactly as burn wrote it."""
+    if isinstance(ckpt.container, BurnpackFile):
+        return copy_burnpack(ckpt.container, path, progress=progress)
+    if ckpt.kind == "optimizer" and ckpt.optimizer is not None:
+        return save_optimizer(ckpt.optimizer, path, metadata=ckpt.metadata, progress=progress)
+    raise MappingError(f"cannot write a {ckpt.format} {ckpt.kind} file as burnpack yet", ckpt.path)

@@ -10,7 +10,7 @@ by :func:`statekit.frameworks.burn.to_pack` is the record burn 0.22 would write 
 Legacy optimizer records hold no module paths; ``open_checkpoint(path, model=MODEL)`` takes them
 from a model record (legacy ``.mpk`` or burnpack), joined on the ParamId. Model records become a
 :class:`~statekit.state.ModelInfo` and can be written as burnpack model files with
-:func:`statekit.frameworks.burn_io.save_model`.
+:func:`statekit.frameworks.burn.save_model`.
 """
 
 from __future__ import annotations

@@ -81,13 +81,15 @@ def _grouped(by_problem: dict[tuple, list[str]], say) -> list[str]:
     return out
 
 
-def _derived(family: str) -> set[str]:
+def _derived(family: str) -> frozenset[str]:
     """Slots a target can drop because they are recomputed from others (burn RMSProp's ``avg``)."""
-    return {"avg"} if family == "rmsprop" else set()
+    return naming.derived_slots(family)
 
 
 def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
                opts: Options, operation: str = "convert") -> Plan:
+    """The plan for moving ``state`` to ``target``: every name, identity, layout and
+    hyperparameter decided, or a MappingError listing every conflict at once."""
     src_fw = state.framework
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
@@ -95,31 +97,50 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     plan = Plan(operation, source, source_format, target, target_format, family)
     plan.names_from = state.names_from
     plan.step_policy, plan.allow_nonfinite = opts.step_policy, opts.allow_nonfinite
+    problems: list[str] = []
+    actions = _renamed(state, family, src_fw, dst_fw, opts, plan, problems)
+    if dst_fw == "torch":
+        actions = _order_for_torch(state, actions, opts, problems, plan)
+    elif dst_fw in ("burn", "candle", "neutral"):
+        _ids_for_burn(state, actions, opts, problems, plan, dst_fw)
+    _check_duplicates(actions, problems)
+    cross_layout = crossing and {src_fw, dst_fw} in ({"burn", "torch"}, {"burn", "candle"})
+    _layout(state, actions, opts, cross_layout, dst_fw, plan, problems)
+    if problems:
+        raise MappingError("; ".join(problems), source)
+    plan.params = actions
+    _hyperparams(state, family, src_fw, dst_fw, opts, plan)
+    if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
+        plan.metadata.update(hyper.paths_to_metadata(
+            {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))
+    return plan
 
-    # --- rename rules: the user's, then the norm preset when crossing burn ⇄ torch
+
+def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamAction]:
+    """One action per source parameter with its target path: the user's rename rules, then the
+    norm preset when crossing burn ⇄ torch; slots the target cannot hold are problems."""
     rules = [RenameRule.parse(r) for r in opts.renames]
     if opts.preset and src_fw == "burn" and dst_fw in ("torch", "candle"):
         rules += [RenameRule(pat, rep, origin="preset") for pat, rep in NORM_PRESET]
     old_paths = opts.old_model.by_id() if opts.old_model else {}
-    problems: list[str] = []
     actions: list[ParamAction] = []
     no_field: dict[tuple, list[str]] = {}
     if dst_fw in naming.FRAMEWORKS:
         try:
             naming.layout(dst_fw, family)
         except KeyError:
-            raise MappingError(f"{dst_fw} has no {family} optimizer: this state cannot move to {dst_fw}", source) \
-                from None
+            raise MappingError(f"{dst_fw} has no {family} optimizer: this state cannot move to {dst_fw}",
+                               plan.source) from None
     for p in state.params:
         src_path = p.path
         if src_path is None and p.id is not None and p.id in old_paths:
             src_path = old_paths[p.id].path
         dst_path = rename(src_path, rules)
-        action = ParamAction(
+        actions.append(ParamAction(
             action="keep" if dst_path == src_path else "rename",
             src_key=p.key, src_path=src_path, src_shape=list(p.shape) if p.shape is not None else None,
             dst_path=dst_path, group=p.group,
-        )
+        ))
         if p.slots or p.step is not None:
             uneven = _same_shapes(p)
             if uneven:
@@ -127,24 +148,17 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
             missing = _slots_missing(p, family, dst_fw)
             if missing:
                 no_field.setdefault(missing, []).append(p.label())
-        actions.append(action)
     problems += _grouped(no_field, lambda m, who: f"{dst_fw}'s {family} state has no field for {', '.join(m)} "
                                                   f"(parameters {who})")
     for rule in rules:
         if rule.matches == 0 and rule.origin == "user":
             plan.warnings.append(f"rename rule {rule.pattern!r} matched no parameter")
     plan.rules = [r.to_json() for r in rules]
+    return actions
 
-    # --- target identity, order and shapes
-    target_shapes: dict[str, tuple] = {}
-    if opts.model is not None:
-        target_shapes = {m.path: tuple(m.shape) for m in opts.model.params if not m.buffer}
-    if dst_fw == "torch":
-        actions = _order_for_torch(state, actions, opts, problems, plan)
-    elif dst_fw in ("burn", "candle", "neutral"):
-        _ids_for_burn(state, actions, opts, problems, plan, dst_fw)
 
-    # --- duplicates: two sources onto one target
+def _check_duplicates(actions: list[ParamAction], problems: list[str]) -> None:
+    """Two sources onto one target are refused."""
     seen: dict[str, str] = {}
     for a in actions:
         if a.action in ("drop", "new") or a.dst_path is None:
@@ -153,7 +167,24 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
             problems.append(f"{seen[a.dst_path]} and {a.src_path or a.src_key} both map to {a.dst_path}")
         seen[a.dst_path] = a.src_path or a.src_key
 
-    # --- layout: transposes and shape checks
+
+def _transpose(a: ParamAction, shape: tuple, want: tuple | None, opts: Options) -> bool | None:
+    """Whether a rank-2 state crossing burn ⇄ torch/candle is transposed; None when undecidable."""
+    if matches_any(a.dst_path, opts.transpose) or matches_any(a.src_path, opts.transpose):
+        return True
+    if matches_any(a.dst_path, opts.no_transpose) or matches_any(a.src_path, opts.no_transpose):
+        return False
+    if want is not None and shape[0] != shape[1] and tuple(want) == shape[::-1]:
+        a.notes.append("transposed: the target model's shape is the reverse")
+        return True
+    if want is not None and shape[0] != shape[1] and tuple(want) == shape:
+        return False
+    return None
+
+
+def _layout(state, actions, opts, cross_layout: bool, dst_fw: str, plan, problems) -> None:
+    """Transposes, target shapes (resize, reset) and casts; undecidable layouts are problems."""
+    target_shapes = {m.path: tuple(m.shape) for m in opts.model.params if not m.buffer} if opts.model else {}
     by_key = {p.key: p for p in state.params}
     undecided: list[str] = []
     misfit: list[str] = []
@@ -164,32 +195,13 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
             continue  # refused above for having no name at all
         shape = tuple(a.src_shape)
         want = target_shapes.get(a.dst_path) if a.dst_path else None
-        cross_layout = crossing and {src_fw, dst_fw} in ({"burn", "torch"}, {"burn", "candle"})
         if len(shape) == 2 and cross_layout:
-            if matches_any(a.dst_path, opts.transpose) or matches_any(a.src_path, opts.transpose):
-                a.transpose = True
-            elif matches_any(a.dst_path, opts.no_transpose) or matches_any(a.src_path, opts.no_transpose):
-                a.transpose = False
-            elif want is not None and shape[0] != shape[1] and tuple(want) == shape[::-1]:
-                a.transpose = True
-                a.notes.append("transposed: the target model's shape is the reverse")
-            elif want is not None and shape[0] != shape[1] and tuple(want) == shape:
-                a.transpose = False
-            else:
+            decided = _transpose(a, shape, want, opts)
+            if decided is None:
                 undecided.append(f"{a.src_path or a.src_key} {list(shape)}")
                 continue
-        out_shape = shape[::-1] if a.transpose else shape
-        a.dst_shape = list(out_shape)
-        if want is not None and tuple(want) != out_shape:
-            if opts.resize and len(want) == len(out_shape):
-                a.resize = True
-                a.dst_shape = list(want)
-                a.notes.append(f"resized {list(out_shape)} → {list(want)}")
-                if matches_any(a.dst_path, opts.reset_step):
-                    a.reset_step = True
-                    a.notes.append("state reset: starts again from step 0 with zero moments")
-            else:
-                misfit.append(f"{a.dst_path} (state {list(out_shape)}, model {list(want)})")
+            a.transpose = decided
+        _target_shape(a, shape[::-1] if a.transpose else shape, want, opts, misfit)
         if opts.dtype and by_key[a.src_key].dtype != opts.dtype:
             a.cast = opts.dtype
     if misfit:
@@ -208,14 +220,21 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
             "(1-β1)/√(1-β2) ≈ 3.16× a fresh parameter's with default betas; --reset-step GLOB restarts "
             "those parameters' state from step 0"
         )
-    if problems:
-        raise MappingError("; ".join(problems), source)
-    plan.params = actions
-    _hyperparams(state, family, src_fw, dst_fw, opts, plan)
-    if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
-        plan.metadata.update(hyper.paths_to_metadata(
-            {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))
-    return plan
+
+
+def _target_shape(a: ParamAction, out_shape: tuple, want: tuple | None, opts: Options, misfit: list[str]) -> None:
+    a.dst_shape = list(out_shape)
+    if want is None or tuple(want) == out_shape:
+        return
+    if opts.resize and len(want) == len(out_shape):
+        a.resize = True
+        a.dst_shape = list(want)
+        a.notes.append(f"resized {list(out_shape)} → {list(want)}")
+        if matches_any(a.dst_path, opts.reset_step):
+            a.reset_step = True
+            a.notes.append("state reset: starts again from step 0 with zero moments")
+    else:
+        misfit.append(f"{a.dst_path} (state {list(out_shape)}, model {list(want)})")
 
 
 def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:

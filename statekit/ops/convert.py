@@ -76,6 +76,7 @@ class Result:
     written: int | None
     copied: bool = False
     messages: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # the writer's, found while writing
 
 
 def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
@@ -184,10 +185,10 @@ def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) 
     if dry_run:
         return Result(None, None, copied=True, messages=[
             f"would copy {ckpt.path} → {dst} byte for byte (burnpack → burnpack, nothing to change)"])
-    from statekit.frameworks import burn_io
+    from statekit.frameworks import burn
 
     with progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
-        size = burn_io.save_checkpoint(ckpt, dst, progress=advance)
+        size = burn.save_checkpoint(ckpt, dst, progress=advance)
     return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, an exact copy)"])
 
 
@@ -203,9 +204,10 @@ def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | 
         on_plan(plan)
     if dry_run:
         return Result(plan, None, messages=["dry run: nothing written"])
+    warnings: list[str] = []
     with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
-        size = write(plan, state, plan.target, progress=advance)
-    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"])
+        size = write(plan, state, plan.target, progress=advance, on_warning=warnings.append)
+    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"], warnings=warnings)
 
 
 def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run: bool) -> Result:

@@ -25,7 +25,7 @@ from statekit import dtypes, io, stream
 from statekit import tensor as _tensor
 from statekit.errors import MappingError, UsageError
 from statekit.ops import ulp
-from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState
+from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState, matches
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 18
@@ -327,6 +327,10 @@ def _state_params(state: OptimizerState | None) -> list[ParamState]:
     return params
 
 
+def _selected(params: list[ParamState], only: list[str]) -> list[ParamState]:
+    return [p for p in params if any(matches(n, path=p.path, key=p.key, id=p.id, index=p.index) for n in only)]
+
+
 def _side(ckpt: Checkpoint) -> tuple[str, list[ParamState]]:
     if ckpt.kind in ("optimizer", "empty"):
         return "optimizer", _state_params(ckpt.optimizer)
@@ -377,12 +381,15 @@ def _file_facts(ckpt: Checkpoint, params: list) -> dict:
 
 
 def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
-         on_bytes: Callable[[int], None] | None = None) -> dict:
-    """Compare two opened checkpoints; a JSON-able dict with ``equal`` and every difference."""
+         on_bytes: Callable[[int], None] | None = None, only: list[str] | None = None) -> dict:
+    """Compare two opened checkpoints; a JSON-able dict with ``equal`` and every difference.
+    ``only``: parameter names or path globs (:func:`statekit.state.matches`) to compare."""
     if not (atol >= 0 and rtol >= 0):  # also refuses NaN
         raise UsageError(f"--atol and --rtol must be non-negative numbers (got {atol}, {rtol})")
     kind_a, params_a = _side(ca)
     kind_b, params_b = _side(cb)
+    if only:
+        params_a, params_b = _selected(params_a, only), _selected(params_b, only)
     if kind_a != kind_b:
         raise MappingError(f"cannot compare {ca.path} ({kind_a}) with {cb.path} ({kind_b})")
     method = match_method(params_a, params_b)
@@ -442,7 +449,7 @@ def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
 
 
 def diff_files(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0,
-               progress=None) -> dict:
+               progress=None, only: list[str] | None = None) -> dict:
     """Open both files and :func:`diff` them. ``progress(description, total)`` is a context
     manager factory yielding an ``advance(n)`` callback (see :meth:`Output.progress`)."""
     if not (atol >= 0 and rtol >= 0):
@@ -452,4 +459,4 @@ def diff_files(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rt
         cb = stack.enter_context(io.open_checkpoint(b))
         bar = progress("comparing", ca.nbytes + cb.nbytes) if progress else contextlib.nullcontext(None)
         with bar as advance:
-            return diff(ca, cb, atol, rtol, on_bytes=advance)
+            return diff(ca, cb, atol, rtol, on_bytes=advance, only=only)

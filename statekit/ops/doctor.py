@@ -16,6 +16,7 @@ Tensors are streamed one at a time, in blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -24,15 +25,17 @@ import numpy as np
 
 from statekit import dtypes, io
 from statekit.errors import MappingError
+from statekit.frameworks.torch_state import BUFFER_SUFFIXES
 from statekit.ops.diff import METHOD_WORDS
-from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState, matches
+from statekit.state import format_shape as _shape
+from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
 BURN_MAX_RANK = 8
 SEVERITIES = ("error", "warning", "info")
 # Model tensors that no optimizer updates (batch-norm statistics): never "missing state".
-BUFFER_LEAVES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 MAX_NAMED = 8
 
 WHY = {
@@ -63,10 +66,6 @@ def _finding(severity: str, check: str, param: str | None, message: str) -> dict
     return {"severity": severity, "check": check, "param": param, "message": message, "why": WHY[check]}
 
 
-def _shape(shape) -> str:
-    return "×".join(str(d) for d in shape) if shape else "scalar"
-
-
 def scan(ref: TensorRef, block: int = BLOCK) -> dict:
     """NaN / Inf counts and whether every element is zero, streaming ``block`` elements at a time."""
     if ref.dtype in ("QFloat", "Bool"):
@@ -76,9 +75,8 @@ def scan(ref: TensorRef, block: int = BLOCK) -> dict:
     is_float = dtypes.is_float(ref.dtype)
     for chunk in ref.pieces(block):  # read with pread, one block at a time
         if is_float:
-            wide = chunk.astype(np.float32) if chunk.dtype.itemsize < 4 else chunk
-            nan += int(np.isnan(wide).sum())
-            inf += int(np.isinf(wide).sum())
+            n, i = nonfinite(chunk)
+            nan, inf = nan + n, inf + i
         if zero and np.any(chunk != 0):
             zero = False
     return {"nan": nan, "inf": inf, "zero": zero and not nan}
@@ -168,7 +166,7 @@ def _name_positions(state: OptimizerState, model_ckpt: Checkpoint, findings: lis
 
 
 def _is_buffer(m: ModelParam) -> bool:
-    return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_LEAVES
+    return m.buffer or m.path.rsplit(".", 1)[-1] in BUFFER_SUFFIXES
 
 
 def _model_method(params: list[ParamState], model: ModelInfo) -> str:
@@ -238,9 +236,19 @@ def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict
     return method
 
 
+def _selected(state: OptimizerState, model: ModelInfo | None, only: list[str] | None):
+    """The parameters ``only`` names (paths, globs, ids, #index), in the state and in the model."""
+    if not only:
+        return state, model
+    if model is not None:
+        model = ModelInfo([m for m in model.params if any(matches(n, path=m.path, id=m.id) for n in only)])
+    return dataclasses.replace(state, params=state.select(only)), model
+
+
 def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
-           on_param: Callable[[], None] | None = None) -> dict:
-    """Check an opened optimizer state (and, given, its model); a JSON-able report."""
+           on_param: Callable[[], None] | None = None, only: list[str] | None = None) -> dict:
+    """Check an opened optimizer state (and, given, its model); a JSON-able report. ``only``:
+    parameter names or path globs (:func:`statekit.state.matches`) to check, in state and model."""
     if state_ckpt.kind == "empty":
         state = OptimizerState(family=None)
     elif state_ckpt.kind != "optimizer" or state_ckpt.optimizer is None:
@@ -252,6 +260,9 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
                            model_ckpt.path)
     findings: list[dict] = []
     notes: list[str] = []
+    # a torch state's positions are named from the whole model before any selection
+    named = model_ckpt is None or _name_positions(state, model_ckpt, findings, notes)
+    state, model = _selected(state, model_ckpt.model if model_ckpt is not None else None, only)
     if not state.params and not state.global_slots:
         notes.append("the state holds no parameters (an optimizer that never stepped): training resumes fresh")
     for p in state.params:
@@ -265,8 +276,8 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     _check_steps(state.params, findings)
     _check_paths(state.params, findings)
     method = None
-    if model_ckpt is not None and _name_positions(state, model_ckpt, findings, notes):
-        method = _check_model(state.params, model_ckpt.model, findings)
+    if model_ckpt is not None and named:
+        method = _check_model(state.params, model, findings)
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     counts = {s: sum(1 for f in findings if f["severity"] == s) for s in SEVERITIES}
     steps = sorted(state.steps()) if state.params else []
@@ -277,7 +288,7 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
         "params": len(state.params),
         "steps": steps,
         "model": None if model_ckpt is None else model_ckpt.path,
-        "model_params": None if model_ckpt is None else len(model_ckpt.model.params),
+        "model_params": None if model is None else len(model.params),
         "matched_by": method,
         "findings": findings,
         "counts": counts,
@@ -287,11 +298,11 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
 
 
 def doctor_files(state_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
-                 progress=None) -> dict:
+                 progress=None, only: list[str] | None = None) -> dict:
     with contextlib.ExitStack() as stack:
         state_ckpt = stack.enter_context(io.open_checkpoint(state_path))
         model_ckpt = stack.enter_context(io.open_checkpoint(model_path)) if model_path is not None else None
         n = len(state_ckpt.optimizer.params) if state_ckpt.optimizer else 0
         bar = progress("checking", n) if progress else contextlib.nullcontext(None)
         with bar as advance:
-            return doctor(state_ckpt, model_ckpt, on_param=advance)
+            return doctor(state_ckpt, model_ckpt, on_param=advance, only=only)

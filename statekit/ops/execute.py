@@ -7,11 +7,10 @@ saved for another file is refused rather than half-applied.
 
 from __future__ import annotations
 
-import numpy as np
-
-from statekit import stream
+from statekit import naming, stream
 from statekit.errors import MappingError
 from statekit.formats import registry
+from statekit.frameworks import burn
 from statekit.ops.plan import ParamAction, Plan
 from statekit.state import OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
@@ -100,10 +99,10 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
             slots[name] = transformed(ref, a.transpose, shape, a.cast)
     if not plan.allow_nonfinite:
         slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
-    if target_fw != "burn":
-        slots.pop("avg", None)  # burn RMSProp's derived copy; torch recomputes it
-    elif plan.family == "rmsprop" and "avg" not in slots and "square_avg" in slots:
-        slots = _with_burn_avg(slots)
+    if target_fw == "burn":
+        slots = burn.with_derived_slots(plan.family, slots)
+    else:  # derived copies (burn RMSProp's avg): the other frameworks recompute them
+        slots = {k: v for k, v in slots.items() if k not in naming.derived_slots(plan.family)}
     step = p.step
     if a.reset_step:
         step = 0
@@ -119,25 +118,9 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
                       group=a.group, family=plan.family)
 
 
-def _with_burn_avg(slots: dict[str, TensorRef]) -> dict[str, TensorRef]:
-    """burn RMSProp stores ``centered.avg`` = square_avg − grad_avg² (or square_avg): compute it."""
-    sa, ga = slots["square_avg"], slots.get("grad_avg")
-    if ga is not None:
-        avg = stream.combine([sa, ga], lambda square, g: square - g * g, sa.dtype)
-    else:
-        avg = stream.combine([sa], np.array, sa.dtype)
-
-    ordered = {"square_avg": sa}
-    if ga is not None:
-        ordered["grad_avg"] = ga
-    ordered["avg"] = avg
-    ordered.update({k: v for k, v in slots.items() if k not in ordered})
-    return ordered
-
-
-def write(plan: Plan, state: OptimizerState, path: str, progress=None) -> int:
+def write(plan: Plan, state: OptimizerState, path: str, progress=None, on_warning=None) -> int:
     """Apply the plan and write the result with the target format's writer (atomically)."""
     target = apply_plan(plan, state)
     save = registry.writer(plan.target_format)
     return save(target, path, family=plan.family, groups=plan.hyperparams, metadata=dict(plan.metadata),
-                progress=progress, step_policy=plan.step_policy)
+                progress=progress, step_policy=plan.step_policy, on_warning=on_warning)

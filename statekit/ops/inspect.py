@@ -7,13 +7,15 @@ blocks to compute min / max / mean / RMS and NaN / Inf counts, so memory stays o
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
 
-from statekit import dtypes, naming, paramid, stream
+from statekit import dtypes, naming, stream
 from statekit.errors import StatekitError
-from statekit.state import Checkpoint, OptimizerState, ParamState
+from statekit.state import Checkpoint, OptimizerState, ParamState, matches
+from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
@@ -28,11 +30,10 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     for piece in ref.pieces(block):  # read with pread, one block at a time
         chunk = piece.astype(np.float64)
         finite = chunk
-        if dtypes.is_float(ref.dtype) and not np.isfinite(chunk).all():
-            bad_nan, bad_inf = np.isnan(chunk), np.isinf(chunk)
-            nan += int(bad_nan.sum())
-            inf += int(bad_inf.sum())
-            finite = chunk[~(bad_nan | bad_inf)]
+        bad_nan, bad_inf = nonfinite(chunk) if dtypes.is_float(ref.dtype) else (0, 0)
+        if bad_nan or bad_inf:
+            nan, inf = nan + bad_nan, inf + bad_inf
+            finite = chunk[np.isfinite(chunk)]
         if finite.size:
             lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
             total += float(finite.sum())
@@ -90,28 +91,23 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
 
 
 def select(ckpt: Checkpoint, only: list[str] | None) -> set[int] | None:
-    """Positions of the parameters a user named (path, either ParamId spelling, key or #index)."""
+    """Positions of the parameters a user named (a path or a glob of paths, either ParamId
+    spelling, key or #index; :func:`statekit.state.matches`); a name that selects nothing is refused."""
     if not only:
         return None
+    if ckpt.optimizer is not None:
+        items = [dict(path=p.path, key=p.key, id=p.id, index=p.index) for p in ckpt.optimizer.params]
+    elif ckpt.model is not None:
+        items = [dict(path=m.path, id=m.id) for m in ckpt.model.params]
+    else:
+        items = []
     chosen: set[int] = set()
     for name in only:
-        if ckpt.optimizer is not None:
-            try:
-                chosen.add(ckpt.optimizer.params.index(ckpt.optimizer.find(name)))
-                continue
-            except KeyError:
-                pass
-        elif ckpt.model is not None:
-            try:
-                wanted = paramid.parse(name)
-            except ValueError:
-                wanted = None
-            hits = [i for i, m in enumerate(ckpt.model.params) if name == m.path or (wanted is not None and m.id == wanted)]
-            if hits:
-                chosen.update(hits)
-                continue
-        raise StatekitError(f"no parameter {name!r} (give a path, a decimal or 13-character ParamId, or #index)",
-                            ckpt.path)
+        hits = {i for i, item in enumerate(items) if matches(name, **item)}
+        if not hits:
+            raise StatekitError(f"no parameter {name!r} (give a path or a glob, a decimal or 13-character ParamId, "
+                                "or #index)", ckpt.path)
+        chosen |= hits
     return chosen
 
 
@@ -144,6 +140,7 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         "tensors": ckpt.n_tensors,
         "scalars": ckpt.n_scalars,
         "bytes": ckpt.nbytes,
+        "file_bytes": _file_size(ckpt.path),
         "metadata": ckpt.metadata,
         "hyperparameters_stored": False,
         "groups": [],
@@ -189,3 +186,13 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
     if ckpt.schedulers:
         out["schedulers"] = ckpt.schedulers
     return out
+
+
+def _file_size(path: str) -> int | None:
+    """The size on disk: the file's, or a folder's files together (sharded checkpoints)."""
+    try:
+        if os.path.isdir(path):
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        return os.path.getsize(path)
+    except OSError:
+        return None

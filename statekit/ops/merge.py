@@ -83,20 +83,62 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
     """The merged state and a JSON-able account of what came from where."""
     if on_conflict not in POLICIES:
         raise UsageError(f"--on-conflict must be one of {', '.join(POLICIES)} (got {on_conflict!r})")
-    states: list[OptimizerState] = []
-    for ckpt in ckpts:
-        if ckpt.kind == "empty":
-            states.append(OptimizerState(family=None, framework=registry.framework_of(ckpt.format)))
-            continue
-        if ckpt.kind != "optimizer" or ckpt.optimizer is None:
-            raise MappingError(f"holds {ckpt.kind} data, not optimizer state; merge combines optimizer states",
-                               ckpt.path)
-        if ckpt.optimizer.global_slots:
-            raise MappingError(f"{ckpt.optimizer.family_label} keeps one global state over all parameters; "
-                               "it cannot be merged per parameter", ckpt.path)
-        states.append(ckpt.optimizer)
+    states = [_state_of(ckpt) for ckpt in ckpts]
     paths = [c.path for c in ckpts]
-    # One family for all (burn's adam and adamw cannot be told apart: their candidates overlap).
+    _check_one_family(paths, states)
+    _check_one_framework(paths, states)
+    method = match_method(*[s.params for s in states])
+    occurrences: dict[object, list[tuple[int, ParamState]]] = {}
+    for i, state in enumerate(states):
+        for p in state.params:
+            occurrences.setdefault(match_key(p, method), []).append((i, p))
+    conflicts = {k: v for k, v in occurrences.items() if len(v) > 1}
+    if conflicts and on_conflict == "error":
+        named = [f"{v[0][1].label()} ({', '.join(paths[i] for i, _ in v)})" for v in conflicts.values()]
+        more = f" and {len(named) - MAX_NAMED} more" if len(named) > MAX_NAMED else ""
+        raise MappingError(
+            f"{len(conflicts)} parameter{'s are' if len(conflicts) != 1 else ' is'} in more than one input: "
+            f"{'; '.join(named[:MAX_NAMED])}{more}; choose with --on-conflict first|last|mean")
+    merged, sources, taken, report = _resolve(occurrences, paths, len(states), on_conflict)
+    family, candidates = _surviving_family(states)
+    nonempty = [s for s in states if s.params]
+    merged, groups = _regrouped(states, merged, sources)
+    result = OptimizerState(
+        family=family, candidates=candidates, params=merged, groups=groups,
+        hyperparams_stored=any(s.hyperparams_stored for s in states),
+        framework=nonempty[0].framework if nonempty else states[0].framework,
+    )
+    notes, warnings = _remarks(conflicts, on_conflict, merged, method)
+    account = {
+        "inputs": [{"path": p, "format": c.format, "family": s.family_label if s.params else None,
+                    "params": len(s.params), "taken": t}
+                   for p, c, s, t in zip(paths, ckpts, states, taken, strict=True)],
+        "matched_by": method,
+        "matched_by_words": METHOD_WORDS.get(method, method),
+        "on_conflict": on_conflict,
+        "params": len(merged),
+        "family": result.family_label if merged else None,
+        "conflicts": report,
+        "notes": notes,
+        "warnings": warnings,
+    }
+    return result, account
+
+
+def _state_of(ckpt: Checkpoint) -> OptimizerState:
+    """An input's optimizer state (an empty file is an empty state); other kinds are refused."""
+    if ckpt.kind == "empty":
+        return OptimizerState(family=None, framework=registry.framework_of(ckpt.format))
+    if ckpt.kind != "optimizer" or ckpt.optimizer is None:
+        raise MappingError(f"holds {ckpt.kind} data, not optimizer state; merge combines optimizer states", ckpt.path)
+    if ckpt.optimizer.global_slots:
+        raise MappingError(f"{ckpt.optimizer.family_label} keeps one global state over all parameters; "
+                           "it cannot be merged per parameter", ckpt.path)
+    return ckpt.optimizer
+
+
+def _check_one_family(paths: list[str], states: list[OptimizerState]) -> None:
+    """One family for all (burn's adam and adamw cannot be told apart: their candidates overlap)."""
     reference = None
     for path, state in zip(paths, states, strict=True):
         if not state.params:
@@ -111,36 +153,29 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
                 f"cannot merge {ref_state.family_label} state ({ref_path}) with "
                 f"{state.family_label} state ({path}): all inputs must hold one optimizer family")
         reference = (ref_path, ref_state, ref_fams & fams if fams and ref_fams else ref_fams)
+
+
+def _check_one_framework(paths: list[str], states: list[OptimizerState]) -> None:
     frameworks = [(path, s.framework) for path, s in zip(paths, states, strict=True) if s.params]
     for path, fw in frameworks[1:]:
         if fw != frameworks[0][1]:
             raise MappingError(
                 f"cannot merge {frameworks[0][1]} state ({frameworks[0][0]}) with {fw} state ({path}): "
                 "convert one of them first (statekit convert) so that parameters can be matched")
-    method = match_method(*[s.params for s in states])
-    occurrences: dict[object, list[tuple[int, ParamState]]] = {}
-    for i, state in enumerate(states):
-        for p in state.params:
-            occurrences.setdefault(match_key(p, method), []).append((i, p))
-    conflicts = {k: v for k, v in occurrences.items() if len(v) > 1}
-    if conflicts and on_conflict == "error":
-        named = [f"{v[0][1].label()} ({', '.join(paths[i] for i, _ in v)})" for v in conflicts.values()]
-        more = f" and {len(named) - MAX_NAMED} more" if len(named) > MAX_NAMED else ""
-        raise MappingError(
-            f"{len(conflicts)} parameter{'s are' if len(conflicts) != 1 else ' is'} in more than one input: "
-            f"{'; '.join(named[:MAX_NAMED])}{more}; choose with --on-conflict first|last|mean")
+
+
+def _resolve(occurrences: dict, paths: list[str], n_inputs: int, on_conflict: str):
+    """Each matched parameter once, by the policy: the merged parameters, the (input, parameter)
+    behind each, how many each input gave, and the conflicts' account."""
     merged: list[ParamState] = []
-    sources: list[tuple[int, ParamState]] = []  # (input, the parameter there) behind each merged one
-    taken = [0] * len(states)
+    sources: list[tuple[int, ParamState]] = []
+    taken = [0] * n_inputs
     report: list[dict] = []
     for key, entries in occurrences.items():
-        if len(entries) == 1:
-            source = entries[0]
-            chosen = source[1]
-        else:
+        source, chosen = entries[0], entries[0][1]
+        if len(entries) > 1:
             name = entries[0][1].label()
             if on_conflict == "mean":
-                source = entries[0]
                 chosen = _mean_param(name, entries, paths)
             else:
                 source = entries[0] if on_conflict == "first" else entries[-1]
@@ -157,7 +192,11 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
             taken[i] += 1
         merged.append(chosen)
         sources.append(source)
-    # Which families survive: the intersection of every non-empty input's.
+    return merged, sources, taken, report
+
+
+def _surviving_family(states: list[OptimizerState]) -> tuple[str | None, tuple[str, ...]]:
+    """The families that survive: the intersection of every non-empty input's."""
     nonempty = [s for s in states if s.params]
     family = nonempty[0].family if nonempty else None
     candidates = nonempty[0].candidates if nonempty else ()
@@ -167,7 +206,12 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
             common &= _families(s) or common
         candidates = tuple(c for c in candidates if c in common)
         family = candidates[0] if candidates else family
-    framework = nonempty[0].framework if nonempty else states[0].framework
+    return family, candidates
+
+
+def _regrouped(states: list[OptimizerState], merged: list[ParamState], sources: list
+               ) -> tuple[list[ParamState], list[ParamGroup]]:
+    """The merged parameters in the inputs' groups (each input's groups kept, in order)."""
     groups: list[ParamGroup] = []
     group_of: list[int] = [0] * len(merged)
     for i, state in enumerate(states):
@@ -179,11 +223,10 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
             for j in members:
                 group_of[j] = len(groups)
             groups.append(ParamGroup(hyperparams=dict(g.hyperparams), keys=[merged[j].key for j in members]))
-    merged = [p if p.group == g else dataclasses.replace(p, group=g) for p, g in zip(merged, group_of, strict=True)]
-    result = OptimizerState(
-        family=family, candidates=candidates, params=merged, groups=groups,
-        hyperparams_stored=any(s.hyperparams_stored for s in states), framework=framework,
-    )
+    return [p if p.group == g else dataclasses.replace(p, group=g) for p, g in zip(merged, group_of, strict=True)], groups
+
+
+def _remarks(conflicts: dict, on_conflict: str, merged: list[ParamState], method: str) -> tuple[list, list]:
     notes: list[str] = []
     warnings: list[str] = []
     if conflicts and on_conflict == "mean":
@@ -203,20 +246,7 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
         dup = sorted(path for path, ids in by_path.items() if len(ids) > 1)
         if dup:
             warnings.append(f"paths held by more than one ParamId: {', '.join(dup[:MAX_NAMED])}")
-    account = {
-        "inputs": [{"path": p, "format": c.format, "family": s.family_label if s.params else None,
-                    "params": len(s.params), "taken": t}
-                   for p, c, s, t in zip(paths, ckpts, states, taken, strict=True)],
-        "matched_by": method,
-        "matched_by_words": METHOD_WORDS.get(method, method),
-        "on_conflict": on_conflict,
-        "params": len(merged),
-        "family": result.family_label if merged else None,
-        "conflicts": report,
-        "notes": notes,
-        "warnings": warnings,
-    }
-    return result, account
+    return notes, warnings
 
 
 def _metadata(ckpts: list[Checkpoint], warnings: list[str]) -> dict[str, str]:

@@ -33,7 +33,7 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     """The compute core's hyperparameters from a framework's stored values and the user's.
 
     torch's ``betas`` tuple becomes ``beta1``/``beta2``; keys the algorithm does not know under
-    this flavour's framework (torch's ``foreach``, ``fused`` …) are left out.
+    this flavor's framework (torch's ``foreach``, ``fused`` …) are left out.
     """
     merged = hyper.split_betas({**stored, **{k: v for k, v in given.items() if v is not None}})
     framework = registry.get_algorithm(algorithm).frameworks[registry.FRAMEWORK_OF[flavor]]

@@ -7,11 +7,11 @@ shell-style globs over target paths.
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from dataclasses import dataclass, field
 
 from statekit.errors import UsageError
+from statekit.state import matches
 
 # burn's norm layers call their affine parameters gamma/beta; torch calls them weight/bias.
 # Anchored: an unanchored leading ``(.*)`` is retried at every position, quadratic in the path length.
@@ -79,4 +79,5 @@ def rename(path: str | None, rules: list[RenameRule]) -> str | None:
 
 
 def matches_any(path: str | None, globs: list[str]) -> bool:
-    return path is not None and any(fnmatch.fnmatchcase(path, g) for g in globs)
+    """Whether a path is one of ``globs`` (the one matcher, :func:`statekit.state.matches`)."""
+    return path is not None and any(matches(g, path=path) for g in globs)

@@ -1,12 +1,12 @@
 """Optimizer replay: pure step functions for Adam/AdamW, SGD, RMSprop, AdaGrad and Adan.
 
-Each algorithm has flavours that reproduce one framework's floating-point arithmetic:
+Each algorithm has flavors that reproduce one framework's floating-point arithmetic:
 ``torch-fused`` (torch's fused CPU kernels, bit for bit, pure numpy), ``torch``
 (``torch.optim`` for-loop/foreach), ``burn`` (burn 0.22) and ``candle`` (candle-nn AdamW).
 The kernels run on numpy, torch (CPU/CUDA) or CuPy arrays, a cache-sized block at a time.
 
 Entry points: :func:`step`, :func:`resolve`, :func:`slot_names`, :func:`exactness` and the
-:data:`ALGORITHMS` table (:mod:`statekit.optim.registry`); the arithmetic of every flavour is
+:data:`ALGORITHMS` table (:mod:`statekit.optim.registry`); the arithmetic of every flavor is
 documented in the algorithm modules and in ``docs/numerics.md``.
 """
 

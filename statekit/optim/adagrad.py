@@ -4,7 +4,7 @@ Hyperparameters: ``lr lr_decay weight_decay eps initial_accumulator_value maximi
 ``sum`` (torch creates it in the constructor, filled with ``initial_accumulator_value``; a
 missing ``sum`` starts there).
 
-Scalar rounding, per flavour (``t`` = step number after the increment, a float32 in torch):
+Scalar rounding, per flavor (``t`` = step number after the increment, a float32 in torch):
 
 ``torch`` (``foreach=False``/``True``)
     ``clr = lr / (1 + (t - 1) * lr_decay)`` in float64 (Python), used as ``f32(-clr)``;

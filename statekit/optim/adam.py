@@ -4,7 +4,7 @@ Hyperparameters: ``lr beta1 beta2 eps weight_decay amsgrad maximize decoupled_we
 (AdamW is Adam with ``decoupled_weight_decay=True``). Slots: ``exp_avg``, ``exp_avg_sq`` and,
 with amsgrad, ``max_exp_avg_sq``. ``t`` below is the step number after the increment.
 
-Scalar rounding, per flavour (``f32(x)``: a float64 rounded once to float32):
+Scalar rounding, per flavor (``f32(x)``: a float64 rounded once to float32):
 
 ``torch`` (``torch.optim.Adam/AdamW``, ``foreach=False`` or ``True``: identical on CPU)
     ``t`` is the float32 ``state['step']`` read as a Python float. ``bc1 = 1 - beta1**t``,

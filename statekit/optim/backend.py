@@ -2,7 +2,7 @@
 
 The kernels in :mod:`statekit.optim` are written once against the few operations of
 :class:`Backend`: float32/float64 conversion, a 64-bit integer view, ``where``/``maximum``, two
-flavours of square root, and scalar constants. torch and CuPy are imported only when a caller
+flavors of square root, and scalar constants. torch and CuPy are imported only when a caller
 asks for them (by name, by module, or by passing their arrays).
 
 Every arithmetic operation the kernels perform is a single IEEE-754 operation with one rounding

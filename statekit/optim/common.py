@@ -1,8 +1,8 @@
-"""Pieces shared by the algorithm modules: the step entry point, torch's lerp, flavour names.
+"""Pieces shared by the algorithm modules: the step entry point, torch's lerp, flavor names.
 
 Every algorithm module exposes ``step(param, grad, slots, step, hp, flavor, xp=None, *,
 inplace=False, vector_width=None) -> (param, slots, step)`` built with :func:`make_step` from a
-table of *builders*, one per flavour. A builder receives the backend, the complete
+table of *builders*, one per flavor. A builder receives the backend, the complete
 hyperparameters (see :mod:`statekit.optim.registry` for names and defaults), the number of
 steps already taken, the set of slots the caller supplied and a reference array, and returns
 ``(kernel, init, tail)``: the block kernel (:mod:`statekit.optim.driver`), initial values for
@@ -27,12 +27,12 @@ REFERENCE_KERNEL = "reference"
 
 
 def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm: str):
-    """The public ``step`` function of one algorithm, dispatching on the flavour."""
+    """The public ``step`` function of one algorithm, dispatching on the flavor."""
 
     def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None,
              kernel=REFERENCE_KERNEL, name=algorithm):
         if flavor not in builders:
-            raise UsageError(f"{algorithm} has no flavour {flavor!r} (has {', '.join(builders)})")
+            raise UsageError(f"{algorithm} has no flavor {flavor!r} (has {', '.join(builders)})")
         b = get_backend(xp, like=param)
         names = slot_names(hp, flavor)
         present = frozenset(slots)
@@ -50,12 +50,12 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
         return p.reshape(shape), {name: s[name].reshape(shape) for name in names}, int(step) + 1
 
     step.__name__ = f"{algorithm}_step"
-    step.__doc__ = f"""One {algorithm} step; see :mod:`statekit.optim.{algorithm}` for the flavours.
+    step.__doc__ = f"""One {algorithm} step; see :mod:`statekit.optim.{algorithm}` for the flavors.
 
     ``param``, ``grad`` and the ``slots`` arrays (PyTorch's state names) share one shape;
     ``step`` is the number of steps already taken (PyTorch's ``state['step']``, burn's
     ``time``, candle's ``step_t``) and the returned step is ``step + 1``. ``hp`` must hold
-    every hyperparameter of the algorithm, already checked against what the flavour supports
+    every hyperparameter of the algorithm, already checked against what the flavor supports
     (:func:`statekit.optim.step` fills the framework's defaults and checks). Missing slots
     start at their initial value (a first step). Without ``inplace`` the inputs are not
     modified; with it, ``param`` and the slots (writable float32 C-contiguous arrays of the

@@ -1,21 +1,21 @@
 """Which code runs a replay step: torch's own kernels, compiled numba kernels, or the reference.
 
-A *flavour* (:mod:`statekit.optim.common`) names the arithmetic a step reproduces; a *kernel*
-names the code that carries it out. Every kernel gives the flavour's bits; they differ in speed:
+A *flavor* (:mod:`statekit.optim.common`) names the arithmetic a step reproduces; a *kernel*
+names the code that carries it out. Every kernel gives the flavor's bits; they differ in speed:
 
 ``reference``
     The element-wise emulation written against :class:`~statekit.optim.backend.Backend`
-    (numpy, torch or CuPy arrays): every algorithm and flavour, exact FMA emulated in float64.
+    (numpy, torch or CuPy arrays): every algorithm and flavor, exact FMA emulated in float64.
     It is the reference the other kernels are tested against, and the fallback.
 ``torch``
     torch's own code on zero-copy views of the arrays (``torch.from_numpy``): the fused kernels
     ``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_`` / ``_fused_adagrad_`` for the
-    ``torch-fused`` flavour, ``torch.optim``'s single-tensor functions (``foreach=False``) for the
-    ``torch`` flavour. On CUDA tensors (``--device cuda``) these are torch's CUDA kernels, i.e.
+    ``torch-fused`` flavor, ``torch.optim``'s single-tensor functions (``foreach=False``) for the
+    ``torch`` flavor. On CUDA tensors (``--device cuda``) these are torch's CUDA kernels, i.e.
     the arithmetic torch itself runs on that GPU.
 ``numba``
     One compiled pass over memory per step (:mod:`statekit.optim.numba_kernels`, the optional
-    ``statekit[fast]`` extra): Adam/AdamW in the four flavours, with a hardware FMA exactly
+    ``statekit[fast]`` extra): Adam/AdamW in the four flavors, with a hardware FMA exactly
     where the framework's kernel has one.
 
 :func:`choose` picks the fastest kernel that supports the step (``auto``) or checks an explicit
@@ -32,7 +32,7 @@ from functools import cache
 from statekit.errors import UsageError
 from statekit.optim.backend import Backend, torch_available
 
-# the flavour names of statekit.optim.common (which imports this module)
+# the flavor names of statekit.optim.common (which imports this module)
 TORCH_FUSED, TORCH, BURN, CANDLE = "torch-fused", "torch", "burn", "candle"
 
 AUTO = "auto"
@@ -43,12 +43,12 @@ KERNELS = (REFERENCE, TORCH_KERNEL, NUMBA)
 #: what ``--kernel`` accepts
 CHOICES = (AUTO, *KERNELS)
 
-#: (algorithm, flavour) pairs torch's own code runs.
+#: (algorithm, flavor) pairs torch's own code runs.
 TORCH_SUPPORTS = {
     ("adam", TORCH_FUSED), ("adamw", TORCH_FUSED), ("sgd", TORCH_FUSED), ("adagrad", TORCH_FUSED),
     ("adam", TORCH), ("adamw", TORCH), ("sgd", TORCH), ("adagrad", TORCH), ("rmsprop", TORCH),
 }
-#: (algorithm, flavour) pairs with a numba kernel.
+#: (algorithm, flavor) pairs with a numba kernel.
 NUMBA_SUPPORTS = {
     (algo, flavor) for algo in ("adam", "adamw") for flavor in (TORCH_FUSED, TORCH, BURN)
 } | {("adamw", CANDLE)}
@@ -91,7 +91,7 @@ def choose(algorithm: str, flavor: str, b: Backend, kernel: str | None = AUTO, v
     """The kernel that runs ``algorithm``/``flavor`` on ``b``'s arrays.
 
     ``auto``: torch's own code when torch is installed and has this step (on numpy arrays and
-    torch tensors), else numba on numpy arrays, else the reference. For the ``torch`` flavour
+    torch tensors), else numba on numpy arrays, else the reference. For the ``torch`` flavor
     the reference needs torch's square root to be bit-exact; without torch, numba and the
     reference both take the IEEE root (``exactness`` says ``tolerance``). An explicit kernel
     that cannot run the step is refused with the reason.

@@ -1,6 +1,6 @@
 """Compiled Adam/AdamW kernels (numba): one pass over memory per step, the reference's bits.
 
-Each kernel is the element-wise formula of its flavour (:mod:`statekit.optim.adam`) written as
+Each kernel is the element-wise formula of its flavor (:mod:`statekit.optim.adam`) written as
 one loop over float32 elements, compiled without ``fastmath`` so that LLVM neither reorders nor
 contracts anything: every ``a*b + c`` rounds twice unless it is written :func:`fma32`, which is
 LLVM's ``llvm.fma.f32`` (one rounding; a hardware FMA on x86-64 with FMA3). The square root is

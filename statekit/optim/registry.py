@@ -1,4 +1,4 @@
-"""The one table of optimizer algorithms, their flavours, hyperparameters and state slots.
+"""The one table of optimizer algorithms, their flavors, hyperparameters and state slots.
 
 Names are framework-neutral (PyTorch's): state slots ``exp_avg exp_avg_sq max_exp_avg_sq
 momentum_buffer square_avg grad_avg sum`` (+ Adan's ``exp_avg_diff neg_pre_grad``, burn
@@ -10,7 +10,7 @@ The step count is an int held beside the slots: the number of steps already take
 Each algorithm lists, per framework, every hyperparameter with that framework's default
 (``None``: no default, the caller must give it: burn's learning rate lives outside its
 optimizer) and the hyperparameters the framework cannot change (``fixed``); both come from the
-one table of defaults, :mod:`statekit.hyper`. A flavour uses its framework's column: ``torch``
+one table of defaults, :mod:`statekit.hyper`. A flavor uses its framework's column: ``torch``
 and ``torch-fused`` → torch, ``burn`` → burn, ``candle`` → candle.
 """
 
@@ -41,7 +41,7 @@ class Framework:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """An algorithm: its step function, state slots, flavours and per-framework defaults."""
+    """An algorithm: its step function, state slots, flavors and per-framework defaults."""
 
     name: str
     step: Callable
@@ -51,7 +51,7 @@ class Algorithm:
 
 
 def _frameworks(name: str, flavors: tuple[str, ...]) -> dict[str, Framework]:
-    """The defaults of ``name`` in every framework its flavours run, from :mod:`statekit.hyper`'s one table."""
+    """The defaults of ``name`` in every framework its flavors run, from :mod:`statekit.hyper`'s one table."""
     names = dict.fromkeys(FRAMEWORK_OF[f] for f in flavors)
     return {fw: Framework(hyper.core_defaults(fw, name), hyper.fixed(fw, name)) for fw in names}
 
@@ -85,7 +85,7 @@ def resolve(name: str, flavor: str, hp: Mapping | None = None) -> dict:
     """
     algo = get_algorithm(name)
     if flavor not in algo.flavors:
-        raise UsageError(f"{name} has no {flavor!r} flavour (has {', '.join(algo.flavors)})")
+        raise UsageError(f"{name} has no {flavor!r} flavor (has {', '.join(algo.flavors)})")
     framework = algo.frameworks[FRAMEWORK_OF[flavor]]
     hp = dict(hp or {})
     unknown = sorted(set(hp) - set(framework.defaults))
@@ -124,10 +124,10 @@ def step(
     """One optimizer step: ``(new_param, new_slots, new_step)``.
 
     ``name`` is a key of :data:`ALGORITHMS`; ``hp`` is completed with the defaults of the
-    flavour's framework (:func:`resolve`); ``slots`` maps slot names to arrays of ``param``'s
+    flavor's framework (:func:`resolve`); ``slots`` maps slot names to arrays of ``param``'s
     shape (missing ones start fresh); ``step`` counts the steps already taken. ``xp`` chooses
     the array namespace (numpy, torch, cupy; default: that of ``param``). See the algorithm
-    modules for each flavour's arithmetic and :func:`exactness` for what it reproduces.
+    modules for each flavor's arithmetic and :func:`exactness` for what it reproduces.
     ``kernel`` is the code that runs it (:mod:`statekit.optim.kernels`): ``reference`` (the
     default: the emulation every other kernel is tested against), ``torch``, ``numba`` or
     ``auto`` (:func:`choose_kernel`); all give the same bits.
@@ -166,7 +166,7 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
       reconstructed from their sources, not run.
     """
     if flavor not in FLAVORS:
-        raise UsageError(f"unknown flavour {flavor!r} (known: {', '.join(FLAVORS)})")
+        raise UsageError(f"unknown flavor {flavor!r} (known: {', '.join(FLAVORS)})")
     if flavor != TORCH or algorithm == "sgd":
         return BIT_EXACT
     b = get_backend(xp)

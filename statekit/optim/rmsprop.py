@@ -2,10 +2,10 @@
 
 Hyperparameters: ``lr alpha eps weight_decay momentum centered maximize``. Slots:
 ``square_avg``; ``grad_avg`` when centered; ``momentum_buffer`` when ``momentum > 0``; and, for
-the burn flavour only, ``avg`` (burn stores ``centered.avg``: ``square_avg`` when not centered,
+the burn flavor only, ``avg`` (burn stores ``centered.avg``: ``square_avg`` when not centered,
 ``square_avg - grad_avg**2`` when centered, both after the update).
 
-Scalar rounding, per flavour:
+Scalar rounding, per flavor:
 
 ``torch`` (``foreach=False``/``True``)
     ``f32(alpha)``, ``f32(1 - alpha)``, ``f32(weight_decay)``, ``f32(eps)``, ``f32(momentum)``,

@@ -4,7 +4,7 @@ Hyperparameters: ``lr momentum dampening weight_decay nesterov maximize``. Slot:
 ``momentum_buffer`` (only when ``momentum != 0``). A missing buffer means the first step with
 momentum: the buffer starts as a copy of the (decayed) gradient in both frameworks.
 
-Scalar rounding, per flavour:
+Scalar rounding, per flavor:
 
 ``torch`` (``foreach=False``/``True``)
     ``f32(weight_decay)``, ``f32(momentum)``, ``f32(1 - dampening)`` (float64 subtraction),

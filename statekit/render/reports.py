@@ -1,4 +1,4 @@
-"""Human renderings of ``diff``, ``merge`` and ``doctor`` results (rich tables + one summary line)."""
+"""``diff``, ``merge``, ``doctor``, ``verify-resume`` and ``replay`` results: tables and TSV."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from statekit.ops.diff import METHOD_WORDS
+from statekit.render import shape
 
 
 def _num(v) -> str:
@@ -16,15 +17,9 @@ def _num(v) -> str:
     return str(v)
 
 
-def _shape(shape) -> str:
-    if shape is None:
-        return "-"
-    return "×".join(str(d) for d in shape) if shape else "scalar"
-
-
 def _value(v) -> str:
     if isinstance(v, list) and all(isinstance(x, int) for x in v):
-        return _shape(v)
+        return shape(v)
     if isinstance(v, float):
         return f"{v:.9g}"
     return "-" if v is None else str(v)
@@ -43,9 +38,9 @@ def _ulp(f: dict) -> str:
 def diff_rows(d: dict) -> list[list[str]]:
     rows: list[list[str]] = []
     for p in d["only_in_a"]:
-        rows.append([p["label"], "", "only in A", _shape(p["shape"]), "", "", "", "", ""])
+        rows.append([p["label"], "", "only in A", shape(p["shape"]), "", "", "", "", ""])
     for p in d["only_in_b"]:
-        rows.append([p["label"], "", "only in B", "", _shape(p["shape"]), "", "", "", ""])
+        rows.append([p["label"], "", "only in B", "", shape(p["shape"]), "", "", "", ""])
     for item in d["differences"]:
         rows.append(["(file)", "", item["what"], _value(item["a"]), _value(item["b"]), "", "", "", ""])
     for h in d["hyperparameters"]:
@@ -66,8 +61,8 @@ def diff_rows(d: dict) -> list[list[str]]:
             if not f.get("compared"):
                 if f.get("reason") == "shape" and any(x["what"] == "shape" for x in p["differences"]):
                     continue  # already said on the parameter's row
-                rows.append([p["label"], f["name"], f.get("reason", "differs"), _shape(f["shape_a"]),
-                             _shape(f["shape_b"]), "", "", "", ""])
+                rows.append([p["label"], f["name"], f.get("reason", "differs"), shape(f["shape_a"]),
+                             shape(f["shape_b"]), "", "", "", ""])
                 continue
             if f["dtype_a"] != f["dtype_b"] and not any(x["what"] == "dtype" for x in p["differences"]):
                 rows.append([p["label"], f["name"], "dtype", f["dtype_a"], f["dtype_b"], "", "", "", ""])
@@ -218,3 +213,73 @@ def doctor_summary(d: dict) -> str:
     parts = [f"{c[k]} {k}{'s' if c[k] != 1 else ''}" for k in ("error", "warning", "info") if c[k]]
     problems = c["error"] + c["warning"]
     return f"{d['state']}: {problems} problem{'s' if problems != 1 else ''} ({', '.join(parts)}) in {checked}"
+
+
+# ----------------------------------------------------------------------------- verify-resume
+
+
+def verify_view(report: dict) -> list:
+    verdict = Text("TRACKS", style="bold green") if report["tracks"] else Text("DIVERGES", style="bold red")
+    head = Text(f"{report['migrated']} vs {report['original']}: ") + verdict
+    fl = report["flavors"]
+    kn = report.get("kernels", {})
+    kernels = f" ({kn['original']} → {kn['migrated']} kernel)" if kn else ""
+    sub = Text(f"{report['optimizer']}, {report['steps']} steps, seed {report['seed']}; arithmetic "
+               f"{fl['original']} → {fl['migrated']}{kernels}; criterion {report['criterion']}", style="dim")
+    table = Table(header_style="bold", pad_edge=False)
+    for col in ("parameter", "state", "layout", "result", "max |Δp|", "Δ / tolerance", "cold Δ / tolerance"):
+        table.add_column(col, justify="right" if "Δ" in col else "left")
+    for r in report["params"]:
+        result = "bit-exact" if r["bit_exact"] else ("within tolerance" if r["tracks"] else "DIVERGES")
+        table.add_row(r["path"], "yes" if r["has_state"] else "MISSING", "transposed" if r["transposed"] else "same",
+                      result, f"{r['max_abs_diff']:.3g}", f"{r['tolerance_ratio']:.3g}", f"{r['cold_ratio']:.3g}",
+                      style=None if r["tracks"] else "red")
+    items = [head, sub, table]
+    a, b = report["hyperparams"]["original"], report["hyperparams"]["migrated"]
+    differ = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if differ:
+        items.append(Text("hyperparameters differ: " + "; ".join(differ), style="yellow"))
+    for note in report.get("notes", []):
+        items.append(Text(f"note: {note}", style="cyan"))
+    return items
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def replay_view(result: dict) -> list:
+    shown = ", ".join(f"{k}={v}" for k, v in result["hyperparams"].items())
+    wrote = f"wrote {result['out_params']}" + (f" and {result['out_state']}" if result["out_state"] else "")
+    kernel = f", {result['kernel']} kernel" if result.get("kernel") else ""
+    return [f"replayed {result['steps']} steps of {result['optimizer']} ({result['flavor']} arithmetic, "
+            f"{result['exactness']}{kernel}): {shown}", wrote]
+
+
+# ----------------------------------------------------------------------------- TSV
+
+
+def diff_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
+    return (["parameter", "field", "difference", "a", "b", "max_abs", "max_rel", "max_ulp", "elements"],
+            diff_rows(d))
+
+
+def merge_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
+    return (["input", "format", "family", "params", "taken"],
+            [[i["path"], i["format"], i["family"] or "-", i["params"], i["taken"]] for i in d["inputs"]])
+
+
+def doctor_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
+    return (["severity", "check", "parameter", "finding"],
+            [[f["severity"], f["check"], f["param"] or "-", f["message"]] for f in d["findings"]])
+
+
+def verify_tsv(report: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["parameter", "has_state", "transposed", "tracks", "bit_exact", "max_abs_diff", "tolerance_ratio",
+              "cold_ratio"]
+    return header, [[r["path"], r["has_state"], r["transposed"], r["tracks"], r["bit_exact"],
+                     f"{r['max_abs_diff']:.6g}", f"{r['tolerance_ratio']:.6g}", f"{r['cold_ratio']:.6g}"]
+                    for r in report["params"]]
+
+
+def replay_tsv(result: dict) -> tuple[list[str], list[list[str]]]:
+    return ["parameter", "steps"], [[name, n] for name, n in result["step_counts"].items()]

@@ -1,0 +1,173 @@
+"""``inspect`` as a table that fits the terminal, and as TSV."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from statekit.render import human_bytes, shape
+
+# Dropped in this order when the table would not fit the width: path, shape, dtype, step and
+# fields always stay (the burn id is still there in its short display form until last).
+OPTIONAL = ("id", "rank", "display id")
+FIELDS_MIN = 24  # the fields column wraps, but not narrower than this
+
+
+def summary_line(d: dict) -> str:
+    version = f" v{d['version']}" if d.get("version") is not None else ""
+    kind = d["kind"]
+    if d.get("family"):
+        fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
+        kind = f"{kind} ({fam})"
+    size = human_bytes(d["bytes"])
+    if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
+        size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
+    return " · ".join([f"{d['format']}{version}", kind, f"{len(d['params'])} params",
+                       f"{d['tensors']} tensors, {d['scalars']} scalars", size])
+
+
+def _prefix(path: str | None) -> str:
+    if not path:
+        return "(no path)"
+    return path.rsplit(".", 1)[0] if "." in path else path
+
+
+def _ident(p: dict) -> str:
+    if p["id"] is not None:
+        return p["id"]
+    return f"#{p['index']}" if p.get("index") is not None else "-"
+
+
+def _cells(p: dict, optimizer: bool) -> dict[str, str]:
+    cells = {"path": p["path"] or "-", "id": _ident(p), "display id": p["display_id"] or "-",
+             "rank": str(p["rank"]) if p["rank"] is not None else "-", "shape": shape(p["shape"]),
+             "dtype": p["dtype"] or "-"}
+    if optimizer:
+        cells["step"] = "-" if p["step"] is None else f"{p['step']:g}"
+        cells["fields"] = ", ".join(p["fields"]) or "(no state)"
+    return cells
+
+
+def _itemsize(dtype: str | None) -> int:
+    from statekit import dtypes
+
+    try:
+        return dtypes.itemsize(dtype) if dtype else 0
+    except ValueError:
+        return 0
+
+
+def _totals(params: list[dict], optimizer: bool) -> tuple[int, int]:
+    """Elements and bytes of a group of parameters (their state fields, for optimizer files)."""
+    elements = nbytes = 0
+    for p in params:
+        items = [(f["shape"], f["dtype"]) for f in p["fields"].values()] if optimizer else [(p["shape"] or [], p["dtype"])]
+        for dims, dtype in items:
+            n = 1
+            for s in dims:
+                n *= s
+            elements += n
+            nbytes += n * _itemsize(dtype)
+    return elements, nbytes
+
+
+def _columns(rows: list[dict[str, str]], names: list[str], width: int | None) -> list[str]:
+    """The columns that fit ``width``: optional ones dropped in :data:`OPTIONAL` order."""
+    if width is None:
+        return names
+
+    def needed(cols: list[str]) -> int:
+        total = 1
+        for c in cols:
+            w = max([len(c)] + [len(r.get(c, "")) for r in rows])
+            total += (min(w, FIELDS_MIN) if c == "fields" else w) + 3
+        return total
+
+    cols = list(names)
+    for drop in OPTIONAL:
+        if needed(cols) <= width:
+            break
+        cols.remove(drop)
+    return cols
+
+
+def params_table(d: dict, width: int | None = None) -> Table:
+    optimizer = d["kind"] == "optimizer"
+    groups: dict[str, list[dict]] = {}
+    for p in d["params"]:
+        groups.setdefault(_prefix(p["path"]), []).append(p)
+    names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["step", "fields"] if optimizer else [])
+    rows = [_cells(p, optimizer) for p in d["params"]]
+    cols = _columns(rows, names, width)
+    table = Table(show_lines=False, header_style="bold", pad_edge=False)
+    for c in cols:
+        table.add_column(c, justify="right" if c in ("rank", "step") else "left",
+                         no_wrap=c not in ("fields", "path"), overflow="fold")
+    last = cols[-1]
+    for prefix, params in groups.items():
+        for p in params:
+            cells = _cells(p, optimizer)
+            table.add_row(*(cells[c] for c in cols))
+        if len(params) > 1:
+            elements, nbytes = _totals(params, optimizer)
+            total = {c: "" for c in cols}
+            total[last] = f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}"
+            table.add_row(*(Text(total[c], style="dim") for c in cols), end_section=True)
+    return table
+
+
+def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
+    """Renderables for ``statekit inspect``: summary, grouped table, notes."""
+    out: list = [Text(f"{d['path']}: ", style="bold") + Text(summary_line(d))]
+    if d["params"]:
+        out.append(params_table(d, width))
+    if stats:
+        out.append(stats_table(d))
+    if d.get("global"):
+        g = d["global"]
+        out.append(Text(f"global state: {len(g['tensors'])} tensors, scalars {g['scalars']}"))
+    if d.get("scalar_values"):
+        table = Table(header_style="bold")
+        table.add_column("scalar")
+        table.add_column("value", justify="right")
+        for k, v in d["scalar_values"].items():
+            table.add_row(k, str(v))
+        out.append(table)
+    for i, sched in enumerate(d.get("schedulers", [])):
+        shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
+        out.append(Text(f"lr scheduler {i}: {shown}"))
+    for g in d.get("groups", []):
+        if g["hyperparameters"]:
+            hp = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params")
+            out.append(Text(f"group ({g['params']} params): {hp}"))
+    out += [Text(f"note: {n}", style="cyan") for n in d.get("notes", [])]
+    out += [Text(f"warning: {w}", style="yellow") for w in d.get("warnings", [])]
+    return out
+
+
+def stats_table(d: dict) -> Table:
+    table = Table(header_style="bold", title="field statistics")
+    for col in ("path", "field", "min", "max", "mean", "rms", "nan", "inf"):
+        table.add_column(col, justify="left" if col in ("path", "field") else "right")
+
+    def fmt(v) -> str:
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    for p in d["params"]:
+        items = p.get("fields", {}).items() if "fields" in p else [("(value)", p)]
+        for name, f in items:
+            s = f.get("stats") or {}
+            if not s:
+                continue
+            style = "red" if s.get("nan") or s.get("inf") else None
+            table.add_row(p["path"] or p["id"] or "-", name, *(fmt(s[k]) for k in ("min", "max", "mean", "rms")),
+                          str(s["nan"]), str(s["inf"]), style=style)
+    return table
+
+
+def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
+    """One header and one line per parameter."""
+    optimizer = d["kind"] == "optimizer"
+    names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["step", "fields"] if optimizer else [])
+    rows = [[_cells(p, optimizer)[c] for c in names] for p in d["params"]]
+    return [n.replace(" ", "_") for n in names], rows
