@@ -392,3 +392,19 @@ def test_statekit_state_scalar_of_an_unknown_kind(tmp_path, fixtures):
     params[0]["extra"] = {"x": {"__scalar__": [["UInt"], 3]}}
     header["__metadata__"]["params"] = json.dumps(params)
     refuse(write(tmp_path, "bad.safetensors", safetensors_bytes(header, data[8 + n :])), "scalar")
+
+
+@pytest.mark.parametrize("change", [{"extra": {"__step_kind": {"UInt": 1}}}, {"step": 1e400}, {"step": [3]}],
+                         ids=["step-kind", "step-inf", "step-list"])
+def test_statekit_state_step_fields(tmp_path, fixtures, change):
+    """Found by scripts/fuzz.py (safetensors 307153, 310024): a step kind burn has no variant for."""
+    import json
+
+    statekit.convert(fixtures / "hand-optim.bpk", tmp_path / "s.safetensors")
+    data = (tmp_path / "s.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    params = json.loads(header["__metadata__"]["params"])
+    params[0].update(change)
+    header["__metadata__"]["params"] = json.dumps(params)
+    refuse(write(tmp_path, "bad.safetensors", safetensors_bytes(header, data[8 + n :])), "wrong type")

@@ -640,10 +640,19 @@ class _Unpickler:
             raise FormatError(f"malformed pickle: cannot add items to a {type(top).__name__}")
         return top
 
+    def dispatch(self, code: int, start: int) -> None:
+        """Run one opcode through its handler in ``_OPS`` (those not inlined in :meth:`load`)."""
+        if self.steps > MAX_STEPS:
+            raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
+        handler = _OPS.get(code)
+        if handler is None:
+            raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
+        handler(self)
+
     def load(self) -> object:
         """The interpreter loop: the opcodes torch.save's pickles are made of run inline (a pickle
         of 10^6 tensors runs ~3·10^7 of them); the rest through their handlers in ``_OPS``."""
-        data, end, memo, ops = self.data, len(self.data), self.memo, _OPS
+        data, end, memo = self.data, len(self.data), self.memo
         pos, start, steps = self.pos, self.pos, self.steps
         stack = self.stack
         try:
@@ -712,13 +721,8 @@ class _Unpickler:
                         raise FormatError("malformed pickle: empty stack at STOP")
                     return stack.pop()
                 else:
-                    if steps > MAX_STEPS:
-                        raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
-                    handler = ops.get(code)
-                    if handler is None:
-                        raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
                     self.pos, self.code, self.steps = pos, code, steps
-                    handler(self)
+                    self.dispatch(code, start)
                     pos, stack = self.pos, self.stack
         except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
             raise FormatError(f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}") from None

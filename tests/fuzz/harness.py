@@ -483,10 +483,12 @@ def _touch(ckpt) -> None:
 
 
 def _render(result: dict) -> None:
+    """What ``statekit inspect --stats`` prints: the table, and the TSV lines of ``--format tsv``."""
     from rich.console import Console
 
-    from statekit.render import inspect_table
+    from statekit.render import table, tsv_lines
 
     console = Console(file=io.StringIO(), width=100)
-    for item in inspect_table(result, True):
+    for item in table("inspect", result, stats=True):
         console.print(item)
+    tsv_lines("inspect", result)
