@@ -233,6 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the reference-vs-baseline rows")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--verify-params", type=int, default=100_000_000)
+    parser.add_argument("--verify-only", action="store_true", help="only the verify-resume measurement")
     args = parser.parse_args(argv)
     n, r, threads = args.numel, args.repeat, args.threads
 
@@ -243,6 +244,9 @@ def main(argv=None) -> int:
     verify = None
     if args.verify_params and have("torch"):
         verify = verify_resume_run(args.verify_params)
+    if args.verify_only:
+        print_verify(args, verify, load)
+        return 0
     dev = Host(n)
     rows: list[tuple[str, float, float]] = []  # label, seconds, bytes per element
 
@@ -317,14 +321,18 @@ def main(argv=None) -> int:
     for flavor, _ in FLAVORS:
         if flavor in base:
             ratio(f"reference {flavor}: today / {args.baseline_rev}", base[flavor] / today[flavor], 2.0)
+    print_verify(args, verify, load)
+    return 0
+
+
+def print_verify(args, verify, load) -> None:
     if verify is not None:
         seconds, rss, state = verify
-        print(f"\nverify-resume, {args.verify_params:,} parameters (torch Adam .pt), 10 steps, fresh process: "
+        print(f"\nload average at start {load[0]:.2f}; verify-resume, {args.verify_params:,} parameters (torch Adam .pt), 10 steps, fresh process: "
               f"{seconds:.1f} s, peak RSS {rss / 2**30:.2f} GiB, state {state / 2**30:.2f} GiB")
         print(f"  {'verify-resume seconds':72} {seconds:6.1f}  (goal <= 60: {'met' if seconds <= 60 else 'NOT met'})")
         print(f"  {'verify-resume peak RSS / state size':72} {rss / state:6.2f}  "
               f"(goal <= 4: {'met' if rss <= 4 * state else 'NOT met'})")
-    return 0
 
 
 def cuda_main(args) -> int:

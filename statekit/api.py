@@ -97,15 +97,24 @@ def doctor(state: PathLike, model: PathLike | None = None, *, params: Sequence[s
 
 
 def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, seed: int = 0,
-                  optimizer: str | None = None, lr: float | None = None, transpose: Sequence[str] = (),
-                  kernel: str = "auto") -> dict:
+                  optimizer: str | None = None, transpose: Sequence[str] = (), kernel: str = "auto",
+                  names: Sequence[str] | PathLike | None = None, model=None, plan: PathLike | None = None,
+                  key: str | None = None, **hyperparams) -> dict:
     """``statekit verify-resume --json`` as a dict (``report["tracks"]``; ``report["kernels"]``:
-    the code that ran each side, :mod:`statekit.optim.kernels`)."""
-    from statekit.ops.replay import verify_resume as run
+    the code that ran each side, :mod:`statekit.optim.kernels`). ``names`` / ``model`` name torch
+    positions; ``plan``: the remap plan that made ``migrated``; hyperparameters ``lr betas eps
+    weight_decay amsgrad momentum dampening nesterov`` override the stored ones."""
+    from statekit.ops.options import load_model, read_names
+    from statekit.ops.replay import verify_resume_files
 
-    with open(original) as a, open(migrated) as b:
-        return run(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
-                   transpose=list(transpose), kernel=kernel)
+    if isinstance(names, str | os.PathLike):
+        names = read_names(os.fspath(names))
+    if isinstance(model, str | os.PathLike):
+        model = load_model(os.fspath(model))
+    return verify_resume_files(os.fspath(original), os.fspath(migrated), names=list(names) if names else None,
+                               model=model, plan=os.fspath(plan) if plan else None, key=key, steps=steps, seed=seed,
+                               optimizer=optimizer, given=given_hyperparams(**hyperparams),
+                               transpose=list(transpose), kernel=kernel)
 
 
 def replay(params: PathLike, grads: Sequence[PathLike], out_params: PathLike, *, state: PathLike | None = None,

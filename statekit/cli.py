@@ -112,11 +112,10 @@ def inspect(
     out = _output(fmt, json_out)
     with io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
         if (names or model) and ckpt.optimizer is not None:
-            from statekit.ops.convert import name_source_params
+            from statekit.ops.convert import name_checkpoint
             from statekit.ops.options import make_options
 
-            name_source_params(ckpt.optimizer, make_options(names=names, names_order=names_order, model=model),
-                               str(file))
+            name_checkpoint(ckpt, make_options(names=names, names_order=names_order, model=model), str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
@@ -330,7 +329,7 @@ def replay(
 
 @app.command("verify-resume")
 def verify_resume_cmd(
-    original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The state as the original run left it.")],
+    original: Annotated[Path, typer.Argument(metavar="ORIGINAL", help="The state as the original run left it (a file or a Trainer/Accelerate folder).")],
     migrated: Annotated[Path, typer.Argument(metavar="MIGRATED", help="The converted / remapped state to check.")],
     steps: Annotated[int, typer.Option("--steps", "-k", metavar="K", help="Steps to run.", min=1)] = 10,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the synthetic parameters and gradients.")] = 0,
@@ -338,7 +337,17 @@ def verify_resume_cmd(
     flavor_original: Annotated[str | None, typer.Option("--flavor-original", metavar="FLAVOR", help="Arithmetic of the original run (default: its framework's).")] = None,
     flavor_migrated: Annotated[str | None, typer.Option("--flavor-migrated", metavar="FLAVOR", help="Arithmetic of the resumed run (default: its framework's).")] = None,
     lr: LrOpt = None,
-    transpose: TransposeOpt = None,
+    betas: BetasOpt = None,
+    eps: EpsOpt = None,
+    weight_decay: WdOpt = None,
+    amsgrad: AmsOpt = None,
+    momentum: MomOpt = None,
+    dampening: DampOpt = None,
+    nesterov: NestOpt = None,
+    transpose: Annotated[list[str] | None, typer.Option("--transpose", metavar="GLOB", help="Glob of square rank-2 parameters whose state the conversion transposed, when the migrated file does not record it; repeatable.")] = None,
+    names: Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for torch positions (model.named_parameters() order), for a side that has none.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="A model file naming a side's torch positions.")] = None,
+    plan: Annotated[Path | None, typer.Option("--plan", metavar="FILE", help="The remap plan (--plan-out) that made MIGRATED: renamed parameters are paired through it, resized ones compared on the kept region.")] = None,
     key: KeyOpt = None,
     kernel: KernelOpt = "auto",
     fmt: FormatOpt = None,
@@ -346,23 +355,40 @@ def verify_resume_cmd(
 ) -> int:
     """Check that a migrated state resumes like the original: exit 0 if it tracks, 1 if not.
 
-    Runs k seeded steps from the original, from the migrated state and from a cold (empty) state,
-    pairing parameters by path (transposed layouts are recognised by shape). The migrated run
-    must match bit for bit when both use the same arithmetic, else stay within
-    |Δp| ≤ 4·ulp(p) + 2e-5·lr·n; the cold run shows how far a silent no-op restore would drift.
+    Runs k seeded steps from the original, from the migrated state and from a cold (empty) state.
+    Parameters are paired through --plan, else through the sources the migrated file records
+    (statekit records them, and every transpose, in the .bpk/.safetensors it writes), else by
+    path. The migrated run must match bit for bit when both use the same arithmetic, else stay
+    within |Δp| ≤ 4·ulp(p) + 2e-5·lr·n; the cold run shows how far a silent no-op restore would
+    drift. A resized state is compared on the region both hold, and its new elements must step
+    exactly like a zero state.
+
+    \b
+      statekit verify-resume checkpoint-500/ optim.bpk
+      statekit verify-resume optim.pt optim-new.bpk --plan remap-plan.json
     """
-    from statekit import io
-    from statekit.ops.options import given_hyperparams
-    from statekit.ops.replay import verify_resume
+    from statekit.ops.options import given_hyperparams, read_names
+    from statekit.ops.replay import verify_resume_files
 
     out = _output(fmt, json_out)
-    with io.open_checkpoint(str(original)) as a, io.open_checkpoint(str(migrated), **({"key": key} if key else {})) as b:
-        with out.progress("steps", steps) as advance:
-            report = verify_resume(a, b, steps=steps, seed=seed, optimizer=optimizer, given=given_hyperparams(lr=lr),
-                                   flavor_original=flavor_original, flavor_migrated=flavor_migrated,
-                                   transpose=list(transpose or []), progress=advance, kernel=kernel)
+    hp = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                           momentum=momentum, dampening=dampening, nesterov=nesterov)
+    with out.progress("steps", steps) as advance:
+        report = verify_resume_files(
+            str(original), str(migrated), names=read_names(str(names)) if names else None,
+            model=_load_model(model), plan=str(plan) if plan else None, key=key, steps=steps, seed=seed,
+            optimizer=optimizer, given=hp, flavor_original=flavor_original, flavor_migrated=flavor_migrated,
+            transpose=list(transpose or []), progress=advance, kernel=kernel)
     out.show("verify", report)
     return 0 if report["tracks"] else 1
+
+
+def _load_model(path: Path | None):
+    if path is None:
+        return None
+    from statekit.ops.options import load_model
+
+    return load_model(str(path))
 
 
 # ----------------------------------------------------------------------------- diff / merge / doctor
@@ -377,6 +403,9 @@ def diff(
     atol: Annotated[float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance per element (default 0: equal values).")] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance, times max(|a|, |b|) per element.")] = 0.0,
     param: ParamOpt = None,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
+    model: ModelOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
@@ -394,7 +423,8 @@ def diff(
 
     out = _output(fmt, json_out)
     result = diff_files(a, b, atol=atol, rtol=rtol, only=param,
-                        progress=lambda d, t: out.progress(d, t, unit_bytes=True))
+                        progress=lambda d, t: out.progress(d, t, unit_bytes=True),
+                        names=names, names_order=names_order, model=model)
     out.show("diff", result)
     return 0 if result["equal"] else 1
 
@@ -429,8 +459,10 @@ def merge(
 @app.command()
 def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
-    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, or a state_dict).")] = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, a torch state_dict, or .safetensors); a torch state's positions are named from it by solving order and shapes.")] = None,
     param: ParamOpt = None,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
@@ -445,7 +477,8 @@ def doctor(
     from statekit.ops.doctor import doctor_files
 
     out = _output(fmt, json_out)
-    result = doctor_files(state, model, only=param, progress=lambda d, t: out.progress(d, t))
+    result = doctor_files(state, model, only=param, progress=lambda d, t: out.progress(d, t),
+                          names=names, names_order=names_order)
     out.show("doctor", result)
     return 0 if result["clean"] else 1
 

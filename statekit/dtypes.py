@@ -8,41 +8,53 @@ they are kept as the dtype name ``Bool`` with the store recorded separately by t
 
 from __future__ import annotations
 
-import ml_dtypes
-import numpy as np
+from functools import cache
 
-# name -> little-endian numpy dtype
-_NUMPY: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "Flex32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
-    "Bool": np.dtype("?"),
+from statekit.lazy import ml_dtypes
+from statekit.lazy import numpy as np
+
+# name -> (numpy dtype string, bytes per element); numpy itself is imported on first use
+_SPEC: dict[str, tuple[str, int]] = {
+    "F64": ("<f8", 8),
+    "F32": ("<f4", 4),
+    "Flex32": ("<f4", 4),
+    "F16": ("<f2", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("<i8", 8),
+    "I32": ("<i4", 4),
+    "I16": ("<i2", 2),
+    "I8": ("i1", 1),
+    "U64": ("<u8", 8),
+    "U32": ("<u4", 4),
+    "U16": ("<u2", 2),
+    "U8": ("u1", 1),
+    "Bool": ("?", 1),
 }
 
+
+@cache
+def _numpy_table() -> dict[str, np.dtype]:
+    """name -> little-endian numpy dtype."""
+    return {name: np.dtype(ml_dtypes.bfloat16 if spec == "bfloat16" else spec) for name, (spec, _) in _SPEC.items()}
+
+
 FLOAT_DTYPES = frozenset({"F64", "F32", "Flex32", "F16", "BF16"})
-DTYPE_NAMES = frozenset(_NUMPY) | {"QFloat"}
+DTYPE_NAMES = frozenset(_SPEC) | {"QFloat"}
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype that holds elements of statekit dtype ``name`` (little-endian)."""
     try:
-        return _NUMPY[name]
+        return _numpy_table()[name]
     except KeyError:
         raise ValueError(f"dtype {name!r} has no numpy equivalent") from None
 
 
 def itemsize(name: str) -> int:
-    return numpy_dtype(name).itemsize
+    try:
+        return _SPEC[name][1]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} has no numpy equivalent") from None
 
 
 def from_numpy(dtype: np.dtype) -> str:
@@ -50,7 +62,7 @@ def from_numpy(dtype: np.dtype) -> str:
     dtype = np.dtype(dtype)
     if dtype == ml_dtypes.bfloat16:
         return "BF16"
-    for name, dt in _NUMPY.items():
+    for name, dt in _numpy_table().items():
         if name == "Flex32":
             continue
         if dt == dtype.newbyteorder("<") or dt == dtype:

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
 
@@ -69,6 +68,10 @@ class Output:
     def print(self, *objects: object) -> None:
         """Tables fit the width; lines of text are never wrapped (scripts grep them)."""
         if self.format == "table" and not self.quiet:
+            if len(objects) == 1 and type(objects[0]).__name__ == "PlainLines":  # statekit.render: as is
+                self.console.file.flush()
+                sys.stdout.write(objects[0])
+                return
             self.console.print(*objects, soft_wrap=all(isinstance(o, str | Text) for o in objects))
 
     def info(self, message: str) -> None:
@@ -86,6 +89,9 @@ class Output:
         if self.quiet or not self.err.is_terminal or not total:
             yield lambda advance=1: None
             return
+        # imported here: a short command, or one whose stderr is not a terminal, never needs it
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
         columns = [TextColumn("{task.description}"), BarColumn()]
         columns += [DownloadColumn()] if unit_bytes else [TextColumn("{task.completed}/{task.total}")]
         with Progress(*columns, TimeRemainingColumn(), console=self.err, transient=True) as bar:

@@ -22,9 +22,8 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from statekit import dtypes
+from statekit.lazy import numpy as np
 
 PIECE = 16 << 20  # bytes per piece: what the data path holds of one tensor at a time
 

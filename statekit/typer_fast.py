@@ -55,6 +55,44 @@ def _shape(annotation):
     return (None, (plain,)) if plain is not None else None
 
 
+def _convert(kind: type, value, param, ctx):
+    """``value`` as ``kind`` (typer's spelling of booleans), or typer's BadParameter."""
+    from typer._click.exceptions import BadParameter
+
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "t", "yes", "y", "on"):
+            return True
+        if text in ("0", "false", "f", "no", "n", "off"):
+            return False
+    elif isinstance(value, kind):
+        return value
+    else:
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            pass
+    raise BadParameter(f"{value!r} is not a valid {_NAMES.get(kind, kind.__name__)}.", ctx=ctx, param=param)
+
+def _bounded(value, info, param, ctx):
+    """typer's ``min=``/``max=`` (``clamp=`` moves the value inside instead of refusing it)."""
+    low, high = getattr(info, "min", None), getattr(info, "max", None)
+    if low is not None and value < low:
+        if getattr(info, "clamp", False):
+            return low
+    elif high is not None and value > high:
+        if getattr(info, "clamp", False):
+            return high
+    else:
+        return value
+    from typer._click.exceptions import BadParameter
+
+    bounds = " and ".join(f"x{op}{b}" for op, b in ((">=", low), ("<=", high)) if b is not None)
+    raise BadParameter(f"{value} is not in the range {bounds}.", ctx=ctx, param=param)
+
+
 #: typer's path checks at their defaults: none of them asked for
 _PATH_DEFAULTS = {"exists": False, "file_okay": True, "dir_okay": True, "writable": False, "resolve_path": False,
                   "allow_dash": False, "path_type": None}
@@ -76,24 +114,6 @@ def install() -> bool:
     if original is None or getattr(original, "_statekit_fast", False):
         return original is not None
 
-    def convert(kind: type, value, param, ctx):
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "t", "yes", "y", "on"):
-                return True
-            if text in ("0", "false", "f", "no", "n", "off"):
-                return False
-        elif isinstance(value, kind):
-            return value
-        else:
-            try:
-                return kind(value)
-            except (TypeError, ValueError):
-                pass
-        raise BadParameter(f"{value!r} is not a valid {_NAMES.get(kind, kind.__name__)}.", ctx=ctx, param=param)
-
     @dataclass(frozen=True)
     class PlainRuntimeParam(RuntimeParam):
         container: object = None
@@ -101,14 +121,14 @@ def install() -> bool:
 
         def _coerce_value(self, value, param, ctx):
             if self.container is None:
-                return convert(self.kinds[0], value, param, ctx)
+                return _bounded(_convert(self.kinds[0], value, param, ctx), self.parameter_info, param, ctx)
             items = list(value) if isinstance(value, (list, tuple)) else [value]
             if self.container is tuple:
                 if len(items) != len(self.kinds):
                     raise BadParameter(f"{len(self.kinds)} values are required, but {len(items)} given.",
                                        ctx=ctx, param=param)
-                return tuple(convert(k, v, param, ctx) for k, v in zip(self.kinds, items, strict=True))
-            return [convert(self.kinds[0], v, param, ctx) for v in items]
+                return tuple(_convert(k, v, param, ctx) for k, v in zip(self.kinds, items, strict=True))
+            return [_convert(self.kinds[0], v, param, ctx) for v in items]
 
     def build_runtime_param(descriptor):
         info = descriptor.parameter_info
@@ -118,8 +138,10 @@ def install() -> bool:
             and descriptor.file_annotation is None
             and getattr(info, "parser", None) is None
             and getattr(info, "click_type", None) is None
-            and getattr(info, "min", None) is None
-            and getattr(info, "max", None) is None
+            and (shape[0] is None and shape[1][0] in (int, float)
+                 or getattr(info, "min", None) is None and getattr(info, "max", None) is None)
+            and not getattr(info, "min_open", False)
+            and not getattr(info, "max_open", False)
             and not descriptor.is_choice
             and (Path not in shape[1] or _plain_path(info))
         )

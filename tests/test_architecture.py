@@ -27,7 +27,7 @@ from statekit.frameworks import base
 PACKAGE = ROOT / "statekit"
 
 FLOORS = {
-    0: ("statekit.errors", "statekit.dtypes", "statekit.atomic", "statekit.paramid", "statekit.tensor",
+    0: ("statekit.errors", "statekit.lazy", "statekit.dtypes", "statekit.atomic", "statekit.paramid", "statekit.tensor",
         "statekit.stream"),
     1: ("statekit.formats", "statekit.io"),
     2: ("statekit.state", "statekit.naming", "statekit.hyper"),

@@ -168,3 +168,50 @@ def test_lightning_ckpt_converts_without_key_and_back_into_torch(cli, tmp_path):
     for i, name in zip(sd["param_groups"][0]["params"], names, strict=True):
         for field in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(sd["state"][i][field], saved["state"][order.index(name)][field]), (name, field)
+
+
+# ----------------------------------------------------------------------------- Trainer → burn → torch → resume
+
+
+def test_trainer_checkpoint_to_burn_and_back_resumes_bit_identically(cli, record, tmp_path):
+    import statekit
+
+    meta = record["meta"]
+    bpk, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
+    # GPT-2's Conv1D weights are stored [in, out], as burn's Linear: nothing is transposed
+    res = cli("convert", TRAINER, bpk, "--names", CLIENTS / "names.txt", "--no-transpose", "*")
+    assert res.returncode == 0, res.stderr
+    saved = torch_load(TRAINER / "optimizer.pt")
+    position = {}  # Trainer's own record of which parameter each optimizer position is
+    for g, names in enumerate(meta["groups"]):
+        for j, name in enumerate(names):
+            position[name] = saved["param_groups"][g]["params"][j]
+    with statekit.open(bpk) as ckpt:
+        params = ckpt.optimizer.params
+        assert sorted(p.path for p in params) == sorted(meta["names"])
+        for p in params:
+            assert list(p.shape) == meta["shapes"][p.path], p.path
+            assert [n for n in meta["groups"][p.group]].count(p.path) == 1, p.path
+            for field in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(torch.from_numpy(p.slots[field].numpy().copy()),
+                                   saved["state"][position[p.path]][field]), (p.path, field)
+    res = cli("convert", bpk, back, "--no-transpose", "*")
+    assert res.returncode == 0, res.stderr
+    params, opt = resume_with_torch(record, back)  # LambdaLR(last_epoch=...) needs every group's initial_lr
+    assert_bit_identical(record, params, opt)
+    res = cli("verify-resume", TRAINER, bpk)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_trainer_folder_names_come_from_the_names_list_and_the_folders_model(cli):
+    res = cli("inspect", TRAINER, "--names", CLIENTS / "names.txt", "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    meta_names = [line for line in (CLIENTS / "names.txt").read_text().splitlines() if line]
+    assert sorted(p["path"] for p in got["params"]) == sorted(meta_names)
+    assert not any(w.startswith("parameters left unnamed") for w in got["warnings"])
+    # without the list, model.safetensors (sorted by name) cannot say which [16, 16] is which: unnamed, said once
+    res = cli("inspect", TRAINER, "--json")
+    got = json.loads(res.stdout)
+    assert all(p["path"] is None for p in got["params"])
+    assert sum("--names" in w for w in got["warnings"]) == 1

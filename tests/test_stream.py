@@ -108,3 +108,27 @@ def test_crc_with_and_without_isal(monkeypatch, fast):
         monkeypatch.setattr(stream, "_CRC32", zlib.crc32)
     crc = stream.crc32_function()
     assert crc(data[50:], crc(data[:50])) == zlib.crc32(data) == crc(data)
+
+
+def test_diff_skips_equal_bytes_and_finds_every_difference(tmp_path, monkeypatch):
+    """diff reads both files in pieces and computes only where bytes differ: the same facts
+    whatever the piece size, and exactly the elements changed here."""
+    from statekit.ops.diff import compare_refs
+
+    a = np.random.default_rng(3).standard_normal(300_000).astype(np.float32)
+    b = a.copy()
+    b[5] += 1.0
+    b[70_000] = np.nextafter(b[70_000], np.float32(np.inf))
+    b[299_999] = np.nan
+    b[150_000] = -a[150_000] if a[150_000] else 1.0  # the largest change
+    for name, arr in (("a", a), ("b", b)):
+        write_burnpack(tmp_path / f"{name}.bpk", [PackTensor("t", TensorRef.from_array(arr))])
+    with BurnpackFile(tmp_path / "a.bpk") as pa, BurnpackFile(tmp_path / "b.bpk") as pb:
+        whole = compare_refs(pa.tensor("t"), pb.tensor("t"))
+        monkeypatch.setattr(tensor, "PIECE", 8192)
+        small = compare_refs(pa.tensor("t"), pb.tensor("t"), block=512)
+        same = compare_refs(pa.tensor("t"), pa.tensor("t"))
+    assert whole == small
+    assert whole["differing"] == 4 and whole["nan_mismatch"] == 1 and whole["max_ulp"] >= 1
+    assert whole["worst"]["index"] == [150_000] and whole["max_abs"] == pytest.approx(2 * abs(float(a[150_000])))
+    assert same["equal"] and same["differing"] == 0 and same["max_abs"] == 0.0 and same["worst"] is None

@@ -246,3 +246,18 @@ def test_misfits_are_listed_once_with_one_hint(tmp_path):
         remap(str(tmp_path / "o.pt"), str(tmp_path / "x.pt"), Options(model=load_model(str(tmp_path / "m.pt"))))
     msg = info.value.message
     assert msg.count("--resize") == 1 and "0.weight (state [3, 4], model [5, 4])" in msg
+
+
+def test_diff_and_doctor_name_torch_positions(cli, tmp_path):
+    r = cli("convert", TL / "optimizer.pt", tmp_path / "o.bpk", "--model", TL / "pytorch_model.bin",
+            "--no-transpose", "*")
+    assert r.returncode == 0, r.stderr
+    # the burn file knows paths (statekit.param_names); the torch file only positions
+    r = cli("diff", TL / "optimizer.pt", tmp_path / "o.bpk", "--model", TL / "pytorch_model.bin", "--json")
+    d = json.loads(r.stdout)
+    assert d["summary"]["params_compared"] == 28 and d["summary"]["params_differing"] == 0
+    assert d["summary"]["only_in_a"] == d["summary"]["only_in_b"] == 0
+    r = cli("doctor", TL / "optimizer.pt", "--model", TL / "model.safetensors", "--names", TL / "names.txt",
+            "--names-order", "model", "--json")
+    d = json.loads(r.stdout)
+    assert not [f for f in d["findings"] if f["check"] in ("shape", "transposed", "names")], d["findings"]

@@ -25,12 +25,11 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError
 from statekit.formats import cbor, limits
+from statekit.lazy import numpy as np
 from statekit.stream import write_all
 from statekit.tensor import FileSpan, SourceFile, TensorRef
 
@@ -111,6 +110,13 @@ def burn_dtype_for(name: str) -> object:
         raise ValueError("QFloat tensors need their scheme; copy the burn dtype from the source")
     dtypes.numpy_dtype(name)
     return name
+
+
+def _element_size(burn_dtype: object) -> int:
+    """Bytes per stored element (no numpy: a header-only read never imports it)."""
+    if isinstance(burn_dtype, dict) and "Bool" in burn_dtype:
+        return {"Native": 1, "U8": 1, "U32": 4}[burn_dtype["Bool"]]
+    return dtypes.itemsize(dtype_name(burn_dtype))
 
 
 def _element_numpy_dtype(burn_dtype: object) -> np.dtype:
@@ -233,7 +239,7 @@ class BurnpackFile:
         if pid is not None and not (isinstance(pid, int) and 0 <= pid < 1 << 64):
             raise self._error(f"tensor {name!r}: param_id {pid!r} is not a u64")
         if dtype != "QFloat":
-            expected = math.prod(shape) * _element_numpy_dtype(desc["dtype"]).itemsize
+            expected = math.prod(shape) * _element_size(desc["dtype"])
             if expected != end - start:
                 raise self._error(
                     f"tensor {name!r}: {end - start} bytes of data but shape {shape} of {dtype} needs {expected}"

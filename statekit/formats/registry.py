@@ -73,6 +73,9 @@ FORMATS: tuple[Format, ...] = (
     Format("dcp", "torch", sniff="statekit.formats.dcp:claims", open="statekit.frameworks.dcp_io:open_checkpoint",
            write="statekit.frameworks.dcp_io:save_optimizer", directory=True,
            description="torch.distributed checkpoint (DCP) directories"),
+    Format("deepspeed", "torch", sniff="statekit.formats.deepspeed:claims",
+           open="statekit.frameworks.deepspeed_io:open_checkpoint", directory=True,
+           description="DeepSpeed ZeRO and universal checkpoint folders"),
     # HF Trainer checkpoint-N/ and Accelerate save_state folders: opened as the torch optimizer inside.
     Format("torch-folder", "torch", sniff="statekit.frameworks.wrappers:claims",
            open="statekit.frameworks.wrappers:open_checkpoint", directory=True,

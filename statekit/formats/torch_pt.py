@@ -122,7 +122,7 @@ def _is_torch_tar(path: str | os.PathLike) -> bool:
 # loading
 
 
-def load_pt(path: str | os.PathLike) -> object:
+def load_pt(path: str | os.PathLike, extra_globals: dict | None = None) -> object:
     """The object ``torch.save`` stored in ``path``, with tensors as lazy TensorRefs.
 
     Tensors carry ``info`` = {torch_dtype, parameter, requires_grad, device, storage_key,
@@ -133,9 +133,9 @@ def load_pt(path: str | os.PathLike) -> object:
     try:
         head = _head(path)
         if head.startswith(ZIP_MAGIC):
-            return _load_zip(path)
+            return _load_zip(path, extra_globals)
         if _is_legacy(head):
-            return _load_legacy(_map(path))
+            return _load_legacy(_map(path), extra_globals)
         if _is_torch_tar(path):
             raise FormatError(
                 "this is PyTorch's pre-1.0 tar format (torch < 0.4), which statekit does not read; "
@@ -174,9 +174,9 @@ def _zip_records(path: str | os.PathLike | BinaryIO) -> dict[str, zipfile.ZipInf
     return records
 
 
-def _load_zip(path: str | os.PathLike) -> object:
+def _load_zip(path: str | os.PathLike, extra_globals: dict | None = None) -> object:
     # tensor bytes are read from the file with pread
-    return _load_zip_buffer(_map(path), _zip_records(path), SourceFile.open(os.fspath(path)), 0)
+    return _load_zip_buffer(_map(path), _zip_records(path), SourceFile.open(os.fspath(path)), 0, extra_globals)
 
 
 class _ViewFile(io.RawIOBase):
@@ -223,7 +223,7 @@ def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int, sou
 
 
 def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.ZipInfo], source: SourceFile,
-                     base: int) -> object:
+                     base: int, extra_globals: dict | None = None) -> object:
     """The archive's object; ``buffer`` holds the archive, which starts at ``base`` in ``source``."""
     byteorder = _entry_bytes(buffer, records["byteorder"]).tobytes() if "byteorder" in records else b"little"
     if byteorder not in (b"little", b"big"):
@@ -247,7 +247,7 @@ def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.
         storages[sid.key] = storage
         return storage
 
-    obj, _ = torch_pickle.loads(_entry_bytes(buffer, records["data.pkl"]).tobytes(), 0, load_storage)
+    obj, _ = torch_pickle.loads(_entry_bytes(buffer, records["data.pkl"]).tobytes(), 0, load_storage, extra_globals)
     return obj
 
 
@@ -288,7 +288,7 @@ def _same_storage(storage: Storage, sid: StorageId) -> Storage:
     return storage
 
 
-def _load_legacy(buffer: mmap.mmap) -> object:
+def _load_legacy(buffer: mmap.mmap, extra_globals: dict | None = None) -> object:
     pos = 0
     for expected, what in (
         (LEGACY_MAGIC_NUMBER, "magic number"),
@@ -313,7 +313,7 @@ def _load_legacy(buffer: mmap.mmap) -> object:
             storages[key, start] = Storage(view, lambda: data[sid.key][lo:hi])
         return storages[key, start]
 
-    obj, pos = torch_pickle.loads(buffer, pos, load_storage)
+    obj, pos = torch_pickle.loads(buffer, pos, load_storage, extra_globals)
     keys, pos = torch_pickle.loads(buffer, pos)
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or set(keys) != set(roots):
         raise FormatError(f"legacy storage list {keys!r} does not match the storages the pickle uses")

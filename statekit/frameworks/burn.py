@@ -8,12 +8,11 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
-import numpy as np
-
 from statekit import dtypes, hyper, naming, paramid, stream
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
+from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -117,6 +116,9 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     stored_family, hp = hyper.from_metadata(pack.metadata)
     state.hyperparams_stored = bool(hp)
     if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
+        for p in params.values():  # each parameter's family too (burn's Adam layout is also AdamW's)
+            if p.family in state.candidates:
+                p.family = stored_family
         state.family, state.candidates = stored_family, (stored_family,)
         state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
         state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")

@@ -18,12 +18,14 @@ from statekit.frameworks import torch_state
 from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
 FORMAT = "torch"
+UNNAMED = "parameters left unnamed:"  # how a reader's warning starts when naming from the file's model failed
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
-    from statekit.formats import dcp
+    from statekit.formats import dcp, deepspeed
 
-    directory = dcp.directory_of(path)  # one chunk file of a DCP checkpoint: read the whole checkpoint
+    # one chunk file of a DCP checkpoint, one rank's shard of a DeepSpeed one: read the whole checkpoint
+    directory = dcp.directory_of(path) or deepspeed.directory_of(path)
     if directory is not None:
         from statekit.formats import registry
 
@@ -80,7 +82,7 @@ def name_from_model(ckpt: Checkpoint, *, ordered: bool | None = None, source: st
         torch_names.name_state(ckpt.optimizer, torch_names.from_model_info(ckpt.model, source, ordered=ordered),
                                ckpt.path)
     except MappingError as exc:
-        ckpt.warnings.append(f"parameters left unnamed: {exc.message}")
+        ckpt.warnings.append(f"{UNNAMED} {exc.message}")
 
 
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,

@@ -19,25 +19,30 @@ from statekit.formats.dcp import sharing as dcp_sharing
 from statekit.ops.build import build_plan
 from statekit.ops.execute import write
 from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
+from statekit.ops.pairing import moves_metadata
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.state import Checkpoint
 
+RECORDS_MOVES = ("burnpack", "safetensors")  # formats with free-form string metadata
+
 output_format = registry.from_extension
 
 
-def name_source_params(state, opts: Options, path: str, *, model_names_source: bool = True):
+def name_source_params(state, opts: Options, path: str, *, model_names_source: bool = True, own_model=None):
     """Give source parameters their paths.
 
     A torch source's positions are named by :mod:`statekit.frameworks.torch_names` from ``--names``
     (its order: ``opts.names_order``) and/or a model (``--old-model``, else ``--model`` when
     ``model_names_source``: for convert it is the same model) — solved from order and shapes, refused
     when ambiguous. A model with ParamIds names sources that have ids but no paths (burn ≤ 0.21).
+    ``own_model``: the model the checkpoint itself holds (a Trainer folder's model.safetensors, a
+    Lightning ``state_dict``): its shapes complete a ``--names`` list given without ``--model``.
     Returns the :class:`~statekit.frameworks.torch_names.Resolution` used, or None.
     """
     resolution = None
     if state.framework == "torch":
-        resolution = _name_torch(state, opts, path, model_names_source)
+        resolution = _name_torch(state, opts, path, model_names_source, own_model)
     for model in (opts.old_model, opts.model):
         by_id = model.by_id() if model is not None else {}
         for p in state.params:
@@ -46,7 +51,19 @@ def name_source_params(state, opts: Options, path: str, *, model_names_source: b
     return resolution
 
 
-def _name_torch(state, opts: Options, path: str, model_names_source: bool):
+def name_checkpoint(ckpt: Checkpoint, opts: Options, path: str, **kw):
+    """:func:`name_source_params` for an opened checkpoint: its own model (a folder's model file, a
+    training checkpoint's state_dict) completes a names list; once named, the reader's warning
+    that it could not name them goes."""
+    from statekit.frameworks.torch_io import UNNAMED
+
+    resolution = name_source_params(ckpt.optimizer, opts, path, own_model=ckpt.model, **kw)
+    if all(p.path for p in ckpt.optimizer.params):
+        ckpt.warnings = [w for w in ckpt.warnings if not w.startswith(UNNAMED)]
+    return resolution
+
+
+def _name_torch(state, opts: Options, path: str, model_names_source: bool, own_model=None):
     from statekit.frameworks import torch_names
 
     names = opts.names
@@ -59,8 +76,12 @@ def _name_torch(state, opts: Options, path: str, model_names_source: bool):
     model_src = torch_names.from_model_info(model, model.source or flag) \
         if model is not None and any(not m.buffer for m in model.params) else None
     if names is not None:
-        if model_src is not None and all(e.shape is None for e in names.entries):
-            names = torch_names.with_shapes(names, model_src)
+        shapes_src = model_src
+        if shapes_src is None and own_model is not None and len(state.groups) > 1 \
+                and any(not m.buffer for m in own_model.params):  # a flat list cannot place several groups
+            shapes_src = torch_names.from_model_info(own_model, "the checkpoint's model")
+        if shapes_src is not None and all(e.shape is None for e in names.entries):
+            names = torch_names.with_shapes(names, shapes_src)
         return torch_names.name_state(state, names, path)
     if model_src is not None and not all(p.path for p in state.params):
         return torch_names.name_state(state, model_src, path)
@@ -123,7 +144,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
-        name_source_params(state, opts, src)
+        name_checkpoint(ckpt, opts, src)
         if plan_in:
             plan = Plan.load(plan_in)
             if plan.target_format != fmt:
@@ -204,6 +225,8 @@ def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | 
         on_plan(plan)
     if dry_run:
         return Result(plan, None, messages=["dry run: nothing written"])
+    if plan.target_format in RECORDS_MOVES:  # where each parameter's state came from, for verify-resume
+        plan.metadata = {**plan.metadata, **moves_metadata(plan)}
     warnings: list[str] = []
     with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
         size = write(plan, state, plan.target, progress=advance, on_warning=warnings.append)

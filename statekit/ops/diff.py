@@ -260,6 +260,14 @@ def field_pairs(pa: ParamState, pb: ParamState) -> list[tuple[TensorRef, TensorR
     return [(fa[name], fb[name]) for name in fa if name in fb]
 
 
+def _look_alike(a: str, b: str) -> bool:
+    """Families whose per-parameter state is identical in burn (Adam/AdamW): a per-parameter label
+    cannot tell them apart, so only the states' families (compared separately) can differ."""
+    from statekit import naming
+
+    return any({a, b} <= {lay.family, *lay.also} for lay in naming.BURN)
+
+
 def compare_params(pa: ParamState, pb: ParamState, method: str, atol: float, rtol: float,
                    on_bytes: Callable[[int], None] | None = None, compared: Iterator[dict] | None = None) -> dict:
     """One pair's differences; ``compared`` (when given) yields the :func:`compare_refs` results
@@ -277,7 +285,7 @@ def compare_params(pa: ParamState, pb: ParamState, method: str, atol: float, rto
         note("step", pa.step, pb.step)
     if pa.rank is not None and pb.rank is not None and pa.rank != pb.rank:
         note("rank", pa.rank, pb.rank)
-    if pa.family and pb.family and pa.family != pb.family:
+    if pa.family and pb.family and pa.family != pb.family and not _look_alike(pa.family, pb.family):
         note("family", pa.family, pb.family)
     if pa.shape is not None and pb.shape is not None and tuple(pa.shape) != tuple(pb.shape):
         note("shape", list(pa.shape), list(pb.shape))
@@ -449,14 +457,26 @@ def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
 
 
 def diff_files(a: str | os.PathLike, b: str | os.PathLike, atol: float = 0.0, rtol: float = 0.0,
-               progress=None, only: list[str] | None = None) -> dict:
+               progress=None, only: list[str] | None = None, *, names: object = None,
+               names_order: str | None = None, model: object = None) -> dict:
     """Open both files and :func:`diff` them. ``progress(description, total)`` is a context
-    manager factory yielding an ``advance(n)`` callback (see :meth:`Output.progress`)."""
+    manager factory yielding an ``advance(n)`` callback (see :meth:`Output.progress`).
+    ``names`` / ``names_order`` / ``model`` name a torch side's positions (solved by
+    :mod:`statekit.frameworks.torch_names`) so it can be matched by path."""
     if not (atol >= 0 and rtol >= 0):
         raise UsageError(f"--atol and --rtol must be non-negative numbers (got {atol}, {rtol})")
     with contextlib.ExitStack() as stack:
         ca = stack.enter_context(io.open_checkpoint(a))
         cb = stack.enter_context(io.open_checkpoint(b))
+        if names is not None or model is not None:
+            from statekit.ops.convert import name_source_params
+            from statekit.ops.options import make_options
+
+            opts = make_options(names=names, names_order=names_order, model=model)
+            for ckpt in (ca, cb):
+                state = ckpt.optimizer
+                if state is not None and state.framework == "torch" and not all(p.path for p in state.params):
+                    name_source_params(state, opts, ckpt.path)
         bar = progress("comparing", ca.nbytes + cb.nbytes) if progress else contextlib.nullcontext(None)
         with bar as advance:
             return diff(ca, cb, atol, rtol, on_bytes=advance, only=only)

@@ -298,9 +298,17 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
 
 
 def doctor_files(state_path: str | os.PathLike, model_path: str | os.PathLike | None = None,
-                 progress=None, only: list[str] | None = None) -> dict:
+                 progress=None, only: list[str] | None = None, *, names: object = None,
+                 names_order: str | None = None) -> dict:
+    """``names`` / ``names_order``: name a torch state's positions (with ``model_path``'s shapes)."""
     with contextlib.ExitStack() as stack:
         state_ckpt = stack.enter_context(io.open_checkpoint(state_path))
+        if names is not None and state_ckpt.optimizer is not None and state_ckpt.optimizer.framework == "torch":
+            from statekit.ops.convert import name_source_params
+            from statekit.ops.options import make_options
+
+            name_source_params(state_ckpt.optimizer, make_options(names=names, names_order=names_order,
+                                                                  model=model_path), str(state_path))
         model_ckpt = stack.enter_context(io.open_checkpoint(model_path)) if model_path is not None else None
         n = len(state_ckpt.optimizer.params) if state_ckpt.optimizer else 0
         bar = progress("checking", n) if progress else contextlib.nullcontext(None)

@@ -10,10 +10,9 @@ import math
 import os
 from collections.abc import Callable
 
-import numpy as np
-
 from statekit import dtypes, naming, stream
 from statekit.errors import StatekitError
+from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, OptimizerState, ParamState, matches
 from statekit.stream import nonfinite
 from statekit.tensor import TensorRef

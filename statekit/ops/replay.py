@@ -17,6 +17,8 @@ import numpy as np
 from statekit import dtypes, hyper, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry as formats
+from statekit.ops.pairing import pair
+from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import registry
 from statekit.optim.tolerance import param_bound
@@ -277,49 +279,62 @@ def _compare(ref: np.ndarray, other: np.ndarray, lr: float, steps: int, block: i
     return max_diff, ratio, identical
 
 
+def _region(ref: np.ndarray, other: np.ndarray, kept: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Both arrays cut to ``kept`` (the region a resized state shares with the original)."""
+    if kept is None:
+        return ref, other
+    cut = tuple(slice(0, n) for n in kept)
+    return np.ascontiguousarray(ref[cut]), np.ascontiguousarray(other[cut])
+
+
+def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np.ndarray:
+    """Step one parameter of one lane through the seeded steps; its final value in the original's
+    layout. ``fresh`` is the migrated state with zeroed slots (what a resized state's new
+    elements must behave like); ``cold`` has no state at all."""
+    shape_a, shape_m = tuple(pr.original.shape or ()), pr.migrated_shape
+    full = tuple(max(x, y) for x, y in zip(shape_a, shape_m, strict=True)) if pr.kept else shape_a
+    shape = shape_a if which == "original" else shape_m
+    t = pr.transpose and which != "original"
+
+    def values(step: int, scale: float) -> np.ndarray:
+        arr = synthetic(seed, index, step, full, scale)  # the same numbers for every lane
+        if shape != full:
+            arr = np.ascontiguousarray(arr[tuple(slice(0, n) for n in shape)])
+        return _layout(arr, t)
+
+    ln.params[pr.path] = values(0, 0.5)
+    src = pr.original if which == "original" else pr.migrated if which in ("migrated", "fresh") else None
+    if src is not None and src.slots:
+        slots = slots_of(src, transpose=False)
+        ln.slots[pr.path] = {k: np.zeros_like(v) for k, v in slots.items()} if which == "fresh" else slots
+    if src is not None and src.step is not None:
+        ln.steps[pr.path] = int(src.step)
+    for k in range(steps):
+        ln.step_one(pr.path, values(k + 1, 0.1))
+    ln.slots.pop(pr.path, None)
+    ln.steps.pop(pr.path, None)
+    return _layout(ln.params.pop(pr.path), t)
+
+
+def _new_elements_equal(fresh: np.ndarray, migrated: np.ndarray, kept: tuple[int, ...]) -> bool:
+    """Whether a resized state's new elements (outside ``kept``) stepped exactly like a zero state."""
+    mask = np.ones(fresh.shape, dtype=bool)
+    mask[tuple(slice(0, n) for n in kept)] = False
+    return bool(np.array_equal(fresh[mask].view(np.uint32), migrated[mask].view(np.uint32)))
+
+
 def _layout(array: np.ndarray, transpose: bool) -> np.ndarray:
     return np.ascontiguousarray(array.T) if transpose else array
-
-
-@dataclass
-class Pairing:
-    path: str
-    original: ParamState
-    migrated: ParamState | None
-    transpose: bool
-
-
-def pair(original: OptimizerState, migrated: OptimizerState, transpose_globs: list[str]) -> list[Pairing]:
-    from statekit.ops.rules import matches_any
-
-    by_path = {p.path: p for p in migrated.params if p.path}
-    pairs = []
-    missing = []
-    for p in original.params:
-        if p.path is None:
-            raise MappingError(f"original parameter {p.label()} has no path; verify-resume pairs parameters by path")
-        m = by_path.get(p.path)
-        if m is None:
-            missing.append(p.path)
-            pairs.append(Pairing(p.path, p, None, False))
-            continue
-        a, b = tuple(p.shape or ()), tuple(m.shape or ())
-        if a == b and not (len(a) == 2 and matches_any(p.path, transpose_globs)):
-            pairs.append(Pairing(p.path, p, m, False))
-        elif len(a) == 2 and a[::-1] == b:
-            pairs.append(Pairing(p.path, p, m, True))
-        elif not m.slots:
-            pairs.append(Pairing(p.path, p, m, False))
-        else:
-            raise MappingError(f"{p.path}: original state {list(a)} and migrated {list(b)} are not the same layout")
-    return pairs
 
 
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
                   flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
-                  kernel: str = "auto") -> dict:
-    """Run ``steps`` seeded steps three ways and compare; returns a JSON-able report."""
+                  kernel: str = "auto", plan: Plan | None = None) -> dict:
+    """Run ``steps`` seeded steps from the original state, the migrated one and a cold start, and
+    compare; returns a JSON-able report. Pairs come from ``plan``, the migrated file's record of
+    its sources, or equal paths (:mod:`statekit.ops.pairing`). A resized state is compared on
+    the region both hold; its new elements must step like a zero state at the migrated step."""
     a_state, b_state = original.optimizer, migrated.optimizer
     if a_state is None:
         raise UsageError(f"{original.path}: holds no optimizer state")
@@ -336,49 +351,46 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         stored.setdefault("lr", fallback_lr)
     hp_a = registry_hp(algorithm, flav_a, stored_a, given)
     hp_b = registry_hp(algorithm, flav_b, stored_b, given)
-    pairs = pair(a_state, b_state, transpose or [])
+    pairs, pair_notes = pair(original, migrated, transpose or [], plan)
     lanes = {"original": Lane(algorithm, flav_a, hp_a, {}, kernel=kernel),
              "migrated": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
-             "cold": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel)}
+             "cold": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
+             "fresh": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel)}
     exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
     lr = float(hp_a.get("lr", 1e-3))
     rows, ok = [], True
     # One parameter at a time, one lane after the other; each step's gradient is generated when
     # it is used (the same numbers for every lane: one seeded stream per parameter and step).
     # Peak memory: one lane's parameter and slots, one gradient and the original's final
-    # parameter, whatever the number of steps and parameters.
+    # parameter (and a resized one's migrated final), whatever the number of steps and parameters.
     for index, pr in enumerate(pairs):
-        shape = tuple(pr.original.shape or ())
-        ref, seen = None, {}
-        for which, ln in lanes.items():
-            t = pr.transpose and which != "original"
-            ln.params[pr.path] = _layout(synthetic(seed, index, 0, shape, 0.5), t)
-            src = pr.original if which == "original" else pr.migrated if which == "migrated" else None
-            if src is not None and src.slots:
-                ln.slots[pr.path] = slots_of(src, transpose=False)
-            if src is not None and src.step is not None:
-                ln.steps[pr.path] = int(src.step)
-            for k in range(steps):
-                ln.step_one(pr.path, _layout(synthetic(seed, index, k + 1, shape, 0.1), t))
-            ln.slots.pop(pr.path, None)
-            final = _layout(ln.params.pop(pr.path), t)
-            if ref is None:
-                ref = final
-            else:
-                seen[which] = _compare(ref, final, lr, steps)
-            del final
+        run = ["original", "migrated", "cold"] + (["fresh"] if pr.kept else [])
+        finals = {}
+        for which in run:
+            finals[which] = _run_lane(lanes[which], which, pr, index, seed, steps)
             if progress:
-                progress(steps / (len(lanes) * len(pairs)))
-        max_diff, ratio, identical = seen["migrated"]
-        tracks = identical if exact else ratio <= 1.0
+                progress(steps / (len(run) * len(pairs)))
+        # a state the remap restarted on purpose must step like a cold start, not like the original
+        ref = finals["cold"] if pr.reset else finals["original"]
+        max_diff, ratio, identical = _compare(*_region(ref, finals["migrated"], pr.kept), lr, steps)
+        tracks = identical if exact or pr.reset else ratio <= 1.0
+        row = {"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
+               "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff, "tolerance_ratio": ratio,
+               "cold_ratio": _compare(*_region(finals["original"], finals["cold"], pr.kept), lr, steps)[1]}
+        if pr.migrated is not None and pr.migrated.path and pr.migrated.path != pr.path:
+            row["migrated_path"] = pr.migrated.path
+        if pr.reset:
+            row["reset"] = True
+        if pr.kept:
+            fresh = _new_elements_equal(finals["fresh"], finals["migrated"], pr.kept)
+            row.update(kept=list(pr.kept), new_elements_fresh=fresh)
+            row["tracks"] = tracks = tracks and fresh
         ok &= tracks
-        rows.append({"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
-                     "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff,
-                     "tolerance_ratio": ratio, "cold_ratio": seen["cold"][1]})
-        del ref
-    notes = []
+        rows.append(row)
+        del finals, ref
+    notes = list(pair_notes)
     squares = [pr.path for pr in pairs if len(pr.original.shape or ()) == 2 and pr.original.shape[0] == pr.original.shape[1]
-               and not pr.transpose and a_state.framework != b_state.framework]
+               and not pr.transpose and a_state.framework != b_state.framework and pr.via == "path"]
     if squares:
         notes.append(f"square weights paired untransposed: {', '.join(squares)} (--transpose GLOB if the conversion "
                      "transposed them)")
@@ -388,3 +400,25 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
             "criterion": "bit-exact" if exact else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})",
             "hyperparams": {"original": hp_a, "migrated": hp_b}, "steps": steps, "seed": seed,
             "tracks": ok, "params": rows}
+
+
+def verify_resume_files(original: str, migrated: str, *, names: list[str] | None = None, model=None,
+                        plan: str | None = None, key: str | None = None, **options) -> dict:
+    """``statekit verify-resume``: open both sides (files or checkpoint folders), name unnamed torch
+    positions from ``names`` / ``model`` (a :class:`~statekit.state.ModelInfo`), load a remap
+    ``plan`` (a saved plan's path), and :func:`verify_resume` them."""
+    from statekit import io
+    from statekit.ops.convert import name_checkpoint
+    from statekit.ops.options import Options
+
+    loaded = Plan.load(plan) if plan else None
+    opts = Options(names=names, model=model)
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(io.open_checkpoint(original))
+        b = stack.enter_context(io.open_checkpoint(migrated, **({"key": key} if key else {})))
+        for ckpt in (a, b):
+            if ckpt.optimizer is not None and (names is not None or model is not None) \
+                    and not all(p.path for p in ckpt.optimizer.params):
+                name_checkpoint(ckpt, opts, ckpt.path)
+        return verify_resume(a, b, plan=loaded, **options)
+

@@ -231,7 +231,12 @@ def verify_view(report: dict) -> list:
         table.add_column(col, justify="right" if "Δ" in col else "left")
     for r in report["params"]:
         result = "bit-exact" if r["bit_exact"] else ("within tolerance" if r["tracks"] else "DIVERGES")
-        table.add_row(r["path"], "yes" if r["has_state"] else "MISSING", "transposed" if r["transposed"] else "same",
+        if r.get("reset"):
+            result += " (cold start)"
+        if "kept" in r:
+            result += f" on {'×'.join(map(str, r['kept']))}; new {'fresh' if r['new_elements_fresh'] else 'NOT FRESH'}"
+        path = r["path"] + (f" → {r['migrated_path']}" if r.get("migrated_path") else "")
+        table.add_row(path, "yes" if r["has_state"] else "MISSING", "transposed" if r["transposed"] else "same",
                       result, f"{r['max_abs_diff']:.3g}", f"{r['tolerance_ratio']:.3g}", f"{r['cold_ratio']:.3g}",
                       style=None if r["tracks"] else "red")
     items = [head, sub, table]
