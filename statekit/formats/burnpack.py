@@ -221,7 +221,7 @@ class BurnpackFile:
         except ValueError as exc:
             raise self._error(f"tensor {name!r}: {exc}") from None
         shape, offsets, pid = desc["shape"], desc["data_offsets"], desc.get("param_id")
-        itemsize = 1 if dtype == "QFloat" else _element_numpy_dtype(desc["dtype"]).itemsize
+        itemsize = 1 if dtype == "QFloat" else _element_size(desc["dtype"])
         problem = limits.shape_problem(shape, itemsize)
         if problem:
             raise self._error(f"tensor {name!r}: {problem}")
@@ -334,7 +334,7 @@ class BurnpackFile:
             info=info,
             span=FileSpan(self._source, self.data_start + entry.start, entry.nbytes),
         )
-        if entry.dtype == "Bool" and _element_numpy_dtype(entry.burn_dtype).itemsize != 1:
+        if entry.dtype == "Bool" and _element_size(entry.burn_dtype) != 1:
             return self._wide_bool(entry, info)
         if entry.dtype == "Bool":
             store = _element_numpy_dtype(entry.burn_dtype)
