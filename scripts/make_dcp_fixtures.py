@@ -119,34 +119,38 @@ def worker(rank: int, world: int, port: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-def resume_worker(rank: int, world: int, port: int, ckpt: str, model_pt: str | None, out: str) -> None:
-    """(For tests.) Resume from DCP checkpoint ``ckpt`` — model and optimizer, or only the
-    optimizer (under ``optimizer``) with the model weights from ``model_pt`` — at world size
-    ``world``, run the remaining steps, and save the full state to ``out`` (rank 0)."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+def resume_worker(rank: int, world: int, port: int, runs: list[tuple[str, str | None, str]]) -> None:
+    """(For tests.) For each ``(ckpt, model_pt, out)``: resume from DCP checkpoint ``ckpt`` — model
+    and optimizer, or only the optimizer (under ``optimizer``) with the model weights from
+    ``model_pt`` — at world size ``world``, run the remaining steps, and save the full state to
+    ``out`` (rank 0). One process group serves every run (starting processes is the slow part)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model, opt, _ = build(world)
-        data = batches(STEPS + MORE_STEPS)
-        if model_pt is None:
-            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-            dcp.load(state, checkpoint_id=ckpt)
-            set_model_state_dict(model, state["model"])
-            set_optimizer_state_dict(model, opt, state["optim"])
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-            weights = torch.load(model_pt, weights_only=True)["model"]
-            set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
-            state = {"optimizer": get_optimizer_state_dict(model, opt)}
-            dcp.load(state, checkpoint_id=ckpt)
-            set_optimizer_state_dict(model, opt, state["optimizer"])
-        train(model, opt, data[STEPS:])
-        after = full_state(model, opt)
-        if rank == 0:
-            torch.save(after, out)
+        for ckpt, model_pt, out in runs:
+            model, opt, _ = build(world)
+            data = batches(STEPS + MORE_STEPS)
+            if model_pt is None:
+                state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+                dcp.load(state, checkpoint_id=ckpt)
+                set_model_state_dict(model, state["model"])
+                set_optimizer_state_dict(model, opt, state["optim"])
+            else:
+                weights = torch.load(model_pt, weights_only=True)["model"]
+                set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+                state = {"optimizer": get_optimizer_state_dict(model, opt)}
+                dcp.load(state, checkpoint_id=ckpt)
+                set_optimizer_state_dict(model, opt, state["optimizer"])
+            train(model, opt, data[STEPS:])
+            after = full_state(model, opt)
+            if rank == 0:
+                torch.save(after, out)
     finally:
         dist.destroy_process_group()
 

@@ -159,7 +159,7 @@ def test_lightning_ckpt_converts_without_key_and_back_into_torch(cli, tmp_path):
         got = [(p.path, tuple(p.shape)) for p in ckpt.optimizer.params]
     want = [(n, s[::-1] if n.startswith("net.fc") and len(s) == 2 else s) for n, s in lightning_names_and_shapes()]
     assert sorted(got) == sorted(want)
-    res = cli("convert", out, back, "--optimizer", "adam", "--model", LIGHTNING, "--lr", "0.0005")
+    res = cli("convert", out, back, "--optimizer", "adam", "--lr", "0.0005")  # the record says what to transpose back
     assert res.returncode == 0, res.stderr
     saved = torch_load(LIGHTNING)["optimizer_states"][0]
     sd = torch_load(back)
@@ -195,8 +195,9 @@ def test_trainer_checkpoint_to_burn_and_back_resumes_bit_identically(cli, record
             for field in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(torch.from_numpy(p.slots[field].numpy().copy()),
                                    saved["state"][position[p.path]][field]), (p.path, field)
-    res = cli("convert", bpk, back, "--no-transpose", "*")
+    res = cli("convert", bpk, back)  # the .bpk records its layout: nothing to repeat on the way back
     assert res.returncode == 0, res.stderr
+    assert "0 of 28 parameters transposed back" in res.stdout + res.stderr
     params, opt = resume_with_torch(record, back)  # LambdaLR(last_epoch=...) needs every group's initial_lr
     assert_bit_identical(record, params, opt)
     res = cli("verify-resume", TRAINER, bpk)
@@ -215,3 +216,64 @@ def test_trainer_folder_names_come_from_the_names_list_and_the_folders_model(cli
     got = json.loads(res.stdout)
     assert all(p["path"] is None for p in got["params"])
     assert sum("--names" in w for w in got["warnings"]) == 1
+
+
+# ----------------------------------------------------------------------------- other model files in a folder
+
+
+def trainer_copy(tmp_path, record, model_file: str):
+    """The Trainer folder with its model saved another way: pytorch_model.bin (torch.save of the
+    state_dict, named_parameters() order) or a two-shard safetensors index."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "checkpoint-3"
+    shutil.copytree(TRAINER, folder)
+    (folder / "model.safetensors").unlink()
+    weights = load_file(str(TRAINER / "model.safetensors"))
+    ordered = {n: weights[n] for n in record["meta"]["names"]}
+    if model_file == "pytorch_model.bin":
+        torch.save(ordered, folder / model_file)
+    else:
+        names = sorted(ordered)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for shard, members in shards.items():
+            save_file({n: ordered[n] for n in members}, str(folder / shard))
+        index = {"metadata": {}, "weight_map": {n: s for s, members in shards.items() for n in members}}
+        (folder / model_file).write_text(json.dumps(index))
+    return folder
+
+
+def test_a_trainer_folder_with_pytorch_model_bin_names_itself(record, tmp_path):
+    import statekit
+
+    folder = trainer_copy(tmp_path, record, "pytorch_model.bin")
+    with statekit.open(folder) as ckpt:
+        assert ckpt.metadata["model_file"] == "pytorch_model.bin"
+        by_group = [[p.path for p in ckpt.optimizer.params if p.group == g] for g in range(2)]
+    assert by_group == record["meta"]["groups"]  # Trainer's own record of its groups
+
+
+def test_a_sharded_model_index_gives_shapes_but_no_order(cli, record, tmp_path):
+    folder = trainer_copy(tmp_path, record, "model.safetensors.index.json")
+    res = cli("inspect", folder, "--json")
+    got = json.loads(res.stdout)
+    assert all(p["path"] is None for p in got["params"]) and any("--names" in w for w in got["warnings"])
+    res = cli("inspect", folder, "--names", CLIENTS / "names.txt", "--json")
+    got = json.loads(res.stdout)
+    groups = [[p["path"] for p in got["params"] if p["group"] == g] for g in range(2)]
+    assert groups == record["meta"]["groups"]
+
+
+def test_doctor_and_diff_take_folders(cli):
+    res = cli("doctor", ACCELERATE)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = cli("diff", TRAINER, TRAINER)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_accelerate_key_names_an_optimizer_file_and_lists_the_present_ones(cli):
+    res = cli("inspect", ACCELERATE, "--key", "optimizer_1")
+    assert res.returncode == 1 and "optimizer_1.bin" in res.stderr and "optimizer.bin" in res.stderr
+    assert res.stderr.count("\n") == 1

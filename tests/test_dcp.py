@@ -189,35 +189,30 @@ def test_flat_optimizer_form_is_read_with_groups_from_hyperparameters(tmp_path):
         assert any("inferred" in n for n in ckpt.optimizer.notes)
 
 
-def _resume(tmp_path, ckpt, model_pt=None):
+@pytest.mark.slow
+def test_dcp_written_by_statekit_resumes_bit_identically(tmp_path, cli):
+    """Two statekit-written DCPs, each loaded by torch (dcp.load + set_*_state_dict) at world size 2
+    with FSDP2; 10 more steps equal, bit for bit, the run that never stopped:
+
+    - torch's dcp_to_torch_save output → statekit DCP in 3 files (the whole state_dict);
+    - DCP → burnpack → DCP in 2 files (the optimizer alone, keyed by name, through plans) with the
+      model weights from torch's .pt.
+    """
+    r = cli("convert", DCP / "ws2.pt", tmp_path / "whole", "--shards", "3")
+    assert r.returncode == 0, r.stderr
+    r = cli("convert", DCP / "ws2", tmp_path / "o.bpk", "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    r = cli("convert", tmp_path / "o.bpk", tmp_path / "optim", "--transpose", "*.weight", "--shards", "2")
+    assert r.returncode == 0, r.stderr
     mod = _script()
     import torch.multiprocessing as mp
 
     # the spawned processes import the worker's module by name, with the parent's sys.path
     if str(ROOT / "scripts") not in sys.path:
         sys.path.append(str(ROOT / "scripts"))
-
-    out = tmp_path / f"after-{os.path.basename(ckpt)}.pt"
-    mp.spawn(mod.resume_worker, args=(2, _free_port(), str(ckpt), model_pt, str(out)), nprocs=2, join=True)
+    runs = [(str(tmp_path / "whole"), None, str(tmp_path / "after-whole.pt")),
+            (str(tmp_path / "optim"), str(DCP / "ws2.pt"), str(tmp_path / "after-optim.pt"))]
+    mp.spawn(mod.resume_worker, args=(2, _free_port(), runs), nprocs=2, join=True)
     expected = torch.load(DCP / "resume.pt", weights_only=True)["after"]
-    _torch_equal(torch.load(out, weights_only=True), expected)
-
-
-@pytest.mark.slow
-def test_dcp_written_by_statekit_resumes_bit_identically(tmp_path, cli):
-    """torch's dcp_to_torch_save output → statekit DCP (3 files) → dcp.load at world size 2 with
-    FSDP2 → 10 more steps equal, bit for bit, the run that never stopped."""
-    r = cli("convert", DCP / "ws2.pt", tmp_path / "whole", "--shards", "3")
-    assert r.returncode == 0, r.stderr
-    _resume(tmp_path, tmp_path / "whole")
-
-
-@pytest.mark.slow
-def test_through_burn_and_back_resumes_bit_identically(tmp_path, cli):
-    """DCP → burnpack → DCP (optimizer only, keyed by name) → set_optimizer_state_dict resumes
-    bit-identically."""
-    r = cli("convert", DCP / "ws2", tmp_path / "o.bpk", "--transpose", "*.weight")
-    assert r.returncode == 0, r.stderr
-    r = cli("convert", tmp_path / "o.bpk", tmp_path / "optim", "--transpose", "*.weight", "--shards", "2")
-    assert r.returncode == 0, r.stderr
-    _resume(tmp_path, tmp_path / "optim", str(DCP / "ws2.pt"))
+    for _, _, out in runs:
+        _torch_equal(torch.load(out, weights_only=True), expected, out)

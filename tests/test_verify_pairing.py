@@ -147,7 +147,7 @@ def test_the_record_is_the_only_thing_it_adds(cli, trained, monkeypatch):
 
     import statekit
     from statekit.ops import convert as convert_op
-    from statekit.ops.pairing import MOVES_KEY
+    from statekit.ops.pairing import MOVES_KEY, MOVES_SOURCE_KEY
 
     args = ("--transpose", "head.weight", "--no-transpose", "embed.weight")
     assert cli("convert", trained / "ckpt.pt", trained / "with.bpk", *args).returncode == 0
@@ -155,7 +155,8 @@ def test_the_record_is_the_only_thing_it_adds(cli, trained, monkeypatch):
     assert cli("convert", trained / "ckpt.pt", trained / "without.bpk", *args).returncode == 0
     with statekit.open(trained / "with.bpk") as a, statekit.open(trained / "without.bpk") as b:
         assert MOVES_KEY in a.metadata and MOVES_KEY not in b.metadata
-        assert {k: v for k, v in a.metadata.items() if k != MOVES_KEY} == b.metadata
+        assert a.metadata[MOVES_SOURCE_KEY] == "torch"
+        assert {k: v for k, v in a.metadata.items() if k not in (MOVES_KEY, MOVES_SOURCE_KEY)} == b.metadata
         for p, q in zip(a.optimizer.params, b.optimizer.params, strict=True):
             assert (p.path, p.id, p.step, list(p.slots)) == (q.path, q.id, q.step, list(q.slots))
             for name in p.slots:

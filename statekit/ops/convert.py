@@ -151,11 +151,40 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                 raise UsageError(f"the plan writes {plan.target_format}, but {dst} asks for {fmt}")
             plan.source, plan.target = src, dst
         else:
+            opts, recorded = recorded_layout(ckpt, fmt, opts)
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+            if recorded:
+                plan.warnings.append(recorded)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+def recorded_layout(ckpt: Checkpoint, fmt: str, opts: Options) -> tuple[Options, str | None]:
+    """Going back to the framework a file was converted from, the transposes it records
+    (:data:`statekit.ops.pairing.MOVES_KEY`) are undone without repeating --transpose /
+    --no-transpose. Anything the user says about layout, or a model, takes precedence."""
+    from dataclasses import replace
+
+    from statekit.ops.pairing import recorded_moves, recorded_source
+
+    if opts.transpose or opts.no_transpose or opts.model is not None:
+        return opts, None
+    came_from = recorded_source(ckpt)
+    if came_from is None or registry.framework_of(came_from) != registry.framework_of(fmt) \
+            or registry.framework_of(came_from) == registry.framework_of(ckpt.format):
+        return opts, None
+    moves = recorded_moves(ckpt) or []
+    exact = [_glob_literal(m.dst_path) for m in moves]
+    flipped = [_glob_literal(m.dst_path) for m in moves if m.transpose]
+    opts = replace(opts, transpose=flipped, no_transpose=[p for p in exact if p not in flipped])
+    return opts, (f"layout as recorded when the file was converted from {came_from}: "
+                  f"{len(flipped)} of {len(moves)} parameters transposed back")
+
+
+def _glob_literal(path: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
 
 
 FQN_NOTE = "optimizer state keyed by parameter name (torch.distributed form)"

@@ -19,6 +19,7 @@ from statekit.ops.plan import Plan
 from statekit.state import Checkpoint, ParamState
 
 MOVES_KEY = "statekit.moves"
+MOVES_SOURCE_KEY = "statekit.moves.source"  # the format the recorded moves came from
 
 
 def moves_metadata(plan: Plan) -> dict[str, str]:
@@ -38,7 +39,9 @@ def moves_metadata(plan: Plan) -> dict[str, str]:
         item = {"to": a.dst_path, "key": a.src_key, "from": a.src_path}
         item.update({flag: True for flag in ("transpose", "resize", "reset_step") if getattr(a, flag)})
         moves.append({k: v for k, v in item.items() if v is not None})
-    return {MOVES_KEY: json.dumps(moves, separators=(",", ":"))} if moves else {}
+    if not moves:
+        return {}
+    return {MOVES_KEY: json.dumps(moves, separators=(",", ":")), MOVES_SOURCE_KEY: plan.source_format}
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ def recorded_moves(ckpt: Checkpoint) -> list[Move] | None:
                      bool(m.get("reset_step"))) for m in json.loads(text)]
     except (ValueError, KeyError, TypeError, AttributeError):
         raise MappingError(f"unreadable {MOVES_KEY} metadata", ckpt.path) from None
+
+
+def recorded_source(ckpt: Checkpoint) -> str | None:
+    """The format a file's recorded moves came from (None: no record)."""
+    return (ckpt.metadata or {}).get(MOVES_SOURCE_KEY) if recorded_moves(ckpt) is not None else None
 
 
 def plan_moves(plan: Plan) -> list[Move]:
