@@ -408,3 +408,10 @@ def test_statekit_state_step_fields(tmp_path, fixtures, change):
     params[0].update(change)
     header["__metadata__"]["params"] = json.dumps(params)
     refuse(write(tmp_path, "bad.safetensors", safetensors_bytes(header, data[8 + n :])), "wrong type")
+
+
+def test_broadcast_view_that_outgrows_its_storage_is_refused(tmp_path):
+    """Found by scripts/fuzz.py (torch-zip 353678): stride 0 over 2 floats made a 32 GiB array."""
+    pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.BINUNICODE + struct.pack("<I", 1) + b"w"
+    pkl += rebuild_call((2, 2**32 - 1), (1, 0), numel=2)[2:] + pickle.SETITEM + pickle.STOP
+    refuse(write(tmp_path, "wide.pt", torch_zip(pkl, {"0": b"\0" * 8})), "outgrow")
