@@ -161,3 +161,13 @@ def test_the_record_is_the_only_thing_it_adds(cli, trained, monkeypatch):
             assert (p.path, p.id, p.step, list(p.slots)) == (q.path, q.id, q.step, list(q.slots))
             for name in p.slots:
                 assert np.array_equal(p.slots[name].numpy(), q.slots[name].numpy())
+
+
+def test_a_state_restarted_by_reset_step_is_checked_against_a_cold_start(cli, trained):
+    d = trained
+    res = cli("remap", d / "ckpt.pt", "--model", d / "new_model.pt", "-o", d / "reset.pt", "--rename",
+              r"^embed\.=tok_embed.", "--resize", "--reset-step", "tok_embed.*", "--plan-out", d / "reset-plan.json")
+    assert res.returncode == 0, res.stderr
+    code, report = verify(cli, d / "ckpt.pt", d / "reset.pt", "--plan", d / "reset-plan.json")
+    row = next(r for r in report["params"] if r["path"] == "embed.weight")
+    assert code == 0 and row["reset"] and row["bit_exact"] and not row["has_state"]

@@ -327,6 +327,43 @@ def _layout(array: np.ndarray, transpose: bool) -> np.ndarray:
     return np.ascontiguousarray(array.T) if transpose else array
 
 
+def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float, exact: bool, tick) -> dict:
+    """One parameter through every lane; its row of the report. ``tick(n_lanes)`` after each lane."""
+    run = ["original", "migrated", "cold"] + (["fresh"] if pr.kept else [])
+    ref = kept_final = None
+    seen = {}
+    for which in run:
+        final = _run_lane(lanes[which], which, pr, index, seed, steps)
+        if which == "original":
+            ref = final
+        elif which == "migrated":
+            if not pr.reset:
+                seen["migrated"] = _compare(*_region(ref, final, pr.kept), lr, steps)
+            if pr.kept or pr.reset:
+                kept_final = final
+        elif which == "cold":
+            seen["cold"] = _compare(*_region(ref, final, pr.kept), lr, steps)
+            if pr.reset:  # a state the remap restarted on purpose must step like a cold start
+                seen["migrated"] = _compare(*_region(final, kept_final, pr.kept), lr, steps)
+        else:
+            seen["fresh"] = _new_elements_equal(final, kept_final, pr.kept)
+        del final
+        if tick:
+            tick(len(run))
+    max_diff, ratio, identical = seen["migrated"]
+    tracks = identical if exact or pr.reset else ratio <= 1.0
+    row = {"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
+           "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff, "tolerance_ratio": ratio,
+           "cold_ratio": seen["cold"][1]}
+    if pr.migrated is not None and pr.migrated.path and pr.migrated.path != pr.path:
+        row["migrated_path"] = pr.migrated.path
+    if pr.reset:
+        row["reset"] = True
+    if pr.kept:
+        row.update(kept=list(pr.kept), new_elements_fresh=seen["fresh"], tracks=tracks and seen["fresh"])
+    return row
+
+
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
                   flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
@@ -361,33 +398,14 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     rows, ok = [], True
     # One parameter at a time, one lane after the other; each step's gradient is generated when
     # it is used (the same numbers for every lane: one seeded stream per parameter and step).
-    # Peak memory: one lane's parameter and slots, one gradient and the original's final
-    # parameter (and a resized one's migrated final), whatever the number of steps and parameters.
+    # Peak memory: one lane's parameter and slots, one gradient, the original's final parameter
+    # and (for a resized or restarted state) the migrated one's, whatever the number of steps and
+    # parameters.
     for index, pr in enumerate(pairs):
-        run = ["original", "migrated", "cold"] + (["fresh"] if pr.kept else [])
-        finals = {}
-        for which in run:
-            finals[which] = _run_lane(lanes[which], which, pr, index, seed, steps)
-            if progress:
-                progress(steps / (len(run) * len(pairs)))
-        # a state the remap restarted on purpose must step like a cold start, not like the original
-        ref = finals["cold"] if pr.reset else finals["original"]
-        max_diff, ratio, identical = _compare(*_region(ref, finals["migrated"], pr.kept), lr, steps)
-        tracks = identical if exact or pr.reset else ratio <= 1.0
-        row = {"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
-               "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff, "tolerance_ratio": ratio,
-               "cold_ratio": _compare(*_region(finals["original"], finals["cold"], pr.kept), lr, steps)[1]}
-        if pr.migrated is not None and pr.migrated.path and pr.migrated.path != pr.path:
-            row["migrated_path"] = pr.migrated.path
-        if pr.reset:
-            row["reset"] = True
-        if pr.kept:
-            fresh = _new_elements_equal(finals["fresh"], finals["migrated"], pr.kept)
-            row.update(kept=list(pr.kept), new_elements_fresh=fresh)
-            row["tracks"] = tracks = tracks and fresh
-        ok &= tracks
+        row = _verify_param(pr, index, lanes, seed, steps, lr, exact,
+                            (lambda n: progress(steps / (n * len(pairs)))) if progress else None)
+        ok &= row["tracks"]
         rows.append(row)
-        del finals, ref
     notes = list(pair_notes)
     squares = [pr.path for pr in pairs if len(pr.original.shape or ()) == 2 and pr.original.shape[0] == pr.original.shape[1]
                and not pr.transpose and a_state.framework != b_state.framework and pr.via == "path"]
