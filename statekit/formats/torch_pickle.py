@@ -217,11 +217,6 @@ def _tensor(
         raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
     numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
     capacity = storage.nbytes // itemsize
-    if numel > capacity and numel * itemsize > limits.MAX_INFLATE:  # stride-0 / overlapping view
-        raise FormatError(
-            f"a view of size {list(size)} repeats storage '{storage.key}' ({capacity} elements) into "
-            f"{numel * itemsize} bytes; statekit refuses views that outgrow their storage past "
-            f"{limits.MAX_INFLATE >> 20} MiB")
     if numel:
         needed = offset + extent + 1
         if needed > capacity:
@@ -229,6 +224,11 @@ def _tensor(
                 f"a tensor of size {list(size)} needs {needed} elements of storage '{storage.key}', "
                 f"which holds {capacity}"
             )
+    if numel > capacity and numel * itemsize > limits.MAX_INFLATE:  # stride-0 / overlapping view
+        raise FormatError(
+            f"a view of size {list(size)} repeats storage '{storage.key}' ({capacity} elements) into "
+            f"{numel * itemsize} bytes; statekit refuses views that outgrow their storage past "
+            f"{limits.MAX_INFLATE >> 20} MiB")
     info = {
         "torch_dtype": torch_dtype,
         "parameter": False,
