@@ -25,7 +25,7 @@ def format_shape(dims) -> str:
     """A shape for people: ``4×16``; ``scalar`` for ``()``; ``-`` when unknown (one spelling everywhere)."""
     if dims is None:
         return "-"
-    return "×".join(str(d) for d in dims) if len(dims) else "scalar"
+    return "×".join(map(str, dims)) if len(dims) else "scalar"
 
 
 def matches(pattern: str, *, path: str | None, key: str | None = None, id: int | None = None,
@@ -70,9 +70,19 @@ class ParamState:
 
     @property
     def shape(self) -> tuple[int, ...] | None:
+        """The parameter's shape as its state shows it: the first field that is not a 0-dim
+        per-parameter scalar (NAdam's ``mu_product``, ASGD's ``eta``/``mu``); for torch's Adafactor,
+        which factors a matrix's second moment into ``row_var`` [..., n, 1] and ``col_var``
+        [..., 1, m], the shape those imply."""
+        row, col = self.slots.get("row_var"), self.slots.get("col_var")
+        if row is not None and col is not None and len(row.shape) == len(col.shape) >= 2:
+            return tuple(row.shape[:-1]) + (col.shape[-1],)
+        first = None
         for ref in self.slots.values():
-            return tuple(ref.shape)
-        return self.declared_shape
+            if len(ref.shape) > 0:
+                return tuple(ref.shape)
+            first = () if first is None else first
+        return first if first is not None else self.declared_shape
 
     @property
     def dtype(self) -> str | None:

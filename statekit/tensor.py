@@ -86,6 +86,25 @@ class SourceFile:
             os.posix_fadvise(fd, offset, len(data), os.POSIX_FADV_DONTNEED)
         return data
 
+    def pread_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the bytes at ``offset`` (``preadv`` into an existing buffer)."""
+        if self.fh.closed:
+            from statekit.errors import FormatError
+
+            raise FormatError("file was closed before its tensors were read", self.path)
+        fd = self.fh.fileno()
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if not n:
+                from statekit.errors import FormatError
+
+                raise FormatError(f"file ended while reading a tensor ({got} of {len(view)} bytes at offset "
+                                  f"{offset})", self.path)
+            got += n
+        if self.drop_cache:
+            os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
+
 
 @dataclass(frozen=True)
 class FileSpan:
@@ -105,9 +124,20 @@ class FileSpan:
                               f"{self.offset + lo})", self.file.path)
         return data
 
-    def chunks(self, size: int) -> Iterator[bytes]:
-        for lo in range(0, self.length, size):
-            yield self.read(lo, min(size, self.length - lo))
+    def chunks(self, size: int, ring: int = 0) -> Iterator[bytes | memoryview]:
+        """The bytes in pieces of at most ``size``. With ``ring`` > 0 the pieces are read into
+        ``ring`` reused buffers (no fresh memory, no page faults per piece): piece ``k`` stays
+        valid only until piece ``k + ring`` is read, so only a consumer that holds fewer than
+        ``ring`` pieces at once may ask for it (:func:`statekit.stream.ordered` does)."""
+        if not ring or self.length <= size:
+            for lo in range(0, self.length, size):
+                yield self.read(lo, min(size, self.length - lo))
+            return
+        buffers = [memoryview(bytearray(size)) for _ in range(ring)]
+        for k, lo in enumerate(range(0, self.length, size)):
+            view = buffers[k % ring][: min(size, self.length - lo)]
+            self.file.pread_into(view, self.offset + lo)
+            yield view
 
 
 @dataclass
@@ -131,6 +161,7 @@ class TensorRef:
     span: FileSpan | None = field(default=None, repr=False)
     piece_source: Callable[[int], Iterator[np.ndarray]] | None = field(default=None, repr=False)
     resident: int = 0
+    checks: tuple | None = field(default=None, repr=False)  # (source, label, path) of stream.checked
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:

@@ -162,7 +162,7 @@ def test_names_in_the_wrong_order_are_refused_with_both_names(tmp_path, cli):
 
 def test_names_checked_against_shapes():
     from statekit.errors import MappingError
-    from statekit.frameworks.torch_state import apply_names
+    from statekit.frameworks.torch_names import from_names, name_state
     from statekit.state import OptimizerState, ParamState
     from statekit.tensor import TensorRef
 
@@ -170,7 +170,7 @@ def test_names_checked_against_shapes():
         ParamState(key=str(i), index=i, slots={"exp_avg": TensorRef.from_array(np.zeros(s, np.float32))})
         for i, s in enumerate([(16, 4), (16,)])])
     with pytest.raises(MappingError, match=r"#0.*\[16, 4\].*'b'.*\[16\]"):
-        apply_names(state, ["b", "w"], {"w": (16, 4), "b": (16,)}, "x.pt")
+        name_state(state, from_names(["b", "w"], [(16,), (16, 4)], source="names.txt"), "x.pt")
 
 
 def test_step_beyond_float32_integers_is_refused(tmp_path):

@@ -155,6 +155,42 @@ def test_torch_kernel_is_torch_optim(flavor, kwargs):
         assert np.array_equal(bits(value), bits(opt.state[param][slot]))
 
 
+TORCH_NAMES = {"lr": "lr", "weight_decay": "weight_decay", "amsgrad": "amsgrad", "maximize": "maximize", "eps": "eps"}
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.parametrize(("name", "hp"), ADAM)
+def test_torch_flavor_adam_without_temporaries_is_torch_optim(name, hp, monkeypatch):
+    """The torch flavor's Adam/AdamW (torch's single-tensor code with its temporaries in reused
+    buffers) steps exactly like a real torch.optim optimizer with ``foreach=False``, at torch's
+    own thread count, on sizes around the vector widths."""
+    import torch
+
+    ran = []
+    buffered = kernels._single_tensor_adam
+    monkeypatch.setattr(kernels, "_single_tensor_adam", lambda *a, **k: ran.append(1) or buffered(*a, **k))
+    kwargs = {TORCH_NAMES[k]: v for k, v in hp.items() if k in TORCH_NAMES}
+    if "beta1" in hp:
+        kwargs["betas"] = (hp["beta1"], hp["beta2"])
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    for i, n in enumerate([1, 17, 4099]):
+        rng = np.random.default_rng(10 + i)
+        p = rng.standard_normal(n, dtype=np.float32)
+        param = torch.nn.Parameter(torch.from_numpy(p.copy()))
+        opt = cls([param], foreach=False, **({"weight_decay": 0.0} if name == "adam" and "weight_decay" not in hp
+                                              else {}), **kwargs)
+        ours = (p.copy(), {}, 0)
+        for k, g in enumerate(gradients(rng, n)):
+            param.grad = torch.from_numpy(g.copy())
+            opt.step()
+            ours = so.step(name, ours[0], g, ours[1], ours[2], hp, "torch", kernel="torch", inplace=k > 0)
+            assert np.array_equal(bits(ours[0]), bits(param.detach())), f"param differs after step {k + 1} (n={n})"
+        for slot, value in ours[1].items():
+            assert np.array_equal(bits(value), bits(opt.state[param][slot])), slot
+    assert len(ran) == 3 * STEPS, "the buffered path was not the one that ran"
+
+
 @torch_needed
 @pytest.mark.torch
 @pytest.mark.slow

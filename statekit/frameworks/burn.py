@@ -8,6 +8,8 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
+from functools import cache
+
 from statekit import dtypes, hyper, naming, paramid, stream
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
@@ -24,9 +26,13 @@ STEP_KEY = "statekit.step"
 
 def _split(name: str) -> tuple[str, str] | None:
     head, dot, rest = name.partition(".")
-    if dot and rest and paramid.is_decimal_id(head):
+    if dot and rest and _is_id(head):
         return head, rest
     return None
+
+
+#: is_decimal_id once per distinct head: an optimizer record names each parameter id 4–6 times
+_is_id = cache(paramid.is_decimal_id)
 
 
 def _kind(pack: BurnpackFile) -> str:

@@ -455,13 +455,9 @@ def state_groups(state) -> list[list[Shape | None]]:
 
 
 def param_shape(p) -> Shape | None:
-    """The parameter's shape as its state shows it (Adafactor factors a matrix's second moment into
-    ``row_var`` [..., n, 1] and ``col_var`` [..., 1, m])."""
-    row, col = p.slots.get("row_var"), p.slots.get("col_var")
-    if row is not None and col is not None and len(row.shape) == len(col.shape) >= 2:
-        return tuple(row.shape[:-1]) + (col.shape[-1],)
-    if "variance" in p.slots:
-        return tuple(p.slots["variance"].shape)
+    """The parameter's shape as its state shows it (:attr:`ParamState.shape`); None for L-BFGS."""
+    if p.family == "lbfgs":  # one flat global state under the first id: no parameter's shape
+        return None
     return None if p.shape is None else tuple(p.shape)
 
 
@@ -497,6 +493,7 @@ def check_named(state, model: ModelOrder, path: str | None = None) -> list[str]:
     out = []
     for p in state.params:
         want = shapes.get(p.path) if p.path else None
-        if want is not None and p.shape is not None and not _fits(p.shape, want, model.transposable):
-            out.append(f"{p.path}: state {_fmt(p.shape)}, model {_fmt(want)}")
+        have = param_shape(p)
+        if want is not None and have is not None and not _fits(have, want, model.transposable):
+            out.append(f"{p.path}: state {_fmt(have)}, model {_fmt(want)}")
     return out

@@ -188,18 +188,6 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
     )
 
 
-def apply_names(state: OptimizerState, names: list[str], shapes: dict[str, tuple] | None, path: str,
-                order: str | None = None) -> None:
-    """Name positional parameters from a names list (see :mod:`statekit.frameworks.torch_names`)."""
-    from statekit.frameworks import torch_names
-
-    shape_list = [shapes.get(n) for n in names] if shapes else None
-    if shape_list is not None and any(s is None for s in shape_list):
-        shape_list = None
-    torch_names.name_state(state, torch_names.from_names(names, shape_list, source="the names list", order=order),
-                           path)
-
-
 def describe_scheduler(sd: object) -> dict:
     """The JSON-able part of an LR scheduler's state_dict (``last_epoch``, ``base_lrs``, …)."""
     if not isinstance(sd, dict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from functools import cache
 
 from statekit import dtypes, naming, stream
 from statekit.errors import StatekitError
@@ -46,10 +47,15 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
 
 
 def _native(state: OptimizerState, p: ParamState) -> dict[str, str]:
-    family = p.family or state.family
-    if state.framework in naming.FRAMEWORKS and family not in (None, "mixed"):
+    """neutral slot name → the framework's own name (read only: shared by every parameter)."""
+    return _native_names(state.framework, p.family or state.family)
+
+
+@cache
+def _native_names(framework: str | None, family: str | None) -> dict[str, str]:
+    if framework in naming.FRAMEWORKS and family not in (None, "mixed"):
         try:
-            lay = naming.layout(state.framework, family)
+            lay = naming.layout(framework, family)
         except KeyError:  # a family statekit reads but has no field table for: show the names as stored
             return {}
         return {neutral: native for native, neutral in lay.slots.items()}

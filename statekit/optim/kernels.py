@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import threading
 import warnings
 from functools import cache
 
@@ -143,6 +144,9 @@ def run_torch(algorithm: str, flavor: str, b: Backend, p, g, s: dict, step: int,
         if fused:
             func = torch._fused_adamw_ if hp["decoupled_weight_decay"] else torch._fused_adam_
             func([tp], [tg], [ts["exp_avg"]], [ts["exp_avg_sq"]], vmax, steps, **common)
+        elif _plain_cpu(tp, tg):  # torch's single-tensor Adam, its temporaries in reused buffers
+            _single_tensor_adam(torch, tp, tg, ts["exp_avg"], ts["exp_avg_sq"], vmax, step + 1,
+                                decoupled_weight_decay=hp["decoupled_weight_decay"], **common)
         else:
             from torch.optim.adam import adam
 
@@ -181,3 +185,57 @@ def run_torch(algorithm: str, flavor: str, b: Backend, p, g, s: dict, step: int,
                 weight_decay=hp["weight_decay"], momentum=hp["momentum"], centered=hp["centered"])
     else:  # pragma: no cover - choose() refuses these
         raise UsageError(f"torch has no {algorithm} kernel")
+
+
+# ------------------------------------------------------------- torch's single-tensor Adam, no temporaries
+
+_scratch = threading.local()
+
+
+def _plain_cpu(p, g) -> bool:
+    """A real CPU float tensor: what :func:`_single_tensor_adam` is written for."""
+    return p.device.type == "cpu" and g.device.type == "cpu" and p.is_floating_point() and not p.is_complex()
+
+
+def _buffers(torch, like, count: int) -> list:
+    """``count`` scratch tensors shaped like ``like``, reused across steps (each thread its own;
+    one size kept at a time, the largest so far): a fresh parameter-sized temporary costs its
+    page faults at every step."""
+    flat = getattr(_scratch, "flat", None)
+    n = like.numel()
+    if flat is None or flat.dtype != like.dtype or flat.numel() < n * count:
+        _scratch.flat = flat = None
+        _scratch.flat = flat = torch.empty(n * count, dtype=like.dtype)
+    return [flat[i * n:(i + 1) * n].view(like.shape) for i in range(count)]
+
+
+def _single_tensor_adam(torch, param, grad, exp_avg, exp_avg_sq, vmax: list, step: int, *, lr, beta1, beta2,
+                        weight_decay, eps, amsgrad, maximize, decoupled_weight_decay) -> None:
+    """``torch.optim.adam._single_tensor_adam`` (``foreach=False``, not capturable, not
+    differentiable) for one real CPU tensor, each temporary written into a reused buffer
+    (``out=`` / in place) instead of a fresh tensor: the same ATen kernels on the same operands
+    in the same order, hence the same bits (``tests/test_kernels.py`` checks it against torch's
+    own function), without two fresh parameter-sized tensors per step. ``step`` counts this one.
+    """
+    g_buf, d_buf = _buffers(torch, param, 2)
+    if maximize:
+        grad = torch.neg(grad, out=g_buf)
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = torch.add(grad, param, alpha=weight_decay, out=g_buf)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step = float(step)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    if amsgrad:
+        torch.maximum(vmax[0], exp_avg_sq, out=vmax[0])
+        denom = torch.sqrt(vmax[0], out=d_buf)
+    else:
+        denom = torch.sqrt(exp_avg_sq, out=d_buf)
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
