@@ -588,4 +588,7 @@ def finalize(
 
 
 def main() -> None:
+    from statekit.atomic import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm()  # SIGTERM unwinds like Ctrl-C: no temporary output file stays behind
     sys.exit(_run())

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import struct
 
+from statekit.formats import limits
+
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -98,6 +100,9 @@ class BincodeReader:
         if n * min_item_size > self.remaining:
             self.pos = start
             raise self.fail(f"claimed length {n} exceeds the {self.remaining} bytes that remain")
+        if n > limits.MAX_CONTAINER and min_item_size > 1:
+            self.pos = start
+            raise self.fail(f"claimed length {n} exceeds the limit of {limits.MAX_CONTAINER} items")
         return n
 
     def tag(self, what: str = "option") -> bool:

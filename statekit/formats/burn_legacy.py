@@ -24,6 +24,7 @@ produced for named msgpack. Every malformed input raises :class:`~statekit.error
 from __future__ import annotations
 
 import gzip
+import io
 import math
 import mmap
 import os
@@ -38,6 +39,7 @@ import numpy as np
 
 from statekit import dtypes, paramid
 from statekit.errors import FormatError
+from statekit.formats import limits
 from statekit.formats.bincode import BincodeError, BincodeReader
 from statekit.tensor import TensorRef
 
@@ -332,27 +334,38 @@ def read_legacy_bytes(data: bytes | bytearray | memoryview, path: str | None = N
     """Like :func:`read_legacy` for bytes already in memory (``path`` only names errors)."""
     data = memoryview(data).cast("B")
     if bytes(data[:2]) == GZIP_MAGIC:
-        try:
-            inner = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise FormatError(f"corrupt gzip stream: {_why(exc)}", path) from None
-        return _read_buffer(memoryview(inner), path, compressed=True)
+        out = io.BytesIO()
+        _inflate(io.BytesIO(data), out, len(data), path)
+        return _read_buffer(out.getbuffer(), path, compressed=True)
     return _read_buffer(data, path, compressed=False)
 
 
 def _gunzip_to_map(fh, path: str) -> mmap.mmap:
     """Inflate a gzip file chunk by chunk into an anonymous temp file and map it (bounded memory)."""
     with tempfile.TemporaryFile() as tmp:
-        try:
-            with gzip.GzipFile(fileobj=fh) as gz:
-                while chunk := gz.read(_CHUNK):
-                    tmp.write(chunk)
-        except (OSError, EOFError, zlib.error) as exc:
-            raise FormatError(f"corrupt gzip stream: {_why(exc)}", path) from None
+        _inflate(fh, tmp, os.fstat(fh.fileno()).st_size, path)
         if tmp.tell() == 0:
             raise FormatError("gzip stream is empty, not a burn legacy record", path)
         tmp.flush()
         return mmap.mmap(tmp.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _inflate(src, dst, compressed_size: int, path: str | None) -> None:
+    """gunzip ``src`` into ``dst`` piece by piece, refusing at the inflate cap (a gzip bomb)."""
+    cap = limits.inflate_cap(compressed_size)
+    total = 0
+    try:
+        with gzip.GzipFile(fileobj=src) as gz:
+            while chunk := gz.read(_CHUNK * 4):
+                total += len(chunk)
+                if total > cap:
+                    raise FormatError(
+                        f"gzip stream inflates past {cap >> 20} MiB, over {cap // max(compressed_size, 1)}x its "
+                        f"{compressed_size} bytes: refused as a decompression bomb (gunzip it yourself and open "
+                        "the result, or set STATEKIT_GZIP_RATIO)", path)
+                dst.write(chunk)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise FormatError(f"corrupt gzip stream: {_why(exc)}", path) from None
 
 
 def _why(exc: BaseException) -> str:
@@ -404,6 +417,9 @@ def _make_tensor(
 ) -> tuple[TensorRef | None, str | None]:
     """A TensorRef over ``data`` (bytes-like), or ``(None, reason)`` if sizes disagree."""
     info = dict(info or {})
+    problem = limits.shape_problem(shape, 1 if dtype == "QFloat" else 4 if dtype == "Bool" else dtypes.itemsize(dtype))
+    if problem:
+        return None, problem
     shape = tuple(shape)
     numel = math.prod(shape)
     nbytes = len(data)
@@ -419,9 +435,13 @@ def _make_tensor(
         def as_bool() -> np.ndarray:
             return (np.frombuffer(data, dtype=raw_dt) != 0).reshape(shape)
 
-        return TensorRef(
-            "Bool", shape, loader=lambda: data, array_loader=as_bool, nbytes_hint=nbytes, info=info
-        ), None
+        if width == 1:
+            return TensorRef(
+                "Bool", shape, loader=lambda: data, array_loader=as_bool, nbytes_hint=nbytes, info=info
+            ), None
+        # stored 4 bytes an element: seen as one byte each, as every writer holds Bool
+        return TensorRef("Bool", shape, loader=lambda: as_bool().view(np.uint8).reshape(-1), array_loader=as_bool,
+                         nbytes_hint=numel, info=info), None
     want = numel * dtypes.itemsize(dtype)
     if want != nbytes:
         return None, f"{dtype} tensor {list(shape)} needs {want} bytes, has {nbytes}"
@@ -484,9 +504,13 @@ def _bincode_tensor(r: BincodeReader, dtype_table: tuple[str, ...], bool_payload
 
 def _read_msgpack(buf, path: str | None) -> LegacyRecord:
     try:
-        top = msgpack.unpackb(buf, raw=False, use_list=True, strict_map_key=True)
+        top = msgpack.unpackb(buf, raw=False, use_list=True, strict_map_key=True,
+                              max_array_len=limits.MAX_CONTAINER, max_map_len=limits.MAX_CONTAINER)
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
         raise FormatError(f"corrupt named msgpack: {_why(exc)}", path) from None
+    problem = limits.depth_problem(top)
+    if problem:
+        raise FormatError(f"named msgpack {problem}", path)
     if not isinstance(top, dict) or set(top) != {"metadata", "item", "_b"}:
         keys = list(top) if isinstance(top, dict) else type(top).__name__
         raise FormatError(f"not a BurnRecord: expected keys metadata, item, _b; found {keys!r:.80}", path)
@@ -550,6 +574,7 @@ def _msgpack_optimizer(item: dict, rec: LegacyRecord, path: str | None) -> Legac
         fields: dict[str, TensorRef | Scalar] = {}
         _flatten_state(state, "", fields, where, path, 0)
         _check_ranks(fields, rank, where, path)
+        _check_field_types(fields, where, path)
         entries.append(LegacyParamState(display_id=key, id=pid, rank=rank, fields=fields))
         fits = _matching_families(state)
         families = fits if families is None else tuple(f for f in families if f in fits)
@@ -584,6 +609,34 @@ def _flatten_state(node: object, prefix: str, out: dict, where: str, path: str |
         raise FormatError(
             f"{where}: unsupported value {type(node).__name__} at {prefix or 'top level'}", path
         )
+
+
+def _tensor_leaves(schema: object, prefix: str = "", usize: bool = False) -> set[str]:
+    """Dotted names a layout declares as tensors (``momentum.moment_1`` …), or as usize."""
+    if schema == (USIZE if usize else TENSOR):
+        return {prefix}
+    if isinstance(schema, Opt):
+        return _tensor_leaves(schema.inner, prefix, usize)
+    if isinstance(schema, tuple):
+        found: set[str] = set()
+        for name, sub in schema:
+            found |= _tensor_leaves(sub, f"{prefix}.{name}" if prefix else name, usize)
+        return found
+    return set()
+
+
+_TENSOR_FIELDS = frozenset().union(*(_tensor_leaves(layout.schema) for layout in OPTIMIZER_LAYOUTS))
+_USIZE_FIELDS = frozenset().union(*(_tensor_leaves(layout.schema, usize=True) for layout in OPTIMIZER_LAYOUTS))
+
+
+def _check_field_types(fields: dict, where: str, path: str | None) -> None:
+    """A field the known layouts hold as a tensor record must be one (not a number); a ``usize``
+    field (``time``) an integer from 0 to 2^64 - 1."""
+    for name, value in fields.items():
+        if name in _TENSOR_FIELDS and not isinstance(value, TensorRef):
+            raise FormatError(f"{where}: {name} is a {type(value).__name__}, expected a tensor record", path)
+        if name in _USIZE_FIELDS and not (type(value) is int and 0 <= value < 1 << 64):
+            raise FormatError(f"{where}: {name} is {limits.short(value)}, expected an unsigned integer", path)
 
 
 def _check_ranks(fields: dict, rank: int, where: str, path: str | None) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError
-from statekit.formats import cbor
+from statekit.formats import cbor, limits
 from statekit.lazy import numpy as np
 from statekit.stream import write_all
 from statekit.tensor import FileSpan, SourceFile, TensorRef
@@ -95,7 +95,7 @@ def dtype_name(burn_dtype: object) -> str:
             return burn_dtype
     elif isinstance(burn_dtype, dict) and len(burn_dtype) == 1:
         (key, value), = burn_dtype.items()
-        if key == "Bool" and value in _BOOL_STORES:
+        if key == "Bool" and isinstance(value, str) and value in _BOOL_STORES:
             return "Bool"
         if key == "QFloat" and isinstance(value, dict):
             return "QFloat"
@@ -179,6 +179,9 @@ class BurnpackFile:
                 f"file has {size - HEADER_SIZE} after the header"
             )
         self.raw_metadata = self._fh.read(self.metadata_size)
+        declared = _declared_tensor_count(self.raw_metadata)
+        if declared is not None and declared > MAX_TENSOR_COUNT:  # refused before decoding any entry
+            raise self._error(f"{declared} tensors exceed burn's limit of {MAX_TENSOR_COUNT}")
         # cbor2's compiled decoder first; the strict decoder (cbor.decode) settles every file
         # whose bytes are not burn's own encoding (checked below), so both accept the same files.
         meta = _fast_decode(self.raw_metadata)
@@ -202,8 +205,8 @@ class BurnpackFile:
             self._strict_decode()  # refuses what the strict decoder refuses (indefinite lengths, tags …)
 
     def _strict_decode(self) -> object:
-        try:
-            return cbor.decode(self.raw_metadata)
+        try:  # no list or map longer than burn's tensor limit: refused at its head, before decoding it
+            return cbor.decode(self.raw_metadata, max_items=MAX_TENSOR_COUNT)
         except cbor.CborError as exc:
             raise self._error(f"invalid CBOR metadata: {exc}") from None
 
@@ -218,10 +221,10 @@ class BurnpackFile:
         except ValueError as exc:
             raise self._error(f"tensor {name!r}: {exc}") from None
         shape, offsets, pid = desc["shape"], desc["data_offsets"], desc.get("param_id")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise self._error(f"tensor {name!r}: shape {shape!r} is not a list of unsigned integers")
-        if len(shape) > MAX_RANK:
-            raise self._error(f"tensor {name!r}: rank {len(shape)} is not plausible")
+        itemsize = 1 if dtype == "QFloat" else _element_size(desc["dtype"])
+        problem = limits.shape_problem(shape, itemsize)
+        if problem:
+            raise self._error(f"tensor {name!r}: {problem}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -331,10 +334,34 @@ class BurnpackFile:
             info=info,
             span=FileSpan(self._source, self.data_start + entry.start, entry.nbytes),
         )
+        if entry.dtype == "Bool" and _element_size(entry.burn_dtype) != 1:
+            return self._wide_bool(entry, info)
         if entry.dtype == "Bool":
             store = _element_numpy_dtype(entry.burn_dtype)
             ref.array_loader = lambda: np.frombuffer(ref.span.read(), dtype=store).reshape(entry.shape) != 0
         return ref
+
+    def _wide_bool(self, entry: TensorEntry, info: dict) -> TensorRef:
+        """A Bool tensor stored 4 bytes an element (``{"Bool": "U32"}``) seen as one byte each, as every
+        other reader and writer holds Bool; :meth:`stored_tensor` keeps burn's own bytes for copies."""
+        store = _element_numpy_dtype(entry.burn_dtype)
+        numel = math.prod(entry.shape)
+
+        def values() -> np.ndarray:
+            return np.frombuffer(self.raw(entry.name), dtype=store).reshape(entry.shape) != 0
+
+        info = {**info, "burn_dtype": {"Bool": "Native"}, "bool_store": entry.burn_dtype["Bool"]}
+        return TensorRef(dtype="Bool", shape=entry.shape, loader=lambda: values().view(np.uint8).reshape(-1),
+                         array_loader=values, nbytes_hint=numel, info=info)
+
+    def stored_tensor(self, name: str) -> TensorRef:
+        """A tensor's bytes exactly as stored (burn's dtype value and width), for byte-exact copies."""
+        entry = self._get(name)
+        if self._source is None:
+            self._source = SourceFile(self._fh, self.path, self.file_size)
+        return TensorRef(dtype=entry.dtype, shape=entry.shape, nbytes_hint=entry.nbytes,
+                         info={"burn_dtype": entry.burn_dtype, "param_id": entry.param_id, "name": name},
+                         span=FileSpan(self._source, self.data_start + entry.start, entry.nbytes))
 
     def close(self) -> None:
         if self._map is not None:
@@ -410,6 +437,21 @@ def encode_metadata(
         if fast is not None:
             return fast
     return cbor.encode(top)
+
+
+def _declared_tensor_count(raw: bytes) -> int | None:
+    """The entry count the ``tensors`` map declares in its head, when it is the metadata map's first
+    key (as burn writes it); None otherwise (the strict decoder then limits every map at its head)."""
+    if len(raw) < 9 or raw[0] >> 5 != 5 or raw[1:9] != b"\x67tensors":
+        return None
+    head = raw[9] if len(raw) > 9 else 0
+    if head >> 5 != 5:
+        return None
+    info = head & 0x1F
+    if info < 24:
+        return info
+    width = {24: 1, 25: 2, 26: 4, 27: 8}.get(info)
+    return int.from_bytes(raw[10 : 10 + width], "big") if width and len(raw) >= 10 + width else None
 
 
 def _fast_decode(raw: bytes) -> object | None:
@@ -511,7 +553,7 @@ def write_burnpack(
 def copy_burnpack(src: BurnpackFile, dst: str | os.PathLike, progress=None) -> int:
     """Rewrite an opened burnpack file with burn's writer rules (byte-identical for burn's files)."""
     tensors = [
-        PackTensor(n, src.tensor(n), src.tensors[n].burn_dtype, src.tensors[n].param_id)
+        PackTensor(n, src.stored_tensor(n), src.tensors[n].burn_dtype, src.tensors[n].param_id)
         for n in src.data_order
     ]
     return write_burnpack(

@@ -96,10 +96,15 @@ def _encode(value: object, out: bytearray) -> None:
 
 
 class _Decoder:
-    def __init__(self, data: bytes | memoryview, max_depth: int):
+    def __init__(self, data: bytes | memoryview, max_depth: int, max_items: int | None):
         self.data = data
         self.pos = 0
         self.max_depth = max_depth
+        self.max_items = max_items
+
+    def length(self, arg: int, start: int) -> None:
+        if self.max_items is not None and arg > self.max_items:
+            raise CborError(f"a list or map of {arg} items at byte {start} exceeds the limit of {self.max_items}")
 
     def need(self, n: int) -> None:
         if n > len(self.data) - self.pos:
@@ -141,9 +146,11 @@ class _Decoder:
             except UnicodeDecodeError:
                 raise CborError(f"invalid UTF-8 text at byte {start}") from None
         if major == 4:
+            self.length(arg, start)
             self.need(arg)  # every item takes at least one byte
             return [self.item(depth + 1) for _ in range(arg)]
         if major == 5:
+            self.length(arg, start)
             self.need(2 * arg)
             result: dict = {}
             for _ in range(arg):
@@ -170,9 +177,9 @@ class _Decoder:
         raise CborError(f"unsupported CBOR simple value {info} at byte {start}")
 
 
-def decode(data: bytes | memoryview, max_depth: int = MAX_DEPTH) -> object:
-    """Decode exactly one CBOR item that fills ``data``."""
-    dec = _Decoder(data, max_depth)
+def decode(data: bytes | memoryview, max_depth: int = MAX_DEPTH, max_items: int | None = None) -> object:
+    """Decode exactly one CBOR item that fills ``data`` (lists and maps of at most ``max_items``)."""
+    dec = _Decoder(data, max_depth, max_items)
     value = dec.item(1)
     if dec.pos != len(data):
         raise CborError(f"{len(data) - dec.pos} unexpected bytes after the CBOR item")

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.stream import write_all
 from statekit.tensor import FileSpan, SourceFile, TensorRef
 
@@ -61,7 +62,11 @@ class SafetensorsFile:
                 raw_dtype = view.get_dtype()
                 if raw_dtype not in FROM_SAFETENSORS:
                     raise FormatError(f"tensor {name!r} has dtype {raw_dtype}, which statekit does not handle")
-                self.entries[name] = (FROM_SAFETENSORS[raw_dtype], tuple(int(d) for d in view.get_shape()))
+                shape = [int(d) for d in view.get_shape()]
+                problem = limits.shape_problem(shape, dtypes.itemsize(FROM_SAFETENSORS[raw_dtype]))
+                if problem:  # numpy could not hold it either (a zero-size dimension beside huge ones)
+                    raise FormatError(f"tensor {name!r}: {problem}")
+                self.entries[name] = (FROM_SAFETENSORS[raw_dtype], tuple(shape))
             self._spans = self._locate()
         except SafetensorError as exc:
             raise FormatError(f"not a valid safetensors file: {exc}", self.path) from None

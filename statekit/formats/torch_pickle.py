@@ -25,7 +25,6 @@ accepts, and only globals on its allow-list.
 
 from __future__ import annotations
 
-import math
 import mmap
 import pickle
 import struct
@@ -37,6 +36,7 @@ import numpy as np
 
 from statekit import dtypes
 from statekit.errors import FormatError, MappingError, UnsafePickleError
+from statekit.formats import limits
 from statekit.tensor import TensorRef
 
 # --------------------------------------------------------------------------------------------
@@ -167,13 +167,36 @@ def _int_tuple(value: object, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _is_contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for n, s in zip(reversed(size), reversed(stride), strict=True):
+_DTYPE_CACHE: dict[str, tuple[str, np.dtype]] = {}
+
+
+def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype]:
+    name = statekit_dtype(torch_dtype)
+    _DTYPE_CACHE[torch_dtype] = entry = (name, dtypes.numpy_dtype(name))
+    return entry
+
+
+def _geometry(size: tuple, stride: tuple, itemsize: int, key: str) -> tuple[int, int, bool]:
+    """(element count, furthest element offset, C-contiguous) of a view; one pass that also checks
+    the dimensions (non-negative ints, rank, byte counts within 63 bits even beside a zero-size
+    dimension) and the strides (non-negative ints whose byte offsets fit in 63 bits)."""
+    if len(size) > limits.MAX_RANK:
+        raise FormatError(f"tensor of storage '{key}': rank {len(size)} exceeds the limit of {limits.MAX_RANK}")
+    numel, nonzero, extent, expected, contiguous = 1, itemsize, 0, 1, True
+    for i in range(len(size) - 1, -1, -1):
+        n, s = size[i], stride[i]
+        if type(n) is not int or type(s) is not int or n < 0 or s < 0:
+            raise FormatError(f"tensor size {size!r} or stride {stride!r} is not a tuple of non-negative integers")
+        numel *= n
+        nonzero *= n or 1
+        extent += (n - 1) * s if n else 0
+        if nonzero > limits.MAX_ELEMENTS or s * itemsize > limits.MAX_ELEMENTS or extent * itemsize > limits.MAX_ELEMENTS:
+            problem = limits.shape_problem(size, itemsize) or limits.stride_problem(size, stride, itemsize)
+            raise FormatError(f"tensor of storage '{key}': {problem or 'byte offsets beyond 2^63'}")
         if n != 1 and s != expected:
-            return False
+            contiguous = False
         expected *= n
-    return True
+    return numel, extent, contiguous
 
 
 def _tensor(
@@ -186,21 +209,26 @@ def _tensor(
     if not isinstance(storage, Storage):
         raise FormatError(f"tensor storage is {type(storage).__name__}, not a storage reference")
     torch_dtype = torch_dtype or storage.dtype
-    name = statekit_dtype(torch_dtype)
-    np_dtype = dtypes.numpy_dtype(name)
+    name, np_dtype = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
     itemsize = np_dtype.itemsize
-    size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
+    if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
+        size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
         raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
-    numel = math.prod(size)
+    numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
     capacity = storage.nbytes // itemsize
     if numel:
-        needed = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+        needed = offset + extent + 1
         if needed > capacity:
             raise FormatError(
                 f"a tensor of size {list(size)} needs {needed} elements of storage '{storage.key}', "
                 f"which holds {capacity}"
             )
+    if numel > capacity and numel * itemsize > limits.MAX_INFLATE:  # stride-0 / overlapping view
+        raise FormatError(
+            f"a view of size {list(size)} repeats storage '{storage.key}' ({capacity} elements) into "
+            f"{numel * itemsize} bytes; statekit refuses views that outgrow their storage past "
+            f"{limits.MAX_INFLATE >> 20} MiB")
     info = {
         "torch_dtype": torch_dtype,
         "parameter": False,
@@ -210,7 +238,7 @@ def _tensor(
         "storage_offset": offset,
         "stride": stride,
     }
-    if numel == 0 or (_is_contiguous(size, stride) and not storage.big_endian):
+    if numel == 0 or (contiguous and not storage.big_endian):
         start, stop = offset * itemsize, (offset + numel) * itemsize
         if storage.span is not None:
             span = storage.span
@@ -341,13 +369,29 @@ class _TensorType:
 
 
 def _ordered_dict(items=()):
+    if items == ():
+        return {}
     if isinstance(items, dict):
         return dict(items)
     if not isinstance(items, list | tuple) or not all(
         isinstance(p, list | tuple) and len(p) == 2 for p in items
     ):
         raise FormatError("OrderedDict arguments are not a list of pairs")
-    return dict(items)
+    return dict((_key(k), v) for k, v in items)
+
+
+def _key(key: object) -> object:
+    """A dict key or set member: a scalar, or a short flat tuple of scalars (hashing nested
+    shared tuples takes exponential time, so those are refused)."""
+    if isinstance(key, _FLAT_KEYS):
+        return key
+    if isinstance(key, tuple) and len(key) <= 64 and all(isinstance(k, _FLAT_KEYS) for k in key):
+        return key
+    raise FormatError(f"malformed pickle: a {type(key).__name__} as a dict key or set member is not supported")
+
+
+def _keys(keys) -> list:
+    return [_key(k) for k in keys]
 
 
 def _size(dims=()):
@@ -357,7 +401,7 @@ def _size(dims=()):
 def _set(items=()):
     if not isinstance(items, list | tuple | set | frozenset):
         raise FormatError(f"set() argument is {type(items).__name__}, not a list")
-    return set(items)
+    return set(_keys(items))
 
 
 def _complex(real=0.0, imag=0.0):
@@ -466,6 +510,10 @@ class Record:
         return self.cls.rsplit(".", 1)[-1]
 
 
+# dict keys and set members: hashed in constant time (a Record by identity)
+_FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype, Record)
+
+
 def allowed_callable(name: str, fn: Callable) -> object:
     """A stand-in that REDUCE may call, for ``extra_globals`` (``fn`` gets the pickled arguments)."""
     return _Callable(name, fn)
@@ -485,6 +533,10 @@ def _build_record(record: Record, rclass: RecordClass, state: object) -> None:
 # reading
 
 StorageLoader = Callable[[StorageId], Storage]
+MAX_DEPTH = 100  # container nesting; torch's checkpoints nest a handful of levels
+MAX_STEPS = 200_000_000  # opcodes in one pickle (a torch.save pickle runs ~40 a tensor)
+MAX_EXPANSION = 1_000_000  # objects by reference beyond 16 per opcode (shared objects counted per use)
+_MAX_LONG_BYTES = 1024
 _OPS: dict[int, Callable[[_Unpickler], None]] = {}
 _STOP = pickle.STOP[0]
 _I32, _U16, _U32, _U64, _F64 = (struct.Struct(f) for f in ("<i", "<H", "<I", "<Q", ">d"))
@@ -518,11 +570,18 @@ class _Unpickler:
         self.stack: list = []
         self.metastack: list[list] = []
         self.memo: dict[int, object] = {}
+        self.depths: dict[int, int] = {}  # id → nesting depth of the containers built so far
+        self.built: list = []  # keeps them alive, so that ids stay unique
+        self.steps = 0
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
             f"pickle is truncated: needs {n} bytes at offset {self.pos}, data ends at {len(self.data)}"
         )
+
+    def truncated_at(self, pos: int, n: int) -> FormatError:
+        self.pos = pos
+        return self.truncated(n)
 
     def byte(self) -> int:
         if self.pos >= len(self.data):
@@ -551,6 +610,29 @@ class _Unpickler:
         line, self.pos = self.data[self.pos : end], end + 1
         return line.decode("utf-8")
 
+    def nest(self, container: object, items) -> object:
+        """Record ``container``'s depth from ``items`` (refused past the limit, as it is built).
+
+        Containers of depth 1 (a tuple of ints) are not recorded — a container with no record
+        counts as depth 1 — so the many small tuples of a large pickle are not kept alive; those
+        recorded are, so that their ids stay unique."""
+        depths = self.depths
+        depth = depths.get(id(container), 1)
+        for item in items:
+            inner = depths.get(id(item))
+            if inner is None:
+                if depth < 2 and isinstance(item, _CONTAINERS):
+                    depth = 2
+            elif inner >= depth:
+                depth = inner + 1
+        if depth > 1:
+            if depth > MAX_DEPTH:
+                raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+            if id(container) not in depths:
+                self.built.append(container)
+            depths[id(container)] = depth
+        return container
+
     def pop_mark(self) -> list:
         if not self.metastack:
             raise FormatError("malformed pickle: no MARK on the stack")
@@ -563,31 +645,100 @@ class _Unpickler:
             raise FormatError(f"malformed pickle: cannot add items to a {type(top).__name__}")
         return top
 
+    def dispatch(self, code: int, start: int) -> None:
+        """Run one opcode through its handler in ``_OPS`` (those not inlined in :meth:`load`)."""
+        if self.steps > MAX_STEPS:
+            raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
+        handler = _OPS.get(code)
+        if handler is None:
+            raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
+        handler(self)
+
     def load(self) -> object:
-        while True:
-            start = self.pos
-            self.code = code = self.byte()
-            if code == _STOP:
-                if not self.stack:
-                    raise FormatError("malformed pickle: empty stack at STOP")
-                return self.stack.pop()
-            handler = _OPS.get(code)
-            if handler is None:
-                raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
-            try:
-                handler(self)
-            except (
-                AttributeError,
-                IndexError,
-                KeyError,
-                OverflowError,
-                TypeError,
-                ValueError,
-                struct.error,
-            ) as exc:
-                raise FormatError(
-                    f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}"
-                ) from None
+        """The interpreter loop: the opcodes torch.save's pickles are made of run inline (a pickle
+        of 10^6 tensors runs ~3·10^7 of them); the rest through their handlers in ``_OPS``."""
+        data, end, memo = self.data, len(self.data), self.memo
+        pos, start, steps = self.pos, self.pos, self.steps
+        stack = self.stack
+        try:
+            while True:
+                start = pos
+                if pos >= end:
+                    raise self.truncated_at(pos, 1)
+                code = data[pos]
+                pos += 1
+                steps += 1
+                if code == _BINGET:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    stack.append(memo[data[pos]])
+                    pos += 1
+                elif code == _LONG_BINPUT:
+                    if pos + 4 > end:
+                        raise self.truncated_at(pos, 4)
+                    memo[_U32.unpack_from(data, pos)[0]] = stack[-1]
+                    pos += 4
+                elif code == _BININT1:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    stack.append(data[pos])
+                    pos += 1
+                elif code == _MARK:
+                    if len(self.metastack) >= MAX_DEPTH:
+                        raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+                    self.metastack.append(stack)
+                    self.stack = stack = []
+                elif code == _TUPLE:
+                    if not self.metastack:
+                        raise FormatError("malformed pickle: no MARK on the stack")
+                    items = tuple(stack)
+                    self.stack = stack = self.metastack.pop()
+                    for item in items:
+                        if isinstance(item, _CONTAINERS):
+                            self.nest(items, items)
+                            break
+                    stack.append(items)
+                elif code == _TUPLE1:
+                    item = stack[-1]
+                    stack[-1] = self.nest((item,), (item,)) if isinstance(item, _CONTAINERS) else (item,)
+                elif code == _BINPUT:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    memo[data[pos]] = stack[-1]
+                    pos += 1
+                elif code == _BININT:
+                    if pos + 4 > end:
+                        raise self.truncated_at(pos, 4)
+                    stack.append(_I32.unpack_from(data, pos)[0])
+                    pos += 4
+                elif code == _NEWFALSE:
+                    stack.append(False)
+                elif code == _EMPTY_TUPLE:
+                    stack.append(())
+                elif code == _BININT2:
+                    if pos + 2 > end:
+                        raise self.truncated_at(pos, 2)
+                    stack.append(_U16.unpack_from(data, pos)[0])
+                    pos += 2
+                elif code == _STOP:
+                    self.pos, self.steps = pos, steps
+                    if not stack:
+                        raise FormatError("malformed pickle: empty stack at STOP")
+                    return stack.pop()
+                else:
+                    self.pos, self.code, self.steps = pos, code, steps
+                    self.dispatch(code, start)
+                    pos, stack = self.pos, self.stack
+        except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
+            raise FormatError(f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.pos, self.steps = pos, steps
+
+
+_CONTAINERS = (list, tuple, dict, set)
+(_BINGET, _LONG_BINPUT, _BININT1, _MARK, _TUPLE, _TUPLE1, _BINPUT, _BININT, _NEWFALSE, _EMPTY_TUPLE, _BININT2) = (
+    op[0] for op in (pickle.BINGET, pickle.LONG_BINPUT, pickle.BININT1, pickle.MARK, pickle.TUPLE, pickle.TUPLE1,
+                     pickle.BINPUT, pickle.BININT, pickle.NEWFALSE, pickle.EMPTY_TUPLE, pickle.BININT2))
 
 
 def loads(
@@ -604,9 +755,63 @@ def loads(
     """
     unpickler = _Unpickler(data, pos, storage_loader, extra_globals)
     try:
-        return unpickler.load(), unpickler.pos
+        obj = unpickler.load()
     except RecursionError:
         raise FormatError("malformed pickle: nesting too deep") from None
+    check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
+    return obj, unpickler.pos
+
+
+def _children(node: object):
+    if isinstance(node, list | tuple | set):
+        return node
+    if isinstance(node, dict):
+        return node.values()
+    if isinstance(node, TensorRef):
+        state = node.info.get("python_state")
+        return state.values() if state else None
+    if isinstance(node, Record):
+        return node.fields.values()
+    return None
+
+
+def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_EXPANSION) -> None:
+    """Refuse a loaded object that contains itself, nests deeper than ``max_depth`` or — counting
+    shared objects once per reference, as every walk over it will — holds more than ``max_nodes``
+    (a memo "billion laughs"). Iterative, and linear in the distinct objects."""
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        children = _children(node)
+        if children is None:
+            continue
+        key = id(node)
+        if done:
+            active.discard(key)
+            size, depth = 1, 1
+            for child in children:
+                inner = sizes.get(id(child))
+                if inner is None:
+                    size += 1
+                else:
+                    size += inner
+                    depth = max(depth, depths[id(child)] + 1)
+            if size > max_nodes:
+                raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
+            if depth > max_depth:
+                raise FormatError(f"pickle nests containers deeper than {max_depth} levels")
+            sizes[key], depths[key] = size, depth
+            continue
+        if key in sizes:
+            continue
+        if key in active:
+            raise FormatError("pickle builds a container that contains itself")
+        active.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if _children(child) is not None)
 
 
 @_op(pickle.PROTO)
@@ -622,6 +827,8 @@ def _frame(u: _Unpickler) -> None:
 
 @_op(pickle.MARK)
 def _mark(u: _Unpickler) -> None:
+    if len(u.metastack) >= MAX_DEPTH:
+        raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
     u.metastack.append(u.stack)
     u.stack = []
 
@@ -677,6 +884,8 @@ def _long4(u: _Unpickler) -> None:
     n = u.unpack(_I32)
     if n < 0:
         raise FormatError("malformed pickle: negative LONG4 length")
+    if n > _MAX_LONG_BYTES:
+        raise FormatError(f"pickled integer of {n} bytes is too large (limit {_MAX_LONG_BYTES})")
     u.stack.append(int.from_bytes(u.read(n), "little", signed=True))
 
 
@@ -686,7 +895,11 @@ def _binfloat(u: _Unpickler) -> None:
 
 
 def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogatepass")
+    text = raw.decode("utf-8", "surrogatepass")
+    problem = limits.text_problem(text)
+    if problem:  # torch reads it, but no name holding it can be written to any output
+        raise FormatError(f"pickled string {problem}")
+    return text
 
 
 @_op(pickle.SHORT_BINUNICODE)
@@ -748,7 +961,7 @@ def _empty(u: _Unpickler) -> None:
 @_op(pickle.TUPLE)
 def _tuple(u: _Unpickler) -> None:
     items = u.pop_mark()  # before touching u.stack: pop_mark replaces it
-    u.stack.append(tuple(items))
+    u.stack.append(u.nest(tuple(items), items))
 
 
 @_op(pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
@@ -756,49 +969,50 @@ def _tuple_n(u: _Unpickler) -> None:
     n = u.code - pickle.TUPLE1[0] + 1
     if len(u.stack) < n:
         raise FormatError("malformed pickle: stack underflow in TUPLE")
-    u.stack[-n:] = [tuple(u.stack[-n:])]
+    items = tuple(u.stack[-n:])
+    u.stack[-n:] = [u.nest(items, items)]
 
 
 @_op(pickle.LIST)
 def _list(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.stack.append(items)
+    u.stack.append(u.nest(items, items))
 
 
 @_op(pickle.DICT)
 def _dict(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.stack.append(dict(zip(items[::2], items[1::2], strict=True)))
+    u.stack.append(u.nest(dict(zip(_keys(items[::2]), items[1::2], strict=True)), items[1::2]))
 
 
 @_op(pickle.APPEND)
 def _append(u: _Unpickler) -> None:
     item = u.stack.pop()
-    u.target(list).append(item)
+    u.nest(u.target(list), (item,)).append(item)
 
 
 @_op(pickle.APPENDS)
 def _appends(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.target(list).extend(items)
+    u.nest(u.target(list), items).extend(items)
 
 
 @_op(pickle.SETITEM)
 def _setitem(u: _Unpickler) -> None:
     value, key = u.stack.pop(), u.stack.pop()
-    u.target(dict)[key] = value
+    u.nest(u.target(dict), (value,))[_key(key)] = value
 
 
 @_op(pickle.SETITEMS)
 def _setitems(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.target(dict).update(zip(items[::2], items[1::2], strict=True))
+    u.nest(u.target(dict), items[1::2]).update(zip(_keys(items[::2]), items[1::2], strict=True))
 
 
 @_op(pickle.ADDITEMS)
 def _additems(u: _Unpickler) -> None:
     items = u.pop_mark()
-    u.target(set).update(items)
+    u.target(set).update(_keys(items))
 
 
 @_op(pickle.BINGET)

@@ -161,7 +161,8 @@ def _zip_records(path: str | os.PathLike | BinaryIO) -> dict[str, zipfile.ZipInf
     try:
         with zipfile.ZipFile(path) as archive:
             entries = archive.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, NotImplementedError,
+            struct.error) as exc:  # NotImplementedError: a "version needed" zipfile does not know
         raise FormatError(f"damaged zip archive: {exc}") from None
     prefix = entries[0].filename.split("/", 1)[0] + "/" if entries and "/" in entries[0].filename else "?"
     records = {info.filename[len(prefix) :]: info for info in entries if info.filename.startswith(prefix)}
@@ -266,6 +267,8 @@ def _entry_bytes(buffer: mmap.mmap, info: zipfile.ZipInfo) -> memoryview:
     if info.flag_bits & 0x1:
         raise FormatError(f"zip entry {name} is encrypted")
     offset = info.header_offset
+    if offset < 0:
+        raise FormatError(f"zip entry {name}: local header offset {offset} lies before the start of the file")
     if offset + _LOCAL_HEADER.size > len(buffer):
         raise FormatError(f"zip entry {name}: local header lies past the end of the file")
     signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(buffer, offset)

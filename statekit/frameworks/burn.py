@@ -12,6 +12,7 @@ from functools import cache
 
 from statekit import dtypes, hyper, naming, paramid, stream
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
 from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
@@ -112,7 +113,7 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         key, leaf = _split(name)
         p = param(key)
         if leaf == naming.BURN_RANK:
-            p.rank = int(scalar.value)
+            p.rank = _rank(scalar, name, pack.path)
         elif leaf == STEP_KEY:
             p.step = scalar.value  # a step burn's layout has no field for, kept by statekit
         else:
@@ -251,6 +252,14 @@ def _put(tensors, scalars, key, leaf, value, pid) -> None:
         return
     else:
         tensors.append(PackTensor(f"{key}.{leaf}", value, param_id=pid))
+
+
+def _rank(scalar, name: str, path: str) -> int:
+    """A ``__rank`` scalar's value: an integer from 0 to the rank limit (burn writes a UInt)."""
+    value = scalar.value
+    if not limits.is_finite_integral(value) or not 0 <= value <= limits.MAX_RANK:
+        raise FormatError(f"scalar {name!r} is {value!r}, not a tensor rank (0 to {limits.MAX_RANK})", path)
+    return int(value)
 
 
 def with_derived_slots(family: str | None, slots: dict[str, TensorRef]) -> dict[str, TensorRef]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from statekit import dtypes, paramid
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.formats.burnpack import Scalar
 from statekit.formats.safetensors import SafetensorsFile, write_safetensors
 from statekit.frameworks import candle
@@ -122,6 +123,17 @@ class _Encoder:
         raise MappingError(f"{where}: a {type(value).__name__} value cannot be stored in safetensors metadata")
 
 
+def _scalar(inner: object, sf: SafetensorsFile) -> Scalar:
+    """A ``{"__scalar__": [kind, value]}`` entry: a burn scalar variant and a value that fits it."""
+    if isinstance(inner, list) and len(inner) == 2 and inner[0] in ("Int", "UInt", "Float", "Bool"):
+        kind, value = inner[0], _decode(inner[1], sf)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if {"Int": type(value) is int, "UInt": type(value) is int and value >= 0, "Float": number,
+                "Bool": isinstance(value, bool)}[kind]:
+            return Scalar(kind, value)
+    raise FormatError(f"metadata scalar {limits.short(inner)} is not [Int|UInt|Float|Bool, value]", sf.path)
+
+
 def _decode(value: object, sf: SafetensorsFile) -> object:
     if isinstance(value, list):
         return [_decode(v, sf) for v in value]
@@ -136,7 +148,7 @@ def _decode(value: object, sf: SafetensorsFile) -> object:
                 raise FormatError(f"metadata refers to a missing tensor {inner!r}", sf.path)
             return sf.tensor(inner)
         if key == "__scalar__":
-            return Scalar(inner[0], _decode(inner[1], sf))
+            return _scalar(inner, sf)
         if key == "__float__":
             return float(inner)
         if key == "__items__":
@@ -239,9 +251,57 @@ def _loads(sf: SafetensorsFile, key: str, default: object = None) -> object:
     if text is None:
         return default
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise FormatError(f"metadata {key!r} is not valid JSON: {exc.msg}", sf.path) from None
+    except RecursionError:
+        value = [[]] * (limits.MAX_DEPTH + 1)  # nested far too deep: refused below
+    problem = limits.depth_problem(value)
+    if problem:
+        raise FormatError(f"metadata {key!r}: JSON {problem}", sf.path)
+    return value
+
+
+def _check_param(p: ParamState, sf: SafetensorsFile) -> None:
+    """The types the layout's parameter entries hold (a list where a step belongs is refused here)."""
+    def integer(v: object) -> bool:
+        return type(v) is int
+
+    checks = {
+        "key": isinstance(p.key, str),
+        "id": p.id is None or (integer(p.id) and 0 <= p.id < 1 << 64),
+        "index": p.index is None or (integer(p.index) and p.index >= 0),
+        "path": p.path is None or isinstance(p.path, str),
+        "rank": p.rank is None or (integer(p.rank) and 0 <= p.rank <= limits.MAX_RANK),
+        "step": p.step is None or (type(p.step) in (int, float) and math.isfinite(p.step)),
+        "extra": p.extra.get("__step_kind", "UInt") in ("Int", "UInt"),
+        "group": integer(p.group) and p.group >= 0,
+        "family": p.family is None or isinstance(p.family, str),
+        "declared_shape": p.declared_shape is None or limits.shape_problem(p.declared_shape) is None,
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        value = getattr(p, bad[0])
+        raise FormatError(f"parameter entry {p.key!r:.40}: {bad[0]} {limits.short(value)} has the wrong type", sf.path)
+
+
+def _check_state(state: OptimizerState, sf: SafetensorsFile) -> None:
+    """The types of the layout's state-wide entries (family, candidates, notes, groups)."""
+    def texts(values) -> bool:
+        return all(isinstance(v, str) for v in values)
+
+    checks = {
+        "family": state.family is None or isinstance(state.family, str),
+        "candidates": texts(state.candidates),
+        "notes": texts(state.notes),
+        "framework": isinstance(state.framework, str),
+        "groups": all(isinstance(g.hyperparams, dict) and texts(g.hyperparams) and texts(g.keys)
+                      for g in state.groups),
+        "global": isinstance(state.global_scalars, dict) and texts(state.global_scalars),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        raise FormatError(f"statekit state metadata: {bad[0]} has the wrong type", sf.path)
 
 
 def read_state(sf: SafetensorsFile) -> Checkpoint:
@@ -278,6 +338,7 @@ def read_state(sf: SafetensorsFile) -> Checkpoint:
             for slot in entry.get("flex32", []):
                 p.slots[slot].dtype = "Flex32"
             p.extra = {k: _decode(v, sf) for k, v in entry.get("extra", {}).items()}
+            _check_param(p, sf)
             state.params.append(p)
         for g in _loads(sf, "groups", []):
             state.groups.append(ParamGroup(hyperparams=_decode(g["hyperparams"], sf), keys=list(g["keys"])))
@@ -287,6 +348,7 @@ def read_state(sf: SafetensorsFile) -> Checkpoint:
                 raise FormatError(f"global slot {n!r} refers to a missing tensor", sf.path)
             state.global_slots[n] = sf.tensor(name)
         state.global_scalars = _decode(glob.get("scalars", {}), sf)
+        _check_state(state, sf)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"malformed statekit state metadata: {type(exc).__name__}: {exc}", sf.path) from None
     ckpt = _checkpoint(sf, FORMAT, "optimizer", int(STATE_VERSION))

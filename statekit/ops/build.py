@@ -54,6 +54,15 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     return family
 
 
+def _same_shapes(p: ParamState) -> str | None:
+    """Why the slots of a parameter do not share one shape (transposes and resizes apply to all), or None."""
+    shapes = {name: list(ref.shape) for name, ref in p.slots.items()}
+    if len({tuple(s) for s in shapes.values()}) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        return f"parameter {p.label()}: its state slots differ in shape ({listed})"
+    return None
+
+
 def _slots_missing(p: ParamState, family: str, target: str) -> tuple[str, ...]:
     """The slots of ``p`` the target framework's state has no field for (refused, never dropped)."""
     if target not in naming.FRAMEWORKS:
@@ -133,6 +142,9 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
             dst_path=dst_path, group=p.group,
         ))
         if p.slots or p.step is not None:
+            uneven = _same_shapes(p)
+            if uneven:
+                problems.append(uneven)
             missing = _slots_missing(p, family, dst_fw)
             if missing:
                 no_field.setdefault(missing, []).append(p.label())

@@ -14,7 +14,8 @@ from statekit.errors import UsageError
 from statekit.state import matches
 
 # burn's norm layers call their affine parameters gamma/beta; torch calls them weight/bias.
-NORM_PRESET = (("(.*)\\.gamma$", "$1.weight"), ("(.*)\\.beta$", "$1.bias"))
+# Anchored: an unanchored leading ``(.*)`` is retried at every position, quadratic in the path length.
+NORM_PRESET = (("^(.*)\\.gamma$", "$1.weight"), ("^(.*)\\.beta$", "$1.bias"))
 
 
 @dataclass
@@ -27,7 +28,7 @@ class RenameRule:
 
     def __post_init__(self) -> None:
         try:
-            self.regex = re.compile(self.pattern)
+            self.regex = re.compile(_anchored(self.pattern))
         except re.error as exc:
             raise UsageError(f"rename rule {self.pattern!r}: {exc}") from None
         self._python = re.sub(r"\$(\d+)", r"\\g<\1>", self.replacement)
@@ -48,6 +49,16 @@ class RenameRule:
     def to_json(self) -> dict:
         return {"pattern": self.pattern, "replacement": self.replacement, "origin": self.origin,
                 "matches": self.matches}
+
+
+def _anchored(pattern: str) -> str:
+    """A pattern that starts with a greedy ``.*`` matches from the start of the path when it matches at
+    all, and leaves nothing after its match for a second one; anchoring it changes no result but
+    spares the regex engine a retry at every position (quadratic time on a long path)."""
+    for lead in ("(.*)", ".*"):
+        if pattern.startswith(lead) and pattern[len(lead) : len(lead) + 1] not in ("?", "*", "+", "{"):
+            return "^(?:" + pattern + ")"
+    return pattern
 
 
 def read_rules_file(path: str) -> list[str]:

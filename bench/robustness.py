@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Resource bombs and large valid files: time and peak memory, each in a fresh process.
+
+    PYTHONPATH=. python3 bench/robustness.py            # bombs, renames, .pt of 10^4..10^6 tensors
+    PYTHONPATH=. python3 bench/robustness.py --max-tensors 100000
+
+Every bomb must be refused (a StatekitError) in ≤ 1 s and ≤ 200 MiB; the baseline row, measured in
+the same run, is opening a small valid file, so the ratios say what a bomb costs over nothing. The
+.pt rows read a valid torch.save-layout file of N one-element tensors sharing one storage; "per
+tensor" staying flat as N grows is the linear-time claim (goal: 10^6 tensors in ≤ 10 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ----------------------------------------------------------------------------------- files
+
+
+def torch_zip(path: Path, pkl: bytes, storages: dict[str, bytes] | None = None) -> None:
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pkl)
+        for key, data in (storages or {}).items():
+            zf.writestr(f"archive/data/{key}", data)
+        zf.writestr("archive/version", b"3\n")
+
+
+def hyper_dict(value: bytes) -> bytes:
+    """A pickle of ``{"param_groups": [{"lr": <value>}], "state": {}}`` with ``value`` opcodes."""
+    P = pickle
+    s = P.PROTO + b"\x02" + P.EMPTY_DICT + P.BINUNICODE + struct.pack("<I", 5) + b"state" + P.EMPTY_DICT + P.SETITEM
+    s += P.BINUNICODE + struct.pack("<I", 12) + b"param_groups" + P.EMPTY_LIST + P.EMPTY_DICT
+    s += P.BINUNICODE + struct.pack("<I", 2) + b"lr" + value + P.SETITEM + P.APPEND + P.SETITEM + P.STOP
+    return s
+
+
+def memo_laughs(levels: int = 40) -> bytes:
+    P = pickle
+    s = P.NONE
+    for i in range(levels):
+        s += P.BINPUT + bytes([i]) + P.POP + P.MARK + P.BINGET + bytes([i]) + P.BINGET + bytes([i]) + P.LIST
+    return s
+
+
+def deep_list(depth: int) -> bytes:
+    return (pickle.EMPTY_LIST + pickle.MARK) * depth + pickle.NONE + pickle.APPENDS * depth
+
+
+def self_list() -> bytes:
+    return pickle.EMPTY_LIST + pickle.BINPUT + b"\x00" + pickle.BINGET + b"\x00" + pickle.APPEND
+
+
+def burnpack_many(path: Path, n: int) -> None:
+    from statekit.formats import cbor
+
+    tensors = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(n)}
+    raw = cbor.encode({"tensors": tensors})
+    path.write_bytes(b"NRUB" + struct.pack("<HI", 1, len(raw)) + raw)
+
+
+def gzip_bomb(path: Path, inflated: int) -> None:
+    """A .mpk.gz whose stream inflates to ``inflated`` bytes (a msgpack header, then zeros)."""
+    import zlib
+
+    comp = zlib.compressobj(9, zlib.DEFLATED, 31)
+    head = b"\x83\xa8metadata"
+    with open(path, "wb") as fh:
+        fh.write(comp.compress(head))
+        zeros = b"\0" * (16 << 20)
+        for _ in range(inflated // len(zeros)):
+            fh.write(comp.compress(zeros))
+        fh.write(comp.flush())
+
+
+def shared_storage_pt(path: Path, n: int) -> None:
+    """torch.save's layout for ``{f"t{i}": base[i:i+1]}``: n views of one n-element storage, written
+    with CPython's pickler and stand-in globals (torch.save itself takes minutes for 10^6)."""
+    code = f"""
+import collections, pickle, sys, types, zipfile
+torch = types.ModuleType("torch"); utils = types.ModuleType("torch._utils")
+sys.modules.update(torch=torch, **{{"torch._utils": utils}})
+class FloatStorage: pass
+FloatStorage.__module__ = "torch"; torch.FloatStorage = FloatStorage
+def _rebuild_tensor_v2(*a): pass
+_rebuild_tensor_v2.__module__ = "torch._utils"; utils._rebuild_tensor_v2 = _rebuild_tensor_v2
+class View:
+    def __init__(self, i): self.i = i
+    def __reduce__(self):
+        return (_rebuild_tensor_v2, (STORAGE, self.i, (1,), (1,), False, collections.OrderedDict()))
+STORAGE = object()
+class P(pickle.Pickler):
+    def persistent_id(self, obj):
+        return ("storage", FloatStorage, "0", "cpu", {n}) if obj is STORAGE else None
+import io
+buf = io.BytesIO()
+P(buf, protocol=2).dump(collections.OrderedDict((f"t{{i}}", View(i)) for i in range({n})))
+with zipfile.ZipFile({str(path)!r}, "w", zipfile.ZIP_STORED) as zf:
+    zf.writestr("archive/data.pkl", buf.getvalue())
+    zf.writestr("archive/data/0", bytes(4 * {n}))
+    zf.writestr("archive/version", b"3\\n")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------------- measuring
+
+PROBE = """
+import json, sys, time
+import statekit
+from statekit.errors import StatekitError
+start, cpu = time.perf_counter(), time.process_time()
+try:
+    with statekit.open(sys.argv[1]) as ckpt:
+        n = len(ckpt.model.params) if ckpt.model else len(ckpt.optimizer.params) if ckpt.optimizer else 0
+    outcome = f"read ({n} tensors)"
+except StatekitError as exc:
+    outcome = "refused: " + str(exc).split(": ", 1)[-1][:60]
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0].split()[1]
+print(json.dumps({"seconds": seconds, "cpu": cpu, "rss": int(hwm) >> 10, "outcome": outcome}))
+"""
+
+
+def probe(path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode:
+        return {"seconds": float("nan"), "cpu": float("nan"), "rss": 0, "outcome": "CRASH " + out.stderr.strip().splitlines()[-1][:60]}
+    return json.loads(out.stdout)
+
+
+def rename_seconds(n: int) -> float:
+    sys.path.insert(0, str(ROOT))
+    from statekit.ops.rules import NORM_PRESET, RenameRule, rename
+
+    rules = [RenameRule(p, r, "preset") for p, r in NORM_PRESET]
+    start = time.perf_counter()
+    rename("b." * (n // 2), rules)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-tensors", type=int, default=1_000_000)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cases: list[tuple[str, Path]] = [("baseline: small valid .bpk", ROOT / "fixtures" / "hand-optim.bpk")]
+        torch_zip(tmp / "laughs.pt", hyper_dict(memo_laughs(40)))
+        cases.append(("memo billion laughs (2^40 by reference)", tmp / "laughs.pt"))
+        torch_zip(tmp / "self.pt", hyper_dict(self_list()))
+        cases.append(("self-referencing list", tmp / "self.pt"))
+        torch_zip(tmp / "deep.pt", hyper_dict(deep_list(10**6)))
+        cases.append(("list nested 10^6 deep", tmp / "deep.pt"))
+        burnpack_many(tmp / "many.bpk", 10**6)
+        cases.append(("burnpack declaring 10^6 tensors", tmp / "many.bpk"))
+        gzip_bomb(tmp / "bomb.mpk.gz", 10 << 30)
+        cases.append((f"gzip {os.path.getsize(tmp / 'bomb.mpk.gz') >> 20} MiB inflating to 10 GiB", tmp / "bomb.mpk.gz"))
+        print(f"{'case':<44}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'x base s':>10}  outcome")
+        base = None
+        for name, path in cases:
+            r = probe(path)
+            base = base or r
+            print(f"{name:<44}{r['seconds']:>9.3f}{r['cpu']:>8.3f}{r['rss']:>10}{r['seconds'] / base['seconds']:>10.1f}  "
+                  f"{r['outcome']}")
+
+        print(f"\n{'valid .pt, N views of one storage':<44}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'us/tensor':>10}"
+              f"{'x 10^4':>8}")
+        first = None
+        n = 10_000
+        while n <= args.max_tensors:
+            path = tmp / f"shared{n}.pt"
+            shared_storage_pt(path, n)
+            r = probe(path)
+            per = r["seconds"] / n * 1e6
+            first = first or per
+            print(f"{'N = ' + format(n, ','):<44}{r['seconds']:>9.2f}{r['cpu']:>8.2f}{r['rss']:>10}{per:>10.1f}"
+                  f"{per / first:>8.2f}  "
+                  f"{r['outcome']}")
+            path.unlink()
+            n *= 10
+
+    print(f"\n{'norm-preset rename of a path of':<44}{'seconds':>9}{'x 8k':>10}")
+    first = None
+    for n in (8_000, 32_000, 128_000):
+        s = rename_seconds(n)
+        first = first or s
+        print(f"{format(n, ',') + ' characters':<44}{s:>9.4f}{s / first:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

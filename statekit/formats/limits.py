@@ -1,0 +1,98 @@
+"""Limits every reader enforces while it decodes, and the checks shared by all of them.
+
+A file is refused with a one-line :class:`~statekit.errors.FormatError` as soon as it crosses a
+limit — before the work or memory the limit guards is spent. The limits are far above what the
+frameworks themselves write (burn's own: 100 MB of metadata, 100,000 tensors, 10 GiB a tensor).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+MAX_RANK = 64  # numpy's limit (and far above any framework's tensors)
+MAX_ELEMENTS = (1 << 63) - 1  # bytes or elements of one tensor, zero-size dimensions or not
+MAX_TENSORS = 100_000 * 10  # tensors (or records) in one file; burnpack keeps burn's own 100,000
+MAX_CONTAINER = 1_000_000  # items in one decoded list or map
+MAX_DEPTH = 64  # nesting of decoded metadata, pickles, JSON
+MAX_PICKLE_OBJECTS = 50_000_000  # objects one pickle may build (by reference, after the memo)
+MAX_INFLATE = 64 << 20  # a gzip stream may inflate to this many bytes …
+MAX_INFLATE_RATIO = 8  # … or to this many times its compressed size, whichever is larger
+# (optimizer state compresses 1.1–2x; a gzip bomb ~1000x. STATEKIT_GZIP_RATIO=N raises the ratio.)
+
+
+def shape_problem(shape: object, itemsize: int = 1) -> str | None:
+    """Why ``shape`` is not a plausible tensor shape, or None.
+
+    Dimensions are non-negative Python integers (not bools), at most :data:`MAX_RANK` of them, and
+    the product of the non-zero dimensions times ``itemsize`` fits in 63 bits — a zero-size
+    dimension beside huge ones is still refused, since numpy cannot hold that shape either.
+    """
+    if not isinstance(shape, list | tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"shape {_short(shape)} is not a list of non-negative integers"
+    if len(shape) > MAX_RANK:
+        return f"rank {len(shape)} exceeds the limit of {MAX_RANK} dimensions"
+    total = max(itemsize, 1)
+    for d in shape:
+        total *= max(d, 1)
+        if total > MAX_ELEMENTS:
+            return f"shape {_short(shape)} has more than 2^63 bytes (zero-size dimensions included)"
+    return None
+
+
+def stride_problem(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> str | None:
+    """Why a strided view cannot be addressed (a byte stride beyond 63 bits), or None."""
+    for n, s in zip(shape, stride, strict=False):
+        if s * itemsize > MAX_ELEMENTS or (n - 1) * s * itemsize > MAX_ELEMENTS:
+            return f"stride {s} of a dimension of size {n} lies beyond 2^63 bytes"
+    return None
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be written as UTF-8 (a lone surrogate), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{_short(text)} holds a lone surrogate ({text[exc.start]!r} at {exc.start}) and cannot be written as UTF-8"
+    return None
+
+
+def depth_problem(value: object, max_depth: int = MAX_DEPTH) -> str | None:
+    """Why a decoded JSON-like value nests too deep (lists, dicts, tuples), or None. Iterative."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            return f"nested deeper than {max_depth} levels"
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def inflate_cap(compressed_size: int) -> int:
+    try:
+        ratio = int(os.environ.get("STATEKIT_GZIP_RATIO", MAX_INFLATE_RATIO))
+    except ValueError:
+        ratio = MAX_INFLATE_RATIO
+    return max(MAX_INFLATE, ratio * compressed_size)
+
+
+def short(value: object, width: int = 60) -> str:
+    """``repr(value)`` cut to ``width`` characters (a type name for a structure too deep to repr)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+_short = short
+
+
+def is_finite_integral(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value == int(value)
