@@ -55,11 +55,12 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
 
 
 def _same_shapes(p: ParamState) -> str | None:
-    """Why the slots of a parameter do not share one shape (transposes and resizes apply to all), or None."""
-    shapes = {name: list(ref.shape) for name, ref in p.slots.items()}
-    if len({tuple(s) for s in shapes.values()}) > 1:
+    """Why the slots of a parameter differ in rank (transposes and resizes apply to every slot alike), or
+    None. Factored state (Adafactor's row_var [n, 1] and col_var [1, m]) keeps one rank and passes."""
+    shapes = {name: list(ref.shape) for name, ref in p.slots.items() if ref.shape}  # scalars (NAdam's mu_product) aside
+    if len({len(s) for s in shapes.values()}) > 1:
         listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
-        return f"parameter {p.label()}: its state slots differ in shape ({listed})"
+        return f"parameter {p.label()}: its state slots differ in rank ({listed})"
     return None
 
 
