@@ -12,8 +12,8 @@ the shipped fixtures) and the placeholder files the docs name, resolved to shipp
 - ```` ```python ```` blocks, each in a fresh namespace (:data:`SETUP` defines what a snippet takes
   from the reader's own program: a model, an optimizer, a writer's output).
 
-Not run: installing (``pip``), the test suite itself (``pytest``), Rust, and blocks without a
-language (sharded.md's launcher lines need a cluster: ``torchrun``, ``srun``, ``sbatch``).
+Not run: installing (``pip``), the test suite itself (``pytest``), Rust, launcher lines that need a
+cluster (``torchrun``, ``srun``, ``sbatch``) and blocks without a language.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ PLACEHOLDERS = {
     "lm-optim.bpk": "lm-optim.bpk",
     "optimizer.safetensors": "candle/optimizer.safetensors",
     "model.safetensors": "candle/model.safetensors",
+}
+# Folders the docs name (sharded.md) → the shipped fixture folder copied in their place.
+DIR_PLACEHOLDERS = {
+    "ckpt": "dcp/ws2",
+    "optimizer_0": "dcp/accelerate/optimizer_0",
+    "ds_ckpt": "deepspeed/stage2",
+    "ds_ckpt_universal": "deepspeed/stage2/universal",
 }
 SKIPPED = ("pip ", "python3 -m pytest", "python -m pytest", "torchrun ", "srun ", "sbatch ", "cargo ")
 # What a snippet takes from the reader's own program, keyed by (document, the snippet's first line).
@@ -108,6 +115,7 @@ def torch_placeholders(folder: Path) -> None:
     mlp["l2"](mlp["l1"](torch.randn(8, 4))).sum().backward()
     opt.step()
     torch.save(opt.state_dict(), folder / "opt.pt")
+    torch.save(mlp.state_dict(), folder / "mlp-model.pt")  # its weights (sharded.md's universal output)
     old = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     opt = torch.optim.Adam(old.parameters())
     old(torch.randn(8, 4)).sum().backward()
@@ -122,6 +130,9 @@ def prepare(folder: Path, doc: Path) -> None:
     (folder / "fixtures").symlink_to(FIXTURES)
     for name, fixture in PLACEHOLDERS.items():
         shutil.copyfile(FIXTURES / fixture, folder / name)
+    if doc.name == "sharded.md":
+        for name, fixture in DIR_PLACEHOLDERS.items():
+            shutil.copytree(FIXTURES / fixture, folder / name)
     torch_placeholders(folder)
     if doc.name == "resume-after-refactor.md":  # its opt.pt is the Sequential's
         shutil.copyfile(folder / "opt-seq.pt", folder / "opt.pt")

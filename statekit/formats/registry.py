@@ -76,6 +76,8 @@ FORMATS: tuple[Format, ...] = (
     Format("deepspeed", "torch", sniff="statekit.formats.deepspeed:claims",
            open="statekit.frameworks.deepspeed_io:open_checkpoint", directory=True,
            description="DeepSpeed ZeRO and universal checkpoint folders"),
+    # the universal layout (ds_to_universal's output) is written on request (--to); read by the entry above.
+    Format("deepspeed-universal", "torch", write="statekit.frameworks.deepspeed_io:save_universal", directory=True),
     # HF Trainer checkpoint-N/ and Accelerate save_state folders: opened as the torch optimizer inside.
     Format("torch-folder", "torch", sniff="statekit.frameworks.wrappers:claims",
            open="statekit.frameworks.wrappers:open_checkpoint", directory=True,

@@ -22,6 +22,9 @@ A universal checkpoint (``ds_to_universal``) already holds one file per paramete
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
 import os
 import re
@@ -300,3 +303,125 @@ def _open_universal(path: str) -> Checkpoint:
     ckpt.n_tensors = sum(len(p.slots) for p in params)
     ckpt.nbytes = sum(p.nbytes for p in params)
     return ckpt
+
+
+# ------------------------------------------------------------------------- universal: writing
+
+# The fp32 master weights a universal checkpoint needs are model tensors, not optimizer state: the
+# caller (``ops.convert``) hands them over for the duration of one write (``--model``, else the
+# checkpoint's own model — a DeepSpeed checkpoint's consolidated master weights).
+_WEIGHTS: contextvars.ContextVar[ModelInfo | None] = contextvars.ContextVar("deepspeed_universal_weights",
+                                                                            default=None)
+UNIVERSAL_DS_VERSION = "0.19.8"  # the DeepSpeed release whose ds_to_universal layout this writer matches
+
+
+def _plain(ref: TensorRef) -> TensorRef:
+    """``ref`` pickled as a plain tensor (DeepSpeed saves tensors, not ``nn.Parameter``s)."""
+    if not ref.info.get("parameter"):
+        return ref
+    return dataclasses.replace(ref, info={k: v for k, v in ref.info.items() if k not in ("parameter", "requires_grad")})
+
+
+@contextlib.contextmanager
+def universal_weights(model: ModelInfo | None):
+    token = _WEIGHTS.set(model)
+    try:
+        yield
+    finally:
+        _WEIGHTS.reset(token)
+
+
+def save_universal(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
+                   metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
+                   on_warning=None) -> int:
+    """Write ``state`` as the folder ``ds_to_universal`` writes for a ZeRO 1/2 checkpoint:
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`` (``{'cat_dim': 0, 'param': tensor}``),
+    ``zero/<name>/step.pt`` (a 0-d fp32 tensor), ``zero/optimizer_state.pt`` (``param_groups``,
+    ``ds_version``), ``mp_rank_00_model_states.pt`` (``module``: the fp32 weights, ``param_shapes``,
+    steps) and, like ``ds_to_universal``, ``latest_universal`` beside the folder naming it."""
+    import numpy as np
+
+    from statekit.atomic import atomic_write
+    from statekit.formats import torch_pt
+
+    path = os.fspath(path).rstrip("/" + os.sep) or os.fspath(path)
+    groups = groups if groups is not None else [g.hyperparams for g in state.groups]
+    plan = _universal_entries(state, path, family or state.family)
+    steps = {step for _, _, step in plan}
+    written = 0
+    zero = os.path.join(path, "zero")
+    for name, tensors, step in plan:
+        folder = os.path.join(zero, name)
+        os.makedirs(folder, exist_ok=True)
+        for slot, ref in tensors.items():
+            ref = _plain(ref if ref.dtype == "F32" else ref.cast("F32"))
+            torch_pt.save_pt({"cat_dim": 0, "param": ref}, os.path.join(folder, f"{slot}.pt"))
+            written += os.path.getsize(os.path.join(folder, f"{slot}.pt"))
+            if progress is not None:
+                progress(ref.nbytes)
+        if step is not None:
+            torch_pt.save_pt(np.array(float(step), dtype=np.float32), os.path.join(folder, "step.pt"))
+            written += os.path.getsize(os.path.join(folder, "step.pt"))
+    names = [name for name, _, _ in plan]
+    by_group: list[list[int]] = [[] for _ in groups] or [[]]
+    for i, p in enumerate(state.params):
+        by_group[min(p.group, len(by_group) - 1)].append(i)
+    # ZeRO's base optimizer holds one flat tensor per group: group g's "params" is [g]
+    param_groups = [{**{k: v for k, v in dict(g).items() if k not in ("params", "param_names")}, "params": [i]}
+                    for i, g in enumerate(groups or [{}])]
+    optimizer_state = {"param_groups": param_groups, "ds_version": UNIVERSAL_DS_VERSION}
+    torch_pt.save_pt(optimizer_state, os.path.join(zero, "optimizer_state.pt"))
+    written += os.path.getsize(os.path.join(zero, "optimizer_state.pt"))
+    step = next(iter(steps)) if len(steps) == 1 else None
+    model_states: dict[str, object] = {
+        "module": {name: _plain(tensors["fp32"]) for name, tensors, _ in plan},
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": [{names[i]: tuple(plan[i][1]["fp32"].shape) for i in idx} for idx in by_group],
+        "frozen_param_shapes": {},
+        "shared_params": {},
+        "lr_scheduler": None,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "ds_version": UNIVERSAL_DS_VERSION,
+    }
+    if step is not None and float(step).is_integer():
+        model_states.update(global_steps=int(step), skipped_steps=0)
+    torch_pt.save_pt(model_states, os.path.join(path, "mp_rank_00_model_states.pt"))
+    written += os.path.getsize(os.path.join(path, "mp_rank_00_model_states.pt"))
+    root, folder = os.path.split(os.path.abspath(path))
+    with atomic_write(os.path.join(root, "latest_universal")) as fh:
+        fh.write(folder.encode())
+    return written
+
+
+def _universal_entries(state: OptimizerState, path: str, family: str | None) -> list[tuple[str, dict, object]]:
+    """(name, {slot: tensor} with the fp32 weight, step) per parameter; refused before any byte is written."""
+    from statekit.errors import MappingError
+
+    if family not in ("adam", "adamw"):
+        raise MappingError(f"a DeepSpeed universal checkpoint holds Adam/AdamW state (exp_avg, exp_avg_sq); this "
+                           f"state is {family}", path)
+    model = _WEIGHTS.get()
+    weights = {p.path: p for p in model.params if not p.buffer} if model is not None else {}
+    plan: list[tuple[str, dict, object]] = []
+    for p in state.params:
+        if not p.path or not _PARAM_DIR.match(p.path) or p.path in (".", ".."):
+            raise MappingError(f"parameter {p.label()}: a universal checkpoint keeps one folder per parameter name; "
+                               "this one has no usable name (give --names or --model)", path)
+        weight = weights.get(p.path)
+        if weight is None or weight.tensor is None:
+            where = "the model given with --model" if model is not None else "the input (it holds no weights)"
+            raise MappingError(f"parameter {p.path}: no fp32 master weight in {where}; a universal checkpoint "
+                               "needs the weights (give --model with them)", path)
+        missing = [s for s in SLOTS if s not in p.slots]
+        if missing:
+            raise MappingError(f"parameter {p.path}: no {missing[0]} in the optimizer state", path)
+        for t in (weight.tensor, *(p.slots[s] for s in SLOTS)):
+            if tuple(t.shape) != tuple(p.slots["exp_avg"].shape):
+                raise MappingError(f"parameter {p.path}: weight and moments have shapes {list(weight.tensor.shape)}, "
+                                   f"{list(p.slots['exp_avg'].shape)}", path)
+        plan.append((p.path, {"fp32": weight.tensor, **{s: p.slots[s] for s in SLOTS}}, p.step))
+    if not plan:
+        raise MappingError("no parameter state to write", path)
+    return plan

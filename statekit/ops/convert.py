@@ -157,6 +157,12 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                 plan.warnings.append(recorded)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
+        if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
+            from statekit.frameworks.deepspeed_io import universal_weights
+
+            with universal_weights(opts.model if opts.model is not None else ckpt.model):
+                return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                                 on_plan=on_plan)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
 
