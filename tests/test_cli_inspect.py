@@ -152,3 +152,23 @@ def test_param_on_a_model_and_unknown_names(cli):
     assert [p["path"] for p in d["params"]] == ["conv1.conv.bias"]
     r = cli("inspect", "fixtures/hand-optim.bpk", "-p", "l3.weight")
     assert r.returncode == 1 and "'l3.weight'" in r.stderr
+
+
+def test_stats_of_float64_state_near_its_range_neither_overflow_nor_warn():
+    """Hand-computed: [1e300, -1e300, 3e300, nan] has mean 1e300 and RMS sqrt(11/3)·1e300."""
+    import math
+    import warnings
+
+    import numpy as np
+
+    from statekit.ops.inspect import tensor_stats
+    from statekit.tensor import TensorRef
+
+    ref = TensorRef.from_array(np.array([1e300, -1e300, 3e300, np.nan]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = tensor_stats(ref, block=2)  # the largest value arrives in the second block
+    assert s["mean"] == pytest.approx(1e300) and s["rms"] == pytest.approx(np.sqrt(11 / 3) * 1e300)
+    assert (s["min"], s["max"], s["nan"], s["inf"]) == (-1e300, 3e300, 1, 0)
+    small = tensor_stats(TensorRef.from_array(np.array([1.0, 2.0, 2.0], dtype=np.float32)))
+    assert (small["mean"], small["rms"]) == (5 / 3, math.sqrt(3))

@@ -19,29 +19,42 @@ from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
+LARGE = 2.0**500  # past this, squares of float64 values could overflow
 
 
 def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
-    """min / max / mean / rms / nan / inf of a tensor, streaming over ``block`` elements at a time."""
+    """min / max / mean / rms / nan / inf of a tensor, streaming over ``block`` elements at a time.
+
+    Sums run in float64; values past 2**500 (float64 state near its range) are summed divided by a
+    power of two (exact), so mean and RMS neither overflow nor warn.
+    """
     if ref.dtype == "QFloat":
         return {}
     n = ref.numel
-    lo, hi, total, squares, nan, inf = math.inf, -math.inf, 0.0, 0.0, 0, 0
+    lo, hi, total, squares, nan, inf, scale = math.inf, -math.inf, 0.0, 0.0, 0, 0, 1.0
     for piece in ref.pieces(block):  # read with pread, one block at a time
-        chunk = piece.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            chunk = piece.astype(np.float64)
         finite = chunk
         bad_nan, bad_inf = nonfinite(chunk) if dtypes.is_float(ref.dtype) else (0, 0)
         if bad_nan or bad_inf:
             nan, inf = nan + bad_nan, inf + bad_inf
             finite = chunk[np.isfinite(chunk)]
         if finite.size:
-            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
-            total += float(finite.sum())
+            cmin, cmax = float(finite.min()), float(finite.max())
+            lo, hi = min(lo, cmin), max(hi, cmax)
+            top = max(abs(cmin), abs(cmax))
+            if top > LARGE and top > scale:
+                grown = math.ldexp(1.0, math.frexp(top)[1])
+                total, squares, scale = total * (scale / grown), squares * (scale / grown) ** 2, grown
+            part = finite / scale if scale != 1.0 else finite
+            total += float(part.sum())
             # numpy's pairwise sum, not BLAS dot: as fast on one core, and the same on any machine
-            squares += float(np.square(finite).sum())
+            squares += float(np.square(part).sum())
     count = n - nan - inf
     out = {"min": lo if count else None, "max": hi if count else None,
-           "mean": total / count if count else None, "rms": math.sqrt(squares / count) if count else None,
+           "mean": scale * (total / count) if count else None,
+           "rms": scale * math.sqrt(squares / count) if count else None,
            "nan": nan, "inf": inf}
     return out
 
