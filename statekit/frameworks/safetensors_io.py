@@ -259,6 +259,12 @@ def _loads(sf: SafetensorsFile, key: str, default: object = None) -> object:
     problem = limits.depth_problem(value)
     if problem:
         raise FormatError(f"metadata {key!r}: JSON {problem}", sf.path)
+    if "\\u" in text:  # a \uD800 escape decodes to a lone surrogate, which no output can hold
+        try:
+            _dumps(value).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise FormatError(f"metadata {key!r}: JSON string holds a lone surrogate "
+                              f"({exc.object[exc.start]!r}) and cannot be written as UTF-8", sf.path) from None
     return value
 
 

@@ -22,4 +22,5 @@ def test_corpus_case(path, tmp_path):
     case.write_bytes(path.read_bytes())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        harness.exercise(case, tmp_path, 0)
+        for choice in range(3):  # every output the fuzzer converts to: .pt, .bpk (adam), .safetensors
+            harness.exercise(case, tmp_path, choice)
