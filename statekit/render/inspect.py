@@ -204,5 +204,5 @@ def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     """One header and one line per parameter."""
     optimizer = d["kind"] == "optimizer"
     names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["step", "fields"] if optimizer else [])
-    rows = [[_cells(p, optimizer)[c] for c in names] for p in d["params"]]
+    rows = [list(_cells(p, optimizer).values()) for p in d["params"]]  # the cells come in ``names`` order
     return [n.replace(" ", "_") for n in names], rows
