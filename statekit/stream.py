@@ -422,9 +422,8 @@ def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool, direc
     cancelled = threading.Event()
     gate = _Gate(refs)
     queues = [queue.Queue(maxsize=QUEUE_PIECES) if d is None else None for d in direct]
-    order = iter([i for i, d in enumerate(direct) if d is None])  # what the workers take
     slots = threading.Semaphore(n_jobs)  # tensors in flight: taken by a worker, released by the consumer
-    counter = order
+    counter = iter([i for i, d in enumerate(direct) if d is None])  # the workers' share, in order
     counter_lock = threading.Lock()
     context = contextvars.copy_context()  # worker threads do not inherit context variables
 
