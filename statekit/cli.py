@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import gc
 import os
 import sys
@@ -138,8 +139,14 @@ def _no_cycle_collection():
     try:
         yield
     finally:
+        if _ONE_COMMAND:  # the process ends after this command: what it built is never scanned again
+            gc.freeze()
         if was:
             gc.enable()
+
+
+#: True in the ``statekit`` process itself (:func:`main`), False when the CLI runs in-process (tests)
+_ONE_COMMAND = False
 
 
 OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
@@ -546,13 +553,33 @@ def _report(message: str, code: int, json_errors: bool) -> int:
     return code
 
 
+def _app_for(args: list[str]) -> typer.Typer:
+    """The app to run ``args`` with: only the command asked for when it comes first.
+
+    typer builds a click command for every registered command before it parses anything
+    (measured: 15 ms of a 0.14 s ``statekit inspect``, the signatures of all nine). When the first
+    argument names a command, an app holding only that command parses, checks and helps the same
+    way; anything else (``--help``, ``--version``, an unknown command, shell completion) gets
+    the whole app.
+    """
+    if not args or any(k.startswith("_STATEKIT_COMPLETE") for k in os.environ):
+        return app
+    chosen = [c for c in app.registered_commands
+              if (c.name or c.callback.__name__.lower().replace("_", "-")) == args[0]]
+    if len(chosen) != 1:
+        return app
+    single = copy.copy(app)
+    single.registered_commands = chosen
+    return single
+
+
 def _run(args: list[str] | None = None) -> int:
     """Run the CLI: every error becomes one line (JSON with --json) and an exit code, here only."""
     args = sys.argv[1:] if args is None else list(args)
     command = next((a for a in args if not a.startswith("-")), None)
     try:
         # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
-        rc = contextvars.copy_context().run(app, args=args, standalone_mode=False, prog_name="statekit")
+        rc = contextvars.copy_context().run(_app_for(args), args=args, standalone_mode=False, prog_name="statekit")
     except (Exception, KeyboardInterrupt) as exc:
         if _is_click(exc, "Exit"):
             return exc.exit_code
@@ -590,5 +617,11 @@ def finalize(
 def main() -> None:
     from statekit.atomic import exit_cleanly_on_sigterm
 
+    global _ONE_COMMAND
     exit_cleanly_on_sigterm()  # SIGTERM unwinds like Ctrl-C: no temporary output file stays behind
+    _ONE_COMMAND = True
+    # statekit.entry paused the cycle collector for the imports: the modules, classes and functions
+    # live until exit, so they leave the collector's view for good (collection resumes for the rest)
+    gc.freeze()
+    gc.enable()
     sys.exit(_run())

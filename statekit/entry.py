@@ -6,10 +6,14 @@ costs several times Python's own start-up. Everything else goes to :func:`statek
 
 from __future__ import annotations
 
+import gc
 import sys
 
 
 def main() -> None:
+    # no cycle collection while the command line is imported (tens of thousands of long-lived
+    # objects, scanned again and again as they pile up); statekit.cli.main resumes it
+    gc.disable()
     if sys.argv[1:] == ["--version"]:
         from statekit import __version__
 

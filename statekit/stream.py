@@ -202,8 +202,12 @@ def _scan(pieces: Iterator[np.ndarray], label: str, path: str | None) -> Iterato
         nan, inf = nan + n, inf + i
         yield piece
     if nan or inf:
-        raise MappingError(f"{label}: {nan} NaN and {inf} Inf values; resuming from them "
-                           "would turn the parameter into NaN (--allow-nonfinite writes them anyway)", path)
+        raise _nonfinite_error(label, path, nan, inf)
+
+
+def _nonfinite_error(label: str, path: str | None, nan: int, inf: int) -> MappingError:
+    return MappingError(f"{label}: {nan} NaN and {inf} Inf values; resuming from them "
+                        "would turn the parameter into NaN (--allow-nonfinite writes them anyway)", path)
 
 
 def combine(refs: Sequence[TensorRef], fn: Callable[..., np.ndarray], dtype: str, *,
@@ -223,11 +227,18 @@ def combine(refs: Sequence[TensorRef], fn: Callable[..., np.ndarray], dtype: str
 
 
 class PieceStream:
-    """The bytes of one tensor, in pieces; ``nbytes`` and ``crc`` (when asked) once exhausted."""
+    """The bytes of one tensor, in pieces; ``nbytes`` and ``crc`` (when asked) once exhausted.
 
-    def __init__(self, pieces: Iterator, want_crc: bool):
+    Iterate it (``for buf in stream``), or hand it an output with :meth:`write_to`: a tensor that
+    is a span of an input file (checked for NaN/Inf or not) is then read straight into the
+    output's staging blocks (:class:`statekit.atomic.OutputFile`), checked and CRC'd there — one
+    copy, no buffer of its own.
+    """
+
+    def __init__(self, pieces: Iterator, want_crc: bool, direct: tuple | None = None):
         self._pieces = pieces
         self._want_crc = want_crc
+        self._direct = direct  # (span, check) of a span the consumer reads itself
         self.nbytes = 0
         self.crc = 0 if want_crc else None
 
@@ -237,6 +248,46 @@ class PieceStream:
             if self._want_crc:
                 self.crc = crc
             yield piece
+
+    def write_to(self, out) -> None:
+        """Write every byte to ``out`` (a file object; zero-copy into an ``OutputFile``)."""
+        if self._direct is None or not hasattr(out, "staging"):
+            for buf in self:
+                out.write(buf)
+            return
+        span, check = self._direct
+        crc32 = crc32_function() if self._want_crc else None
+        want = dtypes.numpy_dtype(check[0].dtype) if check is not None else None
+        item = want.itemsize if want is not None else 1
+        crc = nan = inf = 0
+        pos = 0
+        while pos < span.length:
+            view = out.staging(span.length - pos)
+            n = len(view) - len(view) % item
+            if n == 0:  # an element across two staging blocks: through a small buffer
+                view = memoryview(span.read(pos, item))
+                n = item
+                staged = False
+            else:
+                view = view[:n]
+                span.file.pread_into(view, span.offset + pos)
+                staged = True
+            if want is not None:
+                a, b = nonfinite(np.frombuffer(view, dtype=want))
+                nan, inf = nan + a, inf + b
+            if crc32 is not None:
+                crc = crc32(view, crc)
+            if staged:
+                out.commit(n)
+            else:
+                out.write(view)
+            pos += n
+        self.nbytes = span.length
+        if self._want_crc:
+            self.crc = crc
+        if nan or inf:
+            _, label, path = check
+            raise _nonfinite_error(label, path, nan, inf)
 
 
 def crc32_function() -> Callable:
@@ -271,6 +322,18 @@ def _raw(ref: TensorRef, piece: int) -> Iterator:
             views = inner.span.chunks(max(1, piece // want.itemsize) * want.itemsize, RING)
             return (_as_view(a) for a in _scan((np.frombuffer(v, dtype=want) for v in views), label, path))
     return ref.iter_bytes(piece)
+
+
+def _direct_source(ref: TensorRef) -> tuple | None:
+    """``(span, check)`` when ``ref``'s bytes are a file span as they are (``check``: the
+    ``(source, label, path)`` of :func:`checked`, or None); else None."""
+    if ref.span is not None and ref.array_loader is None:
+        return ref.span, None
+    if ref.checks is not None:
+        inner = ref.checks[0]
+        if inner.span is not None and inner.array_loader is None:
+            return inner.span, ref.checks
+    return None
 
 
 def _as_view(arr: np.ndarray) -> memoryview:
@@ -322,21 +385,27 @@ class _Cancelled(Exception):
 
 
 def ordered(refs: Sequence[TensorRef], *, jobs: int | None = None, piece: int | None = None,
-            crc: bool = False) -> Iterator[tuple[TensorRef, PieceStream]]:
-    """``(ref, stream)`` for each ref, in order; iterate each stream fully before the next.
+            crc: bool = False, out=None) -> Iterator[tuple[TensorRef, PieceStream]]:
+    """``(ref, stream)`` for each ref, in order; iterate each stream (or ``stream.write_to(out)``)
+    fully before the next.
 
     With ``jobs`` > 1, up to ``jobs`` tensors are read and transformed ahead by as many worker
     threads, each holding at most a few pieces; the consumer sees exactly what ``jobs=1`` gives.
-    Small totals (under :data:`CONCURRENT_MIN` bytes) are not worth the threads.
+    Small totals (under :data:`CONCURRENT_MIN` bytes) are not worth the threads. ``out``: the
+    output the streams will be written to; when it can stage (an ``OutputFile``), tensors that
+    are plain file spans are left to the consumer, which reads them straight into the output
+    (:meth:`PieceStream.write_to`): the workers take only the tensors that need computing.
     """
     n_jobs = jobs if jobs is not None else current_jobs()
     piece = piece or tensor.PIECE
     refs = list(refs)
-    if n_jobs <= 1 or len(refs) <= 1 or sum(_size(r) for r in refs) < CONCURRENT_MIN:
-        for ref in refs:
-            yield ref, PieceStream(_produce(ref, piece, crc), crc)
+    direct = [_direct_source(r) if out is not None and hasattr(out, "staging") else None for r in refs]
+    busy = [r for r, d in zip(refs, direct, strict=True) if d is None]
+    if n_jobs <= 1 or len(busy) <= 1 or sum(_size(r) for r in busy) < CONCURRENT_MIN:
+        for ref, d in zip(refs, direct, strict=True):
+            yield ref, PieceStream(_produce(ref, piece, crc), crc, d)
         return
-    yield from _concurrent(refs, n_jobs, piece, crc)
+    yield from _concurrent(refs, n_jobs, piece, crc, direct)
 
 
 CONCURRENT_MIN = 32 << 20
@@ -349,12 +418,12 @@ def _size(ref: TensorRef) -> int:
         return 0
 
 
-def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool) -> Iterator[tuple]:
+def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool, direct: list) -> Iterator[tuple]:
     cancelled = threading.Event()
     gate = _Gate(refs)
-    queues = [queue.Queue(maxsize=QUEUE_PIECES) for _ in refs]
+    queues = [queue.Queue(maxsize=QUEUE_PIECES) if d is None else None for d in direct]
     slots = threading.Semaphore(n_jobs)  # tensors in flight: taken by a worker, released by the consumer
-    counter = iter(range(len(refs)))
+    counter = iter([i for i, d in enumerate(direct) if d is None])  # the workers' share, in order
     counter_lock = threading.Lock()
     context = contextvars.copy_context()  # worker threads do not inherit context variables
 
@@ -414,6 +483,9 @@ def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool) -> It
         t.start()
     try:
         for i, ref in enumerate(refs):
+            if direct[i] is not None:  # read by the consumer, in its turn
+                yield ref, PieceStream(_produce(ref, piece, crc), crc, direct[i])
+                continue
             yield ref, PieceStream(drain(queues[i]), crc)
             queues[i] = None
             slots.release()
@@ -432,11 +504,10 @@ def write_all(out, refs: Sequence[TensorRef], *, crc: bool = False,
               before: Callable[[int, TensorRef], None] | None = None,
               after: Callable[[int, TensorRef, PieceStream], None] | None = None) -> None:
     """Write each tensor's bytes to ``out`` in order (``before``/``after`` hooks per tensor)."""
-    for i, (ref, stream) in enumerate(ordered(refs, crc=crc)):
+    for i, (ref, stream) in enumerate(ordered(refs, crc=crc, out=out)):
         if before is not None:
             before(i, ref)
-        for buf in stream:
-            out.write(buf)
+        stream.write_to(out)
         if after is not None:
             after(i, ref, stream)
 

@@ -49,7 +49,7 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pickle
 from statekit.formats.torch_pickle import Storage, StorageId
-from statekit.stream import ordered
+from statekit.stream import PieceStream, ordered
 from statekit.tensor import FileSpan, SourceFile, TensorRef
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -379,7 +379,7 @@ def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive") -> int:
     writer.add(".storage_alignment", str(ALIGNMENT).encode())
     writer.add("byteorder", b"little")
     sizes = [_tensor_size(tensor) for tensor in tensors]
-    for key, (_, stream) in enumerate(ordered(tensors, crc=True)):
+    for key, (_, stream) in enumerate(ordered(tensors, crc=True, out=fh)):
         writer.add(f"data/{key}", sizes[key], stream)
     writer.add("version", b"3\n")
     writer.add(".data/serialization_id", writer.serialization_id())
@@ -435,14 +435,16 @@ class _ZipWriter:
         )
         self.write(raw_name + extra)
         crc = written = 0
-        streamed = getattr(pieces, "crc", None) is not None  # a PieceStream computes its CRC on the way
-        for piece in pieces:
-            self.write(piece)
-            if not streamed:
-                crc = zlib.crc32(piece, crc)
-            written += len(piece)
-        if streamed:
+        if isinstance(pieces, PieceStream):  # computes its CRC on the way, writes straight to the file
+            pieces.write_to(self.fh)
+            written = pieces.nbytes
+            self.pos += written
             crc = pieces.crc
+        else:
+            for piece in pieces:
+                self.write(piece)
+                crc = zlib.crc32(piece, crc)
+                written += len(piece)
         if written != size:
             raise MappingError(f"entry {name} produced {written} bytes, expected {size}")
         if size:
