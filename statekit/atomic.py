@@ -20,8 +20,6 @@ import os
 import queue
 import re
 import signal
-import socket
-import tempfile
 import threading
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -38,6 +36,8 @@ def _mode_for(path: str) -> int:
 
 
 def _host() -> str:
+    import socket  # socket and tempfile on first use: a command that writes nothing never loads them
+
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
 
 
@@ -83,6 +83,8 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     remove_stale(path)
+    import tempfile
+
     try:
         fd, tmp = tempfile.mkstemp(prefix=f"{_prefix(os.path.basename(path))}{os.getpid()}.", suffix=".tmp",
                                    dir=directory)

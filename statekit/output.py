@@ -7,8 +7,6 @@ in step and errors always look the same: ``statekit: error: <file>: <problem>``.
 from __future__ import annotations
 
 import contextlib
-import json
-import json.encoder
 import math
 import os
 import sys
@@ -55,15 +53,20 @@ def dumps(obj: object) -> str:
     0.2 s of a 10,000-parameter ``inspect --json``). This walks the value once, appending pieces,
     with C's string quoting; a value it does not know goes back to json itself.
     """
+    global _quote
+    if _quote is None:
+        from json.encoder import encode_basestring_ascii as _quote  # json.dumps's own (ensure_ascii), in C
     out: list[str] = []
     try:
         _dump(obj, out, "\n")
     except _Unusual:
+        import json
+
         return json.dumps(_jsonable(obj), indent=2, allow_nan=False)
     return "".join(out)
 
 
-_quote = json.encoder.encode_basestring_ascii  # json.dumps's own (ensure_ascii), in C
+_quote = None  # json's string quoting, imported by the first dumps()
 _LITERAL = {None: "null", True: "true", False: "false"}
 
 
@@ -110,6 +113,46 @@ def _dump(value: object, out: list[str], newline: str) -> None:
         raise _Unusual
 
 
+def _plain_width() -> int | None:
+    """The width stdout's rich console would have, when it draws without any style; else None.
+
+    rich draws without styles when stdout is not a terminal by its rules (``TTY_COMPATIBLE``,
+    ``FORCE_COLOR``, ``isatty``), and keeps its box characters when stdout's encoding is UTF.
+    Then :mod:`statekit.render.boxes` writes the same text without importing rich. The width is
+    :attr:`Output.console`'s: ``COLUMNS`` when it is a number, else a terminal's on stdin or
+    stderr (or 80), at least 160 unless ``COLUMNS`` is set.
+    """
+    import builtins
+
+    env = os.environ
+    if os.name != "posix" or hasattr(builtins, "get_ipython") or hasattr(sys.stdout, "rich_proxied_file"):
+        return None
+    if env.get("TTY_COMPATIBLE", "") == "1" or env.get("TTY_COMPATIBLE", "") != "0" and env.get("FORCE_COLOR"):
+        return None
+    if env.get("TTY_COMPATIBLE", "") != "0" and env.get("FORCE_COLOR") is None:
+        try:
+            if sys.stdout.isatty():
+                return None
+        except (AttributeError, ValueError):
+            pass
+    if not (getattr(sys.stdout, "encoding", "utf-8") or "utf-8").lower().startswith("utf"):
+        return None
+    columns = env.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        width = int(columns)
+    else:
+        width = 80
+        for fd in (0, 1, 2):
+            try:
+                width = os.get_terminal_size(fd).columns or 80
+                break
+            except (AttributeError, ValueError, OSError):
+                continue
+        if not columns:
+            width = max(width, 160)
+    return width if width >= 8 else None
+
+
 class Output:
     """Where a command's output goes, in the format the user chose (``table``, ``json``, ``tsv``)."""
 
@@ -143,6 +186,10 @@ class Output:
 
     @property
     def width(self) -> int:
+        if self._out is None:
+            plain = _plain_width()
+            if plain is not None:
+                return plain
         return self.console.width
 
     def show(self, kind: str, result, **options) -> None:
@@ -164,12 +211,30 @@ class Output:
         """Tables fit the width; lines of text are never wrapped (scripts grep them)."""
         if self.format == "table" and not self.quiet:
             if len(objects) == 1 and type(objects[0]).__name__ == "PlainLines":  # statekit.render: as is
-                self.console.file.flush()
                 sys.stdout.write(objects[0])
+                return
+            if len(objects) == 1 and self._plain(objects[0]):
                 return
             from rich.text import Text
 
+            objects = tuple(o.to_rich() if hasattr(o, "to_rich") else o for o in objects)
             self.console.print(*objects, soft_wrap=all(isinstance(o, str | Text) for o in objects))
+
+    def _plain(self, item: object) -> bool:
+        """Write a :mod:`statekit.render.boxes` line or table without rich when rich would draw
+        exactly that text (no terminal, no styles); False when rich must draw it."""
+        if not hasattr(item, "to_rich") or self._out is not None:
+            return False
+        width = _plain_width()
+        if width is None:
+            return False
+        from statekit.render import boxes
+
+        text = item.plain(width) if isinstance(item, boxes.Line) else boxes.draw(item, width)
+        if text is None:
+            return False
+        sys.stdout.write(text)
+        return True
 
     def info(self, message: str) -> None:
         """A remark for humans (stderr in JSON mode so stdout stays parseable)."""

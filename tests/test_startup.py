@@ -50,6 +50,8 @@ def test_header_only_inspect_imports_no_numpy_torch_or_pydantic(fmt):
     roots = {m.split(".")[0] for m in r["modules"]}
     assert not {"numpy", "ml_dtypes", "torch", "pydantic"} & roots, sorted({"numpy", "torch", "pydantic"} & roots)
     assert "rich.progress" not in r["modules"]  # no progress bar for a short command (stdout is not a terminal)
+    # stdout is not a terminal: the table and lines are drawn without rich (statekit.render.boxes)
+    assert "rich" not in roots and "┏" in r["out"] or fmt
 
 
 def test_inspect_with_stats_does_read_tensors():

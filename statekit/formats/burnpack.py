@@ -30,7 +30,6 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError
 from statekit.formats import cbor, limits
 from statekit.lazy import numpy as np
-from statekit.stream import write_all
 from statekit.tensor import FileSpan, SourceFile, TensorRef
 
 MAGIC = b"NRUB"
@@ -543,6 +542,8 @@ def write_burnpack(
             position = layout.data_start + end
             if progress is not None:
                 progress(end - start)
+
+        from statekit.stream import write_all  # writing only: a header-only read never loads it
 
         write_all(out, [t.source for t in tensors], before=pad, after=done)
         if not tensors:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from statekit import dtypes, hyper, naming, paramid, stream
+from statekit import dtypes, hyper, naming, paramid
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
@@ -267,6 +267,8 @@ def with_derived_slots(family: str | None, slots: dict[str, TensorRef]) -> dict[
     grad_avg² (or square_avg), computed piece by piece when written."""
     if family != "rmsprop" or "avg" in slots or "square_avg" not in slots:
         return slots
+    from statekit import stream  # writing only: reading a burnpack never loads it
+
     sa, ga = slots["square_avg"], slots.get("grad_avg")
     if ga is not None:
         avg = stream.combine([sa, ga], lambda square, g: square - g * g, sa.dtype)

@@ -11,11 +11,10 @@ import os
 from collections.abc import Callable
 from functools import cache
 
-from statekit import dtypes, naming, stream
+from statekit import dtypes, naming
 from statekit.errors import StatekitError
 from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, OptimizerState, ParamState, matches
-from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
@@ -30,6 +29,8 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     """
     if ref.dtype == "QFloat":
         return {}
+    from statekit.stream import nonfinite  # statistics only: a header-only inspect never loads it
+
     n = ref.numel
     lo, hi, total, squares, nan, inf, scale = math.inf, -math.inf, 0.0, 0.0, 0, 0, 1.0
     for piece in ref.pieces(block):  # read with pread, one block at a time
@@ -140,6 +141,8 @@ def _prefetched_stats(ckpt: Checkpoint, chosen) -> Callable[[TensorRef], dict]:
     elif ckpt.model is not None:
         refs = [m.tensor for i, m in enumerate(ckpt.model.params)
                 if (chosen is None or i in chosen) and m.tensor is not None]
+    from statekit import stream
+
     results = stream.parallel_map(tensor_stats, refs)
     return lambda _ref: next(results)
 

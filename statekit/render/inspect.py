@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-from rich.text import Text
-
 from statekit.render import human_bytes, shape
+from statekit.render.boxes import Column, Grid, Line
 
 # Dropped in this order when the table would not fit the width: path, shape, dtype, step and
 # fields always stay (the burn id is still there in its short display form until last).
@@ -100,7 +98,7 @@ class PlainLines(str):
     """Pre-formatted lines: :class:`statekit.output.Output` writes them to stdout unchanged."""
 
 
-def params_table(d: dict, width: int | None = None) -> Table | PlainLines:
+def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
     optimizer = d["kind"] == "optimizer"
     groups: dict[str, list[dict]] = {}
     cells_of: dict[int, dict[str, str]] = {}
@@ -112,20 +110,17 @@ def params_table(d: dict, width: int | None = None) -> Table | PlainLines:
     cols = _columns(rows, names, width)
     if len(rows) > PLAIN_ROWS:
         return _plain_table(groups, cells_of, cols, optimizer)
-    table = Table(show_lines=False, header_style="bold", pad_edge=False)
-    for c in cols:
-        table.add_column(c, justify="right" if c in ("rank", "step") else "left",
-                         no_wrap=c not in ("fields", "path"), overflow="fold")
+    table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
     for prefix, params in groups.items():
         for p in params:
             cells = cells_of[id(p)]
-            table.add_row(*(cells[c] for c in cols))
+            table.add_row([cells[c] for c in cols])
         if len(params) > 1:
             elements, nbytes = _totals(params, optimizer)
             total = {c: "" for c in cols}
             total[last] = f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}"
-            table.add_row(*(Text(total[c], style="dim") for c in cols), end_section=True)
+            table.add_row([total[c] for c in cols], style="dim", end_section=True)
     return table
 
 
@@ -153,15 +148,17 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
 
 def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
     """Renderables for ``statekit inspect``: summary, grouped table, notes."""
-    out: list = [Text(f"{d['path']}: ", style="bold") + Text(summary_line(d))]
+    out: list = [Line(((f"{d['path']}: ", "bold"), (summary_line(d), "")))]
     if d["params"]:
         out.append(params_table(d, width))
     if stats:
         out.append(stats_table(d))
     if d.get("global"):
         g = d["global"]
-        out.append(Text(f"global state: {len(g['tensors'])} tensors, scalars {g['scalars']}"))
+        out.append(Line.of(f"global state: {len(g['tensors'])} tensors, scalars {g['scalars']}"))
     if d.get("scalar_values"):
+        from rich.table import Table
+
         table = Table(header_style="bold")
         table.add_column("scalar")
         table.add_column("value", justify="right")
@@ -170,17 +167,20 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
         out.append(table)
     for i, sched in enumerate(d.get("schedulers", [])):
         shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
-        out.append(Text(f"lr scheduler {i}: {shown}"))
+        out.append(Line.of(f"lr scheduler {i}: {shown}"))
     for g in d.get("groups", []):
         if g["hyperparameters"]:
             hp = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params")
-            out.append(Text(f"group ({g['params']} params): {hp}"))
-    out += [Text(f"note: {n}", style="cyan") for n in d.get("notes", [])]
-    out += [Text(f"warning: {w}", style="yellow") for w in d.get("warnings", [])]
+            out.append(Line.of(f"group ({g['params']} params): {hp}"))
+    out += [Line.of(f"note: {n}", "cyan") for n in d.get("notes", [])]
+    out += [Line.of(f"warning: {w}", "yellow") for w in d.get("warnings", [])]
     return out
 
 
-def stats_table(d: dict) -> Table:
+def stats_table(d: dict):
+    """A rich table (statistics read the tensors: rich's import is small beside that)."""
+    from rich.table import Table
+
     table = Table(header_style="bold", title="field statistics")
     for col in ("path", "field", "min", "max", "mean", "rms", "nan", "inf"):
         table.add_column(col, justify="left" if col in ("path", "field") else "right")
