@@ -13,7 +13,9 @@ one in-place step, best of ``--repeat`` after a warm-up. Rows:
   numpy views), ``numba`` (1 and ``--threads`` threads) and the ``reference`` emulation, for
   each flavor (candle is AdamW with weight_decay 0, the same update);
 * the reference of ``--baseline-rev`` (default: main before issue 13's kernels), exported
-  with ``git archive`` and timed in a subprocess alternating with today's, same method;
+  with ``git archive`` and timed in a subprocess alternating with today's, same method. The
+  baseline has no threads (one thread); today's reference is timed on one thread
+  (``STATEKIT_THREADS=1``) and on ``--threads`` threads, and both ratios are printed;
 * ``statekit verify-resume`` of a torch Adam checkpoint of ``--verify-params`` parameters (four
   square Linear weights, written by torch) against itself, 10 steps, in a fresh process: wall
   time and peak RSS against the state's size (its two moments). ``--verify-params 0`` skips it.
@@ -76,6 +78,7 @@ for flavor, algo in flavors:
         if i:
             best = min(best, time.perf_counter() - t)
     out[flavor] = best
+out["statekit"] = so.__file__
 print(json.dumps(out))
 """
 
@@ -164,22 +167,32 @@ def torch_fused_seconds(dev: Host, algo: str, repeat: int, device: str = "cpu") 
     return best_time(opt.step, repeat, sync)
 
 
-def reference_runs(numel: int, repeat: int, rev: str) -> tuple[dict, dict]:
-    """Best seconds per flavor of the reference, baseline export vs today, alternating twice."""
+def reference_runs(numel: int, repeat: int, rev: str, threads: int) -> dict[str, dict]:
+    """Best seconds per flavor of the reference: the baseline export (which runs on one thread:
+    it has no threads), today's on one thread and on ``threads`` threads (``STATEKIT_THREADS``),
+    each in a fresh process, the three alternating twice."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "statekit"], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         args = [str(numel), str(repeat), json.dumps(FLAVORS), json.dumps(HP)]
-        best = {"baseline": {}, "today": {}}
+        runs = {"baseline": (tmp, 1), "today 1": (str(ROOT), 1)}
+        if threads > 1:
+            runs[f"today {threads}"] = (str(ROOT), threads)
+        best: dict[str, dict] = {which: {} for which in runs}
         for _ in range(2):
-            for which, path in (("baseline", tmp), ("today", str(ROOT))):
-                env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-                out = subprocess.run([sys.executable, "-c", REFERENCE_SCRIPT, *args], env=env, check=True,
-                                     capture_output=True, text=True).stdout
-                for flavor, seconds in json.loads(out).items():
+            for which, (path, workers) in runs.items():
+                env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", STATEKIT_THREADS=str(workers))
+                # -P: without it "python -c" puts the working directory first on sys.path, and
+                # run from a checkout both sides would import today's statekit
+                out = json.loads(subprocess.run([sys.executable, "-P", "-c", REFERENCE_SCRIPT, *args], env=env,
+                                                check=True, capture_output=True, text=True).stdout)
+                imported = Path(out.pop("statekit")).resolve()
+                if not imported.is_relative_to(Path(path).resolve()):
+                    raise RuntimeError(f"the {which} run imported {imported}, not statekit from {path}")
+                for flavor, seconds in out.items():
                     best[which][flavor] = min(seconds, best[which].get(flavor, float("inf")))
-        return best["baseline"], best["today"]
+        return best
 
 
 VERIFY_SCRIPT = r"""
@@ -283,15 +296,16 @@ def main(argv=None) -> int:
                 ours["numba", flavor, algo, t] = add(
                     f"statekit numba {flavor} {algo} ({t} thr)", statekit_seconds(dev, flavor, algo, "numba", r))
         set_threads(threads)
-    base = today = {}
+    reference = {}
     if not args.no_baseline:
-        base, today = reference_runs(n, r, args.baseline_rev)
+        reference = reference_runs(n, r, args.baseline_rev, threads)
         for flavor, _ in FLAVORS:
-            add(f"reference {flavor} @ {args.baseline_rev} (1 thr)", base[flavor])
-            add(f"reference {flavor} today (1 thr)", today[flavor])
+            add(f"reference {flavor} @ {args.baseline_rev} (1 thr)", reference["baseline"][flavor])
+            for t in sorted({1, threads}):
+                add(f"reference {flavor} today ({t} thr)", reference[f"today {t}"][flavor])
 
     print(f"{n:,} float32 elements; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; "
-          f"{os.cpu_count()} CPUs; torch {'yes' if have('torch') else 'no'}, numba "
+          f"{os.cpu_count()} CPUs, --threads {threads}; torch {'yes' if have('torch') else 'no'}, numba "
           f"{'yes' if kernels.numba_available() else 'no'}")
     header = f"| {'row':46} | {'ms/step':>8} | {'M elem/s':>9} | {'GB/s':>6} |"
     print(header)
@@ -319,8 +333,11 @@ def main(argv=None) -> int:
             frac = (n * ADAM_BYTES / ours[key]) / (n * TRIAD_BYTES / triad[threads])
             ratio(f"numba {algo} torch-fused bandwidth / triad bandwidth ({threads} thr)", frac, 0.6)
     for flavor, _ in FLAVORS:
-        if flavor in base:
-            ratio(f"reference {flavor}: today / {args.baseline_rev}", base[flavor] / today[flavor], 2.0)
+        if reference:
+            base = reference["baseline"][flavor]
+            for t in sorted({1, threads}):
+                ratio(f"reference {flavor}: today ({t} thr) / {args.baseline_rev} (1 thr)",
+                      base / reference[f"today {t}"][flavor], 2.0)
     print_verify(args, verify, load)
     return 0
 

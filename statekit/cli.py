@@ -177,9 +177,10 @@ PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", metavar="FILE", h
 PlanInOpt = Annotated[Path | None, typer.Option("--plan", metavar="FILE", help="Apply a saved plan instead of building one.")]
 
 
-def _show_plan(plan, out: Output) -> None:
-    """The plan, before anything is written, in the chosen format; its warnings on stderr."""
-    out.show("plan", plan)
+def _show_plan(plan, out: Output, full: bool = False) -> None:
+    """The plan, before anything is written, in the chosen format (``full``: every row, as a dry
+    run shows it; else a long plan's first and last rows); its warnings on stderr."""
+    out.show("plan", plan, full=full)
     if not out.json_mode:
         for w in plan.warnings:
             out.warn(w)
@@ -259,7 +260,7 @@ def convert(
                         allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards,
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard))
     _finish(result, out)
 
@@ -304,7 +305,7 @@ def remap(
                         reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
-                       on_plan=lambda p: _show_plan(p, out))
+                       on_plan=lambda p: _show_plan(p, out, dry_run))
     _finish(result, out)
 
 

@@ -162,6 +162,7 @@ class TensorRef:
     piece_source: Callable[[int], Iterator[np.ndarray]] | None = field(default=None, repr=False)
     resident: int = 0
     checks: tuple | None = field(default=None, repr=False)  # (source, label, path) of stream.checked
+    transposed: TensorRef | None = field(default=None, repr=False)  # the source of stream.transpose
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:

@@ -107,12 +107,13 @@ def _torch_kernel(b, hp, like, *, step_size: float, bc2_sqrt: float, decay: floa
                 new_p = p * k["decay"]
             else:
                 g = b.fma32(p, k["wd"], g)
-        m = lerp(b, s["exp_avg"], g, weight, like)
+        m = lerp(b, s["exp_avg"], g, weight, like, out=s["exp_avg"])
         cg = k["c2"] * g
         v = s["exp_avg_sq"]
-        v = b.fma32(v, k["beta2"], cg * g) if tail else b.fma32(cg, g, v * k["beta2"])
-        s["exp_avg"][...] = m
-        s["exp_avg_sq"][...] = v
+        if tail:
+            v = b.fma32(v, k["beta2"], cg * g, out=v)
+        else:
+            v = b.fma32(cg, g, v * k["beta2"], out=v)
         if amsgrad:
             v = b.maximum(s["max_exp_avg_sq"], v)
             s["max_exp_avg_sq"][...] = v
@@ -137,9 +138,9 @@ def _torch(b, hp, step, present, like, vector_width):
     bc1 = 1.0 - hp["beta1"] ** t
     bc2 = 1.0 - hp["beta2"] ** t
     decay = 1.0 - hp["lr"] * hp["weight_decay"]
-    kernel = _torch_kernel(
-        b, hp, like, step_size=hp["lr"] / bc1, bc2_sqrt=bc2**0.5, decay=decay, sqrt=b.sqrt_torch
-    )
+    sqrt, around = b.torch_root()
+    kernel = _torch_kernel(b, hp, like, step_size=hp["lr"] / bc1, bc2_sqrt=bc2**0.5, decay=decay, sqrt=sqrt)
+    kernel.around = around
     return kernel, {}, no_tail
 
 
@@ -227,6 +228,16 @@ def _candle(b, hp, step, present, like, vector_width):
         "zero": 0.0,
     }
     k = {name: b.const(value, like) for name, value in scalars.items()}
+    # the short form below equals the literal one when eps is not -0.0 and 1 - beta2 is not
+    # negative (see candle_short); otherwise the literal form runs
+    short = not math.copysign(1.0, f32(hp["eps"])) < 0 and not math.copysign(1.0, f32(1.0 - beta2)) < 0
+    if short:
+        return _candle_short(b, k, unit_decay=f32(scalars["decay"]) == 1.0), {}, no_tail
+    return _candle_literal(b, k), {}, no_tail
+
+
+def _candle_literal(b, k):
+    """candle's AdamW element-wise, one operation per ``affine`` term, as candle computes it."""
 
     def affine(x, mul, add="zero"):
         return x * k[mul] + k[add]
@@ -248,7 +259,50 @@ def _candle(b, hp, step, present, like, vector_width):
         inplace_affine(p, "decay")
         p -= inplace_affine(update, "lr")
 
-    return kernel, {}, no_tail
+    return kernel
+
+
+def _candle_short(b, k, unit_decay: bool):
+    """candle's AdamW with the ``+ 0.0`` and ``* 1.0`` of its ``affine`` calls dropped where
+    they cannot change a bit; 16 operations per element instead of 24.
+
+    Write ``N(x) = x + 0.0``. In round-to-nearest ``N(x)`` is ``x`` except that ``-0.0``
+    becomes ``+0.0`` (a NaN stays the same NaN). For ``+`` and ``-``, ``N(a) ± N(b) ==
+    N(a ± b)``: if ``a ± b`` is not zero the zeros' signs do not matter; if it is zero,
+    both sides are ``+0.0`` (an exact zero sum of nonzero terms is ``+0.0``, and ``+0.0 ±
+    +0.0`` is ``+0.0``). NaNs propagate from the same operands in the same order. So:
+
+    * ``m' = N(m·β1) + N(g·c1) = N(m·β1 + g·c1)``: one ``+ 0.0`` instead of two;
+    * ``v' = N(v·β2) + N((g·g)·c2) = N(v·β2 + (g·g)·c2)``, and ``(g·g)·c2`` is never ``-0.0``
+      when ``c2 = f32(1 - β2)`` is not negative, so the sum is never ``-0.0``: no ``+ 0.0``;
+    * the denominator ``N(sqrt(N(v'·sv)))·1 + ε`` is ``sqrt(v'·sv) + ε``: ``·1`` is exact, and
+      the sign of a zero root vanishes in ``+ ε`` unless ``ε`` is ``-0.0``;
+    * ``p' = N(p·decay) - N(N(m'·sm)/den·lr) = N(p·decay - (m'·sm)/den·lr)``: the inner ``N``
+      can only flip the sign of a zero, which the outer one erases; ``p·1`` is ``p`` (a
+      signalling NaN is quieted by the subtraction instead).
+    """
+
+    def kernel(p, g, s, tail):
+        m, v = s["exp_avg"], s["exp_avg_sq"]
+        m *= k["beta1"]
+        m += g * k["c1"]
+        m += k["zero"]
+        v *= k["beta2"]
+        gg = g * g
+        gg *= k["c2"]
+        v += gg
+        update = m * k["scale_m"]
+        denom = v * k["scale_v"]
+        denom = b.sqrt_ieee(denom)
+        denom += k["eps"]
+        update /= denom
+        update *= k["lr"]
+        if not unit_decay:
+            p *= k["decay"]
+        p -= update
+        p += k["zero"]
+
+    return kernel
 
 
 BUILDERS = {TORCH_FUSED: _torch_fused, TORCH: _torch, BURN: _burn, CANDLE: _candle}

@@ -19,6 +19,7 @@ on all three namespaces, with two traps avoided here:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import threading
@@ -115,29 +116,44 @@ class Backend:
         """Correctly rounded float32 square root (numpy's is: it is the SIMD ``sqrtps``)."""
         return np.sqrt(x)
 
-    def fma32(self, x, y, z):
-        """``x*y + z`` rounded once to float32 (:func:`statekit.optim.fp.fma32`).
+    def fma32(self, x, y, z, out=None):
+        """``x*y + z`` rounded once to float32 (:func:`statekit.optim.fp.fma32`), into ``out``
+        when given (``out`` may be ``x``, ``y`` or ``z`` itself).
 
-        For 1-D numpy blocks (``x`` or ``y`` and ``z`` may be scalars): the same tie test on
-        reused per-thread buffers. The elements that are candidates (a float64 tie, or a result
-        under float32's normal range) go through the exact general path alone, so a block with
-        one candidate costs one element more, not a second pass over the block.
+        For 1-D numpy blocks (``x`` or ``y`` and ``z`` may be scalars): the same candidate test
+        on reused per-thread buffers, the float64 sum rounded once straight into ``out``. The
+        elements that are candidates (a float64 tie, or a result at or under float32's smallest
+        normal, 2**-126, zeros of a nonzero sum included) go through the exact general path
+        alone, so a block with one candidate costs one element more, not a second pass over the
+        block. Their ``z`` is read back from its float64 copy, so ``out`` may be ``z``.
         """
         if np.ndim(x) == 0:
             x, y = y, x
-        s, t, low, mask, mag = _SCRATCH.get(x.shape[0])
+        n = x.shape[0]
+        s, t, low, mask, tiny = _SCRATCH.get(n)
         # float64 operations on float64 buffers: numpy's mixed float32/float64 loops are slower
         np.copyto(s, x)
         s *= _in_float64(y, t)  # exact
-        s += _in_float64(z, t)  # rounded once, in float64
+        z64 = _in_float64(z, t)  # t keeps z (exactly) for the candidates below
+        s += z64  # rounded once, in float64
         np.bitwise_and(s.view(np.int64), fp.LOW29, out=low)
-        tie = np.equal(low, fp.TIE29, out=mask).any()
-        r = s.astype(np.float32)
-        np.abs(r, out=mag)
-        # float32 results under the normal range (zeros included) may hide a float64 tie too
-        if tie or np.less(mag, np.float32(2.0**-126), out=mask).any():
-            where = np.flatnonzero((low == fp.TIE29) | (mag < np.float32(2.0**-126)))
-            r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z, where))
+        np.equal(low, fp.TIE29, out=mask)
+        aliased = out is not None and any(
+            np.ndim(a) and np.may_share_memory(a, out) for a in (x, y)
+        )
+        r = np.empty(n, np.float32) if out is None or aliased else out
+        np.copyto(r, s, casting="same_kind")
+        # |r| <= 2**-126 holds for every sum under the normal range (rounding is monotonic)
+        magnitude = np.abs(r, out=low.view(np.float32)[:n])
+        np.less_equal(magnitude, _F32_NORMAL_MIN, out=tiny)
+        if mask.any() or tiny.any():
+            where = np.flatnonzero(mask | tiny)
+            where = where[s[where] != 0]  # a zero float64 sum is exact
+            if where.size:
+                r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z64, where))
+        if aliased:
+            out[...] = r
+            return out
         return r
 
     def sqrt_torch(self, x):
@@ -163,12 +179,49 @@ class Backend:
                 torch.set_num_threads(threads)
 
 
-_TORCH_THREADS_LOCK = threading.Lock()
+    def torch_root(self):
+        """``(sqrt, around)``: :meth:`sqrt_torch` for every block of one step, and the context
+        that the step's blocks run in (:func:`statekit.optim.driver.run`).
+
+        On numpy with torch installed, ``around`` holds torch at one thread for the whole step
+        (once, not per block as :meth:`sqrt_torch` must) and ``sqrt`` calls torch's root with
+        nothing else around it; the driver's threads may call it at once. Without torch: the
+        IEEE root, nothing around.
+        """
+        if not torch_available():
+            return np.sqrt, contextlib.nullcontext
+        torch = importlib.import_module("torch")
+
+        @contextlib.contextmanager
+        def one_torch_thread():
+            with _TORCH_THREADS_LOCK:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    yield
+                finally:
+                    torch.set_num_threads(threads)
+
+        def sqrt(x):
+            return torch.sqrt(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+
+        return sqrt, one_torch_thread
+
+
+_TORCH_THREADS_LOCK = threading.RLock()
 
 
 def _at(value, where):
     """``value[where]`` for an array, the scalar itself otherwise."""
     return value if np.ndim(value) == 0 else value[where]
+
+
+def _into(out, value):
+    """``value`` written into ``out`` (returned), or ``value`` itself when there is no ``out``."""
+    if out is None:
+        return value
+    out[...] = value
+    return out
 
 
 def _in_float64(value, buffer):
@@ -179,8 +232,11 @@ def _in_float64(value, buffer):
     return buffer
 
 
+_F32_NORMAL_MIN = np.float32(2.0**-126)
+
+
 class _Scratch(threading.local):
-    """Per-thread float64/int64/bool/float32 buffers for :meth:`Backend.fma32`, grown on demand."""
+    """Per-thread float64/int64/bool buffers for :meth:`Backend.fma32`, grown on demand."""
 
     size = 0
 
@@ -188,7 +244,7 @@ class _Scratch(threading.local):
         if n > self.size:
             self.size = n
             self.buffers = [
-                np.empty(n, dtype) for dtype in (np.float64, np.float64, np.int64, np.bool_, np.float32)
+                np.empty(n, dtype) for dtype in (np.float64, np.float64, np.int64, np.bool_, np.bool_)
             ]
         return [buffer[:n] for buffer in self.buffers]
 
@@ -254,11 +310,14 @@ class TorchBackend(Backend):
     def sqrt_ieee(self, x):
         return x.to(self.float64).sqrt().to(self.float32)
 
-    def fma32(self, x, y, z):
-        return fp.fma32(self, x, y, z)
+    def fma32(self, x, y, z, out=None):
+        return _into(out, fp.fma32(self, x, y, z))
 
     def sqrt_torch(self, x):
         return x.sqrt()
+
+    def torch_root(self):
+        return self.sqrt_torch, contextlib.nullcontext
 
 
 class CupyBackend(Backend):
@@ -304,11 +363,14 @@ class CupyBackend(Backend):
     def sqrt_ieee(self, x):
         return self.xp.sqrt(x.astype(self.float64)).astype(self.float32)
 
-    def fma32(self, x, y, z):
-        return fp.fma32(self, x, y, z)
+    def fma32(self, x, y, z, out=None):
+        return _into(out, fp.fma32(self, x, y, z))
 
     def sqrt_torch(self, x):
         return self.xp.sqrt(x)
+
+    def torch_root(self):
+        return self.sqrt_torch, contextlib.nullcontext
 
 
 _NAMES = {"numpy": "numpy", "np": "numpy", "torch": "torch", "cupy": "cupy", "cp": "cupy"}

@@ -100,8 +100,9 @@ def torch_grad(b: Backend, p, g, wd32, maximize: bool, wd: float):
     return g
 
 
-def lerp(b: Backend, start, end, weight: float, like):
-    """torch's ``start.lerp(end, weight)`` for float32 (vector and scalar loops agree).
+def lerp(b: Backend, start, end, weight: float, like, out=None):
+    """torch's ``start.lerp(end, weight)`` for float32 (vector and scalar loops agree), into
+    ``out`` when given (``start`` itself may be ``out``).
 
     The weight is rounded to float32; below 0.5 in magnitude the result is
     ``fma(w, end - start, start)``, otherwise ``fma(w - 1, end - start, end)``.
@@ -109,5 +110,5 @@ def lerp(b: Backend, start, end, weight: float, like):
     w = f32(weight)
     diff = end - start
     if abs(w) < 0.5:
-        return b.fma32(b.const(w, like), diff, start)
-    return b.fma32(b.const(f32(w - 1.0), like), diff, end)
+        return b.fma32(b.const(w, like), diff, start, out=out)
+    return b.fma32(b.const(f32(w - 1.0), like), diff, end, out=out)

@@ -6,12 +6,17 @@ A *kernel* is ``kernel(p, g, s, tail) -> None``: ``p``, ``g`` and the values of 
 which torch's fused CPU kernels handle with scalar code (see :mod:`statekit.optim.adam`); block
 boundaries never split the vector body from that tail, so blocking does not change results.
 
+A kernel may carry ``around``: a context manager factory that :func:`run` enters once around
+all of one step's blocks (the torch flavor's square root holds torch at one thread with it).
+
 Memory stays bounded: the kernels' temporaries are block-sized, and with ``inplace=True`` the
 only full-size arrays are the caller's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -79,26 +84,61 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def run(b: Backend, kernel: Kernel, p, g, s: dict, tail: int = 0) -> None:
     """Apply ``kernel`` to ``(p, g, s)`` block by block; the last ``tail`` elements go alone.
 
-    On numpy, blocks run on a small thread pool (numpy releases the GIL inside its loops, and
-    the kernels' scratch buffers are per thread); every element is computed alone, so the
-    result does not depend on the number of threads.
+    On numpy, :func:`threads` workers (the calling thread and pool threads) each take the next
+    block from a shared counter until none is left: one task per worker, not per block (a
+    future per 32K-element block cost more than the block's arithmetic on a busy machine), and
+    a worker that the OS delays leaves its blocks to the others. numpy releases the GIL inside
+    its loops and the kernels' scratch buffers are per thread; every element is computed
+    alone, so the result does not depend on the number of threads or on which thread took
+    which block.
     """
     pf, gf = b.flat(p), b.flat(g)
     sf = {name: b.flat(value) for name, value in s.items()}
     n = pf.shape[0]
     body = n - tail
+    size = b.block
 
     def one(start: int) -> None:
-        stop = min(start + b.block, body)
+        stop = min(start + size, body)
         kernel(pf[start:stop], gf[start:stop], {k: v[start:stop] for k, v in sf.items()}, False)
 
-    starts = range(0, body, b.block)
-    workers = min(threads(), len(starts)) if b.name == "numpy" else 1
-    if workers > 1:
-        for _ in _pool(workers).map(one, starts):
-            pass
-    else:
-        for start in starts:
-            one(start)
-    if tail:
-        kernel(pf[body:], gf[body:], {k: v[body:] for k, v in sf.items()}, True)
+    count = -(-body // size)
+    workers = min(threads(), count) if b.name == "numpy" else 1
+    with getattr(kernel, "around", contextlib.nullcontext)():
+        if workers > 1:
+            _in_parallel(one, size, count, workers)
+        else:
+            for start in range(0, body, size):
+                one(start)
+        if tail:
+            kernel(pf[body:], gf[body:], {k: v[body:] for k, v in sf.items()}, True)
+
+
+def _in_parallel(one: Callable[[int], None], size: int, count: int, workers: int) -> None:
+    """``one(i * size)`` for every ``i < count`` on ``workers`` threads, this one included."""
+    counter = itertools.count()  # next() on it is atomic: each block is taken exactly once
+    failed = threading.Event()
+
+    def worker() -> None:
+        try:
+            for i in iter(counter.__next__, None):
+                if i >= count or failed.is_set():
+                    return
+                one(i * size)
+        except BaseException:
+            failed.set()
+            raise
+
+    helpers = [_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
+    try:
+        worker()
+    finally:
+        for future in helpers:
+            # a helper that has not started has nothing left to do (and, should this run on a
+            # pool thread itself, might never start); the others are waited for, so no block
+            # is still being written when this returns or raises
+            if not future.cancel():
+                future.exception()
+    for future in helpers:
+        if not future.cancelled():
+            future.result()
