@@ -106,7 +106,7 @@ class SourceFile:
             os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileSpan:
     """``length`` contiguous bytes at ``offset`` of a :class:`SourceFile`."""
 
@@ -140,7 +140,7 @@ class FileSpan:
             yield view
 
 
-@dataclass
+@dataclass(slots=True)  # no per-object __dict__: a .pt may hold 10^6 of them
 class TensorRef:
     """A tensor whose bytes live somewhere else (a file span, a transform, an array).
 
