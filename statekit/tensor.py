@@ -106,7 +106,6 @@ class SourceFile:
         if self.drop_cache:
             os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
 
-
     @contextlib.contextmanager
     def mapped(self, offset: int, n: int) -> Iterator[memoryview | None]:
         """``n`` bytes at ``offset`` mapped read-only for the block (None when they cannot be: past
@@ -137,7 +136,7 @@ class SourceFile:
                 os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileSpan:
     """``length`` contiguous bytes at ``offset`` of a :class:`SourceFile`."""
 
@@ -171,7 +170,7 @@ class FileSpan:
             yield view
 
 
-@dataclass
+@dataclass(slots=True)  # no per-object __dict__: a .pt may hold 10^6 of them
 class TensorRef:
     """A tensor whose bytes live somewhere else (a file span, a transform, an array).
 
