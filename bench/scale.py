@@ -178,11 +178,30 @@ def run(cmd: list[str], expect: tuple[int, ...] = (0,)) -> tuple[float, int]:
     return wall, int(lines[-1]) if wrapped is not cmd and lines else usage.ru_maxrss
 
 
+def warm(paths) -> None:
+    """Read files whole so that they are in the page cache (the measurements are warm-cache; an
+    output statekit wrote with direct I/O is not cached until read)."""
+    for path in paths:
+        if path and os.path.isfile(path):
+            with open(path, "rb", buffering=0) as fh:
+                while fh.read(16 * MIB):
+                    pass
+
+
+def inputs(cmd: list[str]) -> list[str]:
+    """The state files a command reads (not the sparse model files: only their headers are read)."""
+    return [a for a in cmd[1:] if os.path.isfile(a) and a.endswith((".bpk", ".pt", ".safetensors"))
+            and not os.path.basename(a).startswith("model")]
+
+
 def best(cmd: list[str], repeat: int, expect: tuple[int, ...] = (0,), cleanup: str | None = None) -> tuple[float, int]:
+    """The best wall time of ``repeat`` runs (and the highest peak RSS). Each run starts as the
+    baselines do: inputs in the page cache, the output file (``cleanup``) not there."""
     times, peak = [], 0
     for _ in range(repeat):
         if cleanup and os.path.exists(cleanup):
             os.remove(cleanup)
+        warm(inputs(cmd))
         wall, rss = run(cmd, expect)
         times.append(wall)
         peak = max(peak, rss)
@@ -215,23 +234,26 @@ def measure(folder: str, total: int, args) -> tuple[list[tuple], dict]:
     # the fixed cost of any command: interpreter start, imports, reading the header and metadata
     row("inspect (header only: start-up)", best([*sk, "inspect", optim, "--json"], r), "cmp")
     common = ["--optimizer", "adam", "--names", f["names.txt"]]
-    row("convert bpk → pt", best([*sk, "convert", optim, out["pt"], *common, "--no-transpose", "*", *jobs], r),
-        "cp+sync")
+    row("convert bpk → pt", best([*sk, "convert", optim, out["pt"], *common, "--no-transpose", "*", *jobs], r,
+                                  cleanup=out["pt"]), "cp+sync")
     row("convert bpk → pt --transpose", best([*sk, "convert", optim, out["pt"], *common, "--transpose", "*.weight",
-                                              *jobs], r), "cp+sync", transposes=True)
+                                              *jobs], r, cleanup=out["pt"]), "cp+sync", transposes=True)
     # the last bpk → pt (transposed) is the input of pt → bpk: transposed back
     row("convert pt → bpk --transpose", best([*sk, "convert", out["pt"], out["bpk"], "--names", f["names.txt"],
-                                              "--model", f["model.bpk"], "--transpose", "*.weight", *jobs], r),
-        "cp+sync", transposes=True)
+                                              "--model", f["model.bpk"], "--transpose", "*.weight", *jobs], r,
+                                             cleanup=out["bpk"]), "cp+sync", transposes=True)
     run([*sk, "convert", optim, out["pt"], *common, "--no-transpose", "*", *jobs])
     row("convert pt → bpk", best([*sk, "convert", out["pt"], out["bpk"], "--names", f["names.txt"], "--model",
-                                  f["model.bpk"], "--no-transpose", "*", *jobs], r), "cp+sync")
+                                  f["model.bpk"], "--no-transpose", "*", *jobs], r, cleanup=out["bpk"]), "cp+sync")
     os.remove(out["pt"])
-    row("convert bpk → safetensors", best([*sk, "convert", optim, out["safetensors"], *jobs], r), "cp+sync")
-    row("convert safetensors → bpk", best([*sk, "convert", out["safetensors"], out["bpk"], *jobs], r), "cp+sync")
+    row("convert bpk → safetensors", best([*sk, "convert", optim, out["safetensors"], *jobs], r,
+                                           cleanup=out["safetensors"]), "cp+sync")
+    row("convert safetensors → bpk", best([*sk, "convert", out["safetensors"], out["bpk"], *jobs], r,
+                                           cleanup=out["bpk"]), "cp+sync")
     os.remove(out["safetensors"])
     row("remap (200 renames, new ids)", best([*sk, "remap", optim, "--model", f["model-new.bpk"], "-o", out["bpk"],
-                                              "--rename", "^(.*)$=net.$1", *jobs], r), "cp+sync")
+                                              "--rename", "^(.*)$=net.$1", *jobs], r, cleanup=out["bpk"]),
+        "cp+sync")
     os.remove(out["bpk"])
     for i, cmd in ((2, ["cmp", optim, copy]), (0, cp_cmd), (1, cp_sync_cmd)):  # baselines again
         again = best(cmd, r, cleanup=copy if i != 2 else None)
@@ -245,8 +267,8 @@ def measure(folder: str, total: int, args) -> tuple[list[tuple], dict]:
     row("inspect --stats", best([*sk, "inspect", optim, "--stats", "--json"], r), "cmp")
     row("doctor", best([*sk, "doctor", optim, *jobs], r, expect=(0, 1)), "cmp")
     write_halves(f)
-    row("merge (two halves)", best([*sk, "merge", f["half1.bpk"], f["half2.bpk"], "-o", out["bpk"], *jobs], r),
-        "cp+sync")
+    row("merge (two halves)", best([*sk, "merge", f["half1.bpk"], f["half2.bpk"], "-o", out["bpk"], *jobs], r,
+                                    cleanup=out["bpk"]), "cp+sync")
     for path in (*f.values(), *out.values()):
         if os.path.exists(path):
             os.remove(path)
@@ -276,6 +298,14 @@ def main() -> None:
     print(f"\nload: {open('/proc/loadavg').read().split()[:3]} on {os.cpu_count()} cores; statekit --jobs {jobs}")
 
 
+GOALS = {  # issue 11's "Done when": the most × its baseline (cp + sync for writers, cmp for diff)
+    "convert bpk → pt": 1.3, "convert pt → bpk": 1.3, "convert bpk → safetensors": 1.3,
+    "convert safetensors → bpk": 1.3, "remap (200 renames, new ids)": 1.3,
+    "convert bpk → pt --transpose": 2.0, "convert pt → bpk --transpose": 2.0,
+    "diff A B (equal files)": 1.5, "diff A B (one tensor differs)": 2.0,
+}
+
+
 def report(gib: float, rows, facts: dict, jobs: int) -> None:
     base = {b: w for label, w, _, b, _ in rows if label in ("cp", "cp + sync", "cmp (equal files)")
             for b in [{"cp": "cp", "cp + sync": "cp+sync", "cmp (equal files)": "cmp"}[label]]}
@@ -284,13 +314,16 @@ def report(gib: float, rows, facts: dict, jobs: int) -> None:
     print(f"\n{facts['size'] / 2**30:g} GiB state, {PARAMS} parameters, largest tensor {facts['largest'] / MIB:.0f} MiB")
     start = next(w for label, w, *_ in rows if label.startswith("inspect (header only"))
     print(f"{'command':<32} {'wall s':>8} {'× base':>7} {'base':>8} {'× cp':>6} {'(wall-start)/base':>18} "
-          f"{'peak RSS':>10} {'RSS limit':>10}")
+          f"{'peak RSS':>10} {'RSS limit':>10}  Done when")
     for label, wall, rss, b, transposes in rows:
         limit = limit_t if transposes else limit_plain
         ratio = wall / base[b] if base.get(b) else float("nan")
         net = (wall - start) / base[b] if b and not label.startswith(("cp", "cmp", "inspect (header")) else ratio
+        goal = GOALS.get(label)
+        verdict = "" if goal is None else (
+            f"≤ {goal:g} × {b}: {'met' if ratio <= goal else 'NOT met'}; RSS {'met' if rss / 1024 <= limit else 'NOT met'}")
         print(f"{label:<32} {wall:>8.2f} {ratio:>7.2f} {b:>8} {wall / base['cp']:>6.2f} {net:>18.2f} "
-              f"{rss / 1024:>8.0f}Mi {limit:>8.0f}Mi")
+              f"{rss / 1024:>8.0f}Mi {limit:>8.0f}Mi  {verdict}")
     print("start-up = `statekit inspect` of the same file (interpreter, imports, header); (wall-start)/base is "
           "the data path alone against the baseline")
     sys.stdout.flush()

@@ -123,6 +123,8 @@ def inspect(
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
         out.show("inspect", result, stats=stats, width=out.width)
+        if _ONE_COMMAND:
+            _KEPT.append((ckpt, result))  # freed by the process's exit, not one object at a time (see main)
 
 
 @contextlib.contextmanager
@@ -147,6 +149,8 @@ def _no_cycle_collection():
 
 #: True in the ``statekit`` process itself (:func:`main`), False when the CLI runs in-process (tests)
 _ONE_COMMAND = False
+#: what a command built and the process may leave to its exit (:func:`_exit`)
+_KEPT: list = []
 
 
 OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
@@ -173,9 +177,10 @@ PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", metavar="FILE", h
 PlanInOpt = Annotated[Path | None, typer.Option("--plan", metavar="FILE", help="Apply a saved plan instead of building one.")]
 
 
-def _show_plan(plan, out: Output) -> None:
-    """The plan, before anything is written, in the chosen format; its warnings on stderr."""
-    out.show("plan", plan)
+def _show_plan(plan, out: Output, full: bool = False) -> None:
+    """The plan, before anything is written, in the chosen format (``full``: every row, as a dry
+    run shows it; else a long plan's first and last rows); its warnings on stderr."""
+    out.show("plan", plan, full=full)
     if not out.json_mode:
         for w in plan.warnings:
             out.warn(w)
@@ -255,7 +260,7 @@ def convert(
                         allow_nonfinite=allow_nonfinite)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out), shards=shards,
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard))
     _finish(result, out)
 
@@ -300,7 +305,7 @@ def remap(
                         reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
-                       on_plan=lambda p: _show_plan(p, out))
+                       on_plan=lambda p: _show_plan(p, out, dry_run))
     _finish(result, out)
 
 
@@ -624,4 +629,24 @@ def main() -> None:
     # live until exit, so they leave the collector's view for good (collection resumes for the rest)
     gc.freeze()
     gc.enable()
-    sys.exit(_run())
+    _exit(_run())
+
+
+def _exit(code: int) -> None:
+    """End the process with ``code`` once the output is flushed and the atexit handlers have run,
+    without freeing every object one by one first: an inspect of 10,000 parameters holds some
+    10^5 small objects (measured: 40 ms to free them, a tenth of the command). Only in a process of
+    its own (stdout and stderr are the process's, no other thread alive) and once both are flushed;
+    else (a caller that redirected them, a broken pipe) Python's own exit."""
+    import atexit
+    import threading
+
+    if threading.active_count() > 1 or sys.stdout is not sys.__stdout__ or sys.stderr is not sys.__stderr__:
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    os._exit(code)

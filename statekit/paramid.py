@@ -18,11 +18,23 @@ _BASE32 = re.compile(r"^[0-9a-vA-V]+$")
 _LENGTHS = (0, 2, 4, 5, 7)  # unpadded base32 lengths mod 8 that hold whole bytes
 
 
+_DIGITS = "0123456789abcdefghijklmnopqrstuv"
+_PAIRS = [a + b for a in _DIGITS for b in _DIGITS]  # 10 bits → two base32hex digits
+
+
 def to_display(value: int) -> str:
-    """The 13-character string burn displays for a ParamId."""
+    """The 13-character string burn displays for a ParamId.
+
+    ``base64.b32hexencode(value.to_bytes(8, "little"))`` lower-cased without padding, computed on
+    the integer (base64's encoder is a Python loop: 30 ms for 10,000 ids): the 8 bytes read big-end
+    first, padded with one zero bit to 65, are 13 digits of 5 bits.
+    """
     if not 0 <= value <= U64_MAX:
         raise ValueError(f"ParamId {value} is not a u64")
-    return base64.b32hexencode(value.to_bytes(8, "little")).decode().lower().rstrip("=")
+    n = int.from_bytes(value.to_bytes(8, "little"), "big") << 1
+    pairs = _PAIRS
+    return (pairs[n >> 55] + pairs[(n >> 45) & 1023] + pairs[(n >> 35) & 1023] + pairs[(n >> 25) & 1023]
+            + pairs[(n >> 15) & 1023] + pairs[(n >> 5) & 1023] + _DIGITS[n & 31])
 
 
 def from_base32(text: str) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import mmap
 import os
 import queue
 import threading
@@ -97,17 +98,22 @@ def cast(ref: TensorRef, dtype: str) -> TensorRef:
     return ref.cast(dtype)
 
 
-def _tile(itemsize: int) -> int:
-    return 256 if itemsize <= 4 else 128
+def _blocks(cols: int, itemsize: int) -> tuple[int, int]:
+    """Source rows × columns per block of :func:`transpose_into`. Each output row of a block gets
+    a whole cache line (16 rows of 4-byte values, 8 of 8-byte ones) in one write, from up to 1024
+    columns (measured 3-4 GB/s for f32 on this machine's numpy, against 0.6 GB/s for 256×256
+    tiles, 0.3 GB/s for one strided copy, and less for more rows per block)."""
+    return max(8, 64 // itemsize), max(1, min(cols, 1024))
 
 
 def transpose_into(out: np.ndarray, src: np.ndarray) -> None:
-    """``out[...] = src.T`` for 2-D arrays, copied in square tiles that stay in cache."""
-    t = _tile(src.itemsize)
+    """``out[...] = src.T`` for 2-D arrays, copied in blocks that stay in cache."""
     rows, cols = src.shape
-    for i in range(0, rows, t):
-        for j in range(0, cols, t):
-            out[j : j + t, i : i + t] = src[i : i + t, j : j + t].T
+    tr, tc = _blocks(cols, src.itemsize)
+    for j in range(0, cols, tc):
+        dst, part = out[j : j + tc], src[:, j : j + tc]
+        for i in range(0, rows, tr):
+            dst[:, i : i + tr] = part[i : i + tr].T
 
 
 def transpose(ref: TensorRef) -> TensorRef:
@@ -137,7 +143,9 @@ def transpose(ref: TensorRef) -> TensorRef:
                 for i in range(0, m, elements):
                     yield np.ascontiguousarray(src[i : i + elements, j])
 
-    return derived(ref.dtype, shape, source, resident=ref.resident + ref.nbytes)
+    out = derived(ref.dtype, shape, source, resident=ref.resident + ref.nbytes)
+    out.transposed = ref
+    return out
 
 
 def resize(ref: TensorRef, shape: tuple) -> TensorRef:
@@ -255,39 +263,86 @@ class PieceStream:
             for buf in self:
                 out.write(buf)
             return
-        span, check = self._direct
+        span, check, source = self._direct
         crc32 = crc32_function() if self._want_crc else None
-        want = dtypes.numpy_dtype(check[0].dtype) if check is not None else None
-        item = want.itemsize if want is not None else 1
+        typed = source if source is not None else check[0] if check is not None else None
+        want = dtypes.numpy_dtype(typed.dtype) if typed is not None else None
+        views = _span_views(out, span, want.itemsize if want is not None else 1) if source is None else \
+            _transposed_views(span, source, want)
         crc = nan = inf = 0
-        pos = 0
-        while pos < span.length:
-            view = out.staging(span.length - pos)
-            n = len(view) - len(view) % item
-            if n == 0:  # an element across two staging blocks: through a small buffer
-                view = memoryview(span.read(pos, item))
-                n = item
-                staged = False
-            else:
-                view = view[:n]
-                span.file.pread_into(view, span.offset + pos)
-                staged = True
-            if want is not None:
+        for view, staged in views:
+            if check is not None:
                 a, b = nonfinite(np.frombuffer(view, dtype=want))
                 nan, inf = nan + a, inf + b
             if crc32 is not None:
                 crc = crc32(view, crc)
             if staged:
-                out.commit(n)
+                out.commit(len(view))
             else:
                 out.write(view)
-            pos += n
         self.nbytes = span.length
         if self._want_crc:
             self.crc = crc
         if nan or inf:
             _, label, path = check
             raise _nonfinite_error(label, path, nan, inf)
+
+
+def _span_views(out, span, item: int) -> Iterator[tuple[memoryview, bool]]:
+    """The span read straight into ``out``'s staging blocks: ``(view, True)`` to commit; an element
+    that would straddle two blocks comes as ``(bytes, False)``, to write."""
+    pos = 0
+    while pos < span.length:
+        view = out.staging(span.length - pos)
+        n = len(view) - len(view) % item
+        if n:
+            view = view[:n]
+            span.file.pread_into(view, span.offset + pos)
+            yield view, True
+        else:
+            n = item
+            yield memoryview(span.read(pos, item)), False
+        pos += n
+
+
+BAND = 64 << 20  # the most bytes of output rows a transpose produces at once
+
+
+def _transposed_views(span, source: TensorRef, want) -> Iterator[tuple[memoryview, bool]]:
+    """The transpose of the 2-D span: the source read once into a reused buffer, the output
+    produced in bands of whole rows (≥ 128 rows when they fit in :data:`BAND`: a band of few rows
+    would read the source a few columns at a time, across all its pages) into another."""
+    rows, cols = source.shape  # the output is [cols, rows]
+    buf = _scratch(span.length)
+    span.file.pread_into(buf, span.offset)
+    matrix = np.frombuffer(buf, dtype=want).reshape(rows, cols)
+    row_bytes = max(1, rows * want.itemsize)
+    band = max(1, min(cols, max(128, tensor.PIECE // row_bytes), BAND // row_bytes))
+    out = np.frombuffer(_scratch(band * row_bytes, "band"), dtype=want)
+    for j in range(0, cols, band):
+        width = min(band, cols - j)
+        dst = out[: width * rows].reshape(width, rows)
+        transpose_into(dst, matrix[:, j : j + width])
+        yield memoryview(dst.reshape(-1).view(np.uint8)), False
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(nbytes: int, which: str = "source") -> memoryview:
+    """A writable buffer of ``nbytes`` for this thread, reused from tensor to tensor (its pages
+    touched once): a transpose's source and output band. Released by :func:`release_scratch`."""
+    bufs = _LOCAL.__dict__.setdefault("scratch", {})
+    buf = bufs.get(which)
+    if buf is None or len(buf) < nbytes:
+        bufs.pop(which, None)
+        buf = bufs[which] = mmap.mmap(-1, max(nbytes, 1))
+    return memoryview(buf)[:nbytes]
+
+
+def release_scratch() -> None:
+    """Give this thread's transpose buffers back to the system (:func:`ordered` does, at its end)."""
+    _LOCAL.__dict__.pop("scratch", None)
 
 
 def crc32_function() -> Callable:
@@ -325,14 +380,18 @@ def _raw(ref: TensorRef, piece: int) -> Iterator:
 
 
 def _direct_source(ref: TensorRef) -> tuple | None:
-    """``(span, check)`` when ``ref``'s bytes are a file span as they are (``check``: the
-    ``(source, label, path)`` of :func:`checked`, or None); else None."""
-    if ref.span is not None and ref.array_loader is None:
-        return ref.span, None
-    if ref.checks is not None:
-        inner = ref.checks[0]
-        if inner.span is not None and inner.array_loader is None:
-            return inner.span, ref.checks
+    """How a consumer writing to an ``OutputFile`` produces ``ref`` itself, or None (then a worker
+    does): ``(span, check, None)`` for a file span as it is, ``(span, check, source)`` for the
+    transpose of a 2-D file span ``source``; ``check`` is the ``(ref, label, path)`` of
+    :func:`checked` or None."""
+    check = ref.checks
+    inner = check[0] if check is not None else ref
+    if inner.span is not None and inner.array_loader is None:
+        return inner.span, check, None
+    src = inner.transposed
+    if src is not None and src.span is not None and src.array_loader is None and len(src.shape) == 2 \
+            and src.dtype != "QFloat":
+        return src.span, check, src
     return None
 
 
@@ -401,11 +460,14 @@ def ordered(refs: Sequence[TensorRef], *, jobs: int | None = None, piece: int | 
     refs = list(refs)
     direct = [_direct_source(r) if out is not None and hasattr(out, "staging") else None for r in refs]
     busy = [r for r, d in zip(refs, direct, strict=True) if d is None]
-    if n_jobs <= 1 or len(busy) <= 1 or sum(_size(r) for r in busy) < CONCURRENT_MIN:
-        for ref, d in zip(refs, direct, strict=True):
-            yield ref, PieceStream(_produce(ref, piece, crc), crc, d)
-        return
-    yield from _concurrent(refs, n_jobs, piece, crc, direct)
+    try:
+        if n_jobs <= 1 or len(busy) <= 1 or sum(_size(r) for r in busy) < CONCURRENT_MIN:
+            for ref, d in zip(refs, direct, strict=True):
+                yield ref, PieceStream(_produce(ref, piece, crc), crc, d)
+            return
+        yield from _concurrent(refs, n_jobs, piece, crc, direct)
+    finally:
+        release_scratch()
 
 
 CONCURRENT_MIN = 32 << 20

@@ -106,7 +106,7 @@ class SourceFile:
             os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileSpan:
     """``length`` contiguous bytes at ``offset`` of a :class:`SourceFile`."""
 
@@ -140,7 +140,7 @@ class FileSpan:
             yield view
 
 
-@dataclass
+@dataclass(slots=True)  # no per-object __dict__: a .pt may hold 10^6 of them
 class TensorRef:
     """A tensor whose bytes live somewhere else (a file span, a transform, an array).
 
@@ -162,6 +162,7 @@ class TensorRef:
     piece_source: Callable[[int], Iterator[np.ndarray]] | None = field(default=None, repr=False)
     resident: int = 0
     checks: tuple | None = field(default=None, repr=False)  # (source, label, path) of stream.checked
+    transposed: TensorRef | None = field(default=None, repr=False)  # the source of stream.transpose
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:

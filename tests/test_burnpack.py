@@ -237,3 +237,95 @@ def test_metadata_the_strict_decoder_refuses_is_still_refused(tmp_path):
     path.write_bytes(raw[:6] + struct.pack("<I", len(bad)) + bad)
     with pytest.raises(FormatError, match="bad.bpk"):
         BurnpackFile(str(path))
+
+
+# ------------------------------------------------------------------ the header's fast checks
+def _reference_parse(monkeypatch):
+    """BurnpackFile with the per-entry checks and the encode-and-compare canonical check only."""
+    monkeypatch.setattr(BurnpackFile, "_entries", lambda self, t: {n: self._entry(n, d) for n, d in t.items()})
+    monkeypatch.setattr(BurnpackFile, "_scalars", lambda self, s: {n: self._scalar(n, v) for n, v in s.items()})
+    monkeypatch.setattr(burnpack, "_burn_encoded", lambda raw, meta: None)
+
+
+def _outcome(path):
+    try:
+        with BurnpackFile(str(path)) as pack:
+            return ("ok", pack.canonical, pack.data_order, pack.metadata,
+                    {n: (e.name, e.burn_dtype, e.shape, e.start, e.end, e.param_id, e.dtype) for n, e in pack.tensors.items()},
+                    {n: (s.kind, s.value, type(s.value)) for n, s in pack.scalars.items()})
+    except FormatError as exc:
+        return ("refused", str(exc))
+
+
+def _header_file(path, meta: dict, data_bytes: int) -> None:
+    raw = cbor.encode(meta)
+    head = burnpack.MAGIC + struct.pack("<HI", 1, len(raw)) + raw
+    path.write_bytes(head + b"\0" * (burnpack.aligned(len(head)) - len(head) + data_bytes))
+
+
+_ODD_DESCRIPTORS = [
+    {"shape": [True, 4]}, {"shape": [0, 4], "data_offsets": [0, 0]}, {"shape": [-1]}, {"shape": (2, 2)},
+    {"shape": [2**62, 2**3]}, {"shape": [1] * 65}, {"shape": []}, {"shape": [2, 2.0]},
+    {"data_offsets": [0, 8]}, {"data_offsets": [16, 0]}, {"data_offsets": [True, 16]}, {"data_offsets": [0]},
+    {"data_offsets": [0, 16, 32]}, {"data_offsets": [-16, 0]}, {"param_id": None}, {"param_id": True},
+    {"param_id": 2**64 - 1}, {"param_id": -2**64}, {"param_id": -1}, {"param_id": "7"}, {"dtype": "QFloat"}, {"dtype": "F16"},
+    {"dtype": {"Bool": "Native"}, "shape": [16]}, {"dtype": {"Bool": "U32"}, "shape": [4]}, {"dtype": "Bogus"},
+    {"dtype": ["F32"]}, {"dtype": None}, {"extra": 1}, {"shape": None}, {"data_offsets": None},
+]
+
+
+@pytest.mark.parametrize("odd", range(len(_ODD_DESCRIPTORS)))
+def test_fast_header_checks_accept_and_refuse_as_the_per_entry_checks(tmp_path, monkeypatch, odd):
+    """The one-loop checks of descriptors and scalars, and the canonical check without a second
+    encode, give the same tensors, scalars, canonical flag or refusal as the per-entry ones."""
+    base = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16], "param_id": 7}
+    tensors = {"a.x": dict(base), "b.y": {**base, "data_offsets": [256, 272]}}
+    tensors["b.y"].update(_ODD_DESCRIPTORS[odd])
+    tensors["b.y"] = {k: v for k, v in tensors["b.y"].items() if v is not None or k == "param_id"}
+    scalars = {"a.__rank": {"UInt": 2}, "b.t": {"Int": -3}, "c.f": {"Bool": True}}
+    path = tmp_path / "odd.bpk"
+    _header_file(path, {"tensors": tensors, "metadata": {"7": "l.w"}, "scalars": scalars}, 512)
+    fast = _outcome(path)
+    _reference_parse(monkeypatch)
+    assert fast == _outcome(path)
+
+
+@pytest.mark.parametrize("change", ["none", "unsorted", "empty-metadata", "descriptor-order", "extra-top", "float",
+                                   "int-as-float", "bool-scalar", "uint-as-int", "big-uint", "null-id"])
+def test_canonical_flag_is_the_encode_and_compare_answer(tmp_path, monkeypatch, change):
+    tensors = {f"{i}.m": {"dtype": "F32", "shape": [4], "data_offsets": [256 * i, 256 * i + 16], "param_id": i}
+               for i in range(3)}
+    meta = {"tensors": tensors, "metadata": {"0": "a", "1": "b"}, "scalars": {"0.__rank": {"UInt": 1}}}
+    if change == "unsorted":
+        meta["tensors"] = dict(reversed(list(tensors.items())))
+    elif change == "empty-metadata":
+        meta["metadata"] = {}
+    elif change == "descriptor-order":
+        tensors["1.m"] = {"shape": [4], "dtype": "F32", "data_offsets": [256, 272], "param_id": 1}
+    elif change == "extra-top":
+        meta["other"] = 1
+    elif change == "float":
+        meta["scalars"]["0.lr"] = {"Float": 0.5}
+    elif change == "int-as-float":
+        meta["scalars"]["0.lr"] = {"Float": 3}
+    elif change == "bool-scalar":
+        meta["scalars"]["0.b"] = {"Bool": False}
+    elif change == "uint-as-int":
+        meta["scalars"]["0.i"] = {"Int": 5}
+    elif change == "big-uint":
+        meta["scalars"]["0.u"] = {"UInt": 2**64 - 1}
+    elif change == "null-id":
+        tensors["2.m"]["param_id"] = None
+    path = tmp_path / "c.bpk"
+    _header_file(path, meta, 3 * 256)
+    fast = _outcome(path)
+    _reference_parse(monkeypatch)
+    assert fast == _outcome(path)
+    assert fast[0] == "ok" and fast[1] == (change in ("none", "float", "bool-scalar", "uint-as-int", "big-uint"))
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("fixtures/**/*.bpk")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_burnpack_fixture_reads_as_the_per_entry_checks_read_it(path, monkeypatch):
+    fast = _outcome(path)
+    _reference_parse(monkeypatch)
+    assert fast == _outcome(path)

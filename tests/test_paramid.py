@@ -44,3 +44,16 @@ def test_roundtrip(value):
     text = paramid.to_display(value)
     assert len(text) == 13
     assert paramid.from_display(text) == value
+
+
+def test_display_form_is_base64s_base32hex_of_the_little_endian_bytes():
+    """to_display computes on the integer; the standard library's encoder is the reference."""
+    import base64
+    import random
+
+    rng = random.Random(13)
+    values = [0, 1, 31, 32, 2**63, 2**64 - 1] + [rng.getrandbits(rng.randint(1, 64)) for _ in range(20000)]
+    for value in values:
+        expected = base64.b32hexencode(value.to_bytes(8, "little")).decode().lower().rstrip("=")
+        assert paramid.to_display(value) == expected
+        assert paramid.from_display(expected) == value

@@ -580,3 +580,97 @@ def test_dumps_refuses_cycles():
     cyclic.append(cyclic)
     with pytest.raises(MappingError, match="self-referencing"):
         torch_pickle.dumps({"x": cyclic})
+
+
+# --------------------------------------------------------------------------------------------
+# the tensor-call fast path (_Unpickler.tensor_call) against the opcode loop
+
+
+def torch_saved(obj: object) -> tuple[bytes, dict[str, bytes]]:
+    """data.pkl and the storages of what real torch.save writes for ``obj``."""
+    import io
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as zf:
+        names = {n.split("/", 1)[1]: n for n in zf.namelist()}
+        storages = {k[5:]: zf.read(n) for k, n in names.items() if k.startswith("data/")}
+        return zf.read(names["data.pkl"]), storages
+
+
+def views_and_state() -> object:
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    base, big = torch.arange(40.0), torch.zeros(70_000, dtype=torch.float64)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    views = {"slice": base[5:9], "t": base.view(5, 8).t(), "empty": base[:0], "scalar": base[7],
+             "rank3": base[:24].view(2, 3, 4), "rank4": base[:16].view(2, 2, 2, 2), "far": big[66_000:66_003],
+             "grad": torch.ones(3, requires_grad=True), "ints": torch.arange(5)}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "views": views,
+            "many": {f"v{i}": base[i % 40 : i % 40 + 1] for i in range(300)}}
+
+
+def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> tuple[object, object, int]:
+    """The outcome through the fast path and through the opcode loop alone, and fast calls run."""
+    import re
+
+    def loader(sid: StorageId) -> Storage:
+        data = memoryview(storages[sid.key])
+        if len(data) != sid.nbytes:
+            raise FormatError("storage size")
+        return Storage(sid, lambda: data)
+
+    def outcome() -> object:
+        try:
+            return normalized(torch_pickle.loads(pkl, storage_loader=loader)[0])
+        except FormatError as exc:
+            return type(exc)
+
+    calls = []
+    real = torch_pickle._Unpickler.tensor_call
+    monkeypatch.setattr(torch_pickle._Unpickler, "tensor_call", lambda *a: calls.append(1) or real(*a))
+    fast = outcome()
+    monkeypatch.setattr(torch_pickle, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
+    return fast, outcome(), len(calls)
+
+
+def normalized(value: object) -> object:
+    if isinstance(value, TensorRef):
+        return ("tensor", value.dtype, value.shape, dict(value.info), bytes(value.raw()))
+    if isinstance(value, dict):
+        return ("dict", [(k, normalized(v)) for k, v in value.items()])
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, [normalized(v) for v in value])
+    return value
+
+
+def test_tensor_call_fast_path_reads_what_the_opcode_loop_reads(monkeypatch):
+    pkl, storages = torch_saved(views_and_state())
+    fast, slow, calls = load_both(pkl, storages, monkeypatch)
+    assert fast == slow
+    assert calls > 300  # nearly every tensor (not the first of its kind, nor rank 4) ran at once
+    views = dict(dict(fast[1])["views"][1])
+    assert views["far"][3]["storage_offset"] == 66_000 and views["t"][3]["stride"] == (1, 8)
+    assert views["grad"][3]["requires_grad"] and views["scalar"][2] == ()
+
+
+def test_tensor_call_fast_path_agrees_on_damaged_pickles(monkeypatch):
+    """Bytes changed inside the tensor calls (memo indices, ints, opcodes): the fast path gives
+    the opcode loop's result or its error class, never something else."""
+    import random
+
+    pkl, storages = torch_saved({f"v{i}": t for i, t in enumerate(views_and_state()["views"].values())}
+                                | {"many": views_and_state()["many"]})
+    rng = random.Random(14)
+    for _ in range(150):
+        damaged = bytearray(pkl)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(len(pkl) // 2, len(pkl))] = rng.choice([rng.randrange(256), *damaged[:40]])
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(bytes(damaged), storages, patch)
+        assert fast == slow

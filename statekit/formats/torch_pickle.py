@@ -25,10 +25,13 @@ accepts, and only globals on its allow-list.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import mmap
 import pickle
+import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -37,7 +40,7 @@ import numpy as np
 from statekit import dtypes
 from statekit.errors import FormatError, MappingError, UnsafePickleError
 from statekit.formats import limits
-from statekit.tensor import TensorRef
+from statekit.tensor import FileSpan, TensorRef
 
 # --------------------------------------------------------------------------------------------
 # dtypes
@@ -167,12 +170,13 @@ def _int_tuple(value: object, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-_DTYPE_CACHE: dict[str, tuple[str, np.dtype]] = {}
+_DTYPE_CACHE: dict[str, tuple[str, np.dtype, int]] = {}
 
 
-def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype]:
+def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype, int]:
     name = statekit_dtype(torch_dtype)
-    _DTYPE_CACHE[torch_dtype] = entry = (name, dtypes.numpy_dtype(name))
+    np_dtype = dtypes.numpy_dtype(name)
+    _DTYPE_CACHE[torch_dtype] = entry = (name, np_dtype, np_dtype.itemsize)
     return entry
 
 
@@ -199,8 +203,89 @@ def _geometry(size: tuple, stride: tuple, itemsize: int, key: str) -> tuple[int,
     return numel, extent, contiguous
 
 
+class TensorInfo(MutableMapping):
+    """A loaded tensor's ``info``: ``{torch_dtype, parameter, requires_grad, device, storage_key,
+    storage_offset, stride}``, as a mapping that holds only what is the view's own.
+
+    The four fields most views share live in one dict for all of them (see :func:`_shared_info`),
+    so a file of 10^6 views carries no dict per view. Writing to it (``info[k] = v``,
+    ``update``) first copies the fields into a dict of this view's own.
+    """
+
+    __slots__ = ("shared", "key", "offset", "stride", "own")
+    _FIELDS = ("torch_dtype", "parameter", "requires_grad", "device", "storage_key", "storage_offset", "stride")
+
+    def __init__(self, shared: dict, key: str, offset: int, stride: tuple):
+        self.shared, self.key, self.offset, self.stride, self.own = shared, key, offset, stride, None
+
+    def as_dict(self) -> dict:
+        if self.own is not None:
+            return self.own
+        shared = self.shared
+        return {"torch_dtype": shared["torch_dtype"], "parameter": shared["parameter"],
+                "requires_grad": shared["requires_grad"], "device": shared["device"],
+                "storage_key": self.key, "storage_offset": self.offset, "stride": self.stride}
+
+    def __getitem__(self, name: str) -> object:
+        if self.own is not None:
+            return self.own[name]
+        if name == "storage_key":
+            return self.key
+        if name == "storage_offset":
+            return self.offset
+        if name == "stride":
+            return self.stride
+        return self.shared[name]
+
+    def get(self, name: str, default: object = None) -> object:
+        if self.own is not None:
+            return self.own.get(name, default)
+        return self[name] if name in self._FIELDS else default
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.own if self.own is not None else name in self._FIELDS
+
+    def __iter__(self):
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.own) if self.own is not None else len(self._FIELDS)
+
+    def __setitem__(self, name: str, value: object) -> None:
+        self.own = self.as_dict()
+        self.own[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        self.own = self.as_dict()
+        del self.own[name]
+
+    def __eq__(self, other: object) -> bool:
+        return self.as_dict() == (other.as_dict() if isinstance(other, TensorInfo) else other)
+
+    def __repr__(self) -> str:
+        return repr(self.as_dict())
+
+    def copy(self) -> dict:
+        return dict(self.as_dict())
+
+
+_SHARED_INFO: dict[tuple, dict] = {}
+
+
+def _shared_info(torch_dtype: str, requires_grad: bool, device: str) -> dict:
+    """The fields many views share, one dict per combination (a bounded cache; never mutated)."""
+    key = (torch_dtype, requires_grad, device)
+    shared = _SHARED_INFO.get(key)
+    if shared is None:
+        shared = {"torch_dtype": torch_dtype, "parameter": False, "requires_grad": requires_grad, "device": device}
+        if len(_SHARED_INFO) < 4096:
+            _SHARED_INFO[key] = shared
+    return shared
+
+
 def _tensor(
-    storage: object, offset: object, size: object, stride: object, torch_dtype: str | None = None
+    storage: object, offset: object, size: object, stride: object, torch_dtype: str | None = None,
+    requires_grad: bool = False,
 ) -> TensorRef:
     """A TensorRef viewing ``storage`` like ``torch.Tensor.set_(storage, offset, size, stride)``.
 
@@ -209,8 +294,7 @@ def _tensor(
     if not isinstance(storage, Storage):
         raise FormatError(f"tensor storage is {type(storage).__name__}, not a storage reference")
     torch_dtype = torch_dtype or storage.dtype
-    name, np_dtype = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
-    itemsize = np_dtype.itemsize
+    name, np_dtype, itemsize = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
     if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
         size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
@@ -229,20 +313,12 @@ def _tensor(
             f"a view of size {list(size)} repeats storage '{storage.key}' ({capacity} elements) into "
             f"{numel * itemsize} bytes; statekit refuses views that outgrow their storage past "
             f"{limits.MAX_INFLATE >> 20} MiB")
-    info = {
-        "torch_dtype": torch_dtype,
-        "parameter": False,
-        "requires_grad": False,
-        "device": storage.location,
-        "storage_key": storage.key,
-        "storage_offset": offset,
-        "stride": stride,
-    }
+    info = TensorInfo(_shared_info(torch_dtype, requires_grad, storage.location), storage.key, offset, stride)
     if numel == 0 or (contiguous and not storage.big_endian):
         start, stop = offset * itemsize, (offset + numel) * itemsize
-        if storage.span is not None:
-            span = storage.span
-            return TensorRef(name, size, info=info, span=type(span)(span.file, span.offset + start, stop - start))
+        span = storage.span
+        if span is not None:
+            return TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + start, stop - start))
         return TensorRef(name, size, loader=lambda: storage.resolve()[start:stop], info=info)
 
     def strided() -> np.ndarray:
@@ -292,11 +368,11 @@ def _rebuild_tensor(storage, storage_offset, size, stride):
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata=None):
-    _check_hooks(backward_hooks)
-    _check_metadata(metadata)
-    tensor = _rebuild_tensor(storage, storage_offset, size, stride)
-    tensor.info["requires_grad"] = bool(requires_grad)
-    return tensor
+    if backward_hooks is not None and type(backward_hooks) is not dict:
+        _check_hooks(backward_hooks)
+    if metadata is not None:
+        _check_metadata(metadata)
+    return _tensor(storage, storage_offset, size, stride, None, bool(requires_grad))
 
 
 def _rebuild_tensor_v3(
@@ -306,9 +382,7 @@ def _rebuild_tensor_v3(
     _check_metadata(metadata)
     if not isinstance(dtype, TorchDtype):
         raise FormatError(f"_rebuild_tensor_v3 dtype {dtype!r} is not a torch dtype")
-    tensor = _tensor(storage, storage_offset, size, stride, dtype.name)
-    tensor.info["requires_grad"] = bool(requires_grad)
-    return tensor
+    return _tensor(storage, storage_offset, size, stride, dtype.name, bool(requires_grad))
 
 
 def _rebuild_parameter(data, requires_grad, backward_hooks):
@@ -330,9 +404,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         or not isinstance(args, tuple)
     ):
         raise FormatError(f"unsupported _rebuild_from_type_v2 call for {new_type!r}")
-    tensor = _with_info(func.fn(*args))
-    if new_type.name == "Parameter":
-        tensor.info["parameter"] = True
+    tensor = _with_info(func.fn(*args), **({"parameter": True} if new_type.name == "Parameter" else {}))
     attributes = _python_state(state)
     return _with_info(tensor, python_state=attributes) if attributes else tensor
 
@@ -354,7 +426,7 @@ class _Callable:
     fn: Callable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per class: hashed by identity (persistent ids are cached)
 class _StorageType:
     """A ``torch.*Storage`` class named in a persistent id; ``dtype`` is a torch dtype name."""
 
@@ -569,10 +641,14 @@ class _Unpickler:
         self.storage_loader = storage_loader
         self.stack: list = []
         self.metastack: list[list] = []
-        self.memo: dict[int, object] = {}
+        # the memo: a list while the indices come in order (0, 1, 2, ... as every pickler writes
+        # them: 8 bytes an entry, no int objects kept), a dict once one does not
+        self.memo: list | dict[int, object] = []
         self.depths: dict[int, int] = {}  # id → nesting depth of the containers built so far
         self.built: list = []  # keeps them alive, so that ids stay unique
         self.steps = 0
+        self.sids: dict[tuple, StorageId] = {}  # persistent ids parsed so far
+        self.last_sid: StorageId | None = None
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -633,6 +709,18 @@ class _Unpickler:
             depths[id(container)] = depth
         return container
 
+    def put(self, index: int, value: object) -> None:
+        """memo[index] = value."""
+        memo = self.memo
+        if index < len(memo):
+            memo[index] = value
+        elif index == len(memo) and type(memo) is list:
+            memo.append(value)
+        else:
+            if type(memo) is list:
+                self.memo = memo = dict(enumerate(memo))
+            memo[index] = value
+
     def pop_mark(self) -> list:
         if not self.metastack:
             raise FormatError("malformed pickle: no MARK on the stack")
@@ -655,11 +743,11 @@ class _Unpickler:
         handler(self)
 
     def load(self) -> object:
-        """The interpreter loop: the opcodes torch.save's pickles are made of run inline (a pickle
-        of 10^6 tensors runs ~3·10^7 of them); the rest through their handlers in ``_OPS``."""
-        data, end, memo = self.data, len(self.data), self.memo
+        """The interpreter loop: torch.save's opcodes inline (checked like their ``_OPS`` handlers,
+        which run the rest), a tensor's whole ``_rebuild_tensor_v2`` call at once (:meth:`tensor_call`)."""
+        data, end, u32 = self.data, len(self.data), _U32.unpack_from
         pos, start, steps = self.pos, self.pos, self.steps
-        stack = self.stack
+        stack, metastack, memo = self.stack, self.metastack, self.memo
         try:
             while True:
                 start = pos
@@ -668,77 +756,200 @@ class _Unpickler:
                 code = data[pos]
                 pos += 1
                 steps += 1
-                if code == _BINGET:
-                    if pos >= end:
-                        raise self.truncated_at(pos, 1)
-                    stack.append(memo[data[pos]])
-                    pos += 1
-                elif code == _LONG_BINPUT:
-                    if pos + 4 > end:
-                        raise self.truncated_at(pos, 4)
-                    memo[_U32.unpack_from(data, pos)[0]] = stack[-1]
-                    pos += 4
-                elif code == _BININT1:
-                    if pos >= end:
-                        raise self.truncated_at(pos, 1)
-                    stack.append(data[pos])
-                    pos += 1
+                if code == _BINGET or code == _LONG_BINGET:
+                    width = 1 if code == _BINGET else 4
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    stack.append(memo[data[pos] if width == 1 else u32(data, pos)[0]])
+                    pos += width
+                elif code == _LONG_BINPUT or code == _BINPUT:
+                    width = 1 if code == _BINPUT else 4
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    self.put(data[pos] if width == 1 else u32(data, pos)[0], stack[-1])
+                    memo = self.memo
+                    pos += width
                 elif code == _MARK:
-                    if len(self.metastack) >= MAX_DEPTH:
+                    if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-                    self.metastack.append(stack)
-                    self.stack = stack = []
+                    if data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable:
+                        match = _TENSOR_CALL.match(data, start)
+                        if match is not None and self.tensor_call(match, stack):
+                            pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
+                            continue
+                    metastack.append(stack)
+                    stack = []
                 elif code == _TUPLE:
-                    if not self.metastack:
+                    if not metastack:
                         raise FormatError("malformed pickle: no MARK on the stack")
                     items = tuple(stack)
-                    self.stack = stack = self.metastack.pop()
-                    for item in items:
-                        if isinstance(item, _CONTAINERS):
-                            self.nest(items, items)
-                            break
-                    stack.append(items)
-                elif code == _TUPLE1:
-                    item = stack[-1]
-                    stack[-1] = self.nest((item,), (item,)) if isinstance(item, _CONTAINERS) else (item,)
-                elif code == _BINPUT:
-                    if pos >= end:
-                        raise self.truncated_at(pos, 1)
-                    memo[data[pos]] = stack[-1]
-                    pos += 1
-                elif code == _BININT:
-                    if pos + 4 > end:
-                        raise self.truncated_at(pos, 4)
-                    stack.append(_I32.unpack_from(data, pos)[0])
-                    pos += 4
-                elif code == _NEWFALSE:
-                    stack.append(False)
-                elif code == _EMPTY_TUPLE:
-                    stack.append(())
-                elif code == _BININT2:
-                    if pos + 2 > end:
-                        raise self.truncated_at(pos, 2)
-                    stack.append(_U16.unpack_from(data, pos)[0])
-                    pos += 2
+                    stack = metastack.pop()
+                    stack.append(self.nest(items, items) if any(map(_is_container, items)) else items)
+                elif code in _INTS:
+                    width = _INTS[code]
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    stack.append(data[pos] if width == 1 else _INT_FORMATS[width].unpack_from(data, pos)[0])
+                    pos += width
+                elif code == _REDUCE:
+                    args = stack.pop()
+                    stack[-1] = _call(stack[-1], args)
+                elif _TUPLE1 <= code <= _TUPLE3:
+                    n = code - _TUPLE1 + 1
+                    if len(stack) < n:
+                        raise FormatError("malformed pickle: stack underflow in TUPLE")
+                    items = tuple(stack[-n:])
+                    del stack[-n:]
+                    stack.append(self.nest(items, items) if any(map(_is_container, items)) else items)
+                elif code == _BINUNICODE:
+                    n = u32(data, pos)[0] if pos + 4 <= end else -1
+                    if n < 0 or pos + 4 + n > end:
+                        raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
+                    stack.append(_text(data[pos + 4 : pos + 4 + n]))
+                    pos += 4 + n
+                elif code in _INLINE_CONSTANTS:
+                    stack.append(_INLINE_CONSTANTS[code])
                 elif code == _STOP:
-                    self.pos, self.steps = pos, steps
                     if not stack:
                         raise FormatError("malformed pickle: empty stack at STOP")
                     return stack.pop()
                 else:
-                    self.pos, self.code, self.steps = pos, code, steps
+                    self.pos, self.code, self.steps, self.stack = pos, code, steps, stack
                     self.dispatch(code, start)
-                    pos, stack = self.pos, self.stack
+                    pos, stack, memo = self.pos, self.stack, self.memo
         except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
             raise FormatError(f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}") from None
         finally:
             self.pos, self.steps = pos, steps
 
+    def tensor_call(self, match: re.Match, stack: list) -> bool:
+        """Run a whole ``_rebuild_tensor_v2`` call that :data:`_TENSOR_CALL` matched (MARK to the
+        REDUCE's BINPUT): the same stack, memo and checks as its ~25 opcodes one by one, in the
+        same order. False — nothing done — when it is not quite that (the loop then runs them)."""
+        (storage_name, stype, key_get, key_len, key, key_put, location, numel, pid_put, offset,
+         size_get, size_ints, size_op, size_put, stride_get, stride_ints, stride_op, stride_put, grad,
+         od_get, od_put, args_put, out_put) = match.groups()
+        size = None if size_get is not None else _small_tuple(size_ints, size_op)
+        stride = None if stride_get is not None else _small_tuple(stride_ints, stride_op)
+        if (size is False or stride is False or (key is not None and len(key) != key_len[0])
+                or len(self.metastack) + 2 > MAX_DEPTH):
+            return False
+        put, index = self.put_op, int.from_bytes  # (put may turn self.memo into a dict: read it afresh)
+        storage_name, stype = self.memo[index(storage_name[1:], "little")], self.memo[index(stype[1:], "little")]
+        if key is not None:
+            key = key.decode()
+            put(key_put, key)
+        else:
+            key = self.memo[index(key_get[1:], "little")]
+        location = self.memo[index(location[1:], "little")]
+        pid = (storage_name, stype, key, location, _int_op(numel))
+        if not (type(storage_name) is str and type(key) is str and type(location) is str):
+            pid = self.nest(pid, pid)  # (a _StorageType is no container)
+        put(pid_put, pid)
+        storage = self.persistent_load(pid)
+        if size_get is not None:
+            size = self.memo[index(size_get[1:], "little")]
+        elif size_put is not None:
+            put(size_put, size)
+        if stride_get is not None:
+            stride = self.memo[index(stride_get[1:], "little")]
+        elif stride_put is not None:
+            put(stride_put, stride)
+        backward_hooks = _call(self.memo[index(od_get[1:], "little")], ())
+        put(od_put, backward_hooks)
+        args = (storage, _int_op(offset), size, stride, grad == b"\x88", backward_hooks)
+        put(args_put, self.nest(args, args))
+        stack[-1] = _call(stack[-1], args)
+        put(out_put, stack[-1])
+        return True
+
+    def put_op(self, op: bytes, value: object) -> None:
+        """memo[index] = value for a BINPUT or LONG_BINPUT opcode with its argument."""
+        memo, index = self.memo, int.from_bytes(op[1:], "little")
+        if index == len(memo) and type(memo) is list:
+            memo.append(value)
+        else:
+            self.put(index, value)
+
+    def persistent_load(self, pid: object) -> Storage:
+        """The storage a persistent id names (its parsing cached: 10^6 views of one storage
+        repeat one id); the container is asked for each, as :func:`_persistent_load` does."""
+        if type(pid) is tuple and len(pid) == 5 and type(pid[1]) is _StorageType:
+            # hashable in constant time: only str/int/identity-hashed members are looked up
+            _, _, key, location, numel = pid
+            if type(key) is str and type(location) is str and type(numel) is int and type(pid[0]) is str:
+                sid = self.sids.get(pid)
+                if sid is not None and self.storage_loader is not None:
+                    return self.storage_loader(sid)
+                storage = _persistent_load(self, pid)
+                self.sids[pid] = self.last_sid
+                return storage
+        return _persistent_load(self, pid)
+
 
 _CONTAINERS = (list, tuple, dict, set)
+
+
+def _is_container(item: object) -> bool:
+    return isinstance(item, _CONTAINERS)
+
+
+def _call(func: object, args: object) -> object:
+    """REDUCE: an allowed stand-in called with the pickled arguments."""
+    if type(func) is not _Callable:
+        raise UnsafePickleError(f"refusing to call {func!r} from pickle: not an allowed callable")
+    if type(args) is not tuple:
+        raise FormatError(f"malformed pickle: arguments of {func.name} are not a tuple")
+    try:
+        return func.fn(*args)
+    except TypeError as exc:
+        raise FormatError(f"bad arguments to {func.name}: {exc}") from None
+
+
+def _int_op(raw: bytes) -> int:
+    """The value of one BININT1 / BININT2 / BININT opcode with its argument."""
+    return raw[1] if raw[0] == _BININT1 else _INT_FORMATS[len(raw) - 1].unpack_from(raw, 1)[0]
+
+
+def _small_tuple(ints: bytes | None, op: bytes | None) -> tuple | bool:
+    """The size or stride tuple a tensor call builds from ints (BININT* then TUPLE1/2/3), or from
+    nothing (EMPTY_TUPLE); False when the opcodes do not build what they seem to."""
+    if ints is None:
+        return ()
+    values, i = [], 0
+    while i < len(ints):
+        width = _INTS[ints[i]]
+        values.append(_int_op(ints[i : i + 1 + width]))
+        i += 1 + width
+    return tuple(values) if len(values) == op[0] - _TUPLE1 + 1 else False
+
+
+def _tensor_call_pattern() -> re.Pattern:
+    """The opcodes of one ``_rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
+    OrderedDict())`` call as torch.save (protocol 2) writes it, from the MARK after the callable:
+    every argument but the ints comes from the memo (BINGET/LONG_BINGET), every object built is
+    memoized (BINPUT/LONG_BINPUT)."""
+    get, put = rb"(h.|j.{4})", rb"(q.|r.{4})"
+    integer = rb"(K.|M.{2}|J.{4})"
+    ints = rb"((?:K.|M.{2}|J.{4}){1,3})"
+    small_tuple = rb"(?:" + get + rb"|" + ints + rb"([\x85-\x87])" + put + rb"|\))"
+    pattern = (rb"\(\(" + get + get + rb"(?:" + get + rb"|X([\x01-\x14])\x00\x00\x00([0-9]+)" + put + rb")"
+               + get + integer + rb"t" + put + rb"Q" + integer + small_tuple + small_tuple + rb"([\x88\x89])"
+               + get + rb"\)R" + put + rb"t" + put + rb"R" + put)
+    return re.compile(pattern, re.DOTALL)
+
+
+_TENSOR_CALL = _tensor_call_pattern()
+_INTS = {pickle.BININT1[0]: 1, pickle.BININT2[0]: 2, pickle.BININT[0]: 4}  # opcode -> argument bytes
+_INT_FORMATS = {2: _U16, 4: _I32}
+_INLINE_CONSTANTS = {pickle.NONE[0]: None, pickle.NEWTRUE[0]: True, pickle.NEWFALSE[0]: False, pickle.EMPTY_TUPLE[0]: ()}
+_TENSOR_CALL_OPS = 25  # opcodes one such call runs, counted toward MAX_STEPS (a few more or fewer)
 (_BINGET, _LONG_BINPUT, _BININT1, _MARK, _TUPLE, _TUPLE1, _BINPUT, _BININT, _NEWFALSE, _EMPTY_TUPLE, _BININT2) = (
     op[0] for op in (pickle.BINGET, pickle.LONG_BINPUT, pickle.BININT1, pickle.MARK, pickle.TUPLE, pickle.TUPLE1,
                      pickle.BINPUT, pickle.BININT, pickle.NEWFALSE, pickle.EMPTY_TUPLE, pickle.BININT2))
+(_REDUCE, _TUPLE2, _TUPLE3, _BINUNICODE, _BINPERSID, _LONG_BINGET) = (
+    op[0] for op in (pickle.REDUCE, pickle.TUPLE2, pickle.TUPLE3, pickle.BINUNICODE, pickle.BINPERSID,
+                     pickle.LONG_BINGET))
 
 
 def loads(
@@ -754,12 +965,33 @@ def loads(
     (stand-ins: :class:`_Callable` for REDUCE, :class:`RecordClass` for NEWOBJ, or constants).
     """
     unpickler = _Unpickler(data, pos, storage_loader, extra_globals)
-    try:
-        obj = unpickler.load()
-    except RecursionError:
-        raise FormatError("malformed pickle: nesting too deep") from None
-    check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
+    with no_gc():  # building 10^6 objects that all stay alive: collections would only rescan them
+        try:
+            obj = unpickler.load()
+        except RecursionError:
+            raise FormatError("malformed pickle: nesting too deep") from None
+        check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
     return obj, unpickler.pos
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Pause Python's cyclic garbage collector (reference counting still frees everything).
+
+    A loaded pickle is a tree of new objects that all live on; every automatic collection would
+    traverse all of them again, which made reading 10^6 tensors a third slower. Whatever a
+    refused pickle leaves in cycles is collected once the collector runs again.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+_SCALARS = frozenset((str, int, float, bool, type(None), bytes))
 
 
 def _children(node: object):
@@ -811,7 +1043,12 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
             raise FormatError("pickle builds a container that contains itself")
         active.add(key)
         stack.append((node, True))
-        stack.extend((child, False) for child in children if _children(child) is not None)
+        for child in children:
+            kind = type(child)
+            if kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):
+                continue  # leaves: most children of a large state_dict
+            if _children(child) is not None:
+                stack.append((child, False))
 
 
 @_op(pickle.PROTO)
@@ -895,6 +1132,10 @@ def _binfloat(u: _Unpickler) -> None:
 
 
 def _text(raw: bytes) -> str:
+    try:
+        return raw.decode()  # strict UTF-8 decodes no surrogate, so nothing more to check
+    except UnicodeDecodeError:
+        pass
     text = raw.decode("utf-8", "surrogatepass")
     problem = limits.text_problem(text)
     if problem:  # torch reads it, but no name holding it can be written to any output
@@ -1027,17 +1268,17 @@ def _long_binget(u: _Unpickler) -> None:
 
 @_op(pickle.BINPUT)
 def _binput(u: _Unpickler) -> None:
-    u.memo[u.byte()] = u.stack[-1]
+    u.put(u.byte(), u.stack[-1])
 
 
 @_op(pickle.LONG_BINPUT)
 def _long_binput(u: _Unpickler) -> None:
-    u.memo[u.unpack(_U32)] = u.stack[-1]
+    u.put(u.unpack(_U32), u.stack[-1])
 
 
 @_op(pickle.MEMOIZE)
 def _memoize(u: _Unpickler) -> None:
-    u.memo[len(u.memo)] = u.stack[-1]
+    u.put(len(u.memo), u.stack[-1])
 
 
 @_op(pickle.GLOBAL)
@@ -1057,15 +1298,7 @@ def _stack_global(u: _Unpickler) -> None:
 @_op(pickle.REDUCE)
 def _reduce(u: _Unpickler) -> None:
     args = u.stack.pop()
-    func = u.stack[-1]
-    if not isinstance(func, _Callable):
-        raise UnsafePickleError(f"refusing to call {func!r} from pickle: not an allowed callable")
-    if not isinstance(args, tuple):
-        raise FormatError(f"malformed pickle: arguments of {func.name} are not a tuple")
-    try:
-        u.stack[-1] = func.fn(*args)
-    except TypeError as exc:
-        raise FormatError(f"bad arguments to {func.name}: {exc}") from None
+    u.stack[-1] = _call(u.stack[-1], args)
 
 
 @_op(pickle.NEWOBJ)
@@ -1101,7 +1334,7 @@ def _build(u: _Unpickler) -> None:
 
 @_op(pickle.BINPERSID)
 def _binpersid(u: _Unpickler) -> None:
-    u.stack.append(_persistent_load(u, u.stack.pop()))
+    u.stack.append(u.persistent_load(u.stack.pop()))
 
 
 def _persistent_load(u: _Unpickler, pid: object) -> Storage:
@@ -1117,7 +1350,8 @@ def _persistent_load(u: _Unpickler, pid: object) -> Storage:
     key, location = (v.decode("ascii") if isinstance(v, bytes) else v for v in (key, location))
     if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
         raise FormatError(f"malformed storage persistent id {pid!r}")
-    return u.storage_loader(StorageId(key, stype.dtype, numel, location, view[0] if view else None))
+    u.last_sid = sid = StorageId(key, stype.dtype, numel, location, view[0] if view else None)
+    return u.storage_loader(sid)
 
 
 # --------------------------------------------------------------------------------------------

@@ -241,9 +241,9 @@ def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.
                 f"storage '{sid.key}' should hold {sid.numel} {sid.dtype} elements ({sid.nbytes} bytes), "
                 f"but data/{sid.key} holds {info.file_size} bytes"
             )
-        data = _entry_bytes(buffer, info)
+        data = _entry_bytes(buffer, info, source, base)
         storage = Storage(sid, lambda: data, big_endian=byteorder == b"big")
-        storage.span = FileSpan(source, base + _entry_start(buffer, info), info.file_size)
+        storage.span = FileSpan(source, base + _entry_start(buffer, info, source, base), info.file_size)
         storages[sid.key] = storage
         return storage
 
@@ -251,13 +251,23 @@ def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.
     return obj
 
 
-def _entry_start(buffer: mmap.mmap, info: zipfile.ZipInfo) -> int:
+def _local_header(buffer: mmap.mmap, offset: int, source: SourceFile | None, base: int) -> tuple:
+    """The local header at ``offset``: read with pread from ``source`` when given. Reading it from the
+    map would map (and count in the resident set) the page-cache folios around it, up to megabytes
+    each: for a cached file with hundreds of entries, most of the file."""
+    if source is None:
+        return _LOCAL_HEADER.unpack_from(buffer, offset)
+    return _LOCAL_HEADER.unpack(source.pread(base + offset, _LOCAL_HEADER.size).ljust(_LOCAL_HEADER.size, b"\0"))
+
+
+def _entry_start(buffer: mmap.mmap, info: zipfile.ZipInfo, source: SourceFile | None = None, base: int = 0) -> int:
     """Where an entry's bytes start in the file (after its local header; checked by _entry_bytes)."""
-    *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(buffer, info.header_offset)
+    *_, name_length, extra_length = _local_header(buffer, info.header_offset, source, base)
     return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
 
 
-def _entry_bytes(buffer: mmap.mmap, info: zipfile.ZipInfo) -> memoryview:
+def _entry_bytes(buffer: mmap.mmap, info: zipfile.ZipInfo, source: SourceFile | None = None,
+                 base: int = 0) -> memoryview:
     """The stored bytes of one entry, sliced from the map (not read)."""
     name = info.filename
     if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
@@ -271,7 +281,7 @@ def _entry_bytes(buffer: mmap.mmap, info: zipfile.ZipInfo) -> memoryview:
         raise FormatError(f"zip entry {name}: local header offset {offset} lies before the start of the file")
     if offset + _LOCAL_HEADER.size > len(buffer):
         raise FormatError(f"zip entry {name}: local header lies past the end of the file")
-    signature, *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(buffer, offset)
+    signature, *_, name_length, extra_length = _local_header(buffer, offset, source, base)
     if signature != 0x04034B50:
         raise FormatError(f"zip entry {name}: no local header at offset {offset}")
     start = offset + _LOCAL_HEADER.size + name_length + extra_length

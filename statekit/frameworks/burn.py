@@ -96,21 +96,20 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     fields: dict[str, dict[str, object]] = {}
 
     def param(key: str) -> ParamState:
-        if key not in params:
-            pid = int(key)
-            params[key] = ParamState(key=key, id=pid, path=pack.metadata.get(key))
+        p = params.get(key)
+        if p is None:
+            p = params[key] = ParamState(key=key, id=int(key), path=pack.metadata.get(key))
             fields[key] = {}
-        return params[key]
+        return p
 
     for name in pack.data_order:  # data order = the order burn wrote (its hash map's)
-        key, leaf = _split(name)
-        param(key)
-        entry = pack.tensors[name]
-        if entry.param_id is not None and entry.param_id != int(key):
-            raise FormatError(f"tensor {name!r} carries param_id {entry.param_id}, not {key}", pack.path)
+        key, _, leaf = name.partition(".")  # every name splits so (_kind checked it: an optimizer)
+        pid = pack.tensors[name].param_id
+        if param(key).id != pid and pid is not None:
+            raise FormatError(f"tensor {name!r} carries param_id {pid}, not {key}", pack.path)
         fields[key][leaf] = pack.tensor(name)
     for name, scalar in pack.scalars.items():
-        key, leaf = _split(name)
+        key, _, leaf = name.partition(".")
         p = param(key)
         if leaf == naming.BURN_RANK:
             p.rank = _rank(scalar, name, pack.path)

@@ -65,9 +65,10 @@ def to_positional(sd: dict, path: str) -> dict:
 
 def is_flat_optimizer(obj: object) -> bool:
     """``flatten_optimizer_state_dict=True`` output: only ``state.*`` and ``param_groups.*`` keys."""
-    return (isinstance(obj, dict) and bool(obj) and all(isinstance(k, str) for k in obj)
-            and any(k.startswith(GROUPS + ".") for k in obj)
-            and all(k.startswith((STATE + ".", GROUPS + ".")) for k in obj))
+    # the all() first: it stops at the first other key (a model state_dict's first name)
+    return (isinstance(obj, dict) and bool(obj)
+            and all(isinstance(k, str) and k.startswith((STATE + ".", GROUPS + ".")) for k in obj)
+            and any(k.startswith(GROUPS + ".") for k in obj))
 
 
 def unflatten(flat: dict, path: str) -> tuple[dict, list[str]]:
@@ -133,8 +134,10 @@ def normalize(obj: object, path: str) -> tuple[object, list[str]]:
         return node
 
     obj = fix(obj)
-    if isinstance(obj, dict):
-        obj = {k: fix(v) for k, v in obj.items()}
+    if isinstance(obj, dict):  # one entry down; only dicts can change (a state_dict of 10^6 tensors is kept)
+        fixed = {k: new for k, v in obj.items() if isinstance(v, dict) and (new := fix(v)) is not v}
+        if fixed:
+            obj = {k: fixed.get(k, v) for k, v in obj.items()}
     return obj, notes
 
 

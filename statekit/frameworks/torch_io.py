@@ -14,6 +14,7 @@ import os
 from statekit import dtypes
 from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pt
+from statekit.formats.torch_pickle import no_gc
 from statekit.frameworks import torch_state
 from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
@@ -30,7 +31,8 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
         from statekit.formats import registry
 
         return registry.open_checkpoint(directory, **({"key": key} if key else {}), **options)
-    return checkpoint_from_object(torch_pt.load_pt(path), path, key, FORMAT)
+    with no_gc():  # 10^6 tensors become 10^6 records: no collection needs to rescan them meanwhile
+        return checkpoint_from_object(torch_pt.load_pt(path), path, key, FORMAT)
 
 
 def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) -> Checkpoint:

@@ -20,6 +20,7 @@ from statekit.tensor import TensorRef
 LIGHTNING_OPTIMIZERS = "optimizer_states"  # Lightning .ckpt: a list, one state_dict per optimizer
 MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
+_FLOATS = frozenset(("F64", "F32", "F16", "BF16"))
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
 BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "muon"})  # burn 0.22's optimizers
 STEP_NOT_IN_UPDATE = frozenset({"rmsprop"})  # torch counts steps there but its update never reads it
@@ -97,7 +98,7 @@ def find_model(obj: object) -> dict | None:
 
 def is_buffer(name: str, ref: TensorRef) -> bool:
     """Buffers in a state_dict (BatchNorm statistics, integer tensors) are not parameters."""
-    return name.rsplit(".", 1)[-1] in BUFFER_SUFFIXES or ref.dtype not in ("F64", "F32", "F16", "BF16")
+    return ref.dtype not in _FLOATS or name.rpartition(".")[2] in BUFFER_SUFFIXES
 
 
 def read_model(sd: dict) -> ModelInfo:

@@ -91,13 +91,14 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
             if stats:
                 item["stats"] = stats_of(value)
             fields[name] = item
+    shape = p.shape
     out = {
         "id": None if p.id is None else str(p.id),
         "display_id": p.display_id,
         "index": p.index,
         "path": p.path,
         "rank": p.rank,
-        "shape": None if p.shape is None else list(p.shape),
+        "shape": None if shape is None else list(shape),
         "dtype": p.dtype,
         "step": p.step,
         "group": p.group,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 from statekit.render import human_bytes, shape
 from statekit.render.boxes import Column, Grid, Line
 
@@ -69,17 +71,20 @@ def _totals(params: list[dict], optimizer: bool) -> tuple[int, int]:
     return elements, nbytes
 
 
-def _columns(rows: list[dict[str, str]], names: list[str], width: int | None) -> list[str]:
+def _widths(rows: list[dict[str, str]], names: list[str]) -> dict[str, int]:
+    """Each column's widest cell (its name included)."""
+    return {c: max(len(c), max(map(len, map(itemgetter(c), rows)), default=0)) for c in names}
+
+
+def _columns(rows: list[dict[str, str]], names: list[str], width: int | None,
+             widths: dict[str, int] | None = None) -> list[str]:
     """The columns that fit ``width``: optional ones dropped in :data:`OPTIONAL` order."""
     if width is None:
         return names
+    widths = widths or _widths(rows, names)
 
     def needed(cols: list[str]) -> int:
-        total = 1
-        for c in cols:
-            w = max([len(c)] + [len(r.get(c, "")) for r in rows])
-            total += (min(w, FIELDS_MIN) if c == "fields" else w) + 3
-        return total
+        return 1 + sum((min(widths[c], FIELDS_MIN) if c == "fields" else widths[c]) + 3 for c in cols)
 
     cols = list(names)
     for drop in OPTIONAL:
@@ -107,9 +112,10 @@ def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
         cells_of[id(p)] = _cells(p, optimizer)
     names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["step", "fields"] if optimizer else [])
     rows = list(cells_of.values())
-    cols = _columns(rows, names, width)
+    widths = _widths(rows, names)
+    cols = _columns(rows, names, width, widths)
     if len(rows) > PLAIN_ROWS:
-        return _plain_table(groups, cells_of, cols, optimizer)
+        return _plain_table(groups, cells_of, cols, optimizer, widths)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
     for prefix, params in groups.items():
@@ -125,9 +131,8 @@ def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
 
 
 def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, str]], cols: list[str],
-                 optimizer: bool) -> PlainLines:
+                 optimizer: bool, widths: dict[str, int]) -> PlainLines:
     """The table as aligned text: a header, a rule, the rows, a total line under each group."""
-    widths = {c: max([len(c)] + [len(cells[c]) for cells in cells_of.values()]) for c in cols}
     right = {"rank", "step"}
     last = cols[-1]
 

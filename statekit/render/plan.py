@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-from rich.text import Text
-
 from statekit.render import shape
+from statekit.render.boxes import Column, Grid, Line
 
 EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
@@ -29,29 +27,67 @@ def _row(a) -> list[str]:
             _changes(a)]
 
 
-def plan_view(plan) -> list:
-    """Renderables for a convert/remap plan: a header line, one row per parameter, rules."""
-    head = Text(f"{plan.operation}: {plan.source} ({plan.source_format}) → {plan.target} ({plan.target_format})",
-                style="bold")
-    items: list = [head, Text(f"optimizer {plan.family} · {plan.summary()}")]
+#: A plan of more rows than this shows its first and last rows and every drop and new parameter
+#: (the counts of every kind are in its summary line); ``--dry-run``, ``--format tsv`` and
+#: ``--plan-out`` show every row. A terminal's table of hundreds of rows costs rich ~0.5 s.
+PLAN_ROWS = 40
+HEAD_ROWS, TAIL_ROWS = 15, 5
+
+
+def shown_rows(params: list, full: bool) -> list[int | tuple[int, int]]:
+    """Indexes of the rows to show, with ``(first, count)`` for a run of rows left out."""
+    n = len(params)
+    if full or n <= PLAN_ROWS:
+        return list(range(n))
+    keep = set(range(HEAD_ROWS)) | set(range(n - TAIL_ROWS, n))
+    keep |= {i for i, a in enumerate(params) if a.action in ("drop", "new")}
+    out: list[int | tuple[int, int]] = []
+    gap = None
+    for i in range(n):
+        if i in keep:
+            if gap is not None:
+                out.append((gap, i - gap))
+                gap = None
+            out.append(i)
+        elif gap is None:
+            gap = i
+    if gap is not None:
+        out.append((gap, n - gap))
+    return out
+
+
+def plan_view(plan, full: bool = False) -> list:
+    """Renderables for a convert/remap plan: a header line, the rows (all of them when ``full`` or
+    few; else see :data:`PLAN_ROWS`), rules. Drawn without rich where stdout is not a terminal."""
+    head = Line.of(f"{plan.operation}: {plan.source} ({plan.source_format}) → {plan.target} ({plan.target_format})",
+                   "bold")
+    items: list = [head, Line.of(f"optimizer {plan.family} · {plan.summary()}")]
     if getattr(plan, "names_from", None):
-        items.append(Text(plan.names_from, style="dim"))
-    table = Table(header_style="bold", pad_edge=False)
-    for col in ("action", "source", "target", "id / index", "shape", "changes"):
-        table.add_column(col, no_wrap=col in ("source", "target"))
+        items.append(Line.of(plan.names_from, "dim"))
+    table = Grid([Column(col, wrap=col not in ("source", "target"))
+                  for col in ("action", "source", "target", "id / index", "shape", "changes")])
     styles = {"drop": "red", "new": "green", "rename": "cyan"}
-    for a in plan.params:
-        table.add_row(*_row(a), style=styles.get(a.action))
+    left_out = 0
+    for i in shown_rows(plan.params, full):
+        if isinstance(i, tuple):
+            left_out += i[1]
+            table.add_row(["...", f"{i[1]} more rows", "", "", "", ""], style="dim")
+            continue
+        a = plan.params[i]
+        table.add_row(_row(a), style=styles.get(a.action, ""))
     items.append(table)
+    if left_out:
+        items.append(Line.of(f"{left_out} of {len(plan.params)} rows not shown: --dry-run shows every row, "
+                             "--plan-out FILE saves them as JSON", "dim"))
     for i, g in enumerate(plan.hyperparams):
         shown = ", ".join(f"{k}={v}{'*' if k in plan.assumed else ''}" for k, v in g.items()
                           if k not in EXECUTION_FLAGS)
-        items.append(Text(f"group {i}: {shown}"))
+        items.append(Line.of(f"group {i}: {shown}"))
     if plan.hyperparams and plan.assumed:
-        items.append(Text("* assumed: not stored in the source, filled with its framework's defaults", style="dim"))
+        items.append(Line.of("* assumed: not stored in the source, filled with its framework's defaults", "dim"))
     for r in plan.rules:
-        items.append(Text(f"rule ({r['origin']}) {r['pattern']} → {r['replacement']}: {r['matches']} matched",
-                          style="dim"))
+        items.append(Line.of(f"rule ({r['origin']}) {r['pattern']} → {r['replacement']}: {r['matches']} matched",
+                             "dim"))
     return items
 
 
