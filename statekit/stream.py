@@ -3,10 +3,12 @@
 Every writer (burnpack, torch zip, safetensors, candle, and writers built on these) takes its
 tensors as :class:`~statekit.tensor.TensorRef` objects and writes what :func:`ordered` hands it:
 
-    for ref, piece_stream in ordered(refs, crc=True):
-        for buf in piece_stream:          # bytes-like, at most PIECE bytes each
-            out.write(buf)
+    for ref, piece_stream in ordered(refs, crc=True, out=out):
+        piece_stream.write_to(out)        # or: for buf in piece_stream: out.write(buf)
         piece_stream.crc, piece_stream.nbytes   # CRC-32 and size, computed on the way
+
+File spans and transposes of file spans are produced by the writing thread straight into the
+output's staging blocks (:class:`statekit.atomic.OutputFile`); other tensors by worker threads.
 
 A writer never asks for a whole tensor. The lazy transforms here compose on top of any source
 and work piece by piece as well: :func:`cast` (per piece), :func:`transpose` (cache-blocked
@@ -326,11 +328,43 @@ def _transposed_views(span, source: TensorRef, want) -> Iterator[tuple[memoryvie
         for j in range(0, cols, band):
             width = min(band, cols - j)
             dst = out[: width * rows].reshape(width, rows)
-            transpose_into(dst, matrix[:, j : j + width])
+            _transpose_shared(dst, matrix[:, j : j + width])
             yield memoryview(dst.reshape(-1).view(np.uint8)), False
         del matrix, buf
 
 
+def _transpose_shared(dst: np.ndarray, src: np.ndarray) -> None:
+    """:func:`transpose_into`, its output rows shared with up to ``jobs - 1`` helper threads
+    (numpy copies without the GIL) when the band is large enough to be worth it."""
+    parts = min(current_jobs(), 4, max(1, dst.nbytes // (4 << 20)))
+    if parts <= 1:
+        transpose_into(dst, src)
+        return
+    pool = _helpers(parts - 1)
+    step = -(-dst.shape[0] // parts)
+    futures = [pool.submit(transpose_into, dst[k : k + step], src[:, k : k + step])
+               for k in range(step, dst.shape[0], step)]
+    transpose_into(dst[:step], src[:, :step])
+    for f in futures:
+        f.result()
+
+
+_HELPERS: list = []  # [(threads, executor)]
+
+
+def _helpers(n: int):
+    """A process-wide pool of at least ``n`` threads for :func:`_transpose_shared`."""
+    with _HELPERS_LOCK:
+        if not _HELPERS or _HELPERS[0][0] < n:
+            from concurrent.futures import ThreadPoolExecutor
+
+            if _HELPERS:
+                _HELPERS.pop()[1].shutdown(wait=False)
+            _HELPERS.append((n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="statekit-transpose")))
+        return _HELPERS[0][1]
+
+
+_HELPERS_LOCK = threading.Lock()
 _LOCAL = threading.local()
 
 
