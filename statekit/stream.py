@@ -309,21 +309,26 @@ BAND = 64 << 20  # the most bytes of output rows a transpose produces at once
 
 
 def _transposed_views(span, source: TensorRef, want) -> Iterator[tuple[memoryview, bool]]:
-    """The transpose of the 2-D span: the source read once into a reused buffer, the output
-    produced in bands of whole rows (≥ 128 rows when they fit in :data:`BAND`: a band of few rows
-    would read the source a few columns at a time, across all its pages) into another."""
+    """The transpose of the 2-D span: the source mapped (or, where it cannot be, read once into a
+    reused buffer), the output produced in bands of as many whole rows as fit in :data:`BAND` (a
+    band of few rows reads the source a few columns at a time, across all its pages: 128 rows of
+    a 65536-row source measured 1.9 GB/s, 256 rows 2.5) into a reused buffer."""
     rows, cols = source.shape  # the output is [cols, rows]
-    buf = _scratch(span.length)
-    span.file.pread_into(buf, span.offset)
-    matrix = np.frombuffer(buf, dtype=want).reshape(rows, cols)
     row_bytes = max(1, rows * want.itemsize)
-    band = max(1, min(cols, max(128, tensor.PIECE // row_bytes), BAND // row_bytes))
+    band = max(1, min(cols, BAND // row_bytes))
     out = np.frombuffer(_scratch(band * row_bytes, "band"), dtype=want)
-    for j in range(0, cols, band):
-        width = min(band, cols - j)
-        dst = out[: width * rows].reshape(width, rows)
-        transpose_into(dst, matrix[:, j : j + width])
-        yield memoryview(dst.reshape(-1).view(np.uint8)), False
+    with span.file.mapped(span.offset, span.length) as mapped:
+        buf = mapped
+        if buf is None:
+            buf = _scratch(span.length)
+            span.file.pread_into(buf, span.offset)
+        matrix = np.frombuffer(buf, dtype=want).reshape(rows, cols)
+        for j in range(0, cols, band):
+            width = min(band, cols - j)
+            dst = out[: width * rows].reshape(width, rows)
+            transpose_into(dst, matrix[:, j : j + width])
+            yield memoryview(dst.reshape(-1).view(np.uint8)), False
+        del matrix, buf
 
 
 _LOCAL = threading.local()
