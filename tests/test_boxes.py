@@ -152,3 +152,29 @@ def test_names_are_shown_as_they_are_not_as_rich_markup(cli, tmp_path, monkeypat
     _with_rich_only(monkeypatch)
     drawn = cli("inspect", tmp_path / "odd.bpk", env={"COLUMNS": "200"})
     assert drawn.stdout == plain.stdout
+
+
+@pytest.mark.parametrize("env", [{}, {"COLUMNS": "100"}, {"COLUMNS": "57"}, {"COLUMNS": "wide"}, {"COLUMNS": ""},
+                                 {"TTY_COMPATIBLE": "0"}, {"FORCE_COLOR": ""}, {"COLUMNS": "300", "TTY_COMPATIBLE": "0"}])
+def test_the_width_without_rich_is_the_width_rich_would_use(env, monkeypatch):
+    from statekit.output import Output, _plain_width
+
+    for name in ("COLUMNS", "TTY_COMPATIBLE", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("sys.stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    width = _plain_width()
+    assert width is not None and width == Output(fmt="table").console.width
+
+
+@pytest.mark.parametrize("env", [{"TTY_COMPATIBLE": "1"}, {"FORCE_COLOR": "1"}])
+def test_a_terminal_gets_rich_with_its_styles_and_the_same_text(cli, fixtures, env):
+    """Where rich would style the output (a terminal, or told so) rich draws it; without its
+    escape sequences the text is what statekit.render.boxes writes for a pipe."""
+    import re
+
+    styled = cli("inspect", fixtures / "hand-optim.bpk", env={"COLUMNS": "100", **env})
+    plain = cli("inspect", fixtures / "hand-optim.bpk", env={"COLUMNS": "100"})
+    assert "\x1b[" in styled.stdout and "\x1b[" not in plain.stdout
+    assert re.sub(r"\x1b\[[0-9;]*m", "", styled.stdout) == plain.stdout

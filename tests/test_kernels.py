@@ -231,5 +231,5 @@ def test_numba_kernel_on_10m_elements(flavor, hp, ieee_reference):
 
 
 def test_registry_step_accepts_every_kernel_name():
-    assert set(kernels.CHOICES) == {"auto", "reference", "torch", "numba"}
+    assert set(kernels.CHOICES) == {"auto", "reference", "torch", "numba", "cupy"}
     assert registry.step("adam", np.ones(3, np.float32), np.ones(3, np.float32), kernel="reference")[2] == 1

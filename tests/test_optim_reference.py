@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+import types
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
 import statekit.optim as so
-from statekit.optim import adam, backend, driver
+from statekit.errors import UsageError
+from statekit.optim import adam, backend, cupy_kernels, driver
 
 NP = so.get_backend(np)
 FLAVORS = [("torch-fused", "adamw", {"weight_decay": 0.1, "amsgrad": True}), ("torch-fused", "adam", {}),
@@ -229,3 +231,120 @@ def test_torch_flavor_holds_torch_at_one_thread_for_the_step_only(monkeypatch):
     monkeypatch.setenv("STATEKIT_THREADS", "1")
     ref, ref_slots = _steps("adam", "torch", {}, 4099)
     assert np.array_equal(bits(one), bits(ref)) and torch.get_num_threads() == before
+
+
+# ------------------------------------------------------------------------------ CuPy kernels
+
+
+class EmulatedElementwiseKernel:
+    """``cupy.ElementwiseKernel`` on the CPU: the same signature, the body run by
+    :func:`statekit.optim.cupy_kernels.emulate` (each intrinsic as numpy's float32 operation)."""
+
+    made: list = []
+
+    def __init__(self, in_params, out_params, operation, name="kernel", *, preamble="", no_return=False,
+                 options=()):
+        self.inputs = [param.split()[1] for param in in_params.split(",")]
+        self.outputs = [param.split()[1] for param in out_params.split(",")]
+        assert all(param.split()[0] == "float32" for param in (*in_params.split(","), *out_params.split(",")))
+        self.operation, self.preamble, self.options, self.no_return = operation, preamble, options, no_return
+        EmulatedElementwiseKernel.made.append(self)
+
+    def __call__(self, *args):
+        assert len(args) == len(self.inputs) + len(self.outputs)
+        names = [*self.inputs, *self.outputs]
+        variables = {}
+        for name, value in zip(names, args, strict=True):
+            if np.ndim(value) == 0:
+                assert isinstance(value, np.float32) and name in self.inputs
+                variables[name] = value
+            else:
+                assert value.dtype == np.float32
+                variables[name] = value if name in self.outputs else value.copy()
+        cupy_kernels.emulate(self.operation, variables)
+
+
+@pytest.fixture
+def fake_cupy():
+    """A CuPy namespace made of numpy's functions and the emulated ElementwiseKernel."""
+    module = types.ModuleType("cupy")
+    module.__dict__.update({name: getattr(np, name) for name in dir(np) if not name.startswith("__")})
+    module.ElementwiseKernel = EmulatedElementwiseKernel
+    EmulatedElementwiseKernel.made = []
+    return backend.CupyBackend(module)
+
+
+CUPY_CASES = [
+    ("burn", "adam", {"lr": 1e-3}), ("burn", "adam", {"lr": 3e-2, "weight_decay": 0.1, "amsgrad": True}),
+    ("burn", "adamw", {"lr": 1e-3}),
+    ("burn", "adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "amsgrad": True}),
+    ("candle", "adamw", {}), ("candle", "adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta2": 0.99}),
+    ("candle", "adamw", {"eps": -0.0}),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # eps = -0.0: zero denominators
+@pytest.mark.parametrize(("flavor", "name", "hp"), CUPY_CASES)
+def test_cupy_kernel_source_gives_the_reference_bits(fake_cupy, flavor, name, hp):
+    """The CUDA source, run by the CPU emulation through the CuPy code path, over 20 steps on
+    sizes around nothing in particular (one launch covers the tensor) and special values."""
+    assert so.choose_kernel(name, flavor, fake_cupy) == "cupy"
+    for n in (1, 7, 4099):
+        rng = np.random.default_rng(n)
+        p0 = rng.standard_normal(n, dtype=np.float32)
+        p0[: n // 10] = -0.0
+        # a state read from a file, with negative zeros, resumed at step 3; and a fresh one
+        slots = {name: np.abs(rng.standard_normal(n, dtype=np.float32)) for name in so.slot_names(name, flavor, hp)}
+        for value in slots.values():
+            value[rng.random(n) < 0.2] = -0.0
+        slots["exp_avg"] *= np.where(rng.random(n) < 0.5, np.float32(-1), np.float32(1))
+        start = (p0.copy(), slots, 3) if n != 7 else (p0.copy(), {}, 0)
+        ref, fast = start, (start[0].copy(), {name: a.copy() for name, a in start[1].items()}, start[2])
+        for k in range(20):
+            g = rng.standard_normal(n, dtype=np.float32) * np.float32(10.0 ** rng.uniform(-3, 1))
+            g[rng.random(n) < 0.05] = -0.0
+            g[rng.random(n) < 0.05] = 0.0
+            g[rng.random(n) < 0.02] = np.float32(1e-42)
+            ref = so.step(name, ref[0], g, ref[1], ref[2], hp, flavor, kernel="reference")
+            fast = so.step(name, fast[0], g, fast[1], fast[2], hp, flavor, fake_cupy, kernel="cupy",
+                           inplace=k > 0)
+            assert np.array_equal(bits(fast[0]), bits(ref[0])), (n, k)
+            for slot in ref[1]:
+                assert np.array_equal(bits(fast[1][slot]), bits(ref[1][slot])), (n, k, slot)
+    made = EmulatedElementwiseKernel.made
+    assert made and all(k.no_return and "--fmad=false" in k.options and "--ftz=false" in k.options for k in made)
+
+
+def test_cupy_kernel_np_maximum_is_numpys():
+    """The preamble's ``np_maximum`` (first NaN, else a if a > b, else b) is numpy's maximum,
+    signed zeros and NaN payloads included."""
+    assert "(a != a) ? a : ((b != b) ? b : ((a > b) ? a : b))" in cupy_kernels.PREAMBLE
+
+    def c_np_maximum(a, b):
+        return a if a != a else (b if b != b else (a if a > b else b))
+
+    nans = np.array([0x7FC00001, 0x7FC00002], np.int32).view(np.float32)
+    values = np.array([-0.0, 0.0, 1.0, -1.0, np.inf, *nans], np.float32)
+    a, b = np.meshgrid(values, values)
+    a, b = np.repeat(a.ravel(), 5), np.repeat(b.ravel(), 5)  # long enough for numpy's SIMD loop
+    expected = np.array([c_np_maximum(x, y) for x, y in zip(a, b, strict=True)], np.float32)
+    assert np.array_equal(bits(np.maximum(a, b)), bits(expected))
+
+
+def test_cupy_bodies_stay_in_the_emulated_subset():
+    with pytest.raises(ValueError, match="subset"):
+        cupy_kernels.emulate("p = __fmul_rn(p, 2.0);", {"p": np.ones(2, np.float32)})
+    with pytest.raises(ValueError, match="subset"):
+        cupy_kernels.emulate("p = p * q;", {"p": np.ones(2, np.float32), "q": np.float32(2)})
+    with pytest.raises(ValueError, match="unknown name"):
+        cupy_kernels.emulate("float x = __fsqrt_rn(y);", {})
+    with pytest.raises(ValueError, match="arguments"):
+        cupy_kernels.emulate("p = __fadd_rn(p);", {"p": np.ones(2, np.float32)})
+
+
+def test_cupy_kernel_is_refused_where_it_cannot_run(fake_cupy):
+    with pytest.raises(UsageError, match="CuPy arrays"):
+        so.choose_kernel("adamw", "candle", kernel="cupy")
+    with pytest.raises(UsageError, match="no CuPy torch-fused adam kernel"):
+        so.choose_kernel("adam", "torch-fused", fake_cupy, kernel="cupy")
+    assert so.choose_kernel("adam", "torch-fused", fake_cupy) == "reference"

@@ -24,7 +24,6 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
 from operator import attrgetter
 
 from statekit import dtypes
@@ -69,6 +68,17 @@ class Scalar:
         return Scalar("Float", float(value))
 
 
+class _DtypeName:
+    """``TensorEntry.dtype``: the statekit dtype name, worked out at the first read and kept (a
+    plain descriptor: ``functools.cached_property`` takes a lock per instance in Python 3.11)."""
+
+    def __get__(self, entry, owner=None):
+        if entry is None:
+            return self
+        name = entry.__dict__["dtype"] = dtype_name(entry.burn_dtype)
+        return name
+
+
 @dataclass
 class TensorEntry:
     """One tensor descriptor: the CBOR dtype value as written, shape, byte range, param id."""
@@ -80,9 +90,7 @@ class TensorEntry:
     end: int
     param_id: int | None = None
 
-    @cached_property
-    def dtype(self) -> str:
-        return dtype_name(self.burn_dtype)
+    dtype = _DtypeName()
 
     @property
     def nbytes(self) -> int:

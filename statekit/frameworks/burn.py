@@ -103,13 +103,13 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         return p
 
     for name in pack.data_order:  # data order = the order burn wrote (its hash map's)
-        key, leaf = _split(name)
+        key, _, leaf = name.partition(".")  # every name splits so (_kind checked it: an optimizer)
         pid = pack.tensors[name].param_id
         if param(key).id != pid and pid is not None:
             raise FormatError(f"tensor {name!r} carries param_id {pid}, not {key}", pack.path)
         fields[key][leaf] = pack.tensor(name)
     for name, scalar in pack.scalars.items():
-        key, leaf = _split(name)
+        key, _, leaf = name.partition(".")
         p = param(key)
         if leaf == naming.BURN_RANK:
             p.rank = _rank(scalar, name, pack.path)

@@ -133,24 +133,30 @@ class Backend:
         s, t, low, mask, tiny = _SCRATCH.get(n)
         # float64 operations on float64 buffers: numpy's mixed float32/float64 loops are slower
         np.copyto(s, x)
-        s *= _in_float64(y, t)  # exact
-        z64 = _in_float64(z, t)  # t keeps z (exactly) for the candidates below
-        s += z64  # rounded once, in float64
+        if np.ndim(y):
+            np.copyto(t, y)
+            s *= t  # exact
+        else:
+            s *= y
+        if np.ndim(z):
+            np.copyto(t, z)  # t keeps z (exactly) for the candidates below
+            s += t  # rounded once, in float64
+            z = t
+        else:
+            s += z
         np.bitwise_and(s.view(np.int64), fp.LOW29, out=low)
         np.equal(low, fp.TIE29, out=mask)
-        aliased = out is not None and any(
-            np.ndim(a) and np.may_share_memory(a, out) for a in (x, y)
-        )
+        aliased = out is not None and (np.may_share_memory(x, out) or (np.ndim(y) and np.may_share_memory(y, out)))
         r = np.empty(n, np.float32) if out is None or aliased else out
         np.copyto(r, s, casting="same_kind")
         # |r| <= 2**-126 holds for every sum under the normal range (rounding is monotonic)
-        magnitude = np.abs(r, out=low.view(np.float32)[:n])
-        np.less_equal(magnitude, _F32_NORMAL_MIN, out=tiny)
-        if mask.any() or tiny.any():
-            where = np.flatnonzero(mask | tiny)
+        np.less_equal(np.abs(r, out=low.view(np.float32)[:n]), _F32_NORMAL_MIN, out=tiny)
+        np.logical_or(mask, tiny, out=mask)
+        if np.count_nonzero(mask):  # count_nonzero: a fraction of any()'s call overhead
+            where = np.flatnonzero(mask)
             where = where[s[where] != 0]  # a zero float64 sum is exact
             if where.size:
-                r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z64, where))
+                r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z, where))
         if aliased:
             out[...] = r
             return out
@@ -224,14 +230,6 @@ def _into(out, value):
     return out
 
 
-def _in_float64(value, buffer):
-    """A scalar as it is; an array copied into the float64 ``buffer`` (returned)."""
-    if np.ndim(value) == 0:
-        return value
-    np.copyto(buffer, value)
-    return buffer
-
-
 _F32_NORMAL_MIN = np.float32(2.0**-126)
 
 
@@ -239,14 +237,18 @@ class _Scratch(threading.local):
     """Per-thread float64/int64/bool buffers for :meth:`Backend.fma32`, grown on demand."""
 
     size = 0
+    last = -1
 
     def get(self, n: int):
+        if n == self.last:  # every block but a step's last has the same size
+            return self.views
         if n > self.size:
             self.size = n
             self.buffers = [
                 np.empty(n, dtype) for dtype in (np.float64, np.float64, np.int64, np.bool_, np.bool_)
             ]
-        return [buffer[:n] for buffer in self.buffers]
+        self.last, self.views = n, [buffer[:n] for buffer in self.buffers]
+        return self.views
 
 
 _SCRATCH = _Scratch()

@@ -45,6 +45,10 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
             from statekit.optim import numba_kernels
 
             numba_kernels.run(name, flavor, p, g, s, int(step), hp, present)
+        elif chosen == kernels.CUPY:
+            from statekit.optim import cupy_kernels
+
+            cupy_kernels.run(name, flavor, b, p, g, s, int(step), hp, present)
         else:
             driver.run(b, block, p, g, s, tail(b.numel(p)))
         return p.reshape(shape), {name: s[name].reshape(shape) for name in names}, int(step) + 1
@@ -61,7 +65,7 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
     modified; with it, ``param`` and the slots (writable float32 C-contiguous arrays of the
     namespace) are updated in place and returned. ``vector_width`` applies to ``torch-fused``
     only (:func:`fused_vector_width`). ``kernel`` chooses the code (:mod:`statekit.optim.kernels`:
-    ``reference``, the default, ``torch``, ``numba`` or ``auto``); ``name`` is the registry's
+    ``reference``, the default, ``torch``, ``numba``, ``cupy`` or ``auto``); ``name`` is the registry's
     algorithm name (``adamw`` shares Adam's step).
     """
     return step

@@ -17,9 +17,13 @@ names the code that carries it out. Every kernel gives the flavor's bits; they d
     One compiled pass over memory per step (:mod:`statekit.optim.numba_kernels`, the optional
     ``statekit[fast]`` extra): Adam/AdamW in the four flavors, with a hardware FMA exactly
     where the framework's kernel has one.
+``cupy``
+    One CUDA element-wise kernel per step on CuPy arrays (``--device cuda --backend cupy``):
+    burn's Adam/AdamW and candle's AdamW (:mod:`statekit.optim.cupy_kernels`; checked on the
+    CPU through an emulation of its source, untested on a real GPU).
 
 :func:`choose` picks the fastest kernel that supports the step (``auto``) or checks an explicit
-choice (``--kernel``). torch and numba are imported only when their kernel runs.
+choice (``--kernel``). torch, numba and CuPy are imported only when their kernel runs.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ AUTO = "auto"
 REFERENCE = "reference"
 TORCH_KERNEL = "torch"
 NUMBA = "numba"
-KERNELS = (REFERENCE, TORCH_KERNEL, NUMBA)
+CUPY = "cupy"
+KERNELS = (REFERENCE, TORCH_KERNEL, NUMBA, CUPY)
 #: what ``--kernel`` accepts
 CHOICES = (AUTO, *KERNELS)
 
@@ -49,6 +54,8 @@ TORCH_SUPPORTS = {
     ("adam", TORCH_FUSED), ("adamw", TORCH_FUSED), ("sgd", TORCH_FUSED), ("adagrad", TORCH_FUSED),
     ("adam", TORCH), ("adamw", TORCH), ("sgd", TORCH), ("adagrad", TORCH), ("rmsprop", TORCH),
 }
+#: (algorithm, flavor) pairs with a CuPy kernel (statekit.optim.cupy_kernels.SUPPORTS).
+CUPY_SUPPORTS = {("adam", BURN), ("adamw", BURN), ("adamw", CANDLE)}
 #: (algorithm, flavor) pairs with a numba kernel.
 NUMBA_SUPPORTS = {
     (algo, flavor) for algo in ("adam", "adamw") for flavor in (TORCH_FUSED, TORCH, BURN)
@@ -85,6 +92,12 @@ def _why_not(kernel: str, algorithm: str, flavor: str, b: Backend, vector_width)
         if flavor == TORCH_FUSED and vector_width not in (None, 8):
             return "the numba torch-fused kernel models 8-float vectors (vector_width)"
         return None
+    if kernel == CUPY:
+        if b.name != "cupy":
+            return f"CuPy kernels take CuPy arrays (--backend cupy), not {b.name} arrays"
+        if (algorithm, flavor) not in CUPY_SUPPORTS:
+            return f"there is no CuPy {flavor} {algorithm} kernel"
+        return None
     raise UsageError(f"unknown kernel {kernel!r} (known: {', '.join(CHOICES)})")
 
 
@@ -92,14 +105,15 @@ def choose(algorithm: str, flavor: str, b: Backend, kernel: str | None = AUTO, v
     """The kernel that runs ``algorithm``/``flavor`` on ``b``'s arrays.
 
     ``auto``: torch's own code when torch is installed and has this step (on numpy arrays and
-    torch tensors), else numba on numpy arrays, else the reference. For the ``torch`` flavor
+    torch tensors), else numba on numpy arrays, else the CuPy kernel on CuPy arrays, else the
+    reference. For the ``torch`` flavor
     the reference needs torch's square root to be bit-exact; without torch, numba and the
     reference both take the IEEE root (``exactness`` says ``tolerance``). An explicit kernel
     that cannot run the step is refused with the reason.
     """
     kernel = AUTO if kernel is None else kernel
     if kernel == AUTO:
-        for candidate in (TORCH_KERNEL, NUMBA):
+        for candidate in (TORCH_KERNEL, NUMBA, CUPY):
             if _why_not(candidate, algorithm, flavor, b, vector_width) is None:
                 return candidate
         return REFERENCE
