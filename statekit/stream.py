@@ -3,10 +3,12 @@
 Every writer (burnpack, torch zip, safetensors, candle, and writers built on these) takes its
 tensors as :class:`~statekit.tensor.TensorRef` objects and writes what :func:`ordered` hands it:
 
-    for ref, piece_stream in ordered(refs, crc=True):
-        for buf in piece_stream:          # bytes-like, at most PIECE bytes each
-            out.write(buf)
+    for ref, piece_stream in ordered(refs, crc=True, out=out):
+        piece_stream.write_to(out)        # or: for buf in piece_stream: out.write(buf)
         piece_stream.crc, piece_stream.nbytes   # CRC-32 and size, computed on the way
+
+File spans and transposes of file spans are produced by the writing thread straight into the
+output's staging blocks (:class:`statekit.atomic.OutputFile`); other tensors by worker threads.
 
 A writer never asks for a whole tensor. The lazy transforms here compose on top of any source
 and work piece by piece as well: :func:`cast` (per piece), :func:`transpose` (cache-blocked
@@ -309,23 +311,60 @@ BAND = 64 << 20  # the most bytes of output rows a transpose produces at once
 
 
 def _transposed_views(span, source: TensorRef, want) -> Iterator[tuple[memoryview, bool]]:
-    """The transpose of the 2-D span: the source read once into a reused buffer, the output
-    produced in bands of whole rows (≥ 128 rows when they fit in :data:`BAND`: a band of few rows
-    would read the source a few columns at a time, across all its pages) into another."""
+    """The transpose of the 2-D span: the source mapped (or, where it cannot be, read once into a
+    reused buffer), the output produced in bands of as many whole rows as fit in :data:`BAND` (a
+    band of few rows reads the source a few columns at a time, across all its pages: 128 rows of
+    a 65536-row source measured 1.9 GB/s, 256 rows 2.5) into a reused buffer."""
     rows, cols = source.shape  # the output is [cols, rows]
-    buf = _scratch(span.length)
-    span.file.pread_into(buf, span.offset)
-    matrix = np.frombuffer(buf, dtype=want).reshape(rows, cols)
     row_bytes = max(1, rows * want.itemsize)
-    band = max(1, min(cols, max(128, tensor.PIECE // row_bytes), BAND // row_bytes))
+    band = max(1, min(cols, BAND // row_bytes))
     out = np.frombuffer(_scratch(band * row_bytes, "band"), dtype=want)
-    for j in range(0, cols, band):
-        width = min(band, cols - j)
-        dst = out[: width * rows].reshape(width, rows)
-        transpose_into(dst, matrix[:, j : j + width])
-        yield memoryview(dst.reshape(-1).view(np.uint8)), False
+    with span.file.mapped(span.offset, span.length) as mapped:
+        buf = mapped
+        if buf is None:
+            buf = _scratch(span.length)
+            span.file.pread_into(buf, span.offset)
+        matrix = np.frombuffer(buf, dtype=want).reshape(rows, cols)
+        for j in range(0, cols, band):
+            width = min(band, cols - j)
+            dst = out[: width * rows].reshape(width, rows)
+            _transpose_shared(dst, matrix[:, j : j + width])
+            yield memoryview(dst.reshape(-1).view(np.uint8)), False
+        del matrix, buf
 
 
+def _transpose_shared(dst: np.ndarray, src: np.ndarray) -> None:
+    """:func:`transpose_into`, its output rows shared with up to ``jobs - 1`` helper threads
+    (numpy copies without the GIL) when the band is large enough to be worth it."""
+    parts = min(current_jobs(), 4, max(1, dst.nbytes // (4 << 20)))
+    if parts <= 1:
+        transpose_into(dst, src)
+        return
+    pool = _helpers(parts - 1)
+    step = -(-dst.shape[0] // parts)
+    futures = [pool.submit(transpose_into, dst[k : k + step], src[:, k : k + step])
+               for k in range(step, dst.shape[0], step)]
+    transpose_into(dst[:step], src[:, :step])
+    for f in futures:
+        f.result()
+
+
+_HELPERS: list = []  # [(threads, executor)]
+
+
+def _helpers(n: int):
+    """A process-wide pool of at least ``n`` threads for :func:`_transpose_shared`."""
+    with _HELPERS_LOCK:
+        if not _HELPERS or _HELPERS[0][0] < n:
+            from concurrent.futures import ThreadPoolExecutor
+
+            if _HELPERS:
+                _HELPERS.pop()[1].shutdown(wait=False)
+            _HELPERS.append((n, ThreadPoolExecutor(max_workers=n, thread_name_prefix="statekit-transpose")))
+        return _HELPERS[0][1]
+
+
+_HELPERS_LOCK = threading.Lock()
 _LOCAL = threading.local()
 
 

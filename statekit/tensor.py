@@ -17,6 +17,7 @@ Where a tensor's bytes come from, most direct first:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -104,6 +105,35 @@ class SourceFile:
             got += n
         if self.drop_cache:
             os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
+
+    @contextlib.contextmanager
+    def mapped(self, offset: int, n: int) -> Iterator[memoryview | None]:
+        """``n`` bytes at ``offset`` mapped read-only for the block (None when they cannot be: past
+        the end of the file, or no ``mmap``; then read them). Nothing is copied: the pages are
+        the page cache's. The map is closed after the block — the caller drops every view of it
+        first — and its pages are dropped from the cache as :meth:`pread` would."""
+        import mmap
+
+        fd = self.fh.fileno()
+        if self.fh.closed or n <= 0 or os.fstat(fd).st_size < offset + n:
+            yield None
+            return
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        try:
+            region = mmap.mmap(fd, offset + n - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+        except (OSError, ValueError):
+            yield None
+            return
+        view = memoryview(region)[offset - start :]
+        try:
+            yield view
+        finally:
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: closed when collected
+                view.release()
+                region.close()
+            if self.drop_cache:
+                os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
 
 
 @dataclass(frozen=True, slots=True)

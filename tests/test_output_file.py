@@ -119,7 +119,8 @@ def test_a_failed_disk_write_reaches_the_writer(tmp_path, monkeypatch, small_blo
     assert not dst.exists() and leftovers(dst) == [] and threads() == []
 
 
-def test_spans_are_read_straight_into_the_output(tmp_path, small_blocks, monkeypatch):
+@pytest.mark.parametrize("drop_cache", ["0", "1"])
+def test_spans_are_read_straight_into_the_output(tmp_path, small_blocks, monkeypatch, drop_cache):
     """A file span goes through staging (PieceStream.write_to), a computed tensor through
     write(): the same bytes and CRC as iterating, elements across block edges included, and a
     NaN is still refused after the tensor's last byte — with no output file."""
@@ -130,6 +131,7 @@ def test_spans_are_read_straight_into_the_output(tmp_path, small_blocks, monkeyp
     from statekit.tensor import TensorRef
 
     monkeypatch.setattr(stream, "CONCURRENT_MIN", 0)
+    monkeypatch.setenv("STATEKIT_DROP_CACHE", drop_cache)  # pieces dropped from the page cache once read
     rng = np.random.default_rng(2)
     arrays = {"a": rng.standard_normal(3001).astype(np.float64), "b": rng.standard_normal((33, 70)).astype(np.float32),
               "c": rng.standard_normal(5).astype(np.float16)}
@@ -168,3 +170,26 @@ def test_every_fixture_output_is_unchanged_through_small_blocks(tmp_path, small_
     table = json.loads((ROOT / "tests/data/output-sha256.json").read_text())
     wrong = [name for name, item in table.items() if capture.run_case(item["case"], str(tmp_path)) != item["sha256"]]
     assert wrong == []
+
+
+def test_a_span_past_the_end_of_its_file_is_not_mapped_but_refused(tmp_path):
+    """A transpose maps its source; a span the file does not hold is read instead, and that
+    read refuses it with the file's name (never a SIGBUS from the map)."""
+    from statekit.errors import FormatError
+    from statekit.tensor import FileSpan, SourceFile, TensorRef
+
+    (tmp_path / "short.bin").write_bytes(b"\0" * 1000)
+    src = SourceFile.open(str(tmp_path / "short.bin"))
+    try:
+        with src.mapped(0, 1000) as view:
+            assert view is not None and bytes(view) == b"\0" * 1000
+            del view
+        with src.mapped(8, 4000) as view:
+            assert view is None
+        ref = TensorRef(dtype="F32", shape=(10, 100), span=FileSpan(src, 8, 4000))
+        with pytest.raises(FormatError, match="file ended"), atomic.atomic_write(tmp_path / "out") as fh:
+            for _, piece_stream in stream.ordered([stream.transpose(ref)], out=fh):
+                piece_stream.write_to(fh)
+        assert not (tmp_path / "out").exists()
+    finally:
+        src.close()

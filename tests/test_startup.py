@@ -127,3 +127,19 @@ def test_long_tables_are_plain_text_and_never_a_rich_table(tmp_path, cli, monkey
     assert tsv.returncode == 0 and len(tsv.stdout.splitlines()) == n + 1
     js = cli("inspect", path, "--json")
     assert js.returncode == 0 and len(json.loads(js.stdout)["params"]) == n
+
+
+@pytest.mark.parametrize("args", [["inspect", "--help"], ["convert", "--help"], ["verify-resume", "--help"],
+                                  ["inspect", "--nope", "x"], ["inspekt", "x"], ["--help"], []])
+def test_only_the_command_asked_for_is_built_and_it_answers_as_the_whole_app(cli, monkeypatch, args):
+    """cli._app_for hands typer an app of the one command named first: help, usage errors and
+    exit codes are the whole app's."""
+    from statekit import cli as cli_module
+
+    if args and not args[0].startswith("-") and args[0] != "inspekt":
+        assert [c.callback.__name__ for c in cli_module._app_for(args).registered_commands] != \
+            [c.callback.__name__ for c in cli_module.app.registered_commands]
+    single = cli(*args)
+    monkeypatch.setattr(cli_module, "_app_for", lambda argv: cli_module.app)
+    whole = cli(*args)
+    assert (single.returncode, single.stdout, single.stderr) == (whole.returncode, whole.stdout, whole.stderr)

@@ -64,6 +64,15 @@ def test_blocked_transpose_of_a_large_matrix():
     assert np.array_equal(out, src.T)
 
 
+@pytest.mark.parametrize("jobs", [1, 2, 3, 8])
+def test_a_band_transposed_by_several_threads(jobs):
+    src = np.arange(2101 * 999, dtype=np.float32).reshape(2101, 999)  # 8 MiB: shared when jobs > 1
+    out = np.empty((999, 2101), np.float32)
+    with stream.using_jobs(jobs):
+        stream._transpose_shared(out, src)
+    assert np.array_equal(out, src.T)
+
+
 def test_nonfinite_counted_over_the_whole_tensor(small_pieces):
     arr = np.ones(5000, np.float32)
     arr[[3, 4000]] = np.nan

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from operator import itemgetter
 
-from statekit.render import human_bytes, shape
+from statekit.render import human_bytes
 from statekit.render.boxes import Column, Grid, Line
+from statekit.state import format_shape
 
 # Dropped in this order when the table would not fit the width: path, shape, dtype, step and
 # fields always stay (the burn id is still there in its short display form until last).
@@ -40,7 +41,7 @@ def _ident(p: dict) -> str:
 
 def _cells(p: dict, optimizer: bool) -> dict[str, str]:
     cells = {"path": p["path"] or "-", "id": _ident(p), "display id": p["display_id"] or "-",
-             "rank": str(p["rank"]) if p["rank"] is not None else "-", "shape": shape(p["shape"]),
+             "rank": str(p["rank"]) if p["rank"] is not None else "-", "shape": format_shape(p["shape"]),
              "dtype": p["dtype"] or "-"}
     if optimizer:
         cells["step"] = "-" if p["step"] is None else f"{p['step']:g}"
@@ -136,10 +137,13 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
     right = {"rank", "step"}
     last = cols[-1]
 
+    # each column padded to its width (right-justified: rank, step), the last one not padded
+    template = " ".join([f"{{{i}:{'>' if c in right else '<'}{widths[c]}}}" for i, c in enumerate(cols[:-1])]
+                        + [f"{{{len(cols) - 1}}}"])
+    values = itemgetter(*cols) if len(cols) > 1 else (lambda cells: (cells[last],))
+
     def line(cells: dict[str, str]) -> str:
-        parts = [cells[c].rjust(widths[c]) if c in right else cells[c].ljust(widths[c]) for c in cols]
-        parts[-1] = cells[last]  # the last column is not padded
-        return " ".join(parts).rstrip()
+        return template.format(*values(cells)).rstrip()
 
     out = [line({c: c for c in cols}), " ".join("-" * widths[c] for c in cols)]
     indent = sum(widths[c] + 1 for c in cols[:-1])
