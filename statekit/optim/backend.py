@@ -191,7 +191,8 @@ class Backend:
 
         On numpy with torch installed, ``around`` holds torch at one thread for the whole step
         (once, not per block as :meth:`sqrt_torch` must) and ``sqrt`` calls torch's root with
-        nothing else around it; the driver's threads may call it at once. Without torch: the
+        nothing else around it; the driver's threads may call it at once (each sets its own
+        OpenMP thread count to one on its first call). Without torch: the
         IEEE root, nothing around.
         """
         if not torch_available():
@@ -208,7 +209,14 @@ class Backend:
                 finally:
                     torch.set_num_threads(threads)
 
+        pinned = threading.local()
+
         def sqrt(x):
+            # torch's thread count is an OpenMP setting of each calling thread: the driver's
+            # worker threads set theirs too (they are statekit's own, and stay at one)
+            if not getattr(pinned, "done", False):
+                torch.set_num_threads(1)
+                pinned.done = True
             return torch.sqrt(torch.from_numpy(np.ascontiguousarray(x))).numpy()
 
         return sqrt, one_torch_thread

@@ -74,9 +74,12 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
+    """The shared pool, with room for ``workers`` threads (grown when asked for more)."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers != workers:
+        if _POOL is None or _POOL._max_workers < workers:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statekit-block")
         return _POOL
 
