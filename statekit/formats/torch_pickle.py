@@ -171,6 +171,7 @@ def _int_tuple(value: object, what: str) -> tuple[int, ...]:
 
 
 _DTYPE_CACHE: dict[str, tuple[str, np.dtype, int]] = {}
+_SMALL = 1 << 28  # a dimension and stride up to this, times each other and any item size, fit in 63 bits
 
 
 def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype, int]:
@@ -299,7 +300,11 @@ def _tensor(
         size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
         raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
-    numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
+    if len(size) == 1 and type(size[0]) is int and type(stride[0]) is int and 0 <= size[0] <= _SMALL >= stride[0] >= 0:
+        numel, step = size[0], stride[0]  # one dimension of a plausible size: nothing can overflow
+        extent, contiguous = (numel - 1) * step if numel else 0, numel == 1 or step == 1
+    else:
+        numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
     capacity = storage.nbytes // itemsize
     if numel:
         needed = offset + extent + 1
@@ -529,6 +534,7 @@ def _allowed_globals() -> dict[str, object]:
 
 
 _ALLOWED = _allowed_globals()
+_ORDERED_DICT, _REBUILD_TENSOR_V2 = _ALLOWED["collections.OrderedDict"], _ALLOWED["torch._utils._rebuild_tensor_v2"]
 _MODULE_RENAMES = {"__builtin__": "builtins"}  # Python 2 spellings that protocol 2 still writes
 
 
@@ -649,6 +655,8 @@ class _Unpickler:
         self.steps = 0
         self.sids: dict[tuple, StorageId] = {}  # persistent ids parsed so far
         self.last_sid: StorageId | None = None
+        self.overwrites = 0  # memo entries replaced so far (tensor_call reuses what it read only if none was)
+        self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -712,14 +720,16 @@ class _Unpickler:
     def put(self, index: int, value: object) -> None:
         """memo[index] = value."""
         memo = self.memo
-        if index < len(memo):
-            memo[index] = value
-        elif index == len(memo) and type(memo) is list:
+        if index == len(memo) and type(memo) is list:
             memo.append(value)
-        else:
-            if type(memo) is list:
-                self.memo = memo = dict(enumerate(memo))
-            memo[index] = value
+            return
+        self.overwrites += 1  # (or a new sparse index: counted alike)
+        if type(memo) is list:
+            if index < len(memo):
+                memo[index] = value
+                return
+            self.memo = memo = dict(enumerate(memo))
+        memo[index] = value
 
     def pop_mark(self) -> list:
         if not self.metastack:
@@ -772,11 +782,10 @@ class _Unpickler:
                 elif code == _MARK:
                     if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-                    if data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable:
-                        match = _TENSOR_CALL.match(data, start)
-                        if match is not None and self.tensor_call(match, stack):
-                            pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
-                            continue
+                    fast = data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable
+                    if fast and (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
+                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
+                        continue
                     metastack.append(stack)
                     stack = []
                 elif code == _TUPLE:
@@ -807,12 +816,13 @@ class _Unpickler:
                         raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
                     stack.append(_text(data[pos + 4 : pos + 4 + n]))
                     pos += 4 + n
+                    fast = data[pos : pos + 1] in _PUTS  # a name, then its tensor?
+                    if fast and (match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack):
+                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS + 3, self.memo
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
                 elif code == _STOP:
-                    if not stack:
-                        raise FormatError("malformed pickle: empty stack at STOP")
-                    return stack.pop()
+                    return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
                 else:
                     self.pos, self.code, self.steps, self.stack = pos, code, steps, stack
                     self.dispatch(code, start)
@@ -822,54 +832,76 @@ class _Unpickler:
         finally:
             self.pos, self.steps = pos, steps
 
-    def tensor_call(self, match: re.Match, stack: list) -> bool:
+    def keyed_call(self, groups: tuple, stack: list) -> bool:
+        """:meth:`tensor_call` after the BINPUT of the string on top (a dict key) and the BINGET of
+        the callable, as :data:`_KEYED_CALL` matched them; False — nothing done — if not quite."""
+        memo, get = self.memo, int.from_bytes(groups[1][1:], "little")
+        func = memo[get] if type(memo) is list and get < len(memo) else None
+        return type(func) is _Callable and self.tensor_call(groups[2:], stack, (groups[0], func))
+
+    def tensor_call(self, groups: tuple, stack: list, keyed: tuple | None = None) -> bool:
         """Run a whole ``_rebuild_tensor_v2`` call that :data:`_TENSOR_CALL` matched (MARK to the
-        REDUCE's BINPUT): the same stack, memo and checks as its ~25 opcodes one by one, in the
-        same order. False — nothing done — when it is not quite that (the loop then runs them)."""
+        REDUCE's BINPUT) as its ~25 opcodes would, with the same checks, in the canonical case only:
+        every BINGET reads an entry that exists, the BINPUTs append to the memo in order. False —
+        nothing done — otherwise (the loop then runs the opcodes). ``keyed``: the BINPUT of the
+        string on top and the callable a BINGET pushes, which come first."""
         (storage_name, stype, key_get, key_len, key, key_put, location, numel, pid_put, offset,
          size_get, size_ints, size_op, size_put, stride_get, stride_ints, stride_op, stride_put, grad,
-         od_get, od_put, args_put, out_put) = match.groups()
-        size = None if size_get is not None else _small_tuple(size_ints, size_op)
-        stride = None if stride_get is not None else _small_tuple(stride_ints, stride_op)
-        if (size is False or stride is False or (key is not None and len(key) != key_len[0])
-                or len(self.metastack) + 2 > MAX_DEPTH):
+         od_get, od_put, args_put, out_put) = groups
+        memo, index = self.memo, int.from_bytes
+        if type(memo) is not list or len(self.metastack) + 2 > MAX_DEPTH:
             return False
-        put, index = self.put_op, int.from_bytes  # (put may turn self.memo into a dict: read it afresh)
-        storage_name, stype = self.memo[index(storage_name[1:], "little")], self.memo[index(stype[1:], "little")]
-        if key is not None:
-            key = key.decode()
-            put(key_put, key)
+        ops = [op for op in (keyed and keyed[0], key_put, pid_put, size_put, stride_put, od_put, args_put, out_put)
+               if op]
+        puts, n = b"".join(ops), len(memo)
+        if len(puts) != 5 * len(ops) or _PUT_RUNS[len(ops)].unpack(puts) != tuple(range(n, n + len(ops))):
+            return False  # (LONG_BINPUTs appending in order; anything else runs opcode by opcode)
+        try:
+            same = self.last_call
+            reuse = key is None and same[0] == groups[:8] and same[1] == self.overwrites
+            if not reuse:
+                storage_name, stype = memo[index(storage_name[1:], "little")], memo[index(stype[1:], "little")]
+                location = memo[index(location[1:], "little")]
+                key = memo[index(key_get[1:], "little")] if key is None else key.decode()
+            size = memo[index(size_get[1:], "little")] if size_get else _small_tuple(size_ints, size_op)
+            stride = memo[index(stride_get[1:], "little")] if stride_get else _small_tuple(stride_ints, stride_op)
+            od_func = memo[index(od_get[1:], "little")]
+        except IndexError:  # an entry not yet (or never) made
+            return False
+        if size is False or stride is False or (key_len is not None and len(key) != key_len[0]):
+            return False
+        # from here on, exactly what the opcodes do
+        new = [stack[-1]] if keyed else []
+        if keyed:
+            stack.append(keyed[1])
+        if reuse:
+            pid, storage = same[2], same[3]  # the previous call's id, from the same memo entries: equal
         else:
-            key = self.memo[index(key_get[1:], "little")]
-        location = self.memo[index(location[1:], "little")]
-        pid = (storage_name, stype, key, location, _int_op(numel))
-        if not (type(storage_name) is str and type(key) is str and type(location) is str):
-            pid = self.nest(pid, pid)  # (a _StorageType is no container)
-        put(pid_put, pid)
-        storage = self.persistent_load(pid)
-        if size_get is not None:
-            size = self.memo[index(size_get[1:], "little")]
-        elif size_put is not None:
-            put(size_put, size)
-        if stride_get is not None:
-            stride = self.memo[index(stride_get[1:], "little")]
-        elif stride_put is not None:
-            put(stride_put, stride)
-        backward_hooks = _call(self.memo[index(od_get[1:], "little")], ())
-        put(od_put, backward_hooks)
+            if key_put:
+                new.append(key)
+            pid = (storage_name, stype, key, location, _int_op(numel))
+            if not (type(storage_name) is str and type(key) is str and type(location) is str):
+                pid = self.nest(pid, pid)  # (a _StorageType is no container)
+            storage = self.persistent_load(pid)
+            self.last_call = (groups[:8], self.overwrites, pid, storage)
+        new.append(pid)
+        new += [t for t, op in ((size, size_put), (stride, stride_put)) if op]
+        backward_hooks = {} if od_func is _ORDERED_DICT else _call(od_func, ())
         args = (storage, _int_op(offset), size, stride, grad == b"\x88", backward_hooks)
-        put(args_put, self.nest(args, args))
-        stack[-1] = _call(stack[-1], args)
-        put(out_put, stack[-1])
-        return True
-
-    def put_op(self, op: bytes, value: object) -> None:
-        """memo[index] = value for a BINPUT or LONG_BINPUT opcode with its argument."""
-        memo, index = self.memo, int.from_bytes(op[1:], "little")
-        if index == len(memo) and type(memo) is list:
-            memo.append(value)
+        depths = self.depths
+        if (type(size) is tuple and type(stride) is tuple and id(size) not in depths and id(stride) not in depths
+                and id(backward_hooks) not in depths):
+            depths[id(args)] = 2  # what nest() finds: flat size and stride, nothing deeper
+            self.built.append(args)
         else:
-            self.put(index, value)
+            self.nest(args, args)
+        if stack[-1] is _REBUILD_TENSOR_V2 and type(backward_hooks) is dict:  # what its stand-in does
+            stack[-1] = _tensor(storage, args[1], size, stride, None, args[4])
+        else:
+            stack[-1] = _call(stack[-1], args)
+        new += (backward_hooks, args, stack[-1])
+        memo += new
+        return True
 
     def persistent_load(self, pid: object) -> Storage:
         """The storage a persistent id names (its parsing cached: 10^6 views of one storage
@@ -888,6 +920,10 @@ class _Unpickler:
 
 
 _CONTAINERS = (list, tuple, dict, set)
+
+
+def _fail(message: str) -> None:
+    raise FormatError(message)
 
 
 def _is_container(item: object) -> bool:
@@ -940,6 +976,9 @@ def _tensor_call_pattern() -> re.Pattern:
 
 
 _TENSOR_CALL = _tensor_call_pattern()
+_KEYED_CALL = re.compile(rb"(q.|r.{4})(h.|j.{4})" + _TENSOR_CALL.pattern, re.DOTALL)  # after a BINUNICODE
+_PUTS = (pickle.BINPUT, pickle.LONG_BINPUT)
+_PUT_RUNS = {k: struct.Struct("<" + "xI" * k) for k in range(1, 9)}  # k LONG_BINPUTs -> their indices
 _INTS = {pickle.BININT1[0]: 1, pickle.BININT2[0]: 2, pickle.BININT[0]: 4}  # opcode -> argument bytes
 _INT_FORMATS = {2: _U16, 4: _I32}
 _INLINE_CONSTANTS = {pickle.NONE[0]: None, pickle.NEWTRUE[0]: True, pickle.NEWFALSE[0]: False, pickle.EMPTY_TUPLE[0]: ()}
