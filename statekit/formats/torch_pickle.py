@@ -166,7 +166,7 @@ class Storage:
 
 def _int_tuple(value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or not all(type(v) is int and v >= 0 for v in value):
-        raise FormatError(f"tensor {what} {value!r} is not a tuple of non-negative integers")
+        raise FormatError(f"tensor {what} {limits.short(value)} is not a tuple of non-negative integers")
     return tuple(value)
 
 
@@ -191,7 +191,7 @@ def _geometry(size: tuple, stride: tuple, itemsize: int, key: str) -> tuple[int,
     for i in range(len(size) - 1, -1, -1):
         n, s = size[i], stride[i]
         if type(n) is not int or type(s) is not int or n < 0 or s < 0:
-            raise FormatError(f"tensor size {size!r} or stride {stride!r} is not a tuple of non-negative integers")
+            raise FormatError(f"tensor size {limits.short(size)} or stride {limits.short(stride)} is not a tuple of non-negative integers")
         numel *= n
         nonzero *= n or 1
         extent += (n - 1) * s if n else 0
@@ -299,7 +299,7 @@ def _tensor(
     if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
         size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
-        raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
+        raise FormatError(f"bad tensor geometry: offset {limits.short(offset)}, size {limits.short(size)}, stride {limits.short(stride)}")
     if len(size) == 1 and type(size[0]) is int and type(stride[0]) is int and 0 <= size[0] <= _SMALL >= stride[0] >= 0:
         numel, step = size[0], stride[0]  # one dimension of a plausible size: nothing can overflow
         extent, contiguous = (numel - 1) * step if numel else 0, numel == 1 or step == 1
@@ -345,7 +345,7 @@ def _python_state(state: object) -> dict:
         if part is None:
             continue
         if not isinstance(part, dict):
-            raise FormatError(f"tensor state {state!r} is not a dict of attributes")
+            raise FormatError(f"tensor state {limits.short(state)} is not a dict of attributes")
         merged.update(part)
     return merged
 
@@ -358,14 +358,14 @@ def _with_info(tensor: object, **info: object) -> TensorRef:
 
 def _check_hooks(hooks: object) -> None:
     if hooks is not None and not isinstance(hooks, dict):
-        raise FormatError(f"tensor backward hooks {hooks!r} are not a dict")
+        raise FormatError(f"tensor backward hooks {limits.short(hooks)} are not a dict")
 
 
 def _check_metadata(metadata: object) -> None:
     """``get_tensor_metadata``: only ``{}`` or all-False flags (no conjugate/negative bit)."""
     if metadata is None or (isinstance(metadata, dict) and not any(metadata.values())):
         return
-    raise FormatError(f"tensor metadata {metadata!r} (conjugate/negative bit) is not supported")
+    raise FormatError(f"tensor metadata {limits.short(metadata)} (conjugate/negative bit) is not supported")
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride):
@@ -386,7 +386,7 @@ def _rebuild_tensor_v3(
     _check_hooks(backward_hooks)
     _check_metadata(metadata)
     if not isinstance(dtype, TorchDtype):
-        raise FormatError(f"_rebuild_tensor_v3 dtype {dtype!r} is not a torch dtype")
+        raise FormatError(f"_rebuild_tensor_v3 dtype {limits.short(dtype)} is not a torch dtype")
     return _tensor(storage, storage_offset, size, stride, dtype.name, bool(requires_grad))
 
 
@@ -408,7 +408,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         or not isinstance(new_type, _TensorType)
         or not isinstance(args, tuple)
     ):
-        raise FormatError(f"unsupported _rebuild_from_type_v2 call for {new_type!r}")
+        raise FormatError(f"unsupported _rebuild_from_type_v2 call for {limits.short(new_type)}")
     tensor = _with_info(func.fn(*args), **({"parameter": True} if new_type.name == "Parameter" else {}))
     attributes = _python_state(state)
     return _with_info(tensor, python_state=attributes) if attributes else tensor
@@ -490,7 +490,7 @@ def _complex(real=0.0, imag=0.0):
 def _encode(text, encoding="utf-8"):
     """``_codecs.encode``: how protocol 2 pickles bytes (``encode(str, 'latin1')``)."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise FormatError(f"_codecs.encode is allowed only for str with 'latin1', not {encoding!r}")
+        raise FormatError(f"_codecs.encode is allowed only for str with 'latin1', not {limits.short(encoding)}")
     return text.encode("latin1")
 
 
@@ -851,10 +851,10 @@ class _Unpickler:
         memo, index = self.memo, int.from_bytes
         if type(memo) is not list or len(self.metastack) + 2 > MAX_DEPTH:
             return False
-        ops = [op for op in (keyed and keyed[0], key_put, pid_put, size_put, stride_put, od_put, args_put, out_put)
-               if op]
-        puts, n = b"".join(ops), len(memo)
-        if len(puts) != 5 * len(ops) or _PUT_RUNS[len(ops)].unpack(puts) != tuple(range(n, n + len(ops))):
+        puts = b"".join(filter(None, (keyed and keyed[0], key_put, pid_put, size_put, stride_put, od_put, args_put,
+                                      out_put)))
+        k = 4 + (keyed is not None) + (key_put is not None) + (size_put is not None) + (stride_put is not None)
+        if len(puts) != 5 * k or _PUT_RUNS[k].unpack(puts) != tuple(range(len(memo), len(memo) + k)):
             return False  # (LONG_BINPUTs appending in order; anything else runs opcode by opcode)
         try:
             same = self.last_call
@@ -885,16 +885,18 @@ class _Unpickler:
             storage = self.persistent_load(pid)
             self.last_call = (groups[:8], self.overwrites, pid, storage)
         new.append(pid)
-        new += [t for t, op in ((size, size_put), (stride, stride_put)) if op]
+        if size_put:
+            new.append(size)
+        if stride_put:
+            new.append(stride)
         backward_hooks = {} if od_func is _ORDERED_DICT else _call(od_func, ())
         args = (storage, _int_op(offset), size, stride, grad == b"\x88", backward_hooks)
         depths = self.depths
-        if (type(size) is tuple and type(stride) is tuple and id(size) not in depths and id(stride) not in depths
+        if not (type(size) is tuple and type(stride) is tuple and id(size) not in depths and id(stride) not in depths
                 and id(backward_hooks) not in depths):
-            depths[id(args)] = 2  # what nest() finds: flat size and stride, nothing deeper
-            self.built.append(args)
-        else:
             self.nest(args, args)
+        # else depth 2 (flat size and stride), not recorded: one entry per tensor saved; should a later
+        # BINGET nest the tuple, check_structure still bounds the depth of what the pickle returns
         if stack[-1] is _REBUILD_TENSOR_V2 and type(backward_hooks) is dict:  # what its stand-in does
             stack[-1] = _tensor(storage, args[1], size, stride, None, args[4])
         else:
@@ -933,7 +935,7 @@ def _is_container(item: object) -> bool:
 def _call(func: object, args: object) -> object:
     """REDUCE: an allowed stand-in called with the pickled arguments."""
     if type(func) is not _Callable:
-        raise UnsafePickleError(f"refusing to call {func!r} from pickle: not an allowed callable")
+        raise UnsafePickleError(f"refusing to call {limits.short(func)} from pickle: not an allowed callable")
     if type(args) is not tuple:
         raise FormatError(f"malformed pickle: arguments of {func.name} are not a tuple")
     try:
@@ -1347,9 +1349,9 @@ def _newobj(u: _Unpickler) -> None:
     args = u.stack.pop()
     cls = u.stack[-1]
     if not isinstance(cls, RecordClass):
-        raise UnsafePickleError(f"refusing to instantiate {cls!r} from pickle: not an allowed class")
+        raise UnsafePickleError(f"refusing to instantiate {limits.short(cls)} from pickle: not an allowed class")
     if args != ():
-        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {args!r}")
+        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {limits.short(args)}")
     record = Record(cls.name)
     u.records[id(record)] = cls
     u.stack[-1] = record
@@ -1379,16 +1381,16 @@ def _binpersid(u: _Unpickler) -> None:
 def _persistent_load(u: _Unpickler, pid: object) -> Storage:
     """Parse ``('storage', type, key, location, numel[, view])`` and ask the container for it."""
     if not isinstance(pid, tuple) or len(pid) not in (5, 6) or pid[0] not in ("storage", b"storage"):
-        raise FormatError(f"unsupported persistent id {pid!r}: only tensor storages are allowed")
+        raise FormatError(f"unsupported persistent id {limits.short(pid)}: only tensor storages are allowed")
     if u.storage_loader is None:
         raise FormatError("pickle refers to a tensor storage, but this part of the file has none")
     _, stype, key, location, numel, *view = pid
     if not isinstance(stype, _StorageType):
-        raise FormatError(f"persistent id storage type {stype!r} is not a torch storage class")
+        raise FormatError(f"persistent id storage type {limits.short(stype)} is not a torch storage class")
     statekit_dtype(stype.dtype)
     key, location = (v.decode("ascii") if isinstance(v, bytes) else v for v in (key, location))
     if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
-        raise FormatError(f"malformed storage persistent id {pid!r}")
+        raise FormatError(f"malformed storage persistent id {limits.short(pid)}")
     u.last_sid = sid = StorageId(key, stype.dtype, numel, location, view[0] if view else None)
     return u.storage_loader(sid)
 
