@@ -89,7 +89,7 @@ def run(b: Backend, kernel: Kernel, p, g, s: dict, tail: int = 0) -> None:
 
     On numpy, :func:`threads` workers (the calling thread and pool threads) each take the next
     block from a shared counter until none is left: one task per worker, not per block (a
-    future per 32K-element block cost more than the block's arithmetic on a busy machine), and
+    future per block cost more than the block's arithmetic on a busy machine), and
     a worker that the OS delays leaves its blocks to the others. numpy releases the GIL inside
     its loops and the kernels' scratch buffers are per thread; every element is computed
     alone, so the result does not depend on the number of threads or on which thread took
