@@ -292,7 +292,7 @@ def _tensor(
 
     The tensor's dtype is the storage's unless ``torch_dtype`` says otherwise (untyped storages).
     """
-    if not isinstance(storage, Storage):
+    if type(storage) is not Storage and not isinstance(storage, Storage):
         raise FormatError(f"tensor storage is {type(storage).__name__}, not a storage reference")
     torch_dtype = torch_dtype or storage.dtype
     name, np_dtype, itemsize = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
@@ -318,7 +318,9 @@ def _tensor(
             f"a view of size {list(size)} repeats storage '{storage.key}' ({capacity} elements) into "
             f"{numel * itemsize} bytes; statekit refuses views that outgrow their storage past "
             f"{limits.MAX_INFLATE >> 20} MiB")
-    info = TensorInfo(_shared_info(torch_dtype, requires_grad, storage.location), storage.key, offset, stride)
+    shared = _SHARED_INFO.get((torch_dtype, requires_grad, storage.location)) or _shared_info(
+        torch_dtype, requires_grad, storage.location)
+    info = TensorInfo(shared, storage.key, offset, stride)
     if numel == 0 or (contiguous and not storage.big_endian):
         start, stop = offset * itemsize, (offset + numel) * itemsize
         span = storage.span
@@ -862,8 +864,8 @@ class _Unpickler:
         if len(puts) != 5 * k or _PUT_RUNS[k].unpack(puts) != tuple(range(len(memo), len(memo) + k)):
             return False  # (LONG_BINPUTs appending in order; anything else runs opcode by opcode)
         try:
-            same = self.last_call
-            reuse = key is None and same[0] == groups[:8] and same[1] == self.overwrites
+            same, reads = self.last_call, groups[:8]
+            reuse = key is None and same[0] == reads and same[1] == self.overwrites
             if not reuse:
                 storage_name, stype = memo[index(storage_name[1:], "little")], memo[index(stype[1:], "little")]
                 location = memo[index(location[1:], "little")]
@@ -888,7 +890,7 @@ class _Unpickler:
             if not (type(storage_name) is str and type(key) is str and type(location) is str):
                 pid = self.nest(pid, pid)  # (a _StorageType is no container)
             storage = self.persistent_load(pid)
-            self.last_call = (groups[:8], self.overwrites, pid, storage)
+            self.last_call = (reads, self.overwrites, pid, storage)
         new.append(pid)
         if size_put:
             new.append(size)
