@@ -15,7 +15,8 @@ one in-place step, best of ``--repeat`` after a warm-up. Rows:
 * the reference of ``--baseline-rev`` (default: main before issue 13's kernels), exported
   with ``git archive`` and timed in a subprocess alternating with today's, same method. The
   baseline has no threads (one thread); today's reference is timed on one thread
-  (``STATEKIT_THREADS=1``) and on ``--threads`` threads, and both ratios are printed;
+  (``STATEKIT_THREADS=1``) and on ``--threads`` threads, and both ratios are printed, with
+  the ratio of the one-thread runs' CPU times (steadier than wall time on a busy machine);
 * ``statekit verify-resume`` of a torch Adam checkpoint of ``--verify-params`` parameters (four
   square Linear weights, written by torch) against itself, 10 steps, in a fresh process: wall
   time and peak RSS against the state's size (its two moments). ``--verify-params 0`` skips it.
@@ -70,14 +71,15 @@ out = {}
 for flavor, algo in flavors:
     p, s, k = p0.copy(), {"exp_avg": np.zeros_like(p0), "exp_avg_sq": np.zeros_like(p0)}, 0
     extra = {"kernel": "reference"} if "kernel" in so.step.__code__.co_varnames else {}
-    best = float("inf")
+    best = cpu = float("inf")
     for i in range(repeat + 1):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         so.step(algo, p, g, s, k, hps[algo], flavor, inplace=True, **extra)
         k += 1
         if i:
             best = min(best, time.perf_counter() - t)
-    out[flavor] = best
+            cpu = min(cpu, time.process_time() - c)
+    out[flavor] = [best, cpu]
 out["statekit"] = so.__file__
 print(json.dumps(out))
 """
@@ -179,7 +181,7 @@ def reference_runs(numel: int, repeat: int, rev: str, threads: int) -> dict[str,
         runs = {"baseline": (tmp, 1), "today 1": (str(ROOT), 1)}
         if threads > 1:
             runs[f"today {threads}"] = (str(ROOT), threads)
-        best: dict[str, dict] = {which: {} for which in runs}
+        best: dict[str, dict] = {key: {} for which in runs for key in (which, which + " cpu")}
         for _ in range(2):
             for which, (path, workers) in runs.items():
                 env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", STATEKIT_THREADS=str(workers))
@@ -190,8 +192,9 @@ def reference_runs(numel: int, repeat: int, rev: str, threads: int) -> dict[str,
                 imported = Path(out.pop("statekit")).resolve()
                 if not imported.is_relative_to(Path(path).resolve()):
                     raise RuntimeError(f"the {which} run imported {imported}, not statekit from {path}")
-                for flavor, seconds in out.items():
+                for flavor, (seconds, cpu) in out.items():
                     best[which][flavor] = min(seconds, best[which].get(flavor, float("inf")))
+                    best[which + " cpu"][flavor] = min(cpu, best[which + " cpu"].get(flavor, float("inf")))
         return best
 
 
@@ -338,6 +341,9 @@ def main(argv=None) -> int:
             for t in sorted({1, threads}):
                 ratio(f"reference {flavor}: today ({t} thr) / {args.baseline_rev} (1 thr)",
                       base / reference[f"today {t}"][flavor], 2.0)
+            # CPU seconds of the one-thread runs: what a busy machine's wall time hides
+            ratio(f"reference {flavor}: today / {args.baseline_rev}, CPU time (1 thr both)",
+                  reference["baseline cpu"][flavor] / reference["today 1 cpu"][flavor], 2.0)
     print_verify(args, verify, load)
     return 0
 

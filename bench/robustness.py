@@ -7,7 +7,11 @@
 Every bomb must be refused (a StatekitError) in ≤ 1 s and ≤ 200 MiB; the baseline row, measured in
 the same run, is opening a small valid file, so the ratios say what a bomb costs over nothing. The
 .pt rows read a valid torch.save-layout file of N one-element tensors sharing one storage; "per
-tensor" staying flat as N grows is the linear-time claim (goal: 10^6 tensors in ≤ 10 s).
+tensor" staying flat as N grows is the linear-time claim (goal: 10^6 tensors in ≤ 10 s and, as
+for every fuzz case, ≤ 1 GiB peak RSS). "marginal" is the time a tensor from the row above to this
+one (start-up cancels: flat means linear); "x 10 s" and "x 1 GiB" are the 10^6 row's wall time
+and peak RSS over the goals (≤ 1.00 meets them). The machine's load (``uptime``) and CPU seconds
+say how far a busy machine inflated the wall time.
 """
 
 from __future__ import annotations
@@ -178,8 +182,8 @@ def main() -> None:
                   f"{r['outcome']}")
 
         print(f"\n{'valid .pt, N views of one storage':<44}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'us/tensor':>10}"
-              f"{'x 10^4':>8}")
-        first = None
+              f"{'x 10^4':>8}{'marginal':>9}{'x 10 s':>8}{'x 1 GiB':>8}")
+        first = previous = None
         n = 10_000
         while n <= args.max_tensors:
             path = tmp / f"shared{n}.pt"
@@ -187,9 +191,12 @@ def main() -> None:
             r = probe(path)
             per = r["seconds"] / n * 1e6
             first = first or per
+            # us a tensor from the previous row to this one (start-up costs cancel): flat = linear
+            marginal = f"{(r['seconds'] - previous) / (0.9 * n) * 1e6:>9.1f}" if previous is not None else f"{'':>9}"
+            goal = f"{r['seconds'] / 10:>8.2f}{r['rss'] / 1024:>8.2f}" if n == 1_000_000 else f"{'':>16}"
             print(f"{'N = ' + format(n, ','):<44}{r['seconds']:>9.2f}{r['cpu']:>8.2f}{r['rss']:>10}{per:>10.1f}"
-                  f"{per / first:>8.2f}  "
-                  f"{r['outcome']}")
+                  f"{per / first:>8.2f}{marginal}{goal}  {r['outcome']}")
+            previous = r["seconds"]
             path.unlink()
             n *= 10
 

@@ -348,3 +348,19 @@ def test_cupy_kernel_is_refused_where_it_cannot_run(fake_cupy):
     with pytest.raises(UsageError, match="no CuPy torch-fused adam kernel"):
         so.choose_kernel("adam", "torch-fused", fake_cupy, kernel="cupy")
     assert so.choose_kernel("adam", "torch-fused", fake_cupy) == "reference"
+
+
+@pytest.mark.parametrize(("flavor", "name", "hp"), FLAVORS)
+def test_real_block_size_boundaries(monkeypatch, flavor, name, hp):
+    """Around the real HOST_BLOCK, on two threads: the bits of one block on one thread."""
+    size = backend.HOST_BLOCK
+    for n in (size - 1, size + 1, 2 * size + 3):
+        monkeypatch.setattr(backend.Backend, "block", 4 * size)
+        monkeypatch.setenv("STATEKIT_THREADS", "1")
+        expected, expected_slots = _steps(name, flavor, hp, n, steps=2)
+        monkeypatch.setattr(backend.Backend, "block", size)
+        monkeypatch.setenv("STATEKIT_THREADS", "2")
+        got, slots = _steps(name, flavor, hp, n, steps=2)
+        assert np.array_equal(bits(got), bits(expected)), (flavor, name, n)
+        for slot in expected_slots:
+            assert np.array_equal(bits(slots[slot]), bits(expected_slots[slot])), (flavor, name, n, slot)

@@ -309,6 +309,26 @@ def test_nested_shared_tuples_as_a_key_are_refused_before_hashing(tmp_path):
     refuse(write(tmp_path, "hash.pt", torch_zip(pkl)), "dict key")
 
 
+def test_memo_bomb_in_a_refused_argument_is_named_without_expanding_it(tmp_path):
+    """The error for a bad tensor size names it with a bounded repr: a 40-level memo bomb as the
+    size is refused at once (its full repr has 2^40 leaves; the message used to build it)."""
+    def op_str(text: str) -> bytes:
+        return pickle.BINUNICODE + struct.pack("<I", len(text)) + text.encode()
+
+    def op_global(module: str, name: str) -> bytes:
+        return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+
+    pid = (pickle.MARK + op_str("storage") + op_global("torch", "FloatStorage") + op_str("0") + op_str("cpu")
+           + pickle.BININT1 + b"\4" + pickle.TUPLE + pickle.BINPERSID)
+    args = (pickle.MARK + pid + pickle.BININT1 + b"\0" + memo_laughs(40) + pickle.MARK + pickle.BININT1 + b"\1"
+            + pickle.TUPLE + pickle.NEWFALSE + op_global("collections", "OrderedDict") + pickle.EMPTY_TUPLE
+            + pickle.REDUCE + pickle.TUPLE)
+    pkl = (pickle.PROTO + b"\2" + pickle.EMPTY_DICT + op_str("w") + op_global("torch._utils", "_rebuild_tensor_v2")
+           + args + pickle.REDUCE + pickle.SETITEM + pickle.STOP)
+    text = refuse(write(tmp_path, "laughs-size.pt", torch_zip(pkl, {"0": bytes(16)})), "tensor size [[[[...]")
+    assert len(text) < 400, text
+
+
 def test_pickle_opcode_count_limit(tmp_path, monkeypatch):
     from statekit.formats import torch_pickle
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import reprlib
 
 MAX_RANK = 64  # numpy's limit (and far above any framework's tensors)
 MAX_ELEMENTS = (1 << 63) - 1  # bytes or elements of one tensor, zero-size dimensions or not
@@ -82,12 +83,34 @@ def inflate_cap(compressed_size: int) -> int:
     return max(MAX_INFLATE, ratio * compressed_size)
 
 
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` that visits a bounded number of objects: 3 levels, 6 items a level. A decoded
+    structure may share objects by reference (a pickle's memo): its full repr can be
+    exponentially long (2^40 leaves from 40 levels), so error messages never ask for it."""
+
+    _PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxstring, self.maxother, self.maxlong = 3, 4, 60, 60, 40
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 6
+
+    def repr_instance(self, obj: object, level: int) -> str:
+        if isinstance(obj, self._PLAIN) or type(obj).__module__ == "statekit.formats.torch_pickle" and hasattr(
+                obj, "name"):  # TorchDtype and the allow-list's stand-ins: a name and nothing nested
+            return super().repr_instance(obj, level)
+        return f"<{type(obj).__name__}>"  # anything else may hold decoded data of any size
+
+
+_BOUNDED = _BoundedRepr()
+
+
 def short(value: object, width: int = 60) -> str:
-    """``repr(value)`` cut to ``width`` characters (a type name for a structure too deep to repr)."""
+    """A bounded ``repr(value)`` (see :class:`_BoundedRepr`) cut to ``width`` characters."""
     try:
-        text = repr(value)
-    except RecursionError:
-        return f"<deeply nested {type(value).__name__}>"
+        text = _BOUNDED.repr(value)
+    except (RecursionError, ValueError):  # (ValueError: an int past Python's digit limit)
+        return f"<{type(value).__name__}>"
     return text if len(text) <= width else text[: width - 3] + "..."
 
 

@@ -166,11 +166,12 @@ class Storage:
 
 def _int_tuple(value: object, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple | list) or not all(type(v) is int and v >= 0 for v in value):
-        raise FormatError(f"tensor {what} {value!r} is not a tuple of non-negative integers")
+        raise FormatError(f"tensor {what} {limits.short(value)} is not a tuple of non-negative integers")
     return tuple(value)
 
 
 _DTYPE_CACHE: dict[str, tuple[str, np.dtype, int]] = {}
+_SMALL = 1 << 28  # a dimension and stride up to this, times each other and any item size, fit in 63 bits
 
 
 def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype, int]:
@@ -190,7 +191,7 @@ def _geometry(size: tuple, stride: tuple, itemsize: int, key: str) -> tuple[int,
     for i in range(len(size) - 1, -1, -1):
         n, s = size[i], stride[i]
         if type(n) is not int or type(s) is not int or n < 0 or s < 0:
-            raise FormatError(f"tensor size {size!r} or stride {stride!r} is not a tuple of non-negative integers")
+            raise FormatError(f"tensor size {limits.short(size)} or stride {limits.short(stride)} is not a tuple of non-negative integers")
         numel *= n
         nonzero *= n or 1
         extent += (n - 1) * s if n else 0
@@ -298,8 +299,12 @@ def _tensor(
     if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
         size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
     if len(size) != len(stride) or type(offset) is not int or offset < 0:
-        raise FormatError(f"bad tensor geometry: offset {offset!r}, size {size}, stride {stride}")
-    numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
+        raise FormatError(f"bad tensor geometry: offset {limits.short(offset)}, size {limits.short(size)}, stride {limits.short(stride)}")
+    if len(size) == 1 and type(size[0]) is int and type(stride[0]) is int and 0 <= size[0] <= _SMALL >= stride[0] >= 0:
+        numel, step = size[0], stride[0]  # one dimension of a plausible size: nothing can overflow
+        extent, contiguous = (numel - 1) * step if numel else 0, numel == 1 or step == 1
+    else:
+        numel, extent, contiguous = _geometry(size, stride, itemsize, storage.key)
     capacity = storage.nbytes // itemsize
     if numel:
         needed = offset + extent + 1
@@ -340,7 +345,7 @@ def _python_state(state: object) -> dict:
         if part is None:
             continue
         if not isinstance(part, dict):
-            raise FormatError(f"tensor state {state!r} is not a dict of attributes")
+            raise FormatError(f"tensor state {limits.short(state)} is not a dict of attributes")
         merged.update(part)
     return merged
 
@@ -353,14 +358,14 @@ def _with_info(tensor: object, **info: object) -> TensorRef:
 
 def _check_hooks(hooks: object) -> None:
     if hooks is not None and not isinstance(hooks, dict):
-        raise FormatError(f"tensor backward hooks {hooks!r} are not a dict")
+        raise FormatError(f"tensor backward hooks {limits.short(hooks)} are not a dict")
 
 
 def _check_metadata(metadata: object) -> None:
     """``get_tensor_metadata``: only ``{}`` or all-False flags (no conjugate/negative bit)."""
     if metadata is None or (isinstance(metadata, dict) and not any(metadata.values())):
         return
-    raise FormatError(f"tensor metadata {metadata!r} (conjugate/negative bit) is not supported")
+    raise FormatError(f"tensor metadata {limits.short(metadata)} (conjugate/negative bit) is not supported")
 
 
 def _rebuild_tensor(storage, storage_offset, size, stride):
@@ -381,7 +386,7 @@ def _rebuild_tensor_v3(
     _check_hooks(backward_hooks)
     _check_metadata(metadata)
     if not isinstance(dtype, TorchDtype):
-        raise FormatError(f"_rebuild_tensor_v3 dtype {dtype!r} is not a torch dtype")
+        raise FormatError(f"_rebuild_tensor_v3 dtype {limits.short(dtype)} is not a torch dtype")
     return _tensor(storage, storage_offset, size, stride, dtype.name, bool(requires_grad))
 
 
@@ -403,7 +408,7 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         or not isinstance(new_type, _TensorType)
         or not isinstance(args, tuple)
     ):
-        raise FormatError(f"unsupported _rebuild_from_type_v2 call for {new_type!r}")
+        raise FormatError(f"unsupported _rebuild_from_type_v2 call for {limits.short(new_type)}")
     tensor = _with_info(func.fn(*args), **({"parameter": True} if new_type.name == "Parameter" else {}))
     attributes = _python_state(state)
     return _with_info(tensor, python_state=attributes) if attributes else tensor
@@ -485,7 +490,7 @@ def _complex(real=0.0, imag=0.0):
 def _encode(text, encoding="utf-8"):
     """``_codecs.encode``: how protocol 2 pickles bytes (``encode(str, 'latin1')``)."""
     if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise FormatError(f"_codecs.encode is allowed only for str with 'latin1', not {encoding!r}")
+        raise FormatError(f"_codecs.encode is allowed only for str with 'latin1', not {limits.short(encoding)}")
     return text.encode("latin1")
 
 
@@ -529,6 +534,7 @@ def _allowed_globals() -> dict[str, object]:
 
 
 _ALLOWED = _allowed_globals()
+_ORDERED_DICT, _REBUILD_TENSOR_V2 = _ALLOWED["collections.OrderedDict"], _ALLOWED["torch._utils._rebuild_tensor_v2"]
 _MODULE_RENAMES = {"__builtin__": "builtins"}  # Python 2 spellings that protocol 2 still writes
 
 
@@ -649,6 +655,8 @@ class _Unpickler:
         self.steps = 0
         self.sids: dict[tuple, StorageId] = {}  # persistent ids parsed so far
         self.last_sid: StorageId | None = None
+        self.overwrites = 0  # memo entries replaced so far (tensor_call reuses what it read only if none was)
+        self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -712,14 +720,16 @@ class _Unpickler:
     def put(self, index: int, value: object) -> None:
         """memo[index] = value."""
         memo = self.memo
-        if index < len(memo):
-            memo[index] = value
-        elif index == len(memo) and type(memo) is list:
+        if index == len(memo) and type(memo) is list:
             memo.append(value)
-        else:
-            if type(memo) is list:
-                self.memo = memo = dict(enumerate(memo))
-            memo[index] = value
+            return
+        self.overwrites += 1  # (or a new sparse index: counted alike)
+        if type(memo) is list:
+            if index < len(memo):
+                memo[index] = value
+                return
+            self.memo = memo = dict(enumerate(memo))
+        memo[index] = value
 
     def pop_mark(self) -> list:
         if not self.metastack:
@@ -772,11 +782,10 @@ class _Unpickler:
                 elif code == _MARK:
                     if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-                    if data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable:
-                        match = _TENSOR_CALL.match(data, start)
-                        if match is not None and self.tensor_call(match, stack):
-                            pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
-                            continue
+                    fast = data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable
+                    if fast and (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
+                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
+                        continue
                     metastack.append(stack)
                     stack = []
                 elif code == _TUPLE:
@@ -807,12 +816,13 @@ class _Unpickler:
                         raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
                     stack.append(_text(data[pos + 4 : pos + 4 + n]))
                     pos += 4 + n
+                    fast = data[pos : pos + 1] in _PUTS  # a name, then its tensor?
+                    if fast and (match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack):
+                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS + 3, self.memo
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
                 elif code == _STOP:
-                    if not stack:
-                        raise FormatError("malformed pickle: empty stack at STOP")
-                    return stack.pop()
+                    return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
                 else:
                     self.pos, self.code, self.steps, self.stack = pos, code, steps, stack
                     self.dispatch(code, start)
@@ -822,54 +832,78 @@ class _Unpickler:
         finally:
             self.pos, self.steps = pos, steps
 
-    def tensor_call(self, match: re.Match, stack: list) -> bool:
+    def keyed_call(self, groups: tuple, stack: list) -> bool:
+        """:meth:`tensor_call` after the BINPUT of the string on top (a dict key) and the BINGET of
+        the callable, as :data:`_KEYED_CALL` matched them; False — nothing done — if not quite."""
+        memo, get = self.memo, int.from_bytes(groups[1][1:], "little")
+        func = memo[get] if type(memo) is list and get < len(memo) else None
+        return type(func) is _Callable and self.tensor_call(groups[2:], stack, (groups[0], func))
+
+    def tensor_call(self, groups: tuple, stack: list, keyed: tuple | None = None) -> bool:
         """Run a whole ``_rebuild_tensor_v2`` call that :data:`_TENSOR_CALL` matched (MARK to the
-        REDUCE's BINPUT): the same stack, memo and checks as its ~25 opcodes one by one, in the
-        same order. False — nothing done — when it is not quite that (the loop then runs them)."""
+        REDUCE's BINPUT) as its ~25 opcodes would, with the same checks, in the canonical case only:
+        every BINGET reads an entry that exists, the BINPUTs append to the memo in order. False —
+        nothing done — otherwise (the loop then runs the opcodes). ``keyed``: the BINPUT of the
+        string on top and the callable a BINGET pushes, which come first."""
         (storage_name, stype, key_get, key_len, key, key_put, location, numel, pid_put, offset,
          size_get, size_ints, size_op, size_put, stride_get, stride_ints, stride_op, stride_put, grad,
-         od_get, od_put, args_put, out_put) = match.groups()
-        size = None if size_get is not None else _small_tuple(size_ints, size_op)
-        stride = None if stride_get is not None else _small_tuple(stride_ints, stride_op)
-        if (size is False or stride is False or (key is not None and len(key) != key_len[0])
-                or len(self.metastack) + 2 > MAX_DEPTH):
+         od_get, od_put, args_put, out_put) = groups
+        memo, index = self.memo, int.from_bytes
+        if type(memo) is not list or len(self.metastack) + 2 > MAX_DEPTH:
             return False
-        put, index = self.put_op, int.from_bytes  # (put may turn self.memo into a dict: read it afresh)
-        storage_name, stype = self.memo[index(storage_name[1:], "little")], self.memo[index(stype[1:], "little")]
-        if key is not None:
-            key = key.decode()
-            put(key_put, key)
+        puts = b"".join(filter(None, (keyed and keyed[0], key_put, pid_put, size_put, stride_put, od_put, args_put,
+                                      out_put)))
+        k = 4 + (keyed is not None) + (key_put is not None) + (size_put is not None) + (stride_put is not None)
+        if len(puts) != 5 * k or _PUT_RUNS[k].unpack(puts) != tuple(range(len(memo), len(memo) + k)):
+            return False  # (LONG_BINPUTs appending in order; anything else runs opcode by opcode)
+        try:
+            same = self.last_call
+            reuse = key is None and same[0] == groups[:8] and same[1] == self.overwrites
+            if not reuse:
+                storage_name, stype = memo[index(storage_name[1:], "little")], memo[index(stype[1:], "little")]
+                location = memo[index(location[1:], "little")]
+                key = memo[index(key_get[1:], "little")] if key is None else key.decode()
+            size = memo[index(size_get[1:], "little")] if size_get else _small_tuple(size_ints, size_op)
+            stride = memo[index(stride_get[1:], "little")] if stride_get else _small_tuple(stride_ints, stride_op)
+            od_func = memo[index(od_get[1:], "little")]
+        except IndexError:  # an entry not yet (or never) made
+            return False
+        if size is False or stride is False or (key_len is not None and len(key) != key_len[0]):
+            return False
+        # from here on, exactly what the opcodes do
+        new = [stack[-1]] if keyed else []
+        if keyed:
+            stack.append(keyed[1])
+        if reuse:
+            pid, storage = same[2], same[3]  # the previous call's id, from the same memo entries: equal
         else:
-            key = self.memo[index(key_get[1:], "little")]
-        location = self.memo[index(location[1:], "little")]
-        pid = (storage_name, stype, key, location, _int_op(numel))
-        if not (type(storage_name) is str and type(key) is str and type(location) is str):
-            pid = self.nest(pid, pid)  # (a _StorageType is no container)
-        put(pid_put, pid)
-        storage = self.persistent_load(pid)
-        if size_get is not None:
-            size = self.memo[index(size_get[1:], "little")]
-        elif size_put is not None:
-            put(size_put, size)
-        if stride_get is not None:
-            stride = self.memo[index(stride_get[1:], "little")]
-        elif stride_put is not None:
-            put(stride_put, stride)
-        backward_hooks = _call(self.memo[index(od_get[1:], "little")], ())
-        put(od_put, backward_hooks)
+            if key_put:
+                new.append(key)
+            pid = (storage_name, stype, key, location, _int_op(numel))
+            if not (type(storage_name) is str and type(key) is str and type(location) is str):
+                pid = self.nest(pid, pid)  # (a _StorageType is no container)
+            storage = self.persistent_load(pid)
+            self.last_call = (groups[:8], self.overwrites, pid, storage)
+        new.append(pid)
+        if size_put:
+            new.append(size)
+        if stride_put:
+            new.append(stride)
+        backward_hooks = {} if od_func is _ORDERED_DICT else _call(od_func, ())
         args = (storage, _int_op(offset), size, stride, grad == b"\x88", backward_hooks)
-        put(args_put, self.nest(args, args))
-        stack[-1] = _call(stack[-1], args)
-        put(out_put, stack[-1])
-        return True
-
-    def put_op(self, op: bytes, value: object) -> None:
-        """memo[index] = value for a BINPUT or LONG_BINPUT opcode with its argument."""
-        memo, index = self.memo, int.from_bytes(op[1:], "little")
-        if index == len(memo) and type(memo) is list:
-            memo.append(value)
+        depths = self.depths
+        if not (type(size) is tuple and type(stride) is tuple and id(size) not in depths and id(stride) not in depths
+                and id(backward_hooks) not in depths):
+            self.nest(args, args)
+        # else depth 2 (flat size and stride), not recorded: one entry per tensor saved; should a later
+        # BINGET nest the tuple, check_structure still bounds the depth of what the pickle returns
+        if stack[-1] is _REBUILD_TENSOR_V2 and type(backward_hooks) is dict:  # what its stand-in does
+            stack[-1] = _tensor(storage, args[1], size, stride, None, args[4])
         else:
-            self.put(index, value)
+            stack[-1] = _call(stack[-1], args)
+        new += (backward_hooks, args, stack[-1])
+        memo += new
+        return True
 
     def persistent_load(self, pid: object) -> Storage:
         """The storage a persistent id names (its parsing cached: 10^6 views of one storage
@@ -890,6 +924,10 @@ class _Unpickler:
 _CONTAINERS = (list, tuple, dict, set)
 
 
+def _fail(message: str) -> None:
+    raise FormatError(message)
+
+
 def _is_container(item: object) -> bool:
     return isinstance(item, _CONTAINERS)
 
@@ -897,7 +935,7 @@ def _is_container(item: object) -> bool:
 def _call(func: object, args: object) -> object:
     """REDUCE: an allowed stand-in called with the pickled arguments."""
     if type(func) is not _Callable:
-        raise UnsafePickleError(f"refusing to call {func!r} from pickle: not an allowed callable")
+        raise UnsafePickleError(f"refusing to call {limits.short(func)} from pickle: not an allowed callable")
     if type(args) is not tuple:
         raise FormatError(f"malformed pickle: arguments of {func.name} are not a tuple")
     try:
@@ -940,6 +978,9 @@ def _tensor_call_pattern() -> re.Pattern:
 
 
 _TENSOR_CALL = _tensor_call_pattern()
+_KEYED_CALL = re.compile(rb"(q.|r.{4})(h.|j.{4})" + _TENSOR_CALL.pattern, re.DOTALL)  # after a BINUNICODE
+_PUTS = (pickle.BINPUT, pickle.LONG_BINPUT)
+_PUT_RUNS = {k: struct.Struct("<" + "xI" * k) for k in range(1, 9)}  # k LONG_BINPUTs -> their indices
 _INTS = {pickle.BININT1[0]: 1, pickle.BININT2[0]: 2, pickle.BININT[0]: 4}  # opcode -> argument bytes
 _INT_FORMATS = {2: _U16, 4: _I32}
 _INLINE_CONSTANTS = {pickle.NONE[0]: None, pickle.NEWTRUE[0]: True, pickle.NEWFALSE[0]: False, pickle.EMPTY_TUPLE[0]: ()}
@@ -1308,9 +1349,9 @@ def _newobj(u: _Unpickler) -> None:
     args = u.stack.pop()
     cls = u.stack[-1]
     if not isinstance(cls, RecordClass):
-        raise UnsafePickleError(f"refusing to instantiate {cls!r} from pickle: not an allowed class")
+        raise UnsafePickleError(f"refusing to instantiate {limits.short(cls)} from pickle: not an allowed class")
     if args != ():
-        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {args!r}")
+        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {limits.short(args)}")
     record = Record(cls.name)
     u.records[id(record)] = cls
     u.stack[-1] = record
@@ -1340,16 +1381,16 @@ def _binpersid(u: _Unpickler) -> None:
 def _persistent_load(u: _Unpickler, pid: object) -> Storage:
     """Parse ``('storage', type, key, location, numel[, view])`` and ask the container for it."""
     if not isinstance(pid, tuple) or len(pid) not in (5, 6) or pid[0] not in ("storage", b"storage"):
-        raise FormatError(f"unsupported persistent id {pid!r}: only tensor storages are allowed")
+        raise FormatError(f"unsupported persistent id {limits.short(pid)}: only tensor storages are allowed")
     if u.storage_loader is None:
         raise FormatError("pickle refers to a tensor storage, but this part of the file has none")
     _, stype, key, location, numel, *view = pid
     if not isinstance(stype, _StorageType):
-        raise FormatError(f"persistent id storage type {stype!r} is not a torch storage class")
+        raise FormatError(f"persistent id storage type {limits.short(stype)} is not a torch storage class")
     statekit_dtype(stype.dtype)
     key, location = (v.decode("ascii") if isinstance(v, bytes) else v for v in (key, location))
     if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
-        raise FormatError(f"malformed storage persistent id {pid!r}")
+        raise FormatError(f"malformed storage persistent id {limits.short(pid)}")
     u.last_sid = sid = StorageId(key, stype.dtype, numel, location, view[0] if view else None)
     return u.storage_loader(sid)
 

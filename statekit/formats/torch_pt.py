@@ -47,7 +47,7 @@ from typing import BinaryIO
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
-from statekit.formats import torch_pickle
+from statekit.formats import limits, torch_pickle
 from statekit.formats.torch_pickle import Storage, StorageId
 from statekit.stream import PieceStream, ordered
 from statekit.tensor import FileSpan, SourceFile, TensorRef
@@ -306,7 +306,7 @@ def _load_legacy(buffer: mmap.mmap, extra_globals: dict | None = None) -> object
     ):
         value, pos = torch_pickle.loads(buffer, pos)
         if value != expected:
-            raise FormatError(f"legacy torch.save file has {what} {value!r}, expected {expected!r}")
+            raise FormatError(f"legacy torch.save file has {what} {limits.short(value)}, expected {expected!r}")
     _sys_info, pos = torch_pickle.loads(buffer, pos)  # informational: storages are always little-endian
     roots: dict[str, StorageId] = {}
     data: dict[str, memoryview] = {}
@@ -326,7 +326,7 @@ def _load_legacy(buffer: mmap.mmap, extra_globals: dict | None = None) -> object
     obj, pos = torch_pickle.loads(buffer, pos, load_storage, extra_globals)
     keys, pos = torch_pickle.loads(buffer, pos)
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or set(keys) != set(roots):
-        raise FormatError(f"legacy storage list {keys!r} does not match the storages the pickle uses")
+        raise FormatError(f"legacy storage list {limits.short(keys)} does not match the storages the pickle uses")
     for key in keys:
         data[key], pos = _legacy_storage(buffer, pos, roots[key])
     return obj
@@ -337,10 +337,10 @@ def _legacy_view(sid: StorageId) -> tuple[int, int, str]:
     if sid.view is None:
         return 0, sid.numel, sid.key
     if not isinstance(sid.view, tuple) or len(sid.view) != 3:
-        raise FormatError(f"malformed legacy storage view {sid.view!r}")
+        raise FormatError(f"malformed legacy storage view {limits.short(sid.view)}")
     view_key, offset, numel = sid.view
     if not isinstance(view_key, str) or type(offset) is not int or type(numel) is not int:
-        raise FormatError(f"malformed legacy storage view {sid.view!r}")
+        raise FormatError(f"malformed legacy storage view {limits.short(sid.view)}")
     if offset < 0 or numel < 0 or offset + numel > sid.numel:
         raise FormatError(f"storage view {view_key} [{offset}, +{numel}) lies outside storage '{sid.key}'")
     return offset, numel, view_key

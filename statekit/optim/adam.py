@@ -101,28 +101,28 @@ def _torch_kernel(b, hp, like, *, step_size: float, bc2_sqrt: float, decay: floa
     def kernel(p, g, s, tail):
         if maximize:
             g = -g
+        # temporaries in this thread's reused block buffers (b.scratch): 0 new_p, 1 g, 2-4 the rest
         new_p = p
         if wd != 0:
             if decoupled:
-                new_p = p * k["decay"]
+                new_p = b.mul(p, k["decay"], b.scratch(p, 0))
             else:
-                g = b.fma32(p, k["wd"], g)
-        m = lerp(b, s["exp_avg"], g, weight, like, out=s["exp_avg"])
-        cg = k["c2"] * g
+                g = b.fma32(p, k["wd"], g, out=b.scratch(p, 1))
+        m = lerp(b, s["exp_avg"], g, weight, like, out=s["exp_avg"], scratch=b.scratch(p, 2))
+        cg = b.mul(k["c2"], g, b.scratch(p, 3))
         v = s["exp_avg_sq"]
         if tail:
-            v = b.fma32(v, k["beta2"], cg * g, out=v)
+            v = b.fma32(v, k["beta2"], b.mul(cg, g, b.scratch(p, 4)), out=v)
         else:
-            v = b.fma32(cg, g, v * k["beta2"], out=v)
+            v = b.fma32(cg, g, b.mul(v, k["beta2"], b.scratch(p, 4)), out=v)
         if amsgrad:
-            v = b.maximum(s["max_exp_avg_sq"], v)
-            s["max_exp_avg_sq"][...] = v
+            v = b.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
         # p = new_p + (neg_step * m) / (sqrt(v) / bc2_sqrt + eps), in place on two temporaries
         # (IEEE + and * are commutative, so the operand order does not change a bit)
-        denom = sqrt(v)
+        denom = sqrt(v, out=b.scratch(p, 3))
         denom /= k["bc2_sqrt"]
         denom += k["eps"]
-        update = k["neg_step"] * m
+        update = b.mul(k["neg_step"], m, b.scratch(p, 4))
         update /= denom
         if new_p is p:
             p += update
@@ -174,34 +174,38 @@ def _burn(b, hp, step, present, like, vector_width):
 
     def kernel(p, g, s, tail):
         # the operations below, in place on the slots and two temporaries where possible
+        # temporaries in this thread's reused block buffers (b.scratch 0-2)
         if not decoupled and wd != 0:
-            decayed = p * k["wd"]
+            decayed = b.mul(p, k["wd"], b.scratch(p, 0))
             decayed += g
             g = decayed
         m, v = s["exp_avg"], s["exp_avg_sq"]
-        gg = g * g
+        gg = b.mul(g, g, b.scratch(p, 1))
         if first:
-            m[...] = g * k["c1"]
-            gg *= k["c2"]
-            v[...] = gg
+            b.mul(g, k["c1"], m)
+            b.mul(gg, k["c2"], v)
         else:
             m *= k["beta1"]
-            m += g * k["c1"]
+            m += b.mul(g, k["c1"], b.scratch(p, 2))
             v *= k["beta2"]
             gg *= k["c2"]
             v += gg
         if amsgrad:
+            vmax = s["max_exp_avg_sq"]
             if not (first or "max_exp_avg_sq" not in present):
-                v = b.maximum(s["max_exp_avg_sq"], v)
-            s["max_exp_avg_sq"][...] = v
+                b.maximum(vmax, v, out=vmax)
+            else:
+                vmax[...] = v
+            v = vmax
         if decoupled:
-            denom = b.sqrt_ieee(v / k["bc2"])
+            denom = b.div(v, k["bc2"], b.scratch(p, 2))
+            denom = b.sqrt_ieee(denom, out=denom)
             denom += k["eps"]
-            u = m / k["bc1"]
+            u = b.div(m, k["bc1"], b.scratch(p, 1))
         else:
-            denom = b.sqrt_ieee(v)
+            denom = b.sqrt_ieee(v, out=b.scratch(p, 2))
             denom += k["eps_b2"]
-            u = m * k["cf"]
+            u = b.mul(m, k["cf"], b.scratch(p, 1))
         u /= denom
         u *= k["lr"]
         if decoupled and decay != 0:
@@ -285,15 +289,15 @@ def _candle_short(b, k, unit_decay: bool):
     def kernel(p, g, s, tail):
         m, v = s["exp_avg"], s["exp_avg_sq"]
         m *= k["beta1"]
-        m += g * k["c1"]
+        m += b.mul(g, k["c1"], b.scratch(p, 0))
         m += k["zero"]
         v *= k["beta2"]
-        gg = g * g
+        gg = b.mul(g, g, b.scratch(p, 0))
         gg *= k["c2"]
         v += gg
-        update = m * k["scale_m"]
-        denom = v * k["scale_v"]
-        denom = b.sqrt_ieee(denom)
+        update = b.mul(m, k["scale_m"], b.scratch(p, 0))
+        denom = b.mul(v, k["scale_v"], b.scratch(p, 1))
+        denom = b.sqrt_ieee(denom, out=denom)
         denom += k["eps"]
         update /= denom
         update *= k["lr"]

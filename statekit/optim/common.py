@@ -104,15 +104,16 @@ def torch_grad(b: Backend, p, g, wd32, maximize: bool, wd: float):
     return g
 
 
-def lerp(b: Backend, start, end, weight: float, like, out=None):
+def lerp(b: Backend, start, end, weight: float, like, out=None, scratch=None):
     """torch's ``start.lerp(end, weight)`` for float32 (vector and scalar loops agree), into
-    ``out`` when given (``start`` itself may be ``out``).
+    ``out`` when given (``start`` itself may be ``out``); ``end - start`` into ``scratch`` when
+    given.
 
     The weight is rounded to float32; below 0.5 in magnitude the result is
     ``fma(w, end - start, start)``, otherwise ``fma(w - 1, end - start, end)``.
     """
     w = f32(weight)
-    diff = end - start
+    diff = end - start if scratch is None else b.sub(end, start, scratch)
     if abs(w) < 0.5:
         return b.fma32(b.const(w, like), diff, start, out=out)
     return b.fma32(b.const(f32(w - 1.0), like), diff, end, out=out)

@@ -74,9 +74,12 @@ _POOL_LOCK = threading.Lock()
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
+    """The shared pool, with room for ``workers`` threads (grown when asked for more)."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers != workers:
+        if _POOL is None or _POOL._max_workers < workers:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
             _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="statekit-block")
         return _POOL
 
@@ -86,7 +89,7 @@ def run(b: Backend, kernel: Kernel, p, g, s: dict, tail: int = 0) -> None:
 
     On numpy, :func:`threads` workers (the calling thread and pool threads) each take the next
     block from a shared counter until none is left: one task per worker, not per block (a
-    future per 32K-element block cost more than the block's arithmetic on a busy machine), and
+    future per block cost more than the block's arithmetic on a busy machine), and
     a worker that the OS delays leaves its blocks to the others. numpy releases the GIL inside
     its loops and the kernels' scratch buffers are per thread; every element is computed
     alone, so the result does not depend on the number of threads or on which thread took
