@@ -468,6 +468,8 @@ def _key(key: object) -> object:
 
 
 def _keys(keys) -> list:
+    if set(map(type, keys)) <= _FLAT_KEY_TYPES:  # (all of one plain type, usually: no loop in Python)
+        return keys
     return [_key(k) for k in keys]
 
 
@@ -590,6 +592,7 @@ class Record:
 
 # dict keys and set members: hashed in constant time (a Record by identity)
 _FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype, Record)
+_FLAT_KEY_TYPES = frozenset(_FLAT_KEYS)
 
 
 def allowed_callable(name: str, fn: Callable) -> object:
@@ -700,6 +703,8 @@ class _Unpickler:
         Containers of depth 1 (a tuple of ints) are not recorded — a container with no record
         counts as depth 1 — so the many small tuples of a large pickle are not kept alive; those
         recorded are, so that their ids stay unique."""
+        if not any(issubclass(kind, _CONTAINERS) for kind in set(map(type, items))):
+            return container  # no container among the items (the values of a state_dict): no deeper
         depths = self.depths
         depth = depths.get(id(container), 1)
         for item in items:
