@@ -107,7 +107,8 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
 
 
 BLOCK = 8 << 20  # bytes per staging block (a multiple of ALIGN)
-DEPTH = 3  # staging blocks per output: one filled, the others on their way to the disk
+DEPTH = 5  # staging blocks per output: one filled, the others on their way to the disk
+BATCH = 4  # blocks written by one call when they are waiting: larger writes keep more of the disk busy
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page size covers every device)
 _POOL: dict[int, list[mmap.mmap]] = {}  # staging blocks of finished outputs by size, reused by the next one
 _POOL_LOCK = threading.Lock()
@@ -242,32 +243,49 @@ class OutputFile:
             return False
 
     def _drain(self) -> None:
+        """The writer thread: blocks in file order, those already waiting written together (a 32 MiB
+        direct write measured 1.5 × the throughput of 8 MiB ones on this VM's disk)."""
         while True:
             item = self._todo.get()
             if item is None:
                 return
-            block, offset = item
+            batch, stop = [item], False
+            while len(batch) < BATCH:
+                try:
+                    more = self._todo.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
             try:
                 if self._error is None:
-                    self._pwrite(block, self._bs, offset)
+                    self._pwrite([block for block, _ in batch], self._bs, batch[0][1])
             except BaseException as exc:  # reported to the producer at its next write or at finish
                 self._error = exc
-            self._free.put(block)
+            for block, _ in batch:
+                self._free.put(block)
+            if stop:
+                return
 
-    def _pwrite(self, block: mmap.mmap, length: int, offset: int) -> None:
-        view = memoryview(block)[:length]
+    def _pwrite(self, blocks: list[mmap.mmap], length: int, offset: int) -> None:
+        """The first ``length`` bytes of each block, back to back from ``offset`` (``pwritev``)."""
+        views = [memoryview(block)[:length] for block in blocks]
         try:
-            done = 0
-            while done < length:
+            done, total = 0, length * len(views)
+            while done < total:
+                k, r = divmod(done, length)
                 try:
-                    done += os.pwrite(self._fd, view[done:], offset + done)
+                    done += os.pwritev(self._fd, [views[k][r:], *views[k + 1 :]], offset + done)
                 except OSError as exc:
                     if not (self._direct and exc.errno == errno.EINVAL):
                         raise
                     self._direct = False  # this file system takes no direct writes: through the cache
                     self._set_direct(False)
         finally:
-            view.release()
+            for view in views:
+                view.release()
 
     def _raise_failure(self) -> None:
         if self._error is not None:
@@ -289,7 +307,7 @@ class OutputFile:
         if self._block is not None and self._fill:
             self._view.release()
             self._view = None
-            self._pwrite(self._block, self._fill, self._base)
+            self._pwrite([self._block], self._fill, self._base)
             self._base += self._fill
             self._fill = 0
 
