@@ -122,6 +122,15 @@ def test_fma32_just_under_the_smallest_normal():
         assert bits(got)[0] == bits(want * np.float32(sign)), sign
 
 
+def test_fma32_tiny_candidate_beside_a_nan():
+    """A NaN in the block does not hide the subnormal candidate next to it."""
+    x = np.array([(1 + 2**-23) * 2.0**-75, 1.0, 2.0], np.float32)
+    y = np.array([(1 - 2**-23) * 2.0**-75, 1.0, 3.0], np.float32)
+    z = np.array([2.0**-126 - 2.0**-149, np.nan, 1.0], np.float32)
+    got = NP.fma32(x, y, z)
+    assert bits(got)[0] == bits(np.float32(2.0**-126 - 2.0**-149)) and np.isnan(got[1]) and got[2] == 7.0
+
+
 @pytest.mark.parametrize("into", ["x", "y", "z", "fresh"])
 def test_fma32_into_an_operand(into):
     """``out`` may be any operand: ties and subnormal sums (the exact path) included."""

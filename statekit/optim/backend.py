@@ -166,14 +166,15 @@ class Backend:
         else:
             s += z
         np.bitwise_and(s.view(np.int64), fp.LOW29, out=low)
-        np.equal(low, fp.TIE29, out=mask)
+        ties = np.count_nonzero(np.equal(low, fp.TIE29, out=mask))  # a fraction of any()'s overhead
         aliased = out is not None and (np.may_share_memory(x, out) or (np.ndim(y) and np.may_share_memory(y, out)))
         r = np.empty(n, np.float32) if out is None or aliased else out
         np.copyto(r, s, casting="same_kind")
-        # |r| <= 2**-126 holds for every sum under the normal range (rounding is monotonic)
-        np.less_equal(np.abs(r, out=low.view(np.float32)[:n]), _F32_NORMAL_MIN, out=tiny)
-        np.logical_or(mask, tiny, out=mask)
-        if np.count_nonzero(mask):  # count_nonzero: a fraction of any()'s call overhead
+        # |r| <= 2**-126 holds for every sum under the normal range (rounding is monotonic);
+        # fmin skips NaNs (min would return one and hide a tiny element beside it)
+        magnitude = np.abs(r, out=low.view(np.float32)[:n])
+        if ties or np.fmin.reduce(magnitude) <= _F32_NORMAL_MIN:
+            np.logical_or(mask, np.less_equal(magnitude, _F32_NORMAL_MIN, out=tiny), out=mask)
             where = np.flatnonzero(mask)
             where = where[s[where] != 0]  # a zero float64 sum is exact
             if where.size:
