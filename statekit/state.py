@@ -168,7 +168,7 @@ class OptimizerState:
         return {p.step for p in self.params if p.step is not None}
 
 
-@dataclass
+@dataclass(slots=True)  # one per model tensor: a state_dict may hold 10^6
 class ModelParam:
     """A model tensor: module path, ParamId (burn), shape, dtype; ``buffer`` for non-parameters."""
 

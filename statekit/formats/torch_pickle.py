@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import mmap
+import operator
 import pickle
 import re
 import struct
@@ -1040,6 +1041,17 @@ def no_gc():
 
 
 _SCALARS = frozenset((str, int, float, bool, type(None), bytes))
+_INFO, _OWN = operator.attrgetter("info"), operator.attrgetter("own")
+
+
+def _leaves_only(children) -> bool:
+    """Whether every child is a plain value or a tensor without Python attributes (checked by the
+    types present, in C-level passes)."""
+    kinds = set(map(type, children))
+    if kinds <= _SCALARS:
+        return True
+    return (kinds == {TensorRef} and set(map(type, map(_INFO, children))) == {TensorInfo}
+            and not any(map(_OWN, map(_INFO, children))))  # (python_state lives only in an own dict)
 
 
 def _children(node: object):
@@ -1062,6 +1074,7 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
     sizes: dict[int, int] = {}
     depths: dict[int, int] = {}
     active: set[int] = set()
+    flat: set[int] = set()  # nodes whose children are all leaves
     stack: list = [(root, False)]
     while stack:
         node, done = stack.pop()
@@ -1072,6 +1085,9 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
         if done:
             active.discard(key)
             size, depth = 1, 1
+            if key in flat:
+                size += len(children)
+                children = ()
             for child in children:
                 inner = sizes.get(id(child))
                 if inner is None:
@@ -1091,6 +1107,9 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
             raise FormatError("pickle builds a container that contains itself")
         active.add(key)
         stack.append((node, True))
+        if _leaves_only(children):  # (a state_dict's tensors: no loop in Python)
+            flat.add(key)
+            continue
         for child in children:
             kind = type(child)
             if kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):

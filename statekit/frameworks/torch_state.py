@@ -105,8 +105,8 @@ def read_model(sd: dict) -> ModelInfo:
     params: list[ModelParam] = []
     index = 0
     for name, ref in sd.items():
-        buf = is_buffer(name, ref)
-        params.append(ModelParam(name, tuple(ref.shape), ref.dtype, index=None if buf else index, buffer=buf, tensor=ref))
+        buf = ref.dtype not in _FLOATS or name.rpartition(".")[2] in BUFFER_SUFFIXES  # is_buffer(), inline
+        params.append(ModelParam(name, tuple(ref.shape), ref.dtype, None, None if buf else index, buf, ref))
         index += 0 if buf else 1
     return ModelInfo(params, order="named_parameters")
 
