@@ -161,6 +161,41 @@ def test_fma32_into_an_operand(into):
     assert np.array_equal(bits(zz), bits(want))
 
 
+@pytest.mark.parametrize("case", ["positive", "one negative", "one tiny", "nan beside tiny", "all nan", "tie"])
+def test_fma32_positive_hint_never_changes_a_bit(case):
+    """``positive=True`` (Adam's second moment) only reorders the tiny test: a block with a
+    negative, a subnormal, a NaN next to a subnormal, only NaNs or a float64 tie gives the
+    correctly rounded result, bit for bit the same as without the hint."""
+    rng = np.random.default_rng(5)
+    n = 300
+    x = np.abs(rng.standard_normal(n)).astype(np.float32)
+    y = np.abs(rng.standard_normal(n)).astype(np.float32)
+    z = np.abs(rng.standard_normal(n)).astype(np.float32)
+    if case == "one negative":
+        z[7] = -50.0
+    if case in ("one tiny", "nan beside tiny"):  # the hand-derived case just under 2**-126
+        x[7], y[7], z[7] = (1 + 2**-23) * 2.0**-75, (1 - 2**-23) * 2.0**-75, 2.0**-126 - 2.0**-149
+    if case == "nan beside tiny":
+        z[8] = np.nan
+    if case == "all nan":
+        z[:] = np.nan
+    if case == "tie":  # the float64 sum 1 + 2**-23 + 2**-24 - 2**-70 rounds onto a float32 midpoint
+        x[7], y[7], z[7] = 1 + 2.0**-23, (1 - 2.0**-23) * 2.0**-24, 1 + 2.0**-23
+    expected = np.array([nearest_float32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+                         if np.isfinite(c) else np.nan for a, b, c in zip(x, y, z, strict=True)], np.float32)
+    plain = NP.fma32(x, y, z)
+    hinted = NP.fma32(x, y, z, positive=True)
+    assert np.array_equal(bits(hinted), bits(plain))
+    assert np.array_equal(np.isnan(hinted), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert np.array_equal(bits(hinted[finite]), bits(expected[finite]))
+    if case in ("one tiny", "nan beside tiny"):
+        assert bits(hinted)[7] == bits(np.float32(2.0**-126 - 2.0**-149))
+    if case == "tie":  # the exact sum is under the midpoint: not the even neighbour 1 + 2**-22
+        assert float(np.float64(x[7]) * np.float64(y[7]) + np.float64(z[7])) == 1 + 2.0**-23 + 2.0**-24
+        assert hinted[7] == np.float32(1 + 2.0**-23)
+
+
 # ------------------------------------------------------------------------------ candle
 
 

@@ -112,9 +112,9 @@ def _torch_kernel(b, hp, like, *, step_size: float, bc2_sqrt: float, decay: floa
         cg = b.mul(k["c2"], g, b.scratch(p, 3))
         v = s["exp_avg_sq"]
         if tail:
-            v = b.fma32(v, k["beta2"], b.mul(cg, g, b.scratch(p, 4)), out=v)
+            v = b.fma32(v, k["beta2"], b.mul(cg, g, b.scratch(p, 4)), out=v, positive=True)
         else:
-            v = b.fma32(cg, g, b.mul(v, k["beta2"], b.scratch(p, 4)), out=v)
+            v = b.fma32(cg, g, b.mul(v, k["beta2"], b.scratch(p, 4)), out=v, positive=True)
         if amsgrad:
             v = b.maximum(s["max_exp_avg_sq"], v, out=s["max_exp_avg_sq"])
         # p = new_p + (neg_step * m) / (sqrt(v) / bc2_sqrt + eps), in place on two temporaries

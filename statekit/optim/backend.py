@@ -137,7 +137,7 @@ class Backend:
         """Correctly rounded float32 square root (numpy's is: it is the SIMD ``sqrtps``)."""
         return np.sqrt(x, out=out)
 
-    def fma32(self, x, y, z, out=None):
+    def fma32(self, x, y, z, out=None, positive=False):
         """``x*y + z`` rounded once to float32 (:func:`statekit.optim.fp.fma32`), into ``out``
         when given (``out`` may be ``x``, ``y`` or ``z`` itself).
 
@@ -147,6 +147,11 @@ class Backend:
         normal, 2**-126, zeros of a nonzero sum included) go through the exact general path
         alone, so a block with one candidate costs one element more, not a second pass over the
         block. Their ``z`` is read back from its float64 copy, so ``out`` may be ``z``.
+
+        ``positive`` says the results are expected to be positive (a second moment): the
+        tiny test then first looks at the smallest result itself, which, when it is above
+        2**-126, proves every magnitude is, without computing them (one pass less). The
+        answer never depends on it: any other block takes the full test.
         """
         if np.ndim(x) == 0:
             x, y = y, x
@@ -172,13 +177,16 @@ class Backend:
         np.copyto(r, s, casting="same_kind")
         # |r| <= 2**-126 holds for every sum under the normal range (rounding is monotonic);
         # fmin skips NaNs (min would return one and hide a tiny element beside it)
-        magnitude = np.abs(r, out=low.view(np.float32)[:n])
-        if ties or np.fmin.reduce(magnitude) <= _F32_NORMAL_MIN:
-            np.logical_or(mask, np.less_equal(magnitude, _F32_NORMAL_MIN, out=tiny), out=mask)
-            where = np.flatnonzero(mask)
-            where = where[s[where] != 0]  # a zero float64 sum is exact
-            if where.size:
-                r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z, where))
+        # (with ``positive``: a smallest result above 2**-126 proves every |r| is; fmin is NaN,
+        # and the test false, only when every result is NaN)
+        if not (positive and not ties and np.fmin.reduce(r) > _F32_NORMAL_MIN):
+            magnitude = np.abs(r, out=low.view(np.float32)[:n])
+            if ties or np.fmin.reduce(magnitude) <= _F32_NORMAL_MIN:
+                np.logical_or(mask, np.less_equal(magnitude, _F32_NORMAL_MIN, out=tiny), out=mask)
+                where = np.flatnonzero(mask)
+                where = where[s[where] != 0]  # a zero float64 sum is exact
+                if where.size:
+                    r[where] = fp.fma32(self, _at(x, where), _at(y, where), _at(z, where))
         if aliased:
             out[...] = r
             return out
@@ -374,7 +382,7 @@ class TorchBackend(Backend):
     def sqrt_ieee(self, x, out=None):
         return _into(out, x.to(self.float64).sqrt().to(self.float32))
 
-    def fma32(self, x, y, z, out=None):
+    def fma32(self, x, y, z, out=None, positive=False):
         return _into(out, fp.fma32(self, x, y, z))
 
     def sqrt_torch(self, x):
@@ -439,7 +447,7 @@ class CupyBackend(Backend):
     def sqrt_ieee(self, x, out=None):
         return _into(out, self.xp.sqrt(x.astype(self.float64)).astype(self.float32))
 
-    def fma32(self, x, y, z, out=None):
+    def fma32(self, x, y, z, out=None, positive=False):
         return _into(out, fp.fma32(self, x, y, z))
 
     def sqrt_torch(self, x):
