@@ -182,8 +182,10 @@ def nonfinite(piece: np.ndarray) -> tuple[int, int]:
     the one scanner behind ``checked``, ``inspect --stats`` and ``doctor``."""
     # one pass, nothing allocated: a finite sum means every element is finite (NaN and ±Inf
     # propagate); only a non-finite sum (or an overflow) needs the exact count
-    if piece.size and np.isfinite(np.add.reduce(piece)):
-        return 0, 0
+    # (inf + -inf and sums past the type's range are expected here: no RuntimeWarning for them)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if piece.size and np.isfinite(np.add.reduce(piece)):
+            return 0, 0
     wide = piece.astype(np.float32) if piece.dtype.itemsize < 4 else piece
     finite = np.isfinite(wide)
     if finite.all():

@@ -1,5 +1,7 @@
 """The streaming data path: pieces, transforms and concurrent ordering against plain numpy."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,17 @@ def test_nonfinite_counted_over_the_whole_tensor(small_pieces):
     with pytest.raises(MappingError, match=r"l1.weight.exp_avg: 2 NaN and 1 Inf values"):
         list(ref.iter_bytes())
     assert stream.checked(TensorRef.from_array(np.arange(3)), "i", None).piece_source is None  # ints pass
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nonfinite_scan_warns_nothing(dtype):
+    """inf + -inf (NaN sum) and a finite sum past the range are counted exactly, silently."""
+    big = np.finfo(dtype).max
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert stream.nonfinite(np.array([np.inf, -np.inf, 1], dtype)) == (0, 2)
+        assert stream.nonfinite(np.array([big, big, -big], dtype)) == (0, 0)
+        assert stream.nonfinite(np.array([np.nan, big, big], dtype)) == (1, 0)
 
 
 @pytest.mark.parametrize("jobs", [1, 2, 5])
