@@ -125,7 +125,7 @@ def test_trainer_state_named_from_the_state_dict():
 def test_trainer_state_with_safetensors_needs_the_order():
     with pytest.raises(NamesError) as info:
         named(TL / "optimizer.pt", model=load_model(str(TL / "model.safetensors")))
-    assert info.value.ambiguous and "named_parameters() order together with this --model" in info.value.message
+    assert info.value.ambiguous and "named_parameters() order beside this model file" in info.value.message
     names = read_names(str(TL / "names.txt"), "model")
     got = named(TL / "optimizer.pt", names=names, names_order="model", model=load_model(str(TL / "model.safetensors")))
     assert got == true_names()

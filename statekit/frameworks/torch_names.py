@@ -52,7 +52,7 @@ MAX_STATES = 2_000_000  # search states before giving up (a refusal, not a guess
 NAMES_ORDERS = ("model", "optimizer")
 HOW_TO_SETTLE = ("give --names FILE listing the optimizer's parameters in its own order "
                  "(one name per line, group after group) with --names-order optimizer")
-HOW_TO_SETTLE_UNORDERED = ("give --names FILE in model.named_parameters() order together with this --model, "
+HOW_TO_SETTLE_UNORDERED = ("give --names FILE in model.named_parameters() order beside this model file, "
                            "or a torch state_dict (.pt/.bin) model file, which keeps that order")
 
 
