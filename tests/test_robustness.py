@@ -435,3 +435,18 @@ def test_broadcast_view_that_outgrows_its_storage_is_refused(tmp_path):
     pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + pickle.BINUNICODE + struct.pack("<I", 1) + b"w"
     pkl += rebuild_call((2, 2**32 - 1), (1, 0), numel=2)[2:] + pickle.SETITEM + pickle.STOP
     refuse(write(tmp_path, "wide.pt", torch_zip(pkl, {"0": b"\0" * 8})), "outgrow")
+
+
+def test_a_quantized_tensor_without_its_scheme_is_refused_by_name_before_writing():
+    """Fuzz crasher msgpack 3071368 (kept in fixtures/fuzz-corpus): a burn <= 0.21 record's QFloat
+    tensor carries no burnpack quantization scheme, so writing it as burnpack is refused by name."""
+    from statekit.errors import MappingError
+    from statekit.formats.burnpack import PackTensor
+    from statekit.tensor import TensorRef
+
+    ref = TensorRef("QFloat", (4,), loader=lambda: b"\0" * 4, nbytes_hint=4)
+    with pytest.raises(MappingError, match=r"^7\.momentum\.moment_1: a quantized \(QFloat\) tensor"):
+        PackTensor("7.momentum.moment_1", ref)
+    scheme = {"QFloat": {"value": "Q8S"}}  # with a scheme (read from a burnpack) it is kept as is
+    assert PackTensor("x", TensorRef("QFloat", (4,), loader=lambda: b"\0" * 4, nbytes_hint=4,
+                                     info={"burn_dtype": scheme})).burn_dtype == scheme

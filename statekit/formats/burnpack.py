@@ -28,7 +28,7 @@ from operator import attrgetter
 
 from statekit import dtypes
 from statekit.atomic import atomic_write
-from statekit.errors import FormatError
+from statekit.errors import FormatError, MappingError
 from statekit.formats import cbor, limits
 from statekit.lazy import numpy as np
 from statekit.tensor import FileSpan, SourceFile, TensorRef
@@ -455,7 +455,12 @@ class PackTensor:
 
     def __post_init__(self) -> None:
         if self.burn_dtype is None:
-            self.burn_dtype = self.source.info.get("burn_dtype") or burn_dtype_for(self.source.dtype)
+            self.burn_dtype = self.source.info.get("burn_dtype")
+        if self.burn_dtype is None:
+            if self.source.dtype == "QFloat":  # e.g. read from a burn <= 0.21 record: no scheme to write
+                raise MappingError(f"{self.name}: a quantized (QFloat) tensor without its burnpack "
+                                   "quantization scheme cannot be written to burnpack")
+            self.burn_dtype = burn_dtype_for(self.source.dtype)
         if self.shape is None:
             self.shape = tuple(self.source.shape)
 
