@@ -49,19 +49,15 @@ __device__ __forceinline__ float np_maximum(float a, float b) {
 
 def burn_body(hp, step: int, present) -> tuple[str, dict[str, float]]:
     """The CUDA body and its float32 scalars for burn's Adam/AdamW (see :mod:`statekit.optim.adam`)."""
-    one = np.float32(1.0)
-    beta1, beta2, eps = np.float32(hp["beta1"]), np.float32(hp["beta2"]), np.float32(hp["eps"])
-    wd = np.float32(hp["weight_decay"])
-    t = step + 1
-    bc1 = one - np.float32(powi(beta1, t))
-    bc2 = one - np.float32(powi(beta2, t))
+    from statekit.optim.adam import burn_scalars
+
     first, amsgrad, decoupled = step == 0, hp["amsgrad"], hp["decoupled_weight_decay"]
-    decay = hp["lr"] * float(wd)
-    scalars = {"beta1": beta1, "beta2": beta2, "c1": one - beta1, "c2": one - beta2, "lr": hp["lr"]}
+    everything, decay = burn_scalars(hp, step)
+    scalars = {name: everything[name] for name in ("beta1", "beta2", "c1", "c2", "lr")}
     lines = []
     grad = "g"
-    if not decoupled and wd != 0:
-        scalars["wd"] = wd
+    if not decoupled and everything["wd"] != 0:
+        scalars["wd"] = everything["wd"]
         lines.append("float gd = __fadd_rn(__fmul_rn(p, wd), g);")
         grad = "gd"
     lines.append(f"float gg = __fmul_rn({grad}, {grad});")
@@ -79,17 +75,16 @@ def burn_body(hp, step: int, present) -> tuple[str, dict[str, float]]:
             lines.append("vmax = np_maximum(vmax, v);")
         vv = "vmax"
     if decoupled:
-        scalars |= {"bc1": bc1, "bc2": bc2, "eps": eps}
+        scalars |= {name: everything[name] for name in ("bc1", "bc2", "eps")}
         lines.append(f"float denom = __fadd_rn(__fsqrt_rn(__fdiv_rn({vv}, bc2)), eps);")
         lines.append("float u = __fdiv_rn(m, bc1);")
     else:
-        b2 = np.sqrt(bc2)
-        scalars |= {"cf": b2 / bc1, "eps_b2": eps * b2}
+        scalars |= {name: everything[name] for name in ("cf", "eps_b2")}
         lines.append(f"float denom = __fadd_rn(__fsqrt_rn({vv}), eps_b2);")
         lines.append("float u = __fmul_rn(m, cf);")
     lines.append("u = __fmul_rn(__fdiv_rn(u, denom), lr);")
     if decoupled and decay != 0:
-        scalars["decay"] = 1.0 - decay
+        scalars["decay"] = everything["decay"]
         lines.append("p = __fsub_rn(__fmul_rn(p, decay), u);")
     else:
         lines.append("p = __fsub_rn(p, u);")
