@@ -61,6 +61,7 @@ import math
 
 import numpy as np
 
+from statekit.optim.burn_scalars import burn_scalars
 from statekit.optim.common import (
     BURN,
     CANDLE,
@@ -153,26 +154,6 @@ def _torch_fused(b, hp, step, present, like, vector_width):
         b, hp, like, step_size=hp["lr"] / bc1, bc2_sqrt=math.sqrt(bc2), decay=decay, sqrt=b.sqrt_ieee
     )
     return kernel, {}, tail_of(fused_vector_width(vector_width))
-
-
-def burn_scalars(hp, step: int) -> tuple[dict, float]:
-    """burn's constants of one Adam/AdamW step, by the names every burn kernel (this reference,
-    :mod:`statekit.optim.cupy_kernels`) uses: the moments' ``beta1 beta2 c1 c2 lr``, then AdamW's
-    ``bc1 bc2 eps decay`` (``decay`` = 1 - lr·wd) or Adam's ``cf eps_b2 wd``; and lr·wd itself."""
-    one = np.float32(1.0)
-    beta1, beta2, eps = np.float32(hp["beta1"]), np.float32(hp["beta2"]), np.float32(hp["eps"])
-    wd = np.float32(hp["weight_decay"])
-    t = step + 1
-    bc1 = one - np.float32(powi(beta1, t))
-    bc2 = one - np.float32(powi(beta2, t))
-    decay = hp["lr"] * float(wd)
-    if hp["decoupled_weight_decay"]:
-        scalars = {"bc1": bc1, "bc2": bc2, "eps": eps, "decay": 1.0 - decay}
-    else:
-        b2 = np.sqrt(bc2)
-        scalars = {"cf": b2 / bc1, "eps_b2": eps * b2, "wd": wd}
-    scalars |= {"beta1": beta1, "beta2": beta2, "c1": one - beta1, "c2": one - beta2, "lr": hp["lr"]}
-    return scalars, decay
 
 
 def _burn(b, hp, step, present, like, vector_width):

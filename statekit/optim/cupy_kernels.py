@@ -30,6 +30,7 @@ from functools import cache
 import numpy as np
 
 from statekit.errors import UsageError
+from statekit.optim.burn_scalars import burn_scalars
 from statekit.optim.fp import f32, powi
 
 #: (algorithm, flavor) pairs with a CuPy kernel
@@ -49,8 +50,6 @@ __device__ __forceinline__ float np_maximum(float a, float b) {
 
 def burn_body(hp, step: int, present) -> tuple[str, dict[str, float]]:
     """The CUDA body and its float32 scalars for burn's Adam/AdamW (see :mod:`statekit.optim.adam`)."""
-    from statekit.optim.adam import burn_scalars
-
     first, amsgrad, decoupled = step == 0, hp["amsgrad"], hp["decoupled_weight_decay"]
     everything, decay = burn_scalars(hp, step)
     scalars = {name: everything[name] for name in ("beta1", "beta2", "c1", "c2", "lr")}
