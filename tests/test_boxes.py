@@ -121,8 +121,6 @@ def _with_rich_only(monkeypatch):
 @pytest.mark.parametrize("columns", ["100", "60", "200", ""])
 @pytest.mark.parametrize("name", ["hand-optim.bpk", "hand-model.bpk"])
 def test_inspect_prints_the_same_without_rich(cli, fixtures, monkeypatch, name, columns):
-    if not (fixtures / name).exists():
-        pytest.skip(f"no fixture {name}")
     env = {"COLUMNS": columns}
     drawn_here, draw = [], boxes.draw
     monkeypatch.setattr(boxes, "draw", lambda grid, width: drawn_here.append(draw(grid, width)) or drawn_here[-1])
