@@ -27,4 +27,3 @@ class LazyModule:
 
 
 numpy = LazyModule("numpy")
-ml_dtypes = LazyModule("ml_dtypes")
