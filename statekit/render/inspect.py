@@ -17,7 +17,9 @@ FIELDS_MIN = 24  # the fields column wraps, but not narrower than this
 def summary_line(d: dict) -> str:
     version = f" v{d['version']}" if d.get("version") is not None else ""
     kind = d["kind"]
-    if d.get("family"):
+    if d.get("family_label"):
+        kind = f"{kind} ({d['family_label']})"
+    elif d.get("family"):
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
         kind = f"{kind} ({fam})"
     size = human_bytes(d["bytes"])
