@@ -20,11 +20,29 @@ from statekit.state import OptimizerState, ParamState
 NOT_CONVERTED = ("asgd", "rprop", "sparseadam", "muon", "lbfgs")
 
 
+def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerState:
+    """``state`` with ``--optimizer`` applied part by part where its parameters hold several
+    families' state (a burn record with Muon for the matrices and AdamW for the rest, whose
+    velocity fields are also SGD's: ``--optimizer muon`` settles those and leaves the others as
+    they are; ``muon,adamw`` settles both). A state of one family is returned unchanged."""
+    if not optimizer or state.family != "mixed" or not state.ambiguous:
+        return state
+    return state.resolved(optimizer)
+
+
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     family = state.family
     wanted = opts.optimizer.lower() if opts.optimizer else None
     if family is None and wanted and wanted in state.candidates:
         return wanted  # the user settles what the file cannot tell (an older torch's Adam or AdamW)
+    if family == "mixed" and any(g.family for g in state.groups):
+        if wanted:
+            state = resolve_families(state, wanted)
+        if state.family == "mixed":
+            raise MappingError(f"the record holds several optimizers, one per parameter group ({state.family_label}); "
+                               "statekit does not convert such a record yet")
+        family = state.family
+        wanted = None if family == wanted or family in (wanted or "").split(",") else wanted
     if family in (None, "mixed"):
         label = state.family_label if state.family_detail else "mixed or unknown layouts"
         raise MappingError(f"the optimizer family could not be determined from the file: {label}; "

@@ -103,6 +103,7 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
         "step": p.step,
         "group": p.group,
         "family": p.family,
+        "family_candidates": list(p.candidates) if len(p.candidates) > 1 else [],
         "fields": fields,
     }
     if state.framework == "burn":
@@ -177,7 +178,11 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
-        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
+        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys),
+                          "family": g.family or state.family,
+                          "family_candidates": list(g.candidates if g.family else state.candidates)
+                          if len(g.candidates if g.family else state.candidates) > 1 else []}
+                         for g in state.groups]
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
                 out["params"].append(describe_param(state, p, stats, stats_of))
@@ -188,6 +193,9 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
                 "tensors": {n: {"shape": list(r.shape), "dtype": r.dtype} for n, r in state.global_slots.items()},
                 "scalars": state.global_scalars,
             }
+            if stats:
+                for n, r in state.global_slots.items():
+                    out["global"]["tensors"][n]["stats"] = tensor_stats(r)
         if ckpt.format == "burnpack" and not state.hyperparams_stored:
             out["notes"].append("burn optimizer files store no hyperparameters (lr, betas, eps, decay)")
     elif ckpt.model is not None:
