@@ -79,6 +79,17 @@ BURN: tuple[Layout, ...] = (
            frozenset({"second_moment", "time"}), step="time"),
 )
 
+#: families both burn and torch have whose stored quantities differ by a transform (a conversion
+#: between the two must apply it; until one does, it refuses): why, for the message
+CROSS_TRANSFORM = {
+    "adafactor": "burn's second moments hold ε₁ = 1e-30 inside them and torch's do not (row_var = "
+                 "second_moment − ε₁), and burn's relative-step / parameter-scaling switches decide whether "
+                 "torch can continue the state",
+}
+
+#: burn families that first shipped in burn 0.22 (no burn <= 0.21 legacy record holds them)
+BURN_022_FAMILIES = frozenset({"lamb", "lion", "adafactor"})
+
 #: factored second moments: (row slot [..., rows, 1], column slot [..., 1, cols]) → parameter shape
 #: [..., rows, cols] (torch's Adafactor, burn's Adafactor)
 FACTORED: tuple[tuple[str, str], ...] = (("row_var", "col_var"), ("second_moment", "column_second_moment"))
@@ -139,9 +150,12 @@ def layout(framework: str, family: str) -> Layout:
     raise KeyError(f"{framework} has no optimizer family {family!r}")
 
 
-def classify(framework: str, fields: set[str]) -> Layout | None:
-    """The first layout whose required fields are all present and that explains every field."""
+def classify(framework: str, fields: set[str], exclude: frozenset[str] = frozenset()) -> Layout | None:
+    """The first layout whose required fields are all present and that explains every field
+    (``exclude``: families that cannot be there, e.g. those newer than the record's format)."""
     for item in FRAMEWORKS[framework]:
+        if item.family in exclude:
+            continue
         known = set(item.slots) | ({item.step} if item.step else set())
         if item.required <= fields and fields <= known:
             return item

@@ -159,6 +159,8 @@ def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, objec
             lay = naming.layout("burn", naming.BURN_STATELESS)
         else:
             lay = naming.classify("burn", set(leaves))
+        if lay is not None and not _kinds_fit(lay, leaves):
+            lay = None  # the names fit, the kinds do not (a scalar where burn keeps a tensor)
         for leaf, value in leaves.items():
             if lay is not None and leaf == lay.step:
                 p.step = value.value
@@ -192,17 +194,23 @@ def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, objec
     elif state.family == "mixed":
         shown = ", ".join(f"{g.family_label} ({len(g.keys)} params)" for g in state.groups)
         state.notes.append(f"the record holds one optimizer per parameter group (burn's with_group): {shown}")
-    ambiguous = {g.candidates for g in state.groups if len(g.candidates) > 1}
-    if len(state.candidates) > 1:
-        ambiguous.add(state.candidates)
-    for cands in sorted(ambiguous):
-        say = " and ".join(cands)
-        only = [f for f in cands if naming.layout("burn", cands[0]).ranks.get(f)]
-        limit = "".join(f"; {f} holds only {'/'.join(map(str, sorted(naming.layout('burn', cands[0]).ranks[f])))}-D "
-                        "parameters" for f in only)
-        state.notes.append(f"{say} store identical state in burn; the file cannot tell them apart "
-                           f"(say --optimizer {'|'.join(cands)}{limit})")
+    if len(state.candidates) > 1:  # one family, which burn stores as another's too (text kept as written before)
+        state.notes.append(
+            f"{' and '.join(state.candidates)} store identical state in burn; the file cannot tell them apart"
+        )
+    elif state.family == "mixed":
+        for cands in dict.fromkeys(g.candidates for g in state.groups if len(g.candidates) > 1):
+            lay = naming.layout("burn", cands[0])
+            limit = "".join(f"; {f} holds only {'/'.join(map(str, sorted(lay.ranks[f])))}-D parameters"
+                            for f in cands if f in lay.ranks)
+            state.notes.append(f"{' and '.join(cands)} store identical state in burn; the file cannot tell them apart "
+                               f"(say --optimizer {'|'.join(cands)}, for that part only{limit})")
     return state
+
+
+def _kinds_fit(lay, leaves: dict[str, object]) -> bool:
+    """The step is a scalar and every other field a tensor, as burn's state struct has them."""
+    return all(isinstance(v, Scalar) == (leaf == lay.step) for leaf, v in leaves.items())
 
 
 def _inconsistent(family: str, p: ParamState) -> str | None:

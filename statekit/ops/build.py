@@ -150,6 +150,11 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
         except KeyError:
             raise MappingError(f"{dst_fw} has no {family} optimizer: this state cannot move to {dst_fw}",
                                plan.source) from None
+        if src_fw != dst_fw and src_fw in naming.FRAMEWORKS and family in naming.CROSS_TRANSFORM:
+            from statekit.frameworks.torch_families import class_name
+
+            raise MappingError(f"{src_fw}'s {class_name(family).rsplit('.', 1)[-1]} state → {dst_fw}: not converted yet; "
+                               f"{naming.CROSS_TRANSFORM[family]}", plan.source)
     for p in state.params:
         src_path = p.path
         if src_path is None and p.id is not None and p.id in old_paths:

@@ -76,6 +76,12 @@ def _native_names(framework: str | None, family: str | None) -> dict[str, str]:
     return {}
 
 
+def _candidates(state: OptimizerState, p: ParamState) -> list[str]:
+    """The families a parameter's state fits: its own, else the state's where it has the state's family."""
+    cands = p.candidates or (state.candidates if p.family == state.family else ())
+    return list(cands) if len(cands) > 1 else []
+
+
 def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
                    stats_of: Callable[[TensorRef], dict] = tensor_stats) -> dict:
     native = _native(state, p)
@@ -103,7 +109,7 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
         "step": p.step,
         "group": p.group,
         "family": p.family,
-        "family_candidates": list(p.candidates) if len(p.candidates) > 1 else [],
+        "family_candidates": _candidates(state, p),
         "fields": fields,
     }
     if state.framework == "burn":
