@@ -153,7 +153,8 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
         if src_fw != dst_fw and src_fw in naming.FRAMEWORKS and family in naming.CROSS_TRANSFORM:
             from statekit.frameworks.torch_families import class_name
 
-            raise MappingError(f"{src_fw}'s {class_name(family).rsplit('.', 1)[-1]} state → {dst_fw}: not converted yet; "
+            name = class_name(family) if src_fw == "torch" else f"burn's {class_name(family).rsplit('.', 1)[-1]}"
+            raise MappingError(f"{name} state → {dst_fw}: not converted yet; "
                                f"{naming.CROSS_TRANSFORM[family]}", plan.source)
     for p in state.params:
         src_path = p.path

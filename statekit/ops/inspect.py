@@ -184,11 +184,11 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
-        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys),
-                          "family": g.family or state.family,
-                          "family_candidates": list(g.candidates if g.family else state.candidates)
-                          if len(g.candidates if g.family else state.candidates) > 1 else []}
-                         for g in state.groups]
+        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
+        if state.family == "mixed":  # one optimizer per group (burn's with_group): each group's family
+            for item, g in zip(out["groups"], state.groups, strict=True):
+                item["family"] = g.family
+                item["family_candidates"] = list(g.candidates) if len(g.candidates) > 1 else []
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
                 out["params"].append(describe_param(state, p, stats, stats_of))
