@@ -115,11 +115,15 @@ class ParamState:
         """The parameter's shape as its state shows it: the first field that is not a 0-dim
         per-parameter scalar (NAdam's ``mu_product``, ASGD's ``eta``/``mu``); for a factored
         second moment (torch's and burn's Adafactor keep a matrix's as a row factor [..., n, 1] and a
-        column factor [..., 1, m], :data:`statekit.naming.FACTORED`), the shape those imply."""
+        column factor [..., 1, m], :data:`statekit.naming.FACTORED`; transformers' as
+        ``exp_avg_sq_row`` [..., n] and ``exp_avg_sq_col`` [..., m]), the shape those imply."""
         for row_slot, col_slot in naming.FACTORED:
             row, col = self.slots.get(row_slot), self.slots.get(col_slot)
             if row is not None and col is not None and len(row.shape) == len(col.shape) >= 2:
                 return tuple(row.shape[:-1]) + (col.shape[-1],)
+        row, col = self.slots.get("exp_avg_sq_row"), self.slots.get("exp_avg_sq_col")  # transformers' Adafactor
+        if row is not None and col is not None and len(row.shape) == len(col.shape) >= 1:
+            return tuple(row.shape) + (col.shape[-1],)
         first = None
         for ref in self._tensors():
             if len(ref.shape) > 0:
@@ -204,7 +208,8 @@ class OptimizerState:
     hyperparams_stored: bool = False
     framework: str = "neutral"
     notes: list[str] = field(default_factory=list)
-    family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
+    family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"; or, with a
+    # family, its name for people (a third-party optimizer's: "transformers Adafactor (…)")
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
 
     @property
@@ -213,6 +218,8 @@ class OptimizerState:
             return self.family_detail or "unknown"
         if self.family == "mixed" and any(g.family for g in self.groups):
             return "mixed: " + " + ".join(g.family_label or "unknown" for g in self.groups)
+        if self.family_detail:  # a family of its own, named for people (transformers Adafactor, …)
+            return self.family_detail
         if len(self.candidates) > 1:
             return "/".join(self.candidates)
         return self.family
