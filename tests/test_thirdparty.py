@@ -319,3 +319,36 @@ def test_galore_and_grokadamw_are_refused_in_one_line_naming_them(stem, says, cl
         assert res.returncode != 0, res.stdout
         assert says in res.stderr and f"{stem}.pt" in res.stderr
         assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------- doctor
+
+
+@pytest.mark.parametrize("stem", sorted(FAMILIES))
+def test_doctor_passes_every_fixture(stem, cli):
+    res = cli("doctor", THIRD / f"{stem}.pt")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no problems found" in res.stdout
+
+
+def test_doctor_finds_a_nan_planted_in_a_torchao_block_scale(cli, tmp_path):
+    """The dequantized moments are what doctor checks: a NaN scale spoils its whole block (256 values)."""
+    import zipfile
+
+    from statekit.formats import torch_pt
+
+    src = THIRD / "torchao-adamw8bit.pt"
+    scale = torch_pt.load_pt(src)["state"][0]["exp_avg_sq"].state["scale"]
+    key = scale.info["storage_key"]
+    out = tmp_path / "nan.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item)
+            if item.filename.endswith(f"/data/{key}"):
+                values = np.frombuffer(data, dtype="<f4").copy()
+                values[2] = np.nan
+                data = values.tobytes()
+            zout.writestr(item, data)
+    res = cli("doctor", out)
+    assert res.returncode != 0
+    assert "exp_avg_sq: 256 NaN of 4096" in res.stdout
