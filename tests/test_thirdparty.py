@@ -157,10 +157,11 @@ def test_torchao_moments_equal_torchaos_dequantize_bit_for_bit(stem):
                 got = as_torch(ref)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert (bits(got) == bits(want)).all(), f"{stem} #{p.index} {field}"
-                # read in pieces smaller than a block (a piece is at least one block)
-                if want.dtype == torch.float32:
-                    pieces = np.concatenate(list(ref.pieces(64)))
-                    assert (pieces.view(np.int32) == bits(want).reshape(-1)).all()
+                for size in (1, 7, 64, 1000):  # pieces of any size, across block boundaries
+                    if want.dtype == torch.float32:
+                        pieces = list(ref.pieces(size))
+                        assert {x.size for x in pieces[:-1]} <= {size}
+                        assert (np.concatenate(pieces).view(np.int32) == bits(want).reshape(-1)).all()
 
 
 @pytest.mark.parametrize("stem", TORCHAO)
@@ -352,3 +353,25 @@ def test_doctor_finds_a_nan_planted_in_a_torchao_block_scale(cli, tmp_path):
     res = cli("doctor", out)
     assert res.returncode != 0
     assert "exp_avg_sq: 256 NaN of 4096" in res.stdout
+
+
+def test_a_torchao_record_that_does_not_add_up_is_refused_naming_it():
+    from statekit.errors import FormatError
+    from statekit.formats.torch_pickle import WrapperTensor
+    from statekit.frameworks.torch_thirdparty import wrapper_slot
+    from statekit.tensor import TensorRef
+
+    codes = TensorRef.from_array(np.zeros((64, 64), dtype=np.uint8))
+    qmap = TensorRef.from_array(np.linspace(-1, 1, 256, dtype=np.float32))
+    cls = "torchao.optim.subclass_8bit.OptimState8bit"
+    for state, says in (
+        ({"codes": codes, "scale": TensorRef.from_array(np.ones(15, np.float32)), "qmap": qmap}, "15 scales"),
+        ({"codes": codes, "scale": TensorRef.from_array(np.ones(16, np.float32))}, "256-entry qmap"),
+        ({"codes": codes, "qmap": qmap}, "without its codes and float32 scale"),
+    ):
+        with pytest.raises(FormatError, match=says):
+            wrapper_slot(WrapperTensor(cls, "float32", (64, 64), (64, 1), "cpu", state), "state[0].exp_avg", "x.pt")
+    shaped = {"codes": TensorRef.from_array(np.zeros(8, np.uint8)), "scale": TensorRef.from_array(np.ones(1, np.float32)),
+              "qmap": TensorRef.from_array(np.ones(16, np.float32)), "_shape": ("a",)}
+    with pytest.raises(FormatError, match="not a tuple of sizes"):
+        wrapper_slot(WrapperTensor(cls.replace("8bit", "4bit"), "float32", (16,), (1,), "cpu", shaped), "w", "x.pt")
