@@ -375,3 +375,31 @@ def test_a_torchao_record_that_does_not_add_up_is_refused_naming_it():
               "qmap": TensorRef.from_array(np.ones(16, np.float32)), "_shape": ("a",)}
     with pytest.raises(FormatError, match="not a tuple of sizes"):
         wrapper_slot(WrapperTensor(cls.replace("8bit", "4bit"), "float32", (16,), (1,), "cpu", shaped), "w", "x.pt")
+
+
+# ------------------------------------------------------------------------------------- Lion
+
+
+def test_lion_pytorch_to_burn_lion_momentum_is_exp_avg_bit_for_bit(cli, tmp_path):
+    out = tmp_path / "lion.bpk"
+    names = names_file(tmp_path, SMALL_NAMES)
+    res = cli("convert", THIRD / "lion-pytorch.pt", out, "--names", names, "--transpose", "*.weight")
+    assert res.returncode == 0, res.stderr
+    assert "decoupled_weight_decay=True" in res.stderr  # what the file cannot say is said
+    saved = torch_load(THIRD / "lion-pytorch.pt")
+    with statekit.open(out) as ckpt:
+        assert ckpt.optimizer.family == "lion"
+        by_path = {p.path: p for p in ckpt.optimizer.params}
+        for i, name in enumerate(SMALL_NAMES):
+            p = by_path[name]
+            assert p.step is None and set(p.slots) == {"exp_avg"}  # burn's {id}.momentum
+            got = as_torch(p.slots["exp_avg"])
+            want = saved["state"][i]["exp_avg"]
+            assert torch.equal(got.T if want.dim() == 2 else got, want)
+        d = inspect(ckpt)
+        assert all(set(p["fields"]) == {"momentum"} for p in d["params"])
+
+
+def test_lion_pytorch_has_no_torch_optimizer_to_continue_it(cli, tmp_path):
+    res = cli("convert", THIRD / "lion-pytorch.pt", tmp_path / "x.pt")
+    assert res.returncode == 1 and "torch has no lion optimizer" in res.stderr
