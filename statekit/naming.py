@@ -143,6 +143,10 @@ CANDLE: tuple[Layout, ...] = (
 
 FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 
+# An Adafactor's factored second moment: row and column factors, not of the parameter's shape
+# (torch: row_var [..., n, 1], col_var [..., 1, m]; transformers: exp_avg_sq_row [..., n], exp_avg_sq_col [..., m])
+FACTORED_SLOTS = frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"})
+
 def layout(framework: str, family: str) -> Layout:
     for item in FRAMEWORKS[framework]:
         if item.family == family or family in item.also:
