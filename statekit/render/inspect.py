@@ -15,6 +15,10 @@ FIELDS_MIN = 24  # the fields column wraps, but not narrower than this
 
 
 def summary_line(d: dict) -> str:
+    return " · ".join(summary_items(d))
+
+
+def summary_items(d: dict) -> list[str]:
     version = f" v{d['version']}" if d.get("version") is not None else ""
     kind = d["kind"]
     if d.get("family") and d["family"].startswith("unknown"):
@@ -29,8 +33,54 @@ def summary_line(d: dict) -> str:
     size = human_bytes(d["bytes"])
     if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
         size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
-    return " · ".join([f"{d['format']}{version}", kind, f"{len(d['params'])} params",
-                       f"{d['tensors']} tensors, {d['scalars']} scalars", size])
+    return [f"{d['format']}{version}", kind, f"{len(d['params'])} params", f"{d['tensors']} tensors, {d['scalars']} scalars",
+            size]
+
+
+def wrapped(head: str, items: list[str], sep: str, width: int | None, style: str = "",
+            head_style: str = "") -> list[Line]:
+    """``head`` then ``items`` joined by ``sep``: one line when it fits ``width`` (or no width is
+    known), else as many as it takes, none wider than ``width``: a line ends after a separator
+    (``sep`` without its spaces), the next starts two spaces in; a word wider than a line is cut
+    into pieces that fit."""
+    whole = head + sep.join(items)
+    if width is None or len(whole) <= width:
+        return [Line(((head, head_style), (sep.join(items), style))) if head else Line.of(whole, style)]
+    indent = "  "
+    room = max(1, width - len(indent) - len(sep.rstrip()))
+
+    def cut(text: str) -> list[str]:
+        return [text[i : i + room] for i in range(0, max(len(text), 1), room)]
+
+    # (glue before it when on the same line, text, style)
+    tokens = [("", piece, head_style) for piece in cut(head.rstrip())] if head.strip() else []
+    for k, item in enumerate(items):
+        glue = sep if k else (head[len(head.rstrip()):] if tokens else "")
+        tokens += [(glue if i == 0 else "", piece, style) for i, piece in enumerate(cut(item))]
+    lines: list[Line] = []
+    parts: list[tuple[str, str]] = []
+    used = 0
+    for n, (glue, text, token_style) in enumerate(tokens):
+        last = n == len(tokens) - 1
+        tail = "" if last else tokens[n + 1][0].rstrip()  # what ends this line if the next token breaks
+        if parts and used + len(glue) + len(text) + len(tail) > width:
+            if glue.strip():
+                parts.append((glue.rstrip(), style))
+            lines.append(_line(parts))
+            parts, used, glue, text = [(indent, "")], len(indent), "", text.lstrip() or text
+        if glue:
+            parts.append((glue, style))
+        parts.append((text, token_style))
+        used += len(glue) + len(text)
+    lines.append(_line(parts))
+    return lines
+
+
+def _line(parts: list[tuple[str, str]]) -> Line:
+    """A Line of ``parts`` without trailing spaces (a word cut where the text had a space)."""
+    while len(parts) > 1 and not parts[-1][0].rstrip():
+        parts = parts[:-1]
+    return Line((*parts[:-1], (parts[-1][0].rstrip(), parts[-1][1])))
 
 
 def _family_label(item: dict) -> str:
@@ -192,9 +242,9 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
 
 def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
     """Renderables for ``statekit inspect``: summary, grouped table, notes."""
-    out: list = [Line(((f"{d['path']}: ", "bold"), (summary_line(d), "")))]
+    out: list = wrapped(f"{d['path']}: ", summary_items(d), " · ", width, head_style="bold")
     if d["kind"] == "optimizer" and str(d.get("family") or "").startswith("unknown"):
-        out.append(Line.of(f"family: {d['family']}", "yellow"))
+        out += wrapped("", f"family: {d['family']}".split(" "), " ", width, "yellow")
     if d["params"]:
         out.append(params_table(d, width))
     if stats:
@@ -212,17 +262,20 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
         out.append(table)
     for i, sched in enumerate(d.get("schedulers", [])):
         shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
-        out.append(Line.of(f"lr scheduler {i}: {shown}"))
+        out += wrapped(f"lr scheduler {i}: ", shown.split(", ") if shown else [], ", ", width)
     per_group = _per_row_family(d)
     for i, g in enumerate(d.get("groups", [])):
         fam = f"{_family_label(g)}, " if per_group and g.get("family") else ""
         if g["hyperparameters"]:
-            hp = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params")
-            out.append(Line.of(f"group ({g['params']} params): {fam}{hp}"))
+            hp = [f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params"]
+            out += wrapped(f"group ({g['params']} params): ", [fam + hp[0], *hp[1:]] if hp else [fam[:-2]], ", ",
+                           width)
         elif fam:
-            out.append(Line.of(f"group {i} ({g['params']} params): {fam[:-2]}"))
-    out += [Line.of(f"note: {n}", "cyan") for n in d.get("notes", [])]
-    out += [Line.of(f"warning: {w}", "yellow") for w in d.get("warnings", [])]
+            out += wrapped(f"group {i} ({g['params']} params): ", [fam[:-2]], ", ", width)
+    for n in d.get("notes", []):
+        out += wrapped("", f"note: {n}".split(" "), " ", width, "cyan")
+    for w in d.get("warnings", []):
+        out += wrapped("", f"warning: {w}".split(" "), " ", width, "yellow")
     return out
 
 

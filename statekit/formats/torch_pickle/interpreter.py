@@ -20,13 +20,21 @@ from statekit.formats.torch_pickle.allowlist import (
     find_global,
 )
 from statekit.formats.torch_pickle.dtype_table import statekit_dtype
-from statekit.formats.torch_pickle.fastpath import _KEYED_CALL, _TENSOR_CALL, _TENSOR_CALL_OPS
+from statekit.formats.torch_pickle.fastpath import (
+    _INLINE_CALL,
+    _INLINE_CALL_OPS,
+    _KEYED_CALL,
+    _TENSOR_CALL,
+    _TENSOR_CALL_OPS,
+    cached_global,
+)
 from statekit.formats.torch_pickle.geometry import Storage, StorageId
 from statekit.formats.torch_pickle.opcodes import (
     _BINGET,
     _BINPUT,
     _BINUNICODE,
     _F64,
+    _GLOBAL,
     _I32,
     _INLINE_CONSTANTS,
     _INT_FORMATS,
@@ -99,6 +107,8 @@ class _Unpickler:
         self.last_sid: StorageId | None = None
         self.overwrites = 0  # memo entries replaced so far (tensor_call reuses what it read only if none was)
         self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
+        self.last_inline: tuple = ((), None)  # inline_call: (the bytes of its storage id, the storage)
+        self.globals: dict[tuple[bytes, bytes], object] = {}  # GLOBAL lines looked up so far (cached_global)
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -227,8 +237,12 @@ class _Unpickler:
                     if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
                     fast = data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable
-                    if fast and (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
+                    canonical = fast and data[pos + 1 : pos + 2] != b"X"  # (a string: not torch.save's memo reads)
+                    if canonical and (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
                         pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
+                        continue
+                    if fast and (match := _INLINE_CALL.match(data, start)) and self.inline_call(match.groups(), stack):
+                        pos, steps = match.end(), steps + _INLINE_CALL_OPS
                         continue
                     metastack.append(stack)
                     stack = []
@@ -265,6 +279,10 @@ class _Unpickler:
                         pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS + 3, self.memo
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
+                elif code == _GLOBAL and (nl := data.find(b"\n", pos, pos + 1024)) >= 0 \
+                        and (nl2 := data.find(b"\n", nl + 1, nl + 1025)) >= 0:  # (else its handler says why not)
+                    stack.append(cached_global(self, bytes(data[pos:nl]), bytes(data[nl + 1 : nl2])))
+                    pos = nl2 + 1
                 elif code == _STOP:
                     return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
                 else:
@@ -278,6 +296,7 @@ class _Unpickler:
 
     keyed_call = fastpath.keyed_call
     tensor_call = fastpath.tensor_call
+    inline_call = fastpath.inline_call
 
     def persistent_load(self, pid: object) -> Storage:
         """The storage a persistent id names (its parsing cached: 10^6 views of one storage
