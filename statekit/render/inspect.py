@@ -189,24 +189,29 @@ class PlainLines(str):
 
 
 def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
+    """The parameters grouped by module prefix. The cells are made twice (once for the column
+    widths, once for the rows) rather than kept: 10^6 rows of cells held at once took ~0.5 GB."""
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
+    names = _names(d)
     groups: dict[str, list[dict]] = {}
-    cells_of: dict[int, dict[str, str]] = {}
+    widths = {c: len(c) for c in names}
+    rows = 0
     for p in d["params"]:
         groups.setdefault(_prefix(p["path"]), []).append(p)
-        cells_of[id(p)] = _cells(p, optimizer, family)
-    names = _names(d)
-    rows = list(cells_of.values())
-    widths = _widths(rows, names)
-    cols = _columns(rows, names, width, widths)
-    if len(rows) > PLAIN_ROWS:
-        return _plain_table(groups, cells_of, cols, optimizer, widths)
+        cells = _cells(p, optimizer, family)
+        for c in names:
+            if len(cells[c]) > widths[c]:
+                widths[c] = len(cells[c])
+        rows += 1
+    cols = _columns([], names, width, widths)
+    if rows > PLAIN_ROWS:
+        return _plain_table(groups, cols, optimizer, widths, family)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
     for prefix, params in groups.items():
         for p in params:
-            cells = cells_of[id(p)]
+            cells = _cells(p, optimizer, family)
             table.add_row([cells[c] for c in cols])
         if len(params) > 1:
             elements, nbytes = _totals(params, optimizer)
@@ -216,8 +221,8 @@ def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
     return table
 
 
-def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, str]], cols: list[str],
-                 optimizer: bool, widths: dict[str, int]) -> PlainLines:
+def _plain_table(groups: dict[str, list[dict]], cols: list[str], optimizer: bool, widths: dict[str, int],
+                 family) -> PlainLines:
     """The table as aligned text: a header, a rule, the rows, a total line under each group."""
     right = {"rank", "step"}
     last = cols[-1]
@@ -233,7 +238,7 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
     out = [line({c: c for c in cols}), " ".join("-" * widths[c] for c in cols)]
     indent = sum(widths[c] + 1 for c in cols[:-1])
     for prefix, params in groups.items():
-        out += [line(cells_of[id(p)]) for p in params]
+        out += [line(_cells(p, optimizer, family)) for p in params]
         if len(params) > 1:
             elements, nbytes = _totals(params, optimizer)
             out.append(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
@@ -327,5 +332,5 @@ def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    rows = [list(_cells(p, optimizer, family).values()) for p in d["params"]]  # the cells come in ``names`` order
+    rows = (list(_cells(p, optimizer, family).values()) for p in d["params"])  # in ``names`` order, as written
     return [n.replace(" ", "_") for n in names], rows
