@@ -46,12 +46,16 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     return registry.resolve(algorithm, flavor, out)
 
 
-def default_flavor(state: OptimizerState | None) -> str:
-    """The arithmetic a state's own framework runs: torch's fused kernel when its group says so."""
+def default_flavor(state: OptimizerState | None, algorithm: str | None = None) -> str:
+    """The arithmetic a state's own framework runs: torch's fused kernel when its group says so,
+    torch's foreach path when its group says so and ``algorithm`` rounds it differently."""
     if state is None:
         return "torch"
     if state.framework == "torch" and any(g.hyperparams.get("fused") for g in state.groups):
         return "torch-fused"
+    if state.framework == "torch" and any(g.hyperparams.get("foreach") for g in state.groups) and algorithm \
+            and algorithm in registry.ALGORITHMS and "torch-foreach" in registry.ALGORITHMS[algorithm].flavors:
+        return "torch-foreach"
     return FLAVOR_OF_FRAMEWORK.get(state.framework, "torch")
 
 
@@ -235,7 +239,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         if ckpt is not None and st is None:
             raise UsageError(f"{state}: holds no optimizer state")
         algorithm = pick_algorithm(st, given=optimizer)
-        flav = flavor or default_flavor(st)
+        flav = flavor or default_flavor(st, algorithm)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
@@ -378,8 +382,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     if b_state is None:
         raise UsageError(f"{migrated.path}: holds no optimizer state")
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
-    flav_a = flavor_original or default_flavor(a_state)
-    flav_b = flavor_migrated or default_flavor(b_state)
+    flav_a = flavor_original or default_flavor(a_state, algorithm)
+    flav_b = flavor_migrated or default_flavor(b_state, algorithm)
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
