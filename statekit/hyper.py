@@ -107,12 +107,18 @@ def split_betas(values: dict[str, object]) -> dict[str, object]:
     return out
 
 
+# torch defaults that are None as a setting, not as "no default" (Muon's adjust_lr_fn=None is
+# the "original" adjustment): the compute core spells the setting out.
+NONE_MEANS: dict[str, object] = {"adjust_lr_fn": "original"}
+
+
 def core_defaults(framework: str, family: str) -> dict[str, object]:
     """Every hyperparameter the compute core knows for ``family`` with ``framework``'s defaults:
     the algorithm's keys (torch's math, execution flags left out) overlaid by the framework's
     config; ``beta1``/``beta2`` spelling, numbers as floats."""
     base = CONFIGS["torch"].get(family, {}) if framework != "torch" else {}
     merged = split_betas({**base, **CONFIGS[framework][family]})
+    merged = {k: NONE_MEANS[k] if v is None and k in NONE_MEANS else v for k, v in merged.items()}
     return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in merged.items()}
 
 

@@ -128,7 +128,7 @@ def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
     assert so.exactness(flavor, algorithm=name) == so.BIT_EXACT
 
 
-@pytest.mark.parametrize("cls", [torch.optim.NAdam, torch.optim.RAdam])
+@pytest.mark.parametrize("cls", [torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adafactor])
 def test_foreach_rounds_differently_and_has_its_own_flavor(cls):
     """torch's foreach and for-loop paths give different bits for these optimizers (so one replica
     cannot be both), and statekit's two flavors differ where torch's do."""
@@ -153,11 +153,57 @@ def test_foreach_rounds_differently_and_has_its_own_flavor(cls):
     assert np.array_equal(ours["torch"], runs[False]) and np.array_equal(ours["torch-foreach"], runs[True])
 
 
+@pytest.mark.parametrize("cls", [torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop])
+def test_foreach_rounds_alike_for_the_others(cls):
+    """torch's foreach and for-loop paths give the same bits for these (so one ``torch`` flavor
+    replays both, as the configurations above check)."""
+    name = CLASSES[cls.__name__]
+    params, grads = problem(name, seed=2)
+    runs = []
+    for foreach in (False, True):
+        tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+        opt = cls(tparams, foreach=foreach)
+        for step_grads in grads:
+            for tp, g in zip(tparams, step_grads, strict=True):
+                tp.grad = torch.from_numpy(g.copy())
+            opt.step()
+        runs.append(np.concatenate([bits(tp.detach()).ravel() for tp in tparams]))
+    assert np.array_equal(*runs)
+    assert "torch-foreach" not in so.ALGORITHMS[name].flavors
+
+
+@pytest.mark.parametrize(("name", "hp"), [("nadam", {"weight_decay": 0.1}), ("asgd", {"t0": 3}),
+                                          ("adafactor", {}), ("muon", {"lr": 1e-2}), ("rprop", {})])
+def test_torch_tensors_give_the_numpy_bits(name, hp):
+    """bit-exact: the same replay on torch CPU tensors as on numpy arrays (0-dim slots come back as
+    0-dim tensors), 10 steps."""
+    params, grads = problem(name, seed=3, steps=10)
+    run_np = [(p, {}, 0) for p in params]
+    run_t = [(torch.from_numpy(p.copy()), {}, 0) for p in params]
+    for step_grads in grads:
+        run_np = [so.step(name, p, g, s, k, hp) for (p, s, k), g in zip(run_np, step_grads, strict=True)]
+        run_t = [so.step(name, p, torch.from_numpy(g), s, k, hp, "torch", torch)
+                 for (p, s, k), g in zip(run_t, step_grads, strict=True)]
+    for (p, s, _), (pt, st, _) in zip(run_np, run_t, strict=True):
+        assert isinstance(pt, torch.Tensor) and np.array_equal(bits(p), bits(pt))
+        assert set(s) == set(st)
+        for slot in s:
+            assert isinstance(st[slot], torch.Tensor) and np.array_equal(bits(s[slot]), bits(st[slot]))
+
+
+def test_muon_refuses_a_parameter_that_is_not_a_matrix():
+    """torch's Muon takes matrices only; statekit says so by name rather than guessing."""
+    from statekit.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"Muon steps matrices only; this parameter has shape \[4\]"):
+        so.step("muon", np.ones(4, np.float32), np.ones(4, np.float32), {}, 0, {})
+
+
 # ------------------------------------------------------------------ the command line
 
 
 CLI_KWARGS = {"nadam": {"weight_decay": 0.1}, "radam": {}, "adamax": {}, "adadelta": {"weight_decay": 0.1},
-              "adafactor": {"lr": 1e-2}, "asgd": {"t0": 2}, "rprop": {}, "muon": {"lr": 1e-2}}
+              "adafactor": {"lr": 1e-2}, "asgd": {"t0": 0}, "rprop": {}, "muon": {"lr": 1e-2}}
 CLI_SHAPES = {"a.weight": (8, 6), "b.weight": (8, 6), "a.bias": (8,), "c.weight": (6, 8)}
 
 

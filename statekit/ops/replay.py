@@ -97,6 +97,7 @@ class Lane:
     xp: object = None
     kernel: str = "auto"
     chosen: str = field(init=False, default="")
+    last_digest: bytes = field(init=False, default=b"")
 
     def __post_init__(self):
         self.chosen = registry.choose_kernel(self.algorithm, self.flavor, xp=self.xp, kernel=self.kernel)
@@ -316,9 +317,25 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
         ln.steps[pr.path] = int(src.step)
     for k in range(steps):
         ln.step_one(pr.path, values(k + 1, 0.1))
-    ln.slots.pop(pr.path, None)
+    final_slots = ln.slots.pop(pr.path, {})
     ln.steps.pop(pr.path, None)
+    if which in ("original", "migrated"):
+        ln.last_digest = _digest(final_slots)  # for the bit-exact state comparison (no copy kept)
     return _layout(ln.params.pop(pr.path), t)
+
+
+def _digest(slots: dict) -> bytes:
+    """A digest of a lane's final state (slot names, shapes and float32 bits): two lanes with the
+    same arithmetic must end with the same one. It catches state the parameter never reads
+    (ASGD's average ``ax``) without keeping a copy of it."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=32)
+    for name in sorted(slots):
+        a = np.ascontiguousarray(np.asarray(slots[name], dtype=np.float32))
+        h.update(f"{name}:{a.shape};".encode())
+        h.update(a.view(np.uint8).reshape(-1).data)
+    return h.digest()
 
 
 def _new_elements_equal(fresh: np.ndarray, migrated: np.ndarray, kept: tuple[int, ...]) -> bool:
@@ -357,9 +374,15 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
             tick(len(run))
     max_diff, ratio, identical = seen["migrated"]
     tracks = identical if exact or pr.reset else ratio <= 1.0
+    slots_checked = exact and not (pr.reset or pr.kept or pr.transpose)
+    if slots_checked:  # the same arithmetic: the state after the steps must be the same bits too
+        same_slots = lanes["original"].last_digest == lanes["migrated"].last_digest
+        tracks = tracks and same_slots
     row = {"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
            "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff, "tolerance_ratio": ratio,
            "cold_ratio": seen["cold"][1]}
+    if slots_checked:
+        row["state_bit_exact"] = same_slots
     if pr.migrated is not None and pr.migrated.path and pr.migrated.path != pr.path:
         row["migrated_path"] = pr.migrated.path
     if pr.reset:

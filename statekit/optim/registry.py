@@ -21,7 +21,21 @@ from dataclasses import dataclass, field
 
 from statekit import hyper
 from statekit.errors import UsageError
-from statekit.optim import adagrad, adam, adamax, adan, nadam, radam, rmsprop, sgd
+from statekit.optim import (
+    adadelta,
+    adafactor,
+    adagrad,
+    adam,
+    adamax,
+    adan,
+    asgd,
+    muon,
+    nadam,
+    radam,
+    rmsprop,
+    rprop,
+    sgd,
+)
 from statekit.optim.backend import get_backend, torch_available
 from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FOREACH, TORCH_FUSED
 
@@ -63,13 +77,18 @@ def _algorithm(name: str, module, flavors: tuple[str, ...]) -> Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN)),
     "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE)),
-    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN)),
+    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN, CANDLE)),
     "rmsprop": _algorithm("rmsprop", rmsprop, (TORCH, BURN)),
     "adagrad": _algorithm("adagrad", adagrad, (TORCH_FUSED, TORCH, BURN)),
     "adan": _algorithm("adan", adan, (BURN,)),
     "nadam": _algorithm("nadam", nadam, (TORCH, TORCH_FOREACH)),
     "radam": _algorithm("radam", radam, (TORCH, TORCH_FOREACH)),
     "adamax": _algorithm("adamax", adamax, (TORCH,)),
+    "adadelta": _algorithm("adadelta", adadelta, (TORCH,)),
+    "asgd": _algorithm("asgd", asgd, (TORCH, TORCH_FOREACH)),
+    "rprop": _algorithm("rprop", rprop, (TORCH,)),
+    "adafactor": _algorithm("adafactor", adafactor, (TORCH, TORCH_FOREACH)),
+    "muon": _algorithm("muon", muon, (TORCH,)),
 }
 
 
