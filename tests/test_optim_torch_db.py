@@ -322,3 +322,32 @@ def test_lbfgs_and_sparseadam_are_refused_by_name(tmp_path, cli, cls, reason):
     assert cls.lower() in r.stderr and reason in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.Muon, torch.optim.NAdam])
+def test_without_torch_the_replay_is_within_tolerance(monkeypatch, cls):
+    """tolerance: with torch's kernels hidden (IEEE root, float64 reductions, Muon's ml_dtypes
+    Newton–Schulz), 20 steps stay within |Δp| ≤ 4·ulp(p) + 2e-5·lr·n of real torch (Muon, whose
+    update is a bfloat16 matrix: 4·ulp(p) + 2⁻⁸·lr·n, bfloat16's precision), and ``exactness``
+    says ``tolerance``."""
+    from statekit.optim import backend, registry, tensorwise, tolerance
+
+    name = CLASSES[cls.__name__]
+    params, grads = problem(name, seed=4)
+    tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+    opt = cls(tparams)
+    lr = opt.param_groups[0]["lr"]
+    for module in (backend, registry, tensorwise):
+        monkeypatch.setattr(module, "torch_available", lambda: False)
+    assert so.exactness("torch", np, name) == so.TOLERANCE
+    ours = [(p, {}, 0) for p in params]
+    for step_grads in grads:
+        for tp, g in zip(tparams, step_grads, strict=True):
+            tp.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours = [so.step(name, p, g, s, k, {}) for (p, s, k), g in zip(ours, step_grads, strict=True)]
+    rate = 2.0**-8 if name == "muon" else 2e-5
+    for (p, _, n), tp in zip(ours, tparams, strict=True):
+        ref = tp.detach().numpy()
+        bound = 4 * tolerance.ulp(ref) + rate * lr * n
+        assert tolerance.worst_ratio(p, ref, bound) <= 1
