@@ -248,6 +248,9 @@ def test_transformers_adafactor_to_torch_adafactor_resumes_transformers_run(cli,
         restarted = (cold[i].detach() - final).abs().max().item()
         assert resumed <= 4 * torch.finfo(torch.float32).eps * final.abs().max().item(), (i, resumed, moved)
         assert restarted > 100 * max(resumed, 1e-9)  # a cold restart is visibly elsewhere
+    verify = cli("verify-resume", THIRD / "hf-adafactor-relative.pt", out, "--names", names_file(tmp_path, SMALL_NAMES))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "exp_avg_sq_row/col (means of g²+ε₁) become row_var" in verify.stdout
 
 
 @pytest.mark.parametrize("stem, says", [
