@@ -67,6 +67,8 @@ class ParamState:
     group: int = 0
     declared_shape: tuple[int, ...] | None = None
     family: str | None = None
+    module: str | None = None  # the owning module's class, from the model's definition (torch sources)
+    layout: str | None = None  # what that class makes of the tensor (statekit.frameworks.hf_model: out_in, in_out, …)
 
     @property
     def shape(self) -> tuple[int, ...] | None:
@@ -140,6 +142,8 @@ class OptimizerState:
     notes: list[str] = field(default_factory=list)
     family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
+    unnamed_why: str | None = None  # why they could not be named (one line: what to install or give)
+    training_args: dict | None = None  # HF TrainingArguments' optimizer settings (statekit.frameworks.hf_args)
 
     @property
     def family_label(self) -> str:
