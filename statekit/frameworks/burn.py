@@ -139,8 +139,8 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
     # torch's param_names, kept by statekit in torch's order: the torch positions too
     for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
-        if key in params and params[key].path in (None, path):
-            params[key].path = path
+        if key in params:  # the torch name may differ from burn's path (a norm's weight is burn's gamma)
+            params[key].path = params[key].path or path
             params[key].index = position
     return state
 
