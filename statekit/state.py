@@ -143,6 +143,7 @@ class OptimizerState:
     family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
     unnamed_why: str | None = None  # why they could not be named (one line: what to install or give)
+    torch_names_in_file: bool | None = None  # a torch state's param_names were in its file (False: solved)
     training_args: dict | None = None  # HF TrainingArguments' optimizer settings (statekit.frameworks.hf_args)
 
     @property

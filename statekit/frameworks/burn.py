@@ -137,6 +137,11 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         state.groups[0].keys += [k for k in params if k not in grouped]
     else:
         state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+    if hyper.TORCH_NAMES_KEY in pack.metadata:
+        state.torch_names_in_file = pack.metadata[hyper.TORCH_NAMES_KEY] != "0"
+    args = hyper.training_args_from_metadata(pack.metadata)
+    if args is not None:
+        state.training_args = args
     # torch's param_names, kept by statekit in torch's order: the torch positions too
     for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
         if key in params:  # the torch name may differ from burn's path (a norm's weight is burn's gamma)
