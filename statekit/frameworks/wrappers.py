@@ -177,17 +177,21 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
 def name_from_definition(ckpt: Checkpoint, config: str, trust_remote_code: bool = False) -> bool:
     """Name a torch checkpoint's positions from the model ``config`` describes (:mod:`hf_model`).
 
-    True when named. Without transformers the state stays unnamed and ``unnamed_why`` says what to
-    install; a definition that disagrees with the state is a warning naming the position (the model
-    file's shapes are not tried after it: the definition is the model's own word)."""
+    True when settled (named, or refused). A definition that cannot be built (no transformers, hub code
+    not allowed) leaves the state to the model file, with ``unnamed_why`` saying what would settle it;
+    one that disagrees with the state is a warning naming the position (the model file's shapes are
+    not tried after it: the definition is the model's own word)."""
     from statekit.frameworks import hf_model
 
     state = ckpt.optimizer
     try:
-        hf_model.name_state(state, hf_model.build(config, trust_remote_code=trust_remote_code), ckpt.path)
-    except hf_model.MissingDefinitionError as exc:
-        state.unnamed_why = exc.message
+        definition = hf_model.build(config, trust_remote_code=trust_remote_code)
+    except MappingError as exc:  # no transformers, hub code not allowed, no such class: the model file may still do
+        state.unnamed_why = exc.message if isinstance(exc, hf_model.MissingDefinitionError) \
+            else f"{os.path.basename(config)}: {exc.message}"
         return False
+    try:
+        hf_model.name_state(state, definition, ckpt.path)
     except MappingError as exc:
         state.unnamed_why = f"{os.path.basename(config)}: {exc.message}"
         ckpt.warnings.append(f"{torch_io.UNNAMED} {state.unnamed_why}")
