@@ -5,6 +5,7 @@ with real torch 2.13 against the uninterrupted run's record."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,14 @@ def test_lightning_ckpt_converts_without_key_and_back_into_torch(cli, tmp_path):
 # ----------------------------------------------------------------------------- Trainer → burn → torch → resume
 
 
-def test_trainer_checkpoint_to_burn_and_back_resumes_bit_identically(cli, record, tmp_path):
+@pytest.fixture
+def no_hf(monkeypatch):
+    """The path without transformers (the names list): ``import transformers`` fails, as where it is not
+    installed (tests/test_hf.py covers the folder's model definition)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+
+
+def test_trainer_checkpoint_to_burn_and_back_resumes_bit_identically(cli, record, tmp_path, no_hf):
     import statekit
 
     meta = record["meta"]
@@ -206,7 +214,7 @@ def test_trainer_checkpoint_to_burn_and_back_resumes_bit_identically(cli, record
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_trainer_folder_names_come_from_the_names_list_and_the_folders_model(cli):
+def test_trainer_folder_names_come_from_the_names_list_and_the_folders_model(cli, no_hf):
     res = cli("inspect", TRAINER, "--names", CLIENTS / "names.txt", "--json")
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout)

@@ -36,7 +36,6 @@ CONFIG = "config.json"
 # layouts by owning module (names-and-layouts.md §3): what a rank-2 weight is and what burn calls it
 OUT_IN, IN_OUT, EMBEDDING, NORM, CONV, EXPERTS, OTHER, VECTOR = (
     "out_in", "in_out", "embedding", "norm", "conv", "experts", "other", "vector")
-NORM_RENAMES = {"weight": "gamma", "bias": "beta"}  # burn-store's PyTorchToBurnAdapter, for norm layers
 
 
 class MissingDefinitionError(MappingError):
