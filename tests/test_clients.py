@@ -265,7 +265,7 @@ def test_a_trainer_folder_with_pytorch_model_bin_names_itself(record, tmp_path):
     assert by_group == record["meta"]["groups"]  # Trainer's own record of its groups
 
 
-def test_a_sharded_model_index_gives_shapes_but_no_order(cli, record, tmp_path):
+def test_a_sharded_model_index_gives_shapes_but_no_order(cli, record, tmp_path, no_hf):
     folder = trainer_copy(tmp_path, record, "model.safetensors.index.json")
     res = cli("inspect", folder, "--json")
     got = json.loads(res.stdout)

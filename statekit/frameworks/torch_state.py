@@ -186,6 +186,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         framework="torch",
         notes=notes,
         family_detail=None if verdict.family else verdict.label,
+        torch_names_in_file=bool(params) and all(p.path for p in params),
     )
 
 

@@ -123,11 +123,12 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
                              f"{sum(1 for a in flips if a.transpose)} transposed, "
                              f"{sum(1 for a in flips if not a.transpose and a.src_path != a.dst_path)} renamed, "
                              f"{len(flips)} decided in all")
-    solved = state.torch_names_in_file is False or (src_fw == "torch" and state.names_from is not None)
-    if dst_fw == "torch" and solved and operation == "convert":  # the original kept no param_names: nor its copy
+    solved = state.torch_names_in_file is False  # a torch file without param_names (statekit named it)
+    if dst_fw == "torch" and solved and operation == "convert" and opts.names is None and opts.model is None:
+        # back to torch with nothing said about names: the original kept no param_names, nor does its copy
         plan.metadata[hyper.OMIT_NAMES_KEY] = "omit"
-    if dst_fw == "burn" and src_fw == "torch":
-        plan.metadata[hyper.TORCH_NAMES_KEY] = "0" if solved else "1"
+    if dst_fw == "burn" and src_fw == "torch" and solved:
+        plan.metadata[hyper.TORCH_NAMES_KEY] = "0"
     if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
         plan.metadata.update(hyper.paths_to_metadata(
             {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))

@@ -117,14 +117,16 @@ def pair(original: Checkpoint, migrated: Checkpoint, transpose_globs: list[str],
     by_src_path = {m.src_path: m for m in moves or [] if m.src_path}
     by_src_key = {m.src_key: m for m in moves or [] if m.src_key is not None}
     unnamed = [p for p in a_state.params if p.path is None]
-    if unnamed and moves is None and a_state.framework == b_state.framework == "torch":
+    b_unnamed = bool(b_state.params) and not any(p.path for p in b_state.params)
+    if (unnamed or b_unnamed) and moves is None and a_state.framework == b_state.framework == "torch":
         by_position, why = _by_position(a_state, b_state)
         if by_position is not None:
             return by_position, [POSITIONAL_NOTE]
+        side, who = (original, unnamed) if unnamed else (migrated, b_state.params)
         raise MappingError(
-            f"{len(unnamed)} original parameters ({', '.join(p.label() for p in unnamed[:3])}…) have no names, the "
-            f"migrated file records no source positions, and the two torch states cannot be paired by position "
-            f"({why}): give --names or --model to name them", original.path)
+            f"{len(who)} parameters ({', '.join(p.label() for p in who[:3])}…) have no names, the migrated file "
+            f"records no source positions, and the two torch states cannot be paired by position ({why}): "
+            "give --names or --model to name them", side.path)
     if unnamed and moves is None:
         raise MappingError(
             f"{len(unnamed)} original parameters ({', '.join(p.label() for p in unnamed[:3])}…) have no names and "
