@@ -60,6 +60,24 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     return out
 
 
+def plain_value(value: object, depth: int = 0) -> object:
+    """A param-group value as JSON can hold it: a 0-dim tensor (torchao's ``lr``, torch-optimi's
+    ``step``) as its number, another tensor as ``"tensor [shape] dtype"``, an object as its type."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, TensorRef):
+        if value.numel == 1 and not value.shape and value.dtype != "QFloat":
+            return plain_value(value.numpy().reshape(-1)[0].item())
+        return f"tensor {list(value.shape)} {value.dtype}"
+    if isinstance(value, list | tuple) and depth < 8:
+        return [plain_value(v, depth + 1) for v in value]
+    if isinstance(value, dict) and depth < 8:
+        return {str(k): plain_value(v, depth + 1) for k, v in value.items()}
+    return f"({type(value).__name__})"
+
+
 def _native(state: OptimizerState, p: ParamState) -> dict[str, str]:
     """neutral slot name → the framework's own name (read only: shared by every parameter)."""
     return _native_names(state.framework, p.family or state.family)
@@ -76,12 +94,20 @@ def _native_names(framework: str | None, family: str | None) -> dict[str, str]:
     return {}
 
 
+def _candidates(state: OptimizerState, p: ParamState) -> list[str]:
+    """The families a parameter's state fits: its own, else the state's where it has the state's family."""
+    cands = p.candidates or (state.candidates if p.family == state.family else ())
+    return list(cands) if len(cands) > 1 else []
+
+
 def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
                    stats_of: Callable[[TensorRef], dict] = tensor_stats) -> dict:
     native = _native(state, p)
     fields: dict[str, dict] = {}
     for slot, ref in p.slots.items():
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
+        if type(ref.info) is dict and "stored_as" in ref.info:  # a value decoded from another form (torchao codes)
+            item["stored_as"] = ref.info["stored_as"]
         if stats:
             item["stats"] = stats_of(ref)
         fields[native.get(slot, slot)] = item
@@ -104,7 +130,9 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
         "dtype": p.dtype,
         "step": p.step,
         "group": p.group,
-        "family": p.family or state.family or state.family_label,
+        "family": p.family or (state.family if state.family not in (None, "mixed") else
+                               "unknown" if state.family == "mixed" else state.family_label),
+        "family_candidates": _candidates(state, p),
         "fields": fields,
     }
     if state.framework == "burn":
@@ -213,10 +241,16 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         unread = opaque_warning(state)
         if unread:
             out["warnings"].append(unread)
+        out["family_label"] = state.family_label
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
-        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
+        out["groups"] = [{"hyperparameters": {str(k): plain_value(v) for k, v in g.hyperparams.items()},
+                          "params": len(g.keys)} for g in state.groups]
+        if state.family == "mixed":  # one optimizer per group (burn's with_group): each group's family
+            for item, g in zip(out["groups"], state.groups, strict=True):
+                item["family"] = g.family
+                item["family_candidates"] = list(g.candidates) if len(g.candidates) > 1 else []
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
                 out["params"].append(describe_param(state, p, stats, stats_of))
@@ -227,6 +261,9 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
                 "tensors": {n: {"shape": list(r.shape), "dtype": r.dtype} for n, r in state.global_slots.items()},
                 "scalars": state.global_scalars,
             }
+            if stats:
+                for n, r in state.global_slots.items():
+                    out["global"]["tensors"][n]["stats"] = tensor_stats(r)
         if ckpt.format == "burnpack" and not state.hyperparams_stored:
             out["notes"].append("burn optimizer files store no hyperparameters (lr, betas, eps, decay)")
     elif ckpt.model is not None:
