@@ -99,6 +99,7 @@ class ParamState:
     group: int = 0
     declared_shape: tuple[int, ...] | None = None
     family: str | None = None
+    encoding: dict[str, object] = field(default_factory=dict)  # slot → how a library stores it (bitsandbytes)
 
     @property
     def shape(self) -> tuple[int, ...] | None:
@@ -182,6 +183,7 @@ class OptimizerState:
     notes: list[str] = field(default_factory=list)
     family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
+    library: str | None = None  # the optimizer library that wrote a torch file's state ("bitsandbytes")
 
     @property
     def family_label(self) -> str:

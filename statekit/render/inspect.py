@@ -21,7 +21,7 @@ def summary_line(d: dict) -> str:
         kind = f"{kind} (unknown family)"  # the reason is long: it follows the table, as a note
     elif d.get("family"):
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
-        kind = f"{kind} ({fam})"
+        kind = f"{kind} ({d['library'] + ' ' if d.get('library') else ''}{fam})"
     size = human_bytes(d["bytes"])
     if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
         size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
@@ -53,6 +53,12 @@ def _cells(p: dict, optimizer: bool) -> dict[str, str]:
 
 def _field_text(name: str, f: dict) -> str:
     """A field's name; one statekit does not understand also says what it is (a dict's keys)."""
+    if "encoding" in f:  # a library's own storage: what it holds, and how
+        enc = f["encoding"]
+        how = f"8-bit/{enc['block']}" if enc["bits"] == 8 else "32-bit"
+        return f"{name}={f['slot']} ({how})"
+    if "role" in f:
+        return name
     if f.get("understood", True):
         return name
     inner = f" {{{', '.join(f['keys'])}}}" if "keys" in f else f" ({f['type']})"
