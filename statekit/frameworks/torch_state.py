@@ -13,7 +13,8 @@ import numpy as np
 
 from statekit import naming
 from statekit.errors import FormatError, MappingError
-from statekit.frameworks import bnb, torch_families
+from statekit.formats.torch_pickle import WrapperTensor
+from statekit.frameworks import bnb, torch_families, torch_thirdparty
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -161,6 +162,8 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
                         p.slots[name] = value
                     elif isinstance(value, TensorRef):
                         p.slots[name] = value
+                    elif isinstance(value, WrapperTensor):  # torchao's quantized moments, dequantized lazily
+                        p.slots[name] = torch_thirdparty.wrapper_slot(value, f"state[{idx}].{name}", path)
                     else:
                         p.extra[name] = value
                 if p.shape is not None:
@@ -171,6 +174,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         raw_groups.append(group)
         groups.append(ParamGroup(hyperparams=hp, keys=keys))
     verdict = torch_families.classify(raw_groups, per_group_fields)
+    foreign = None if verdict.family else torch_thirdparty.identify(sd, path)
     for p in params:
         p.family = verdict.family
     if verdict.family and verdict.family not in BURN_FAMILIES:
@@ -179,7 +183,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
     extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
     if extra_ids:
         notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
-    return OptimizerState(
+    state = OptimizerState(
         family=verdict.family,
         candidates=(verdict.family,) if verdict.family else verdict.candidates,
         params=params,
@@ -189,6 +193,9 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         notes=notes,
         family_detail=None if verdict.family else verdict.label,
     )
+    if foreign is not None:  # an optimizer from outside torch.optim (transformers, torchao, …)
+        torch_thirdparty.settle(foreign, state, sd, path)
+    return state
 
 
 def describe_scheduler(sd: object) -> dict:
