@@ -277,3 +277,44 @@ def test_verify_resume_tracks_each_conversion(cli, tmp_path, src, to, exact):
         eight = [p for p in d["params"] if not p["bit_exact"]]
         assert eight and all(p["share_of_cold"] < 0.05 for p in eight)
         assert "re-quantized" in d["criterion"]
+
+
+def test_quantizing_streams_in_bounded_pieces():
+    """The writer's codes and scales come a bounded number of blocks at a time, equal to one pass."""
+    from statekit.frameworks import bnb
+    from statekit.tensor import TensorRef
+
+    values = np.random.default_rng(3).standard_normal(70_000).astype(np.float32)
+    ref = TensorRef.from_array(values)
+    qmap = blockwise.dynamic_map(True)
+    codes, absmax = bnb.quantized(ref, qmap, 256, "codes"), bnb.quantized(ref, qmap, 256, "absmax")
+    pieces = list(codes.pieces(1024))
+    assert max(p.size for p in pieces) <= 1024
+    whole_codes, whole_absmax = blockwise.quantize(values, qmap, 256)
+    assert np.array_equal(np.concatenate(pieces), whole_codes)
+    assert np.array_equal(bits(np.concatenate(list(absmax.pieces(7)))), bits(whole_absmax))
+
+
+def test_bnb_to_burn_and_back_through_the_float32_moments(cli, tmp_path):
+    """2048-block bnb → burn (bitsandbytes' dequantized moments, exactly) → bnb at 256: what
+    bitsandbytes 0.50 writes for those moments."""
+    bpk, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
+    layout = ["--transpose", "w*", "--no-transpose", "emb"]  # burn keeps Linear weights [in, out]
+    r = cli("convert", "fixtures/bnb/adamw8bit-b2048.pt", str(bpk), *NAMES, *layout)
+    assert r.returncode == 0, r.stderr
+    refs = np.load(BNB / "adamw8bit-b2048.ref.npz")
+    with io.open_checkpoint(str(bpk)) as ckpt:
+        w1 = next(p for p in ckpt.optimizer.params if p.path == "w1")
+        assert w1.step == 3
+        assert np.array_equal(bits(w1.slots["exp_avg"].numpy()), bits(refs["0.exp_avg"].T))
+        assert np.array_equal(bits(w1.slots["exp_avg_sq"].numpy()), bits(refs["0.exp_avg_sq"].T))
+    r = cli("convert", str(bpk), str(back), "--to", "bnb", "--optimizer", "adamw", "--lr", "0.01",
+            "--weight-decay", "0.01", *layout)
+    assert r.returncode == 0, r.stderr
+    sd = torch_pt.load_pt(back)
+    order = {0: "w1", 2: "w2"}
+    names = (BNB / "names.txt").read_text().split()
+    for idx, name in order.items():
+        q = sd["state"][names.index(name)]["__bnb_optimizer_quant_state__"]
+        for k in (1, 2):
+            assert np.array_equal(q[f"state{k}"].numpy(), refs[f"{idx}.state{k}.b256"]), (name, k)
