@@ -21,11 +21,29 @@ from statekit.state import OptimizerState, ParamState, refuse_opaque
 NOT_CONVERTED = ("asgd", "rprop", "sparseadam", "muon", "lbfgs")
 
 
+def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerState:
+    """``state`` with ``--optimizer`` applied part by part where its parameters hold several
+    families' state (a burn record with Muon for the matrices and AdamW for the rest, whose
+    velocity fields are also SGD's: ``--optimizer muon`` settles those and leaves the others as
+    they are; ``muon,adamw`` settles both). A state of one family is returned unchanged."""
+    if not optimizer or state.family != "mixed" or not state.ambiguous:
+        return state
+    return state.resolved(optimizer)
+
+
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     family = state.family
     wanted = opts.optimizer.lower() if opts.optimizer else None
     if family is None and wanted and wanted in state.candidates:
         return wanted  # the user settles what the file cannot tell (an older torch's Adam or AdamW)
+    if family == "mixed" and any(g.family for g in state.groups):
+        if wanted:
+            state = resolve_families(state, wanted)
+        if state.family == "mixed":
+            raise MappingError(f"the record holds several optimizers, one per parameter group ({state.family_label}); "
+                               "statekit does not convert such a record yet")
+        family = state.family
+        wanted = None if family == wanted or family in (wanted or "").split(",") else wanted
     if family in (None, "mixed"):
         label = state.family_label if state.family_detail else "mixed or unknown layouts"
         raise MappingError(f"the optimizer family could not be determined from the file: {label}; "
@@ -168,6 +186,12 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
         except KeyError:
             raise MappingError(f"{dst_fw} has no {family} optimizer: this state cannot move to {dst_fw}",
                                plan.source) from None
+        if src_fw != dst_fw and src_fw in naming.FRAMEWORKS and family in naming.CROSS_TRANSFORM:
+            from statekit.frameworks.torch_families import class_name
+
+            name = class_name(family) if src_fw == "torch" else f"burn's {class_name(family).rsplit('.', 1)[-1]}"
+            raise MappingError(f"{name} state → {dst_fw}: not converted yet; "
+                               f"{naming.CROSS_TRANSFORM[family]}", plan.source)
     for p in state.params:
         src_path = p.path
         if src_path is None and p.id is not None and p.id in old_paths:
