@@ -318,3 +318,23 @@ def test_bnb_to_burn_and_back_through_the_float32_moments(cli, tmp_path):
         q = sd["state"][names.index(name)]["__bnb_optimizer_quant_state__"]
         for k in (1, 2):
             assert np.array_equal(q[f"state{k}"].numpy(), refs[f"{idx}.state{k}.b256"]), (name, k)
+
+
+def test_bnb_lion_to_burn_lion_momentum_exact(cli, tmp_path):
+    bpk = tmp_path / "lion.bpk"
+    r = cli("convert", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--transpose", "w*", "--no-transpose", "emb")
+    assert r.returncode == 0, r.stderr
+    refs = np.load(BNB / "lion8bit.ref.npz")  # bitsandbytes' dequantized state1, under burn's name
+    src = torch_pt.load_pt(BNB / "lion8bit.pt")
+    names = (BNB / "names.txt").read_text().split()
+    with io.open_checkpoint(str(bpk)) as ckpt:
+        assert ckpt.optimizer.family == "lion"
+        by_path = {p.path: p for p in ckpt.optimizer.params}
+        for idx, name in enumerate(names):
+            got = by_path[name].slots["exp_avg"].numpy()
+            want = refs[f"{idx}.momentum"] if f"{idx}.momentum" in refs.files else \
+                src["state"][idx]["__bnb_optimizer_quant_state__"]["state1"].numpy()
+            want = want.T if name in ("w1", "w2") else want
+            assert np.array_equal(bits(got), bits(want)), name
+    d = json.loads(cli("inspect", str(bpk), "--json").stdout)
+    assert d["family"] == "lion" and all(set(p["fields"]) == {"momentum"} for p in d["params"])
