@@ -126,7 +126,8 @@ def test_resolve_fills_framework_defaults():
         (("adagrad", "burn", {"lr": 1.0, "initial_accumulator_value": 0.1}), "cannot use initial"),
         (("adan", "torch", {}), "no 'torch' flavor"),
         (("rmsprop", "torch-fused", {}), "no 'torch-fused' flavor"),
-        (("lion", "torch", {}), "unknown optimizer"),
+        (("lion", "torch", {}), "no 'torch' flavor"),
+        (("prodigy", "torch", {}), "unknown optimizer"),
     ],
 )
 def test_resolve_refuses(args, message):
@@ -135,7 +136,8 @@ def test_resolve_refuses(args, message):
 
 
 def test_registry_table():
-    assert set(so.ALGORITHMS) == {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adan"}
+    assert set(so.ALGORITHMS) == {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adan",
+                                  "lamb", "lion", "adafactor", "muon"}
     assert so.ALGORITHMS["adamw"].flavors == ("torch-fused", "torch", "burn", "candle")
     for algo in so.ALGORITHMS.values():
         assert {registry.FRAMEWORK_OF[fl] for fl in algo.flavors} == set(algo.frameworks)

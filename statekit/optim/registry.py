@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from statekit import hyper
 from statekit.errors import UsageError
-from statekit.optim import adagrad, adam, adan, rmsprop, sgd
+from statekit.optim import adagrad, adam, adan, burn_extra, rmsprop, sgd
 from statekit.optim.backend import get_backend, torch_available
 from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FUSED
 
@@ -67,6 +67,10 @@ ALGORITHMS: dict[str, Algorithm] = {
     "rmsprop": _algorithm("rmsprop", rmsprop, (TORCH, BURN)),
     "adagrad": _algorithm("adagrad", adagrad, (TORCH_FUSED, TORCH, BURN)),
     "adan": _algorithm("adan", adan, (BURN,)),
+    # burn 0.22's whole-tensor steps (statekit.optim.burn_extra)
+    **{name: Algorithm(name, burn_extra.STEPS[name], burn_extra.slot_names_of(name), (BURN,),
+                       _frameworks(name, (BURN,)))
+       for name in ("lamb", "lion", "adafactor", "muon")},
 }
 
 
