@@ -101,6 +101,8 @@ CROSS_TRANSFORM = {
     "adafactor": "burn's second moments hold ε₁ = 1e-30 inside them and torch's do not (row_var = "
                  "second_moment − ε₁), and burn's relative-step / parameter-scaling switches decide whether "
                  "torch can continue the state",
+    "muon": "torch's momentum_buffer is an EMA, (1 − μ) times burn's velocity (burn's first step keeps the "
+            "gradient itself), and only with burn's dampening 0",
 }
 
 #: burn families that first shipped in burn 0.22 (no burn <= 0.21 legacy record holds them)
@@ -148,6 +150,11 @@ TORCH: tuple[Layout, ...] = (
            frozenset({"square_avg", "step"}), step="step"),
     Layout("adagrad", {"sum": "sum"}, frozenset({"sum", "step"}), step="step"),
     Layout("sgd", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
+    Layout("asgd", {"eta": "eta", "mu": "mu", "ax": "ax"}, frozenset({"eta", "mu", "ax", "step"}), step="step"),
+    Layout("rprop", {"prev": "prev", "step_size": "step_size"}, frozenset({"prev", "step_size", "step"}),
+           step="step"),
+    # after SGD: the same single field (torch_families tells them apart by their group keys)
+    Layout("muon", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
 )
 
 # candle-nn keeps AdamW's moments per variable and one optimizer-wide ``step_t`` (statekit's
@@ -158,6 +165,10 @@ CANDLE: tuple[Layout, ...] = (
 )
 
 FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
+
+# An Adafactor's factored second moment: row and column factors, not of the parameter's shape
+# (torch: row_var [..., n, 1], col_var [..., 1, m]; transformers: exp_avg_sq_row [..., n], exp_avg_sq_col [..., m])
+FACTORED_SLOTS = frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"})
 
 def layout(framework: str, family: str) -> Layout:
     for item in FRAMEWORKS[framework]:

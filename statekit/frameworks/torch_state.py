@@ -13,6 +13,7 @@ import numpy as np
 
 from statekit import naming
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.formats.torch_pickle import WrapperTensor
 from statekit.frameworks import torch_families, torch_thirdparty
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
@@ -140,6 +141,10 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         names = group.get("param_names")
         if names is not None and (not isinstance(names, list) or len(names) != len(ids)):
             raise FormatError(f"param_groups[{g}]: param_names does not match params", path)
+        odd = next((k for k in group if not isinstance(k, str)), None)
+        if odd is not None:  # torch.optim names every hyperparameter by a string
+            raise FormatError(f"param_groups[{g}] has a key that is not a string: {limits.short(odd)}; torch's "
+                              f"optimizers name hyperparameters by strings", path)
         hp = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         keys = []
         fields_here: list[set[str]] = []

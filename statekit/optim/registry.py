@@ -21,14 +21,29 @@ from dataclasses import dataclass, field
 
 from statekit import hyper
 from statekit.errors import UsageError
-from statekit.optim import adagrad, adam, adan, burn_extra, rmsprop, sgd
+from statekit.optim import (
+    adadelta,
+    adafactor,
+    adagrad,
+    adam,
+    adamax,
+    adan,
+    asgd,
+    burn_extra,
+    muon,
+    nadam,
+    radam,
+    rmsprop,
+    rprop,
+    sgd,
+)
 from statekit.optim.backend import get_backend, torch_available
-from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FUSED
+from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FOREACH, TORCH_FUSED
 
 BIT_EXACT = "bit-exact"
 TOLERANCE = "tolerance"
 
-FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", BURN: "burn", CANDLE: "candle"}
+FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", TORCH_FOREACH: "torch", BURN: "burn", CANDLE: "candle"}
 
 
 @dataclass(frozen=True)
@@ -60,25 +75,58 @@ def _algorithm(name: str, module, flavors: tuple[str, ...]) -> Algorithm:
     return Algorithm(name, module.step, module.slot_names, flavors, _frameworks(name, flavors))
 
 
+def _by_flavor(torch_step: Callable, burn_step: Callable) -> Callable:
+    """One algorithm's ``step`` with torch's flavors in one module and burn's in another."""
+
+    def step(param, grad, slots, step, hp, flavor, xp=None, **kw):
+        chosen = burn_step if flavor == BURN else torch_step
+        return chosen(param, grad, slots, step, hp, flavor, xp, **kw)
+
+    return step
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN)),
     "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE)),
-    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN)),
+    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN, CANDLE)),
     "rmsprop": _algorithm("rmsprop", rmsprop, (TORCH, BURN)),
     "adagrad": _algorithm("adagrad", adagrad, (TORCH_FUSED, TORCH, BURN)),
     "adan": _algorithm("adan", adan, (BURN,)),
-    # burn 0.22's whole-tensor steps (statekit.optim.burn_extra)
+    "nadam": _algorithm("nadam", nadam, (TORCH, TORCH_FOREACH)),
+    "radam": _algorithm("radam", radam, (TORCH, TORCH_FOREACH)),
+    "adamax": _algorithm("adamax", adamax, (TORCH,)),
+    "adadelta": _algorithm("adadelta", adadelta, (TORCH,)),
+    "asgd": _algorithm("asgd", asgd, (TORCH, TORCH_FOREACH)),
+    "rprop": _algorithm("rprop", rprop, (TORCH,)),
+    # torch's for-loop/foreach (optim.adafactor, optim.muon) and burn 0.22's (optim.burn_extra)
+    "adafactor": Algorithm("adafactor", _by_flavor(adafactor.step, burn_extra.STEPS["adafactor"]),
+                           adafactor.slot_names, (TORCH, TORCH_FOREACH, BURN),
+                           _frameworks("adafactor", (TORCH, TORCH_FOREACH, BURN))),
+    "muon": Algorithm("muon", _by_flavor(muon.step, burn_extra.STEPS["muon"]), muon.slot_names, (TORCH, BURN),
+                      _frameworks("muon", (TORCH, BURN))),
+    # burn 0.22's whole-tensor steps (statekit.optim.burn_extra); torch has neither
     **{name: Algorithm(name, burn_extra.STEPS[name], burn_extra.slot_names_of(name), (BURN,),
                        _frameworks(name, (BURN,)))
-       for name in ("lamb", "lion", "adafactor", "muon")},
+       for name in ("lamb", "lion")},
+}
+
+
+#: Optimizers statekit recognises but cannot step from a gradient alone, and why.
+NOT_REPLAYABLE = {
+    "lbfgs": "L-BFGS evaluates the loss closure several times per step (line search, function "
+             "evaluations), which gradient files cannot stand in for",
+    "sparseadam": "SparseAdam steps only the rows a sparse gradient touches, and gradient files hold dense tensors",
 }
 
 
 def get_algorithm(name: str) -> Algorithm:
-    """The :class:`Algorithm` called ``name``."""
+    """The :class:`Algorithm` called ``name``; an optimizer of :data:`NOT_REPLAYABLE` is refused with its reason."""
     try:
         return ALGORITHMS[name]
     except KeyError:
+        if name in NOT_REPLAYABLE:
+            raise UsageError(f"{name} cannot be replayed: {NOT_REPLAYABLE[name]} (inspect and convert still "
+                             "work)") from None
         raise UsageError(f"unknown optimizer {name!r} (known: {', '.join(ALGORITHMS)})") from None
 
 
@@ -160,8 +208,9 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
     * ``torch-fused``: bit-exact to torch's fused CPU kernel (AVX2 kernel, the one x86-64 CPUs
       with AVX2 or AVX-512 run) on every namespace: the replica uses only IEEE operations and
       an exact FMA emulation.
-    * ``torch``: bit-exact to ``torch.optim`` with ``foreach=False``/``True`` on CPU when the
-      square root is torch's own, i.e. on numpy with torch installed or on torch CPU tensors;
+    * ``torch`` / ``torch-foreach``: bit-exact to ``torch.optim`` with ``foreach=False``/``True``
+      (``torch-foreach``: ``foreach=True`` where it rounds differently) on CPU when the square
+      root (and, for Adafactor and Muon, the reductions and bfloat16 products) are torch's own, i.e. on numpy with torch installed or on torch CPU tensors;
       otherwise (no torch, CUDA, CuPy) the IEEE root differs by 1 ULP on some inputs and the
       result is within the tolerance of :mod:`statekit.optim.tolerance`. SGD has no square
       root: always bit-exact.
@@ -171,7 +220,7 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
     """
     if flavor not in FLAVORS:
         raise UsageError(f"unknown flavor {flavor!r} (known: {', '.join(FLAVORS)})")
-    if flavor != TORCH or algorithm == "sgd":
+    if flavor not in (TORCH, TORCH_FOREACH) or algorithm == "sgd":
         return BIT_EXACT
     b = get_backend(xp)
     if b.is_torch_cpu or (b.name == "numpy" and torch_available()):
