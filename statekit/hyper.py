@@ -199,7 +199,24 @@ def torch_group(family: str, values: dict[str, object]) -> dict[str, object]:
 TUPLE_KEYS = frozenset({"betas", "eps", "etas", "step_sizes", "ns_coefficients"})
 KEYS_KEY = "statekit.group_keys"  # the hyperparameter names stored as statekit.<name>
 PATHS_KEY = "statekit.param_names"  # {ParamId: module path}: torch's param_names through burn
-NOT_HYPER = ("statekit.optimizer", "statekit.groups", KEYS_KEY, PATHS_KEY)
+# whether the torch file a burnpack came from kept param_names ("0": statekit solved them; written back
+# without them, as the original was); read back as OptimizerState.torch_names_in_file
+TORCH_NAMES_KEY = "statekit.torch_param_names"
+OMIT_NAMES_KEY = "torch.param_names"  # plan metadata for torch's writer: "omit" writes no param_names
+ARGS_KEY = "statekit.training_args"  # an HF TrainingArguments' optimizer settings, as read from training_args.bin
+NOT_HYPER = ("statekit.optimizer", "statekit.groups", KEYS_KEY, PATHS_KEY, ARGS_KEY, TORCH_NAMES_KEY)
+
+
+def training_args_to_metadata(args: dict[str, object]) -> dict[str, str]:
+    return {ARGS_KEY: json.dumps(args, separators=(",", ":"), allow_nan=True)} if args else {}
+
+
+def training_args_from_metadata(metadata: dict[str, str]) -> dict[str, object] | None:
+    try:
+        data = json.loads(metadata.get(ARGS_KEY, "null"))
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _json(key: str, value: object) -> str:

@@ -139,10 +139,15 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     else:
         for group in state.groups:  # one group per family (regroup), the stored hyperparameters on each
             group.hyperparams = dict(hp)
+    if hyper.TORCH_NAMES_KEY in pack.metadata:
+        state.torch_names_in_file = pack.metadata[hyper.TORCH_NAMES_KEY] != "0"
+    args = hyper.training_args_from_metadata(pack.metadata)
+    if args is not None:
+        state.training_args = args
     # torch's param_names, kept by statekit in torch's order: the torch positions too
     for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
-        if key in params and params[key].path in (None, path):
-            params[key].path = path
+        if key in params:  # the torch name may differ from burn's path (a norm's weight is burn's gamma)
+            params[key].path = params[key].path or path
             params[key].index = position
     return state
 

@@ -57,6 +57,8 @@ class Plan:
     step_policy: str | None = None  # candle: "max" writes the largest of differing steps
     allow_nonfinite: bool = False  # write NaN/Inf state instead of refusing it
     names_from: str | None = None  # how a torch source's positions were named (torch_names), when they were
+    layouts_from: str | None = None  # where transposes and norm renames were decided (module classes)
+    training_args: dict | None = None  # an HF TrainingArguments' optimizer settings (the source folder's)
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views

@@ -473,21 +473,22 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
 
 
 def verify_resume_files(original: str, migrated: str, *, names: list[str] | None = None, model=None,
-                        plan: str | None = None, key: str | None = None, **options) -> dict:
+                        plan: str | None = None, key: str | None = None, model_config: str | None = None,
+                        trust_remote_code: bool = False, **options) -> dict:
     """``statekit verify-resume``: open both sides (files or checkpoint folders), name unnamed torch
     positions from ``names`` / ``model`` (a :class:`~statekit.state.ModelInfo`), load a remap
     ``plan`` (a saved plan's path), and :func:`verify_resume` them."""
     from statekit import io
-    from statekit.ops.convert import name_checkpoint
+    from statekit.ops.convert import name_checkpoint, open_options
     from statekit.ops.options import Options
 
     loaded = Plan.load(plan) if plan else None
-    opts = Options(names=names, model=model)
+    opts = Options(names=names, model=model, model_config=model_config, trust_remote_code=trust_remote_code)
     with contextlib.ExitStack() as stack:
-        a = stack.enter_context(io.open_checkpoint(original))
-        b = stack.enter_context(io.open_checkpoint(migrated, **({"key": key} if key else {})))
+        a = stack.enter_context(io.open_checkpoint(original, **open_options(opts)))
+        b = stack.enter_context(io.open_checkpoint(migrated, **open_options(opts, key)))
         for ckpt in (a, b):
-            if ckpt.optimizer is not None and (names is not None or model is not None) \
+            if ckpt.optimizer is not None and (names is not None or model is not None or model_config) \
                     and not all(p.path for p in ckpt.optimizer.params):
                 name_checkpoint(ckpt, opts, ckpt.path)
         return verify_resume(a, b, plan=loaded, **options)
