@@ -35,6 +35,11 @@ def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerS
 
 
 def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
+    from statekit.frameworks import torch_thirdparty
+
+    if torch_thirdparty.is_foreign(state):  # convert and remap adapt it first (torch_thirdparty.adapt)
+        raise MappingError(f"{state.family_label} state: statekit moves it only through convert or remap, as the "
+                           "optimizer that continues it")
     family = state.family
     wanted = opts.optimizer.lower() if opts.optimizer else None
     if family is None and wanted and wanted in state.candidates:

@@ -240,6 +240,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         if ckpt is not None and st is None:
             raise UsageError(f"{state}: holds no optimizer state")
         refuse_opaque(st, state, "replay")
+        _refuse_foreign(st, state)
         algorithm = pick_algorithm(st, given=optimizer)
         flav = flavor or default_flavor(st, algorithm)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
@@ -390,6 +391,17 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
     if pr.kept:
         row.update(kept=list(pr.kept), new_elements_fresh=seen["fresh"], tracks=tracks and seen["fresh"])
     return row
+
+
+def _refuse_foreign(st: OptimizerState | None, path: str | None) -> None:
+    """replay runs torch's, burn's and candle's own arithmetic: a third-party optimizer's state (torchao
+    re-quantizing its moments, transformers Adafactor, …) is not replayed as if it were theirs."""
+    from statekit.frameworks import torch_thirdparty
+
+    if torch_thirdparty.is_foreign(st):
+        raise MappingError(f"{st.family_label} state: replay runs torch's, burn's and candle's own arithmetic, not "
+                           "this optimizer's; convert it first where an optimizer continues it (statekit convert)",
+                           path)
 
 
 def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | None):
