@@ -404,3 +404,23 @@ def test_verify_resume_copy_0_swapped_same_shape_moment_1(name, tmp_path, cli):
     bad = cli("verify-resume", tmp_path / "orig.bpk", tmp_path / "swapped.bpk", "--lr", "0.01", *extra)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "a.weight" in bad.stdout and "b.weight" in bad.stdout
+
+
+def test_adan_fixture_equals_burns_adan_flavor():
+    """The Adan record (the rest of burn's 11 beside the hand-optim-* records) against statekit's
+    burn Adan flavor, itself checked against hand-computed values in test_optim_frameworks."""
+    w = base.init_model()
+    slots, steps = {p: {} for p in base.ORDER}, {p: 0 for p in base.ORDER}
+    data = base.batches()
+    for _ in range(FIXTURE_STEPS):
+        x, y = next(data)
+        grads = base.gradients(w, x, y)
+        for path in base.ORDER:
+            w[path], slots[path], steps[path] = registry.step("adan", w[path], grads[path], slots[path], steps[path],
+                                                              dict(lr=1e-2), "burn")
+    got = _fixture_slots("adan.bpk")
+    for path in base.ORDER:
+        assert got[path][1] == FIXTURE_STEPS
+        assert set(got[path][0]) == set(slots[path])
+        for key, value in slots[path].items():
+            assert got[path][0][key].tobytes() == value.tobytes(), (path, key)
