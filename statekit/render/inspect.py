@@ -29,7 +29,7 @@ def summary_items(d: dict) -> list[str]:
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
         if fam == "mixed" and any(g.get("family") for g in d.get("groups", [])):
             fam = "mixed: " + " + ".join(_family_label(g) for g in d["groups"])
-        kind = f"{kind} ({fam})"
+        kind = f"{kind} ({d['library'] + ' ' if d.get('library') else ''}{fam})"
     size = human_bytes(d["bytes"])
     if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
         size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
@@ -126,6 +126,12 @@ def _cells(p: dict, optimizer: bool, family: bool = False) -> dict[str, str]:
 
 def _field_text(name: str, f: dict) -> str:
     """A field's name; one statekit does not understand also says what it is (a dict's keys)."""
+    if "encoding" in f:  # a library's own storage: what it holds, and how
+        enc = f["encoding"]
+        how = f"8-bit/{enc['block']}" if enc["bits"] == 8 else "32-bit"
+        return f"{name}={f['slot']} ({how})"
+    if "role" in f:
+        return name
     if f.get("understood", True):
         return name
     inner = f" {{{', '.join(f['keys'])}}}" if "keys" in f else f" ({f['type']})"
