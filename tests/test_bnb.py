@@ -338,3 +338,15 @@ def test_bnb_lion_to_burn_lion_momentum_exact(cli, tmp_path):
             assert np.array_equal(bits(got), bits(want)), name
     d = json.loads(cli("inspect", str(bpk), "--json").stdout)
     assert d["family"] == "lion" and all(set(p["fields"]) == {"momentum"} for p in d["params"])
+
+
+def test_verify_resume_tracks_bnb_lion_to_burn_lion(cli, tmp_path):
+    bpk = tmp_path / "lion.bpk"
+    assert cli("convert", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--transpose", "w*",
+               "--no-transpose", "emb").returncode == 0
+    r = cli("verify-resume", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--flavor-original burn" in r.stderr
+    r = cli("verify-resume", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--flavor-original", "burn", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["tracks"] and d["optimizer"] == "lion"
+    assert all(p["bit_exact"] for p in d["params"])
