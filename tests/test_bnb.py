@@ -338,3 +338,35 @@ def test_bnb_lion_to_burn_lion_momentum_exact(cli, tmp_path):
             assert np.array_equal(bits(got), bits(want)), name
     d = json.loads(cli("inspect", str(bpk), "--json").stdout)
     assert d["family"] == "lion" and all(set(p["fields"]) == {"momentum"} for p in d["params"])
+
+
+def test_verify_resume_tracks_bnb_lion_to_burn_lion(cli, tmp_path):
+    bpk = tmp_path / "lion.bpk"
+    assert cli("convert", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--transpose", "w*",
+               "--no-transpose", "emb").returncode == 0
+    r = cli("verify-resume", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--flavor-original burn" in r.stderr
+    r = cli("verify-resume", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--flavor-original", "burn", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["tracks"] and d["optimizer"] == "lion"
+    assert all(p["bit_exact"] for p in d["params"])
+
+
+def test_stats_are_of_the_dequantized_values(cli):
+    d = json.loads(cli("inspect", "fixtures/bnb/adamw8bit-nan.pt", "--stats", "--json").stdout)
+    w1 = d["params"][0]["fields"]
+    assert (w1["state1"]["stats"]["nan"], w1["absmax1"]["stats"]["nan"], w1["state2"]["stats"]["nan"]) == (256, 1, 0)
+    refs = np.load(BNB / "adamw8bit.ref.npz")
+    v = refs["0.exp_avg_sq"].astype(np.float64)
+    assert w1["state2"]["stats"]["max"] == float(v.max()) and w1["state2"]["stats"]["min"] == float(v.min())
+    assert w1["state2"]["stats"]["mean"] == pytest.approx(float(v.mean()), rel=1e-12)
+
+
+def test_verify_resume_tracks_bnb_to_burn(cli, tmp_path):
+    bpk = tmp_path / "optim.bpk"
+    layout = ["--transpose", "w*", "--no-transpose", "emb"]
+    assert cli("convert", "fixtures/bnb/adamw8bit.pt", str(bpk), *NAMES, *layout).returncode == 0
+    r = cli("verify-resume", "fixtures/bnb/adamw8bit.pt", str(bpk), *NAMES, "--optimizer", "adamw", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["tracks"], d["params"]
+    assert d["flavors"] == {"original": "torch", "migrated": "burn"}

@@ -458,6 +458,11 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
     flav_a = flavor_original or default_flavor(a_state, algorithm)
     flav_b = flavor_migrated or default_flavor(b_state, algorithm)
+    known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()
+    for flav, side, flag in ((flav_a, original, "--flavor-original"), (flav_b, migrated, "--flavor-migrated")):
+        if known and flav not in known:  # e.g. a torch file's Lion (bitsandbytes, lion-pytorch): burn's arithmetic only
+            raise UsageError(f"{side.path}: statekit has no {flav} arithmetic for {algorithm} (it has "
+                             f"{', '.join(known)}); say which to run with {flag} {known[0]}")
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
