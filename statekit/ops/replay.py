@@ -441,6 +441,10 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         raise UsageError(f"{migrated.path}: holds no optimizer state")
     refuse_opaque(a_state, original.path, "verify a resume")
     refuse_opaque(b_state, migrated.path, "verify a resume")
+    if "mixed" in (a_state.family, b_state.family):
+        return _verify_mixed(original, migrated, a_state, b_state, steps=steps, seed=seed, optimizer=optimizer,
+                             given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,
+                             progress=progress, kernel=kernel, plan=plan, adapted=adapted)
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
     flav_a = flavor_original or default_flavor(a_state, algorithm)
     flav_b = flavor_migrated or default_flavor(b_state, algorithm)
@@ -482,6 +486,70 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
             "criterion": "bit-exact" if exact else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})",
             "hyperparams": {"original": hp_a, "migrated": hp_b}, "steps": steps, "seed": seed,
             "tracks": ok, "params": rows}
+
+
+def _families(state: OptimizerState, optimizer: str | None, path: str) -> dict[str, str]:
+    """Each parameter's family (by path) in a record holding several (burn's optimizer groups),
+    ``--optimizer`` settling the parts whose state fits several families."""
+    if state.family == "mixed" and optimizer and state.ambiguous:
+        state.resolved(optimizer)
+    left = sorted({p.family_label for p in state.params if len(p.candidates) > 1})
+    if left:
+        raise UsageError(f"{path}: say which optimizer each part is with --optimizer (the state holds "
+                         f"{state.family_label}; still open: {', '.join(left)}), e.g. --optimizer muon,adamw")
+    unknown = [p.label() for p in state.params if p.family is None]
+    if unknown:
+        raise UsageError(f"{path}: parameters of an unrecognised layout: {', '.join(unknown[:3])}")
+    return {p.path or p.key: p.family or state.family for p in state.params}
+
+
+def _verify_mixed(original, migrated, a_state, b_state, *, steps, seed, optimizer, given, flavors, transpose,
+                  progress, kernel, plan, adapted) -> dict:
+    """verify-resume of records whose parameters hold different optimizers (a Muon run's Muon and
+    AdamW groups): each pair steps in its own family's arithmetic, the same on both sides."""
+    fam_a = _families(a_state, optimizer, original.path)
+    fam_b = _families(b_state, optimizer, migrated.path) if b_state.family == "mixed" else None
+    pairs, pair_notes = pair(original, migrated, transpose or [], plan)
+    lr = float(given.get("lr") or 1e-3)
+    sets: dict[str, dict] = {}
+    hps: dict[str, dict] = {}
+    rows, ok, exact_all = [], True, True
+    for index, pr in enumerate(pairs):
+        family = fam_a.get(pr.path)
+        other = fam_b.get(pr.migrated.path or pr.path) if fam_b is not None and pr.migrated is not None else (
+            b_state.family if fam_b is None else family)
+        if family is None or other != family:
+            raise UsageError(f"{pr.path}: {family or 'no state'} in {original.path}, {other} in {migrated.path}")
+        if family not in sets:
+            flav_a = flavors[0] or default_flavor(a_state, family)
+            flav_b = flavors[1] or default_flavor(b_state, family)
+            hp_a = registry_hp(family, flav_a, {"lr": lr}, given)
+            hp_b = registry_hp(family, flav_b, {"lr": lr}, given)
+            hps[family] = {"original": hp_a, "migrated": hp_b, "flavors": {"original": flav_a, "migrated": flav_b}}
+            sets[family] = {"original": Lane(family, flav_a, hp_a, {}, kernel=kernel),
+                            "migrated": Lane(family, flav_b, hp_b, {}, kernel=kernel),
+                            "cold": Lane(family, flav_b, hp_b, {}, kernel=kernel),
+                            "fresh": Lane(family, flav_b, hp_b, {}, kernel=kernel)}
+        flav = hps[family]["flavors"]
+        exact = flav["original"] == flav["migrated"] and registry.exactness(
+            flav["original"], algorithm=family) == registry.BIT_EXACT
+        exact_all &= exact
+        row = _verify_param(pr, index, sets[family], seed, steps, lr, exact,
+                            (lambda n: progress(steps / (n * len(pairs)))) if progress else None)
+        row["optimizer"] = family
+        ok &= row["tracks"]
+        rows.append(row)
+    names = " + ".join(sets)
+    return {"original": original.path, "migrated": migrated.path, "optimizer": names,
+            "notes": list(pair_notes) + adapted + [f"one optimizer per parameter group: {names}"],
+            "flavors": {side: "/".join(dict.fromkeys(h["flavors"][side] for h in hps.values()))
+                        for side in ("original", "migrated")},
+            "kernels": {side: "/".join(dict.fromkeys(s[side].chosen for s in sets.values()))
+                        for side in ("original", "migrated")},
+            "criterion": "bit-exact" if exact_all else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})",
+            "hyperparams": {"original": {f: h["original"] for f, h in hps.items()},
+                            "migrated": {f: h["migrated"] for f, h in hps.items()}},
+            "steps": steps, "seed": seed, "tracks": ok, "params": rows}
 
 
 def verify_resume_files(original: str, migrated: str, *, names: list[str] | None = None, model=None,
