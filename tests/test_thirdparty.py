@@ -439,3 +439,11 @@ def test_merge_refuses_a_third_party_state_by_name(cli, tmp_path):
               "--on-conflict", "first")
     assert res.returncode == 1 and "lion-pytorch Lion" in res.stderr and "convert it first" in res.stderr
     assert "internal error" not in res.stderr and not (tmp_path / "m.pt").exists()
+
+
+def test_torchao_fields_say_how_they_are_stored(cli):
+    res = cli("inspect", "--json", THIRD / "torchao-adamw4bit.pt")
+    params = json.loads(res.stdout)["params"]
+    assert params[0]["fields"]["exp_avg"]["stored_as"] == "torchao OptimState4bit: 4-bit codes (two a byte), block 128"
+    assert params[0]["fields"]["exp_avg"]["dtype"] == "F32" and params[0]["shape"] == [64, 64]
+    assert "stored_as" not in params[1]["fields"]["exp_avg"]  # the 64-element bias: a plain tensor
