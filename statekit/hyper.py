@@ -66,11 +66,25 @@ BURN_CONFIGS: dict[str, dict[str, object]] = {
     "adagrad": {"lr": None, "lr_decay": 0.0, "eps": 1e-5, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
     "adan": {"lr": None, "beta1": 0.98, "beta2": 0.92, "beta3": 0.99, "eps": 1e-8, "weight_decay": 0.0,
              "no_prox": False},
+    # AdafactorConfig (optimizers-burn-torch.md §1.2) in torch's names where the meaning is the same
+    # (decay_rate = beta2_decay, clip_threshold = d, epsilon_2 = eps[1]); burn's epsilon_1 is added to
+    # g² (torch's eps[0] is a clamp) and its two switches have no torch key.
+    "adafactor": {"lr": None, "beta2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3, "d": 1.0,
+                  "weight_decay": 0.0, "relative_step": True, "scale_parameter": True},
+    # MuonConfig (§1.5): momentum {0.95, dampening 0, nesterov}, no weight decay unless configured,
+    # adjust_lr_fn Original (torch's None / "original")
+    "muon": {"lr": None, "weight_decay": 0.0, "momentum": 0.95, "dampening": 0.0, "nesterov": True,
+             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": "original"},
+    # LambConfig (§1.3) and LionConfig (§1.4); torch has neither
+    "lamb": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "use_trust_ratio": True},
+    "lion": {"lr": None, "betas": (0.9, 0.99), "weight_decay": 0.0},
 }
 BURN_MOMENTUM: dict[str, object] = {"momentum": 0.9, "dampening": 0.1, "nesterov": False}
 BURN_FIXED: dict[str, frozenset[str]] = {
     "adam": _NO_MAXIMIZE, "adamw": _NO_MAXIMIZE, "sgd": _NO_MAXIMIZE, "rmsprop": _NO_MAXIMIZE,
     "adagrad": frozenset({"initial_accumulator_value", "maximize"}), "adan": frozenset(),
+    "adafactor": frozenset({"maximize", "eps"}),  # torch's eps pair: burn's are epsilon_1 / epsilon_2
+    "lamb": frozenset(), "lion": frozenset(), "muon": frozenset(),
 }
 
 # candle-nn's ``ParamsAdamW::default()`` (docs/candle.md): the same values as torch.optim.AdamW's.
@@ -133,7 +147,7 @@ def conversion_defaults(family: str) -> dict[str, object]:
     values = dict(BURN_CONFIGS.get(family, {}))
     if family == "sgd":
         values.update(BURN_MOMENTUM)
-    if values.get("lr", 0) is None:
+    if values.get("lr", 0) is None and family in TORCH_GROUPS:
         values["lr"] = TORCH_GROUPS[family]["lr"]
     return values
 
