@@ -15,7 +15,7 @@ from statekit import naming
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.torch_pickle import WrapperTensor
-from statekit.frameworks import torch_families, torch_thirdparty
+from statekit.frameworks import bnb, torch_families, torch_thirdparty
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -126,6 +126,8 @@ def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]
 def read_optimizer(sd: dict, path: str) -> OptimizerState:
     """Interpret a torch optimizer state_dict (no tensor data is read, except 0-dim steps)."""
     state_map = sd["state"]
+    if bnb.is_bnb(state_map):
+        return bnb.read_optimizer(sd, path, _step_value)
     notes: list[str] = []
     if any(isinstance(k, str) for k in state_map):
         notes.append("state is keyed by strings: torch ignores such entries on load and restarts from step 1")
