@@ -428,15 +428,17 @@ def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | N
 
     notes: list[str] = []
     sides = [original, migrated]
+    flavors: list[str | None] = [None, None]
     for i, ckpt in enumerate(sides):
         if torch_thirdparty.is_foreign(ckpt.optimizer):
+            flavors[i] = torch_thirdparty.KNOWN[ckpt.optimizer.family].flavor
             other = sides[1 - i].optimizer
             target = other.framework if other is not None and not torch_thirdparty.is_foreign(other) else "torch"
             want = optimizer or (other.family if other is not None and other.family in ("adam", "adamw") else None)
             state, said = torch_thirdparty.adapt(ckpt.optimizer, target, optimizer=want, path=ckpt.path)
             sides[i] = replace(ckpt, optimizer=state)
             notes += [f"{ckpt.path}: {n}" for n in said]
-    return sides[0], sides[1], notes
+    return sides[0], sides[1], notes, flavors
 
 
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
@@ -447,7 +449,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     compare; returns a JSON-able report. Pairs come from ``plan``, the migrated file's record of
     its sources, or equal paths (:mod:`statekit.ops.pairing`). A resized state is compared on
     the region both hold; its new elements must step like a zero state at the migrated step."""
-    original, migrated, adapted = _as_continued(original, migrated, optimizer)
+    original, migrated, adapted, (flavor_a, flavor_b) = _as_continued(original, migrated, optimizer)
     a_state, b_state = original.optimizer, migrated.optimizer
     if a_state is None:
         raise UsageError(f"{original.path}: holds no optimizer state")
@@ -460,8 +462,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
                              given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,
                              progress=progress, kernel=kernel, plan=plan, adapted=adapted)
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
-    flav_a = flavor_original or default_flavor(a_state, algorithm)
-    flav_b = flavor_migrated or default_flavor(b_state, algorithm)
+    flav_a = flavor_original or flavor_a or default_flavor(a_state, algorithm)
+    flav_b = flavor_migrated or flavor_b or default_flavor(b_state, algorithm)
     known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()
     for flav, side, flag in ((flav_a, original, "--flavor-original"), (flav_b, migrated, "--flavor-migrated")):
         if known and flav not in known:  # e.g. a torch file's Lion (bitsandbytes, lion-pytorch): burn's arithmetic only
