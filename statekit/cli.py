@@ -153,7 +153,7 @@ _ONE_COMMAND = False
 _KEPT: list = []
 
 
-OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, muon, rmsprop, adagrad, adafactor, …); needed when the file cannot tell: burn's Adam vs AdamW, SGD-with-momentum vs Muon.")]
 LrOpt = Annotated[float | None, typer.Option("--lr", metavar="LR", help="Learning rate for the target's param group.")]
 BetasOpt = Annotated[str | None, typer.Option("--betas", metavar="B1,B2", help="Adam betas as 'B1,B2'.")]
 EpsOpt = Annotated[float | None, typer.Option("--eps", metavar="EPS", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
@@ -162,6 +162,7 @@ AmsOpt = Annotated[bool | None, typer.Option("--amsgrad/--no-amsgrad", help="AMS
 MomOpt = Annotated[float | None, typer.Option("--momentum", metavar="M", help="SGD/RMSprop momentum.")]
 DampOpt = Annotated[float | None, typer.Option("--dampening", metavar="D", help="SGD dampening (burn's default is 0.1, torch's 0).")]
 NestOpt = Annotated[bool | None, typer.Option("--nesterov/--no-nesterov", help="SGD Nesterov momentum.")]
+HyperOpt = Annotated[list[str] | None, typer.Option("--hyper", metavar="KEY=VALUE", help="Any other hyperparameter of the family, e.g. burn Adafactor's relative_step=false or Muon's ns_steps=5 (burn files store none: say what the run used); repeatable.")]
 RenameOpt = Annotated[list[str] | None, typer.Option("--rename", metavar="REGEX=REPLACEMENT", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
 RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", metavar="FILE", help="File of rename rules, one per line.")]
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
@@ -211,6 +212,7 @@ def convert(
     momentum: MomOpt = None,
     dampening: DampOpt = None,
     nesterov: NestOpt = None,
+    hyper: HyperOpt = None,
     rename: RenameOpt = None,
     rules: RulesOpt = None,
     preset: PresetOpt = True,
@@ -257,7 +259,7 @@ def convert(
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
                         names_order=names_order, model=model, dtype=dtype, step_policy=step,
-                        allow_nonfinite=allow_nonfinite)
+                        allow_nonfinite=allow_nonfinite, settings=hyper)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,

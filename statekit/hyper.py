@@ -44,6 +44,10 @@ TORCH_GROUPS: dict[str, dict[str, object]] = {
                  "foreach": None, "differentiable": False},
     "adafactor": {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0,
                   "foreach": None, "maximize": False},
+    "muon": {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None},
+    "lbfgs": {"lr": 1, "max_iter": 20, "max_eval": 25, "tolerance_grad": 1e-7, "tolerance_change": 1e-9,
+              "history_size": 100, "line_search_fn": None},
 }
 EXECUTION_FLAGS = frozenset({"foreach", "capturable", "differentiable", "fused"})
 
@@ -60,11 +64,24 @@ BURN_CONFIGS: dict[str, dict[str, object]] = {
     "adagrad": {"lr": None, "lr_decay": 0.0, "eps": 1e-5, "weight_decay": 0.0, "initial_accumulator_value": 0.0},
     "adan": {"lr": None, "beta1": 0.98, "beta2": 0.92, "beta3": 0.99, "eps": 1e-8, "weight_decay": 0.0,
              "no_prox": False},
+    # AdafactorConfig (optimizers-burn-torch.md §1.2) in torch's names where the meaning is the same
+    # (decay_rate = beta2_decay, clip_threshold = d, epsilon_2 = eps[1]); burn's epsilon_1 is added to
+    # g² (torch's eps[0] is a clamp) and its two switches have no torch key.
+    "adafactor": {"lr": None, "beta2_decay": -0.8, "epsilon_1": 1e-30, "epsilon_2": 1e-3, "d": 1.0,
+                  "weight_decay": 0.0, "relative_step": True, "scale_parameter": True},
+    # MuonConfig (§1.5): momentum {0.95, dampening 0, nesterov}, no weight decay unless configured,
+    # adjust_lr_fn Original (torch's None / "original")
+    "muon": {"lr": None, "weight_decay": 0.0, "momentum": 0.95, "dampening": 0.0, "nesterov": True,
+             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None},
+    # LBFGSConfig (§1.6): torch's defaults, max_eval None = max_iter * 5 / 4
+    "lbfgs": {"lr": None, "max_iter": 20, "max_eval": 25, "tolerance_grad": 1e-7, "tolerance_change": 1e-9,
+              "history_size": 100, "line_search_fn": None},
 }
 BURN_MOMENTUM: dict[str, object] = {"momentum": 0.9, "dampening": 0.1, "nesterov": False}
 BURN_FIXED: dict[str, frozenset[str]] = {
     "adam": _NO_MAXIMIZE, "adamw": _NO_MAXIMIZE, "sgd": _NO_MAXIMIZE, "rmsprop": _NO_MAXIMIZE,
     "adagrad": frozenset({"initial_accumulator_value", "maximize"}), "adan": frozenset(),
+    "adafactor": _NO_MAXIMIZE,
 }
 
 # candle-nn's ``ParamsAdamW::default()`` (docs/candle.md): the same values as torch.optim.AdamW's.
@@ -82,6 +99,7 @@ FIXED: dict[str, dict[str, frozenset[str]]] = {"torch": {}, "burn": BURN_FIXED, 
 
 # The hyperparameters the CLI and the Python API accept (--lr, lr=…), in one list.
 FLAGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov")
+# --hyper KEY=VALUE sets any other key of the family's table (burn's relative_step, Muon's ns_steps …)
 
 
 def split_betas(values: dict[str, object]) -> dict[str, object]:

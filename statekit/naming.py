@@ -24,6 +24,10 @@ class Layout:
     step: str | None = None
     also: tuple[str, ...] = ()  # other families with byte-identical state (cannot be told apart)
     derived: frozenset[str] = field(default_factory=frozenset)  # slots recomputable from others
+    # neutral slots stored under a field ``slots`` already maps, by rank: burn Adafactor keeps a
+    # 1-D parameter's full second moment (torch's ``variance``) in ``second_moment``, the field of
+    # a matrix's row factor (torch's ``row_var``)
+    alias: dict[str, str] = field(default_factory=dict)
 
 
 BURN: tuple[Layout, ...] = (
@@ -51,6 +55,13 @@ BURN: tuple[Layout, ...] = (
     ),
     Layout("adagrad", {"lr_decay.sum": "sum"}, frozenset({"lr_decay.sum", "lr_decay.time"}),
            step="lr_decay.time"),
+    Layout(
+        "adafactor",
+        {"second_moment": "row_var", "column_second_moment": "col_var"},
+        frozenset({"second_moment", "time"}),
+        step="time",
+        alias={"variance": "second_moment"},
+    ),
     Layout(
         "rmsprop",
         {"square_avg.square_avg": "square_avg", "centered.grad_avg": "grad_avg",
@@ -85,6 +96,7 @@ TORCH: tuple[Layout, ...] = (
            frozenset({"square_avg", "step"}), step="step"),
     Layout("adagrad", {"sum": "sum"}, frozenset({"sum", "step"}), step="step"),
     Layout("sgd", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
+    Layout("muon", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
 )
 
 # candle-nn keeps AdamW's moments per variable and one optimizer-wide ``step_t`` (statekit's
@@ -97,8 +109,11 @@ CANDLE: tuple[Layout, ...] = (
 FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 
 def layout(framework: str, family: str) -> Layout:
+    for item in FRAMEWORKS[framework]:  # a family's own layout first (torch's muon), then one it shares
+        if item.family == family:
+            return item
     for item in FRAMEWORKS[framework]:
-        if item.family == family or family in item.also:
+        if family in item.also:
             return item
     raise KeyError(f"{framework} has no optimizer family {family!r}")
 

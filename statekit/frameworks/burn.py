@@ -167,6 +167,10 @@ def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, objec
                 p.extra["__step_kind"] = value.kind
             elif leaf in lay.slots:
                 p.slots[lay.slots[leaf]] = value
+        for slot, leaf in lay.alias.items():  # Adafactor: a 1-D parameter's second_moment is unfactored
+            factored = lay.slots[leaf]
+            if factored in p.slots and len(p.slots) == 1 and len(p.slots[factored].shape) <= 1:
+                p.slots[slot] = p.slots.pop(factored)
         if p.rank is None and p.shape is not None:
             p.rank = len(p.shape)
     state = OptimizerState(family=None, params=list(params.values()), framework="burn")
@@ -222,7 +226,7 @@ def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
                 _put(tensors, scalars, key, leaf, value, p.id)
         else:
             lay = naming.layout("burn", family)
-            native = {neutral: leaf for leaf, neutral in lay.slots.items()}
+            native = {neutral: leaf for leaf, neutral in lay.slots.items()} | lay.alias
             for slot, ref in p.slots.items():
                 if slot not in native:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state has no field for {slot!r}")

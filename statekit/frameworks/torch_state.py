@@ -22,7 +22,8 @@ MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 _FLOATS = frozenset(("F64", "F32", "F16", "BF16"))
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
-BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "muon"})  # burn 0.22's optimizers
+# burn 0.22's optimizers that torch also has (LAMB, Lion and Adan are burn's alone)
+BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "adafactor", "muon", "lbfgs"})
 STEP_NOT_IN_UPDATE = frozenset({"rmsprop"})  # torch counts steps there but its update never reads it
 
 

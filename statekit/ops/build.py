@@ -11,16 +11,23 @@ from __future__ import annotations
 from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
+from statekit.ops import crossing as cross
 from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
 from statekit.state import OptimizerState, ParamState
 
 # torch families statekit reads but does not convert (their state or update is not modelled)
-NOT_CONVERTED = ("asgd", "rprop", "sparseadam", "muon", "lbfgs")
+NOT_CONVERTED = ("asgd", "rprop", "sparseadam")
 
 
-def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
+def _family(state: OptimizerState, opts: Options, crossing: bool, dst_fw: str = "neutral") -> str:
+    family = _chosen_family(state, opts, crossing)
+    cross.refuse_missing(family, state.framework, dst_fw)
+    return family
+
+
+def _chosen_family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     family = state.family
     wanted = opts.optimizer.lower() if opts.optimizer else None
     if family is None and wanted and wanted in state.candidates:
@@ -29,7 +36,7 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
         label = state.family_label if state.family_detail else "mixed or unknown layouts"
         raise MappingError(f"the optimizer family could not be determined from the file: {label}; "
                            "statekit converts only states it recognises exactly")
-    if state.framework == "torch" and family in NOT_CONVERTED:
+    if state.framework == "torch" and family in NOT_CONVERTED and not crossing:
         from statekit.frameworks.torch_families import class_name
 
         raise MappingError(f"{class_name(family)} state: statekit reads it but does not convert it")
@@ -69,7 +76,7 @@ def _slots_missing(p: ParamState, family: str, target: str) -> tuple[str, ...]:
     if target not in naming.FRAMEWORKS:
         return ()
     lay = naming.layout(target, family)
-    neutral = set(lay.slots.values())
+    neutral = set(lay.slots.values()) | set(lay.alias)
     return tuple(s for s in p.slots if s not in neutral and s not in _derived(family))
 
 
@@ -94,7 +101,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     src_fw = state.framework
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
-    family = _family(state, opts, crossing)
+    family = _family(state, opts, crossing, dst_fw)
     plan = Plan(operation, source, source_format, target, target_format, family)
     plan.names_from = state.names_from
     plan.step_policy, plan.allow_nonfinite = opts.step_policy, opts.allow_nonfinite
@@ -399,6 +406,12 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
             values = dict(g.hyperparams)
             values.update(given)
             plan.hyperparams.append(values)
+    if src_fw != dst_fw and dst_fw != "neutral":  # values that change meaning or refuse the crossing
+        plan.hyperparams = [cross.target_values(family, src_fw, dst_fw, v, plan.assumed)
+                            for v in plan.hyperparams]
+        plan.transforms = [t.to_json() for i, v in enumerate(plan.hyperparams)
+                           for t in cross.transforms(family, src_fw, dst_fw, v, i)]
+        plan.exactness = cross.exactness(family, src_fw, dst_fw)
     if dst_fw == "torch":
         plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
     if dst_fw == "burn" and len(plan.hyperparams) > 1:

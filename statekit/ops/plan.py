@@ -57,6 +57,11 @@ class Plan:
     step_policy: str | None = None  # candle: "max" writes the largest of differing steps
     allow_nonfinite: bool = False  # write NaN/Inf state instead of refusing it
     names_from: str | None = None  # how a torch source's positions were named (torch_names), when they were
+    # value changes applied while writing (statekit.ops.crossing.Transform as dicts) and what they
+    # promise about a resumed run
+    transforms: list[dict] = field(default_factory=list)
+    exactness: str | None = None
+    group_families: list[str] | None = None  # per target group, when groups hold different optimizers
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views
