@@ -16,9 +16,41 @@ import math
 from dataclasses import dataclass, field
 
 from statekit import paramid
+from statekit.errors import MappingError
 from statekit.tensor import TensorRef
 
 GLOB_CHARS = frozenset("*?[")
+_PLAIN = int | float | bool | str | None
+
+
+def understood(value: object) -> bool:
+    """Whether statekit knows what a per-parameter value is: a tensor, a plain scalar, or a list of
+    those (L-BFGS's history). A nested dict or any other object is not, and is never passed over
+    silently (see :attr:`ParamState.opaque`)."""
+    if isinstance(value, TensorRef | _PLAIN):
+        return True
+    return isinstance(value, list | tuple) and all(isinstance(v, TensorRef | _PLAIN) for v in value)
+
+
+def nested_tensors(value: object) -> list[TensorRef]:
+    """The tensors anywhere inside ``value`` (dicts, lists, tuples), in order."""
+    if isinstance(value, TensorRef):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in nested_tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in nested_tensors(v)]
+    return []
+
+
+def describe_opaque(value: object) -> str:
+    """A not-understood value for people: ``a dict (state1, qmap1, …)``, ``a GaLoreProjector``."""
+    if isinstance(value, dict):
+        return f"a dict ({', '.join(map(str, value)) or 'empty'})"
+    if isinstance(value, list | tuple):
+        kinds = sorted({type(v).__name__ for v in value if not isinstance(v, TensorRef | _PLAIN)})
+        return f"a {type(value).__name__} of {len(value)} holding {', '.join(kinds)}"
+    return f"a {type(value).__name__}"
 
 
 def format_shape(dims) -> str:
@@ -83,6 +115,16 @@ class ParamState:
                 return tuple(ref.shape)
             first = () if first is None else first
         return first if first is not None else self.declared_shape
+
+    @property
+    def opaque(self) -> dict[str, object]:
+        """Native entries statekit does not understand (a nested dict, an object): shown by
+        ``inspect`` with their keys, refused by ``doctor`` and ``convert`` by name."""
+        return {k: v for k, v in self.extra.items() if not understood(v)}
+
+    def opaque_text(self) -> str:
+        """The not-understood entries for a message: ``name (a dict (state1, …))``, joined."""
+        return "; ".join(f"{k} ({describe_opaque(v)})" for k, v in self.opaque.items())
 
     @property
     def dtype(self) -> str | None:
@@ -166,6 +208,16 @@ class OptimizerState:
 
     def steps(self) -> set:
         return {p.step for p in self.params if p.step is not None}
+
+
+def refuse_opaque(state: OptimizerState | None, source: str, doing: str) -> None:
+    """Entries statekit does not understand are never passed over: a MappingError naming them."""
+    holders = [p for p in state.params if p.opaque] if state is not None else []
+    if holders:
+        more = f" (+{len(holders) - 3} more parameters)" if len(holders) > 3 else ""
+        listed = "; ".join(f"parameter {p.label()}: {p.opaque_text()}" for p in holders[:3])
+        raise MappingError(f"state statekit does not understand: {listed}{more}; refusing to {doing} without it",
+                           source)
 
 
 @dataclass(slots=True)  # one per model tensor: a state_dict may hold 10^6

@@ -332,7 +332,7 @@ def test_memo_bomb_in_a_refused_argument_is_named_without_expanding_it(tmp_path)
 def test_pickle_opcode_count_limit(tmp_path, monkeypatch):
     from statekit.formats import torch_pickle
 
-    monkeypatch.setattr(torch_pickle, "MAX_STEPS", 1000)
+    monkeypatch.setattr(torch_pickle.interpreter, "MAX_STEPS", 1000)
     pkl = pickle.PROTO + b"\x02" + pickle.EMPTY_LIST + (pickle.NONE + pickle.APPEND) * 600 + pickle.STOP
     refuse(write(tmp_path, "steps.pt", torch_zip(pkl)), "opcodes")
 

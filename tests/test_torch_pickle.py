@@ -635,7 +635,7 @@ def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> tuple[obje
     real = torch_pickle._Unpickler.tensor_call
     monkeypatch.setattr(torch_pickle._Unpickler, "tensor_call", lambda *a: calls.append(1) or real(*a))
     fast = outcome()
-    monkeypatch.setattr(torch_pickle, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
+    monkeypatch.setattr(torch_pickle.interpreter, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
     return fast, outcome(), len(calls)
 
 

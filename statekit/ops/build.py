@@ -15,7 +15,7 @@ from statekit.ops import crossing as cross
 from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
-from statekit.state import OptimizerState, ParamState
+from statekit.state import OptimizerState, ParamState, refuse_opaque
 
 # torch families statekit reads but does not convert (their state or update is not modelled)
 NOT_CONVERTED = ("asgd", "rprop", "sparseadam")
@@ -98,6 +98,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
                opts: Options, operation: str = "convert") -> Plan:
     """The plan for moving ``state`` to ``target``: every name, identity, layout and
     hyperparameter decided, or a MappingError listing every conflict at once."""
+    refuse_opaque(state, source, operation)
     src_fw = state.framework
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"

@@ -58,6 +58,9 @@ WHY = {
     "path": "burn matches state by ParamId, so this resumes fine; tools that match by path will not",
     "names": "PyTorch pairs state with parameters by position; which model parameter each position belongs to "
              "could not be worked out from the model's order and shapes, so the model checks were skipped",
+    "opaque": "statekit does not understand this entry (a nested dict or an object), so the moments in it were "
+              "not checked, and a reader that expects plain tensors (torch's own optimizers, burn) would drop "
+              "or reject them",
     "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
 }
 
@@ -98,6 +101,8 @@ def _check_param(p: ParamState, findings: list[dict]) -> None:
     if p.family is None and any(isinstance(v, TensorRef) for v in p.extra.values()):
         names = ", ".join(k for k, v in p.extra.items() if isinstance(v, TensorRef))
         findings.append(_finding("warning", "layout", label, f"unrecognised state fields: {names}"))
+    if p.opaque:
+        findings.append(_finding("error", "opaque", label, f"state not understood, not checked: {p.opaque_text()}"))
     fields = {**p.slots, **{k: v for k, v in p.extra.items() if isinstance(v, TensorRef)}}
     bad, zeros = [], []
     for name, ref in fields.items():

@@ -14,7 +14,7 @@ from functools import cache
 from statekit import dtypes, naming
 from statekit.errors import StatekitError
 from statekit.lazy import numpy as np
-from statekit.state import Checkpoint, OptimizerState, ParamState, matches
+from statekit.state import Checkpoint, OptimizerState, ParamState, describe_opaque, matches
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
@@ -91,6 +91,8 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
             if stats:
                 item["stats"] = stats_of(value)
             fields[name] = item
+    for name, value in p.opaque.items():
+        fields[name] = _opaque_field(value)
     shape = p.shape
     out = {
         "id": None if p.id is None else str(p.id),
@@ -102,12 +104,46 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
         "dtype": p.dtype,
         "step": p.step,
         "group": p.group,
-        "family": p.family,
+        "family": p.family or state.family or state.family_label,
         "fields": fields,
     }
     if state.framework == "burn":
         out.pop("index")
     return out
+
+
+def _opaque_field(value: object, depth: int = 0) -> dict:
+    """A value statekit does not understand, as it is: its type, and a dict's keys and entries."""
+    if isinstance(value, TensorRef):
+        return {"shape": list(value.shape), "dtype": value.dtype}
+    if isinstance(value, bool | int | float | str) or value is None:
+        return {"value": value}
+    out: dict = {"understood": False, "type": type(value).__name__}
+    if isinstance(value, dict):
+        out["keys"] = [str(k) for k in value]
+        if depth < 3:
+            out["entries"] = {str(k): _opaque_field(v, depth + 1) for k, v in value.items()}
+    elif isinstance(value, list | tuple):
+        out["length"] = len(value)
+    return out
+
+
+def opaque_warning(state: OptimizerState) -> str | None:
+    """One line naming the entries statekit does not understand, or None."""
+    holders = [p for p in state.params if p.opaque]
+    if not holders:
+        return None
+    kinds: dict[str, list[str]] = {}
+    for p in holders:
+        for name, value in p.opaque.items():
+            kinds.setdefault(f"{name} ({describe_opaque(value)})", []).append(p.label())
+    parts = []
+    for what, labels in kinds.items():
+        more = f" +{len(labels) - 3} more" if len(labels) > 3 else ""
+        parts.append(f"{what} in {len(labels)} parameter{'s' if len(labels) != 1 else ''} "
+                     f"({', '.join(labels[:3])}{more})")
+    return ("state statekit does not understand: " + "; ".join(parts)
+            + " — not read as optimizer state; doctor and convert refuse it")
 
 
 def select(ckpt: Checkpoint, only: list[str] | None) -> set[int] | None:
@@ -173,7 +209,10 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
     state = ckpt.optimizer
     stats_of = _prefetched_stats(ckpt, chosen) if stats else tensor_stats
     if state is not None:
-        out["family"] = state.family
+        out["family"] = state.family or state.family_label  # a name, or "unknown (…)": never blank
+        unread = opaque_warning(state)
+        if unread:
+            out["warnings"].append(unread)
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])

@@ -23,7 +23,7 @@ from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 from statekit.ops.diff import METHOD_WORDS, match_key, match_method
 from statekit.ops.progress import ProgressFactory, silent
-from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
+from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
 from statekit.tensor import TensorRef
 
 POLICIES = ("error", "first", "last", "mean")
@@ -85,6 +85,8 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
         raise UsageError(f"--on-conflict must be one of {', '.join(POLICIES)} (got {on_conflict!r})")
     states = [_state_of(ckpt) for ckpt in ckpts]
     paths = [c.path for c in ckpts]
+    for state, path in zip(states, paths, strict=True):
+        refuse_opaque(state, path, "merge")
     _check_one_family(paths, states)
     _check_one_framework(paths, states)
     method = match_method(*[s.params for s in states])

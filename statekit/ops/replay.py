@@ -22,7 +22,7 @@ from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import registry
 from statekit.optim.tolerance import param_bound
-from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
+from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
 from statekit.tensor import TensorRef
 
 FLAVOR_OF_FRAMEWORK = {"burn": "burn", "torch": "torch", "candle": "candle"}
@@ -234,6 +234,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         st = ckpt.optimizer if ckpt else None
         if ckpt is not None and st is None:
             raise UsageError(f"{state}: holds no optimizer state")
+        refuse_opaque(st, state, "replay")
         algorithm = pick_algorithm(st, given=optimizer)
         flav = flavor or default_flavor(st)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
@@ -377,6 +378,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         raise UsageError(f"{original.path}: holds no optimizer state")
     if b_state is None:
         raise UsageError(f"{migrated.path}: holds no optimizer state")
+    refuse_opaque(a_state, original.path, "verify a resume")
+    refuse_opaque(b_state, migrated.path, "verify a resume")
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
     flav_a = flavor_original or default_flavor(a_state)
     flav_b = flavor_migrated or default_flavor(b_state)

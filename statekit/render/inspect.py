@@ -17,7 +17,9 @@ FIELDS_MIN = 24  # the fields column wraps, but not narrower than this
 def summary_line(d: dict) -> str:
     version = f" v{d['version']}" if d.get("version") is not None else ""
     kind = d["kind"]
-    if d.get("family"):
+    if d.get("family") and d["family"].startswith("unknown"):
+        kind = f"{kind} (unknown family)"  # the reason is long: it follows the table, as a note
+    elif d.get("family"):
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
         kind = f"{kind} ({fam})"
     size = human_bytes(d["bytes"])
@@ -45,8 +47,16 @@ def _cells(p: dict, optimizer: bool) -> dict[str, str]:
              "dtype": p["dtype"] or "-"}
     if optimizer:
         cells["step"] = "-" if p["step"] is None else f"{p['step']:g}"
-        cells["fields"] = ", ".join(p["fields"]) or "(no state)"
+        cells["fields"] = ", ".join(_field_text(n, f) for n, f in p["fields"].items()) or "(no state)"
     return cells
+
+
+def _field_text(name: str, f: dict) -> str:
+    """A field's name; one statekit does not understand also says what it is (a dict's keys)."""
+    if f.get("understood", True):
+        return name
+    inner = f" {{{', '.join(f['keys'])}}}" if "keys" in f else f" ({f['type']})"
+    return f"{name}{inner} (not understood)"
 
 
 def _itemsize(dtype: str | None) -> int:
@@ -62,7 +72,8 @@ def _totals(params: list[dict], optimizer: bool) -> tuple[int, int]:
     """Elements and bytes of a group of parameters (their state fields, for optimizer files)."""
     elements = nbytes = 0
     for p in params:
-        items = [(f["shape"], f["dtype"]) for f in p["fields"].values()] if optimizer else [(p["shape"] or [], p["dtype"])]
+        items = [(f["shape"], f["dtype"]) for f in p["fields"].values() if "shape" in f] if optimizer \
+            else [(p["shape"] or [], p["dtype"])]
         for dims, dtype in items:
             n = 1
             for s in dims:
@@ -158,6 +169,8 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
 def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
     """Renderables for ``statekit inspect``: summary, grouped table, notes."""
     out: list = [Line(((f"{d['path']}: ", "bold"), (summary_line(d), "")))]
+    if d["kind"] == "optimizer" and str(d.get("family") or "").startswith("unknown"):
+        out.append(Line.of(f"family: {d['family']}", "yellow"))
     if d["params"]:
         out.append(params_table(d, width))
     if stats:

@@ -1,0 +1,123 @@
+"""torch.save's fast path: one tensor's whole ``_rebuild_tensor_v2`` call, recognised by its exact
+opcode bytes and run at once with the same checks the opcode loop makes (:func:`tensor_call`).
+
+The functions are methods of the interpreter's ``_Unpickler`` (its ``u``), which imports them."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+from statekit.formats.torch_pickle.allowlist import _ORDERED_DICT, _REBUILD_TENSOR_V2, _call, _Callable
+from statekit.formats.torch_pickle.geometry import _tensor
+from statekit.formats.torch_pickle.opcodes import _INTS, _TUPLE1, _int_op
+from statekit.formats.torch_pickle.structure import MAX_DEPTH
+
+
+def _small_tuple(ints: bytes | None, op: bytes | None) -> tuple | bool:
+    """The size or stride tuple a tensor call builds from ints (BININT* then TUPLE1/2/3), or from
+    nothing (EMPTY_TUPLE); False when the opcodes do not build what they seem to."""
+    if ints is None:
+        return ()
+    values, i = [], 0
+    while i < len(ints):
+        width = _INTS[ints[i]]
+        values.append(_int_op(ints[i : i + 1 + width]))
+        i += 1 + width
+    return tuple(values) if len(values) == op[0] - _TUPLE1 + 1 else False
+
+
+def _tensor_call_pattern() -> re.Pattern:
+    """The opcodes of one ``_rebuild_tensor_v2(storage, offset, size, stride, requires_grad,
+    OrderedDict())`` call as torch.save (protocol 2) writes it, from the MARK after the callable:
+    every argument but the ints comes from the memo (BINGET/LONG_BINGET), every object built is
+    memoized (BINPUT/LONG_BINPUT)."""
+    get, put = rb"(h.|j.{4})", rb"(q.|r.{4})"
+    integer = rb"(K.|M.{2}|J.{4})"
+    ints = rb"((?:K.|M.{2}|J.{4}){1,3})"
+    small_tuple = rb"(?:" + get + rb"|" + ints + rb"([\x85-\x87])" + put + rb"|\))"
+    pattern = (rb"\(\(" + get + get + rb"(?:" + get + rb"|X([\x01-\x14])\x00\x00\x00([0-9]+)" + put + rb")"
+               + get + integer + rb"t" + put + rb"Q" + integer + small_tuple + small_tuple + rb"([\x88\x89])"
+               + get + rb"\)R" + put + rb"t" + put + rb"R" + put)
+    return re.compile(pattern, re.DOTALL)
+
+
+_TENSOR_CALL = _tensor_call_pattern()
+_KEYED_CALL = re.compile(rb"(q.|r.{4})(h.|j.{4})" + _TENSOR_CALL.pattern, re.DOTALL)  # after a BINUNICODE
+_PUT_RUNS = {k: struct.Struct("<" + "xI" * k) for k in range(1, 9)}  # k LONG_BINPUTs -> their indices
+_TENSOR_CALL_OPS = 25  # opcodes one such call runs, counted toward MAX_STEPS (a few more or fewer)
+
+
+def keyed_call(u, groups: tuple, stack: list) -> bool:
+    """:meth:`tensor_call` after the BINPUT of the string on top (a dict key) and the BINGET of
+    the callable, as :data:`_KEYED_CALL` matched them; False — nothing done — if not quite."""
+    memo, get = u.memo, int.from_bytes(groups[1][1:], "little")
+    func = memo[get] if type(memo) is list and get < len(memo) else None
+    return type(func) is _Callable and u.tensor_call(groups[2:], stack, (groups[0], func))
+
+
+def tensor_call(u, groups: tuple, stack: list, keyed: tuple | None = None) -> bool:
+    """Run a whole ``_rebuild_tensor_v2`` call that :data:`_TENSOR_CALL` matched (MARK to the
+    REDUCE's BINPUT) as its ~25 opcodes would, with the same checks, in the canonical case only:
+    every BINGET reads an entry that exists, the BINPUTs append to the memo in order. False —
+    nothing done — otherwise (the loop then runs the opcodes). ``keyed``: the BINPUT of the
+    string on top and the callable a BINGET pushes, which come first."""
+    (storage_name, stype, key_get, key_len, key, key_put, location, numel, pid_put, offset,
+     size_get, size_ints, size_op, size_put, stride_get, stride_ints, stride_op, stride_put, grad,
+     od_get, od_put, args_put, out_put) = groups
+    memo, index = u.memo, int.from_bytes
+    if type(memo) is not list or len(u.metastack) + 2 > MAX_DEPTH:
+        return False
+    puts = b"".join(filter(None, (keyed and keyed[0], key_put, pid_put, size_put, stride_put, od_put, args_put,
+                                  out_put)))
+    k = 4 + (keyed is not None) + (key_put is not None) + (size_put is not None) + (stride_put is not None)
+    if len(puts) != 5 * k or _PUT_RUNS[k].unpack(puts) != tuple(range(len(memo), len(memo) + k)):
+        return False  # (LONG_BINPUTs appending in order; anything else runs opcode by opcode)
+    try:
+        same, reads = u.last_call, groups[:8]
+        reuse = key is None and same[0] == reads and same[1] == u.overwrites
+        if not reuse:
+            storage_name, stype = memo[index(storage_name[1:], "little")], memo[index(stype[1:], "little")]
+            location = memo[index(location[1:], "little")]
+            key = memo[index(key_get[1:], "little")] if key is None else key.decode()
+        size = memo[index(size_get[1:], "little")] if size_get else _small_tuple(size_ints, size_op)
+        stride = memo[index(stride_get[1:], "little")] if stride_get else _small_tuple(stride_ints, stride_op)
+        od_func = memo[index(od_get[1:], "little")]
+    except IndexError:  # an entry not yet (or never) made
+        return False
+    if size is False or stride is False or (key_len is not None and len(key) != key_len[0]):
+        return False
+    # from here on, exactly what the opcodes do
+    new = [stack[-1]] if keyed else []
+    if keyed:
+        stack.append(keyed[1])
+    if reuse:
+        pid, storage = same[2], same[3]  # the previous call's id, from the same memo entries: equal
+    else:
+        if key_put:
+            new.append(key)
+        pid = (storage_name, stype, key, location, _int_op(numel))
+        if not (type(storage_name) is str and type(key) is str and type(location) is str):
+            pid = u.nest(pid, pid)  # (a _StorageType is no container)
+        storage = u.persistent_load(pid)
+        u.last_call = (reads, u.overwrites, pid, storage)
+    new.append(pid)
+    if size_put:
+        new.append(size)
+    if stride_put:
+        new.append(stride)
+    backward_hooks = {} if od_func is _ORDERED_DICT else _call(od_func, ())
+    args = (storage, _int_op(offset), size, stride, grad == b"\x88", backward_hooks)
+    depths = u.depths
+    if not (type(size) is tuple and type(stride) is tuple and id(size) not in depths and id(stride) not in depths
+            and id(backward_hooks) not in depths):
+        u.nest(args, args)
+    # else depth 2 (flat size and stride), not recorded: one entry per tensor saved; should a later
+    # BINGET nest the tuple, check_structure still bounds the depth of what the pickle returns
+    if stack[-1] is _REBUILD_TENSOR_V2 and type(backward_hooks) is dict:  # what its stand-in does
+        stack[-1] = _tensor(storage, args[1], size, stride, None, args[4])
+    else:
+        stack[-1] = _call(stack[-1], args)
+    new += (backward_hooks, args, stack[-1])
+    memo += new
+    return True

@@ -1,0 +1,624 @@
+"""The opcode interpreter: reads one pickle using only the opcodes registered in ``_OPS``, every
+global through the allow-list, tensor calls in torch.save's exact bytes through the fast path."""
+
+from __future__ import annotations
+
+import mmap
+import pickle
+import struct
+from collections.abc import Callable, Mapping
+
+from statekit.errors import FormatError, UnsafePickleError
+from statekit.formats import limits
+from statekit.formats.torch_pickle import fastpath
+from statekit.formats.torch_pickle.allowlist import (
+    _call,
+    _Callable,
+    _python_state,
+    _StorageType,
+    _with_info,
+    find_global,
+)
+from statekit.formats.torch_pickle.dtype_table import statekit_dtype
+from statekit.formats.torch_pickle.fastpath import _KEYED_CALL, _TENSOR_CALL, _TENSOR_CALL_OPS
+from statekit.formats.torch_pickle.geometry import Storage, StorageId
+from statekit.formats.torch_pickle.opcodes import (
+    _BINGET,
+    _BINPUT,
+    _BINUNICODE,
+    _F64,
+    _I32,
+    _INLINE_CONSTANTS,
+    _INT_FORMATS,
+    _INTS,
+    _LONG_BINGET,
+    _LONG_BINPUT,
+    _MARK,
+    _PUTS,
+    _REDUCE,
+    _STOP,
+    _TUPLE,
+    _TUPLE1,
+    _TUPLE3,
+    _U16,
+    _U32,
+    _U64,
+)
+from statekit.formats.torch_pickle.structure import (
+    _CONTAINERS,
+    MAX_DEPTH,
+    MAX_EXPANSION,
+    MAX_STEPS,
+    _is_container,
+    check_structure,
+    no_gc,
+)
+from statekit.formats.torch_pickle.values import Record, RecordClass, _build_record, _key, _keys
+from statekit.tensor import TensorRef
+
+StorageLoader = Callable[[StorageId], Storage]
+
+_MAX_LONG_BYTES = 1024
+_OPS: dict[int, Callable[[_Unpickler], None]] = {}
+
+
+def _op(*codes: bytes):
+    def register(fn):
+        for code in codes:
+            _OPS[code[0]] = fn
+        return fn
+
+    return register
+
+
+class _Unpickler:
+    """Interprets one pickle from ``data[pos:]`` using only the opcodes registered in ``_OPS``."""
+
+    def __init__(
+        self,
+        data: bytes | mmap.mmap,
+        pos: int,
+        storage_loader: StorageLoader | None,
+        extra_globals: Mapping[str, object] | None = None,
+    ):
+        self.data = data
+        self.extra_globals = extra_globals
+        self.records: dict[int, RecordClass] = {}  # id(Record) -> its class, for BUILD
+        self.pos = pos
+        self.code = 0  # the opcode being interpreted
+        self.storage_loader = storage_loader
+        self.stack: list = []
+        self.metastack: list[list] = []
+        # the memo: a list while the indices come in order (0, 1, 2, ... as every pickler writes
+        # them: 8 bytes an entry, no int objects kept), a dict once one does not
+        self.memo: list | dict[int, object] = []
+        self.depths: dict[int, int] = {}  # id → nesting depth of the containers built so far
+        self.built: list = []  # keeps them alive, so that ids stay unique
+        self.steps = 0
+        self.sids: dict[tuple, StorageId] = {}  # persistent ids parsed so far
+        self.last_sid: StorageId | None = None
+        self.overwrites = 0  # memo entries replaced so far (tensor_call reuses what it read only if none was)
+        self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
+
+    def truncated(self, n: int) -> FormatError:
+        return FormatError(
+            f"pickle is truncated: needs {n} bytes at offset {self.pos}, data ends at {len(self.data)}"
+        )
+
+    def truncated_at(self, pos: int, n: int) -> FormatError:
+        self.pos = pos
+        return self.truncated(n)
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            raise self.truncated(1)
+        self.pos += 1
+        return self.data[self.pos - 1]
+
+    def read(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise self.truncated(n)
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
+    def unpack(self, fmt: struct.Struct) -> int | float:
+        if self.pos + fmt.size > len(self.data):
+            raise self.truncated(fmt.size)
+        self.pos += fmt.size
+        return fmt.unpack_from(self.data, self.pos - fmt.size)[0]
+
+    def readline(self) -> str:
+        end = self.data.find(b"\n", self.pos, self.pos + 1024)
+        if end < 0 and self.pos + 1024 >= len(self.data):
+            raise self.truncated(len(self.data) - self.pos + 1)
+        if end < 0:
+            raise FormatError(f"pickle GLOBAL name at offset {self.pos} is unterminated")
+        line, self.pos = self.data[self.pos : end], end + 1
+        return line.decode("utf-8")
+
+    def nest(self, container: object, items) -> object:
+        """Record ``container``'s depth from ``items`` (refused past the limit, as it is built).
+
+        Containers of depth 1 (a tuple of ints) are not recorded — a container with no record
+        counts as depth 1 — so the many small tuples of a large pickle are not kept alive; those
+        recorded are, so that their ids stay unique."""
+        if not any(issubclass(kind, _CONTAINERS) for kind in set(map(type, items))):
+            return container  # no container among the items (the values of a state_dict): no deeper
+        depths = self.depths
+        depth = depths.get(id(container), 1)
+        for item in items:
+            inner = depths.get(id(item))
+            if inner is None:
+                if depth < 2 and isinstance(item, _CONTAINERS):
+                    depth = 2
+            elif inner >= depth:
+                depth = inner + 1
+        if depth > 1:
+            if depth > MAX_DEPTH:
+                raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+            if id(container) not in depths:
+                self.built.append(container)
+            depths[id(container)] = depth
+        return container
+
+    def put(self, index: int, value: object) -> None:
+        """memo[index] = value."""
+        memo = self.memo
+        if index == len(memo) and type(memo) is list:
+            memo.append(value)
+            return
+        self.overwrites += 1  # (or a new sparse index: counted alike)
+        if type(memo) is list:
+            if index < len(memo):
+                memo[index] = value
+                return
+            self.memo = memo = dict(enumerate(memo))
+        memo[index] = value
+
+    def pop_mark(self) -> list:
+        if not self.metastack:
+            raise FormatError("malformed pickle: no MARK on the stack")
+        items, self.stack = self.stack, self.metastack.pop()
+        return items
+
+    def target(self, kind: type) -> object:
+        top = self.stack[-1]
+        if not isinstance(top, kind):
+            raise FormatError(f"malformed pickle: cannot add items to a {type(top).__name__}")
+        return top
+
+    def dispatch(self, code: int, start: int) -> None:
+        """Run one opcode through its handler in ``_OPS`` (those not inlined in :meth:`load`)."""
+        if self.steps > MAX_STEPS:
+            raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
+        handler = _OPS.get(code)
+        if handler is None:
+            raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
+        handler(self)
+
+    def load(self) -> object:
+        """The interpreter loop: torch.save's opcodes inline (checked like their ``_OPS`` handlers,
+        which run the rest), a tensor's whole ``_rebuild_tensor_v2`` call at once (:meth:`tensor_call`)."""
+        data, end, u32 = self.data, len(self.data), _U32.unpack_from
+        pos, start, steps = self.pos, self.pos, self.steps
+        stack, metastack, memo = self.stack, self.metastack, self.memo
+        try:
+            while True:
+                start = pos
+                if pos >= end:
+                    raise self.truncated_at(pos, 1)
+                code = data[pos]
+                pos += 1
+                steps += 1
+                if code == _BINGET or code == _LONG_BINGET:
+                    width = 1 if code == _BINGET else 4
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    stack.append(memo[data[pos] if width == 1 else u32(data, pos)[0]])
+                    pos += width
+                elif code == _LONG_BINPUT or code == _BINPUT:
+                    width = 1 if code == _BINPUT else 4
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    self.put(data[pos] if width == 1 else u32(data, pos)[0], stack[-1])
+                    memo = self.memo
+                    pos += width
+                elif code == _MARK:
+                    if len(metastack) >= MAX_DEPTH:
+                        raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+                    fast = data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable
+                    if fast and (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
+                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
+                        continue
+                    metastack.append(stack)
+                    stack = []
+                elif code == _TUPLE:
+                    if not metastack:
+                        raise FormatError("malformed pickle: no MARK on the stack")
+                    items = tuple(stack)
+                    stack = metastack.pop()
+                    stack.append(self.nest(items, items) if any(map(_is_container, items)) else items)
+                elif code in _INTS:
+                    width = _INTS[code]
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    stack.append(data[pos] if width == 1 else _INT_FORMATS[width].unpack_from(data, pos)[0])
+                    pos += width
+                elif code == _REDUCE:
+                    args = stack.pop()
+                    stack[-1] = _call(stack[-1], args)
+                elif _TUPLE1 <= code <= _TUPLE3:
+                    n = code - _TUPLE1 + 1
+                    if len(stack) < n:
+                        raise FormatError("malformed pickle: stack underflow in TUPLE")
+                    items = tuple(stack[-n:])
+                    del stack[-n:]
+                    stack.append(self.nest(items, items) if any(map(_is_container, items)) else items)
+                elif code == _BINUNICODE:
+                    n = u32(data, pos)[0] if pos + 4 <= end else -1
+                    if n < 0 or pos + 4 + n > end:
+                        raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
+                    stack.append(_text(data[pos + 4 : pos + 4 + n]))
+                    pos += 4 + n
+                    fast = data[pos : pos + 1] in _PUTS  # a name, then its tensor?
+                    if fast and (match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack):
+                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS + 3, self.memo
+                elif code in _INLINE_CONSTANTS:
+                    stack.append(_INLINE_CONSTANTS[code])
+                elif code == _STOP:
+                    return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
+                else:
+                    self.pos, self.code, self.steps, self.stack = pos, code, steps, stack
+                    self.dispatch(code, start)
+                    pos, stack, memo = self.pos, self.stack, self.memo
+        except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
+            raise FormatError(f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self.pos, self.steps = pos, steps
+
+    keyed_call = fastpath.keyed_call
+    tensor_call = fastpath.tensor_call
+
+    def persistent_load(self, pid: object) -> Storage:
+        """The storage a persistent id names (its parsing cached: 10^6 views of one storage
+        repeat one id); the container is asked for each, as :func:`_persistent_load` does."""
+        if type(pid) is tuple and len(pid) == 5 and type(pid[1]) is _StorageType:
+            # hashable in constant time: only str/int/identity-hashed members are looked up
+            _, _, key, location, numel = pid
+            if type(key) is str and type(location) is str and type(numel) is int and type(pid[0]) is str:
+                sid = self.sids.get(pid)
+                if sid is not None and self.storage_loader is not None:
+                    return self.storage_loader(sid)
+                storage = _persistent_load(self, pid)
+                self.sids[pid] = self.last_sid
+                return storage
+        return _persistent_load(self, pid)
+
+
+def _fail(message: str) -> None:
+    raise FormatError(message)
+
+
+def loads(
+    data: bytes | mmap.mmap,
+    pos: int = 0,
+    storage_loader: StorageLoader | None = None,
+    extra_globals: Mapping[str, object] | None = None,
+) -> tuple[object, int]:
+    """Read one pickle from ``data`` at ``pos``; returns ``(object, offset after its STOP)``.
+
+    ``storage_loader`` supplies the storage for each persistent id; a pickle with persistent ids
+    and no loader is a FormatError. ``extra_globals`` allows more globals for this pickle only
+    (stand-ins: :class:`_Callable` for REDUCE, :class:`RecordClass` for NEWOBJ, or constants).
+    """
+    unpickler = _Unpickler(data, pos, storage_loader, extra_globals)
+    with no_gc():  # building 10^6 objects that all stay alive: collections would only rescan them
+        try:
+            obj = unpickler.load()
+        except RecursionError:
+            raise FormatError("malformed pickle: nesting too deep") from None
+        check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
+    return obj, unpickler.pos
+
+
+@_op(pickle.PROTO)
+def _proto(u: _Unpickler) -> None:
+    if u.byte() > pickle.HIGHEST_PROTOCOL:
+        raise FormatError("unsupported pickle protocol")
+
+
+@_op(pickle.FRAME)
+def _frame(u: _Unpickler) -> None:
+    u.read(8)  # frames only group opcodes; their contents follow inline
+
+
+@_op(pickle.MARK)
+def _mark(u: _Unpickler) -> None:
+    if len(u.metastack) >= MAX_DEPTH:
+        raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+    u.metastack.append(u.stack)
+    u.stack = []
+
+
+@_op(pickle.POP)
+def _pop(u: _Unpickler) -> None:
+    if u.stack:
+        u.stack.pop()
+    else:
+        u.pop_mark()
+
+
+@_op(pickle.POP_MARK)
+def _pop_mark(u: _Unpickler) -> None:
+    u.pop_mark()
+
+
+@_op(pickle.DUP)
+def _dup(u: _Unpickler) -> None:
+    u.stack.append(u.stack[-1])
+
+
+_CONSTANTS = {pickle.NONE[0]: None, pickle.NEWTRUE[0]: True, pickle.NEWFALSE[0]: False}
+
+
+@_op(pickle.NONE, pickle.NEWTRUE, pickle.NEWFALSE)
+def _constant(u: _Unpickler) -> None:
+    u.stack.append(_CONSTANTS[u.code])
+
+
+@_op(pickle.BININT)
+def _binint(u: _Unpickler) -> None:
+    u.stack.append(u.unpack(_I32))
+
+
+@_op(pickle.BININT1)
+def _binint1(u: _Unpickler) -> None:
+    u.stack.append(u.byte())
+
+
+@_op(pickle.BININT2)
+def _binint2(u: _Unpickler) -> None:
+    u.stack.append(u.unpack(_U16))
+
+
+@_op(pickle.LONG1)
+def _long1(u: _Unpickler) -> None:
+    u.stack.append(int.from_bytes(u.read(u.byte()), "little", signed=True))
+
+
+@_op(pickle.LONG4)
+def _long4(u: _Unpickler) -> None:
+    n = u.unpack(_I32)
+    if n < 0:
+        raise FormatError("malformed pickle: negative LONG4 length")
+    if n > _MAX_LONG_BYTES:
+        raise FormatError(f"pickled integer of {n} bytes is too large (limit {_MAX_LONG_BYTES})")
+    u.stack.append(int.from_bytes(u.read(n), "little", signed=True))
+
+
+@_op(pickle.BINFLOAT)
+def _binfloat(u: _Unpickler) -> None:
+    u.stack.append(u.unpack(_F64))
+
+
+def _text(raw: bytes) -> str:
+    try:
+        return raw.decode()  # strict UTF-8 decodes no surrogate, so nothing more to check
+    except UnicodeDecodeError:
+        pass
+    text = raw.decode("utf-8", "surrogatepass")
+    problem = limits.text_problem(text)
+    if problem:  # torch reads it, but no name holding it can be written to any output
+        raise FormatError(f"pickled string {problem}")
+    return text
+
+
+@_op(pickle.SHORT_BINUNICODE)
+def _short_binunicode(u: _Unpickler) -> None:
+    u.stack.append(_text(u.read(u.byte())))
+
+
+@_op(pickle.BINUNICODE)
+def _binunicode(u: _Unpickler) -> None:
+    u.stack.append(_text(u.read(u.unpack(_U32))))
+
+
+@_op(pickle.BINUNICODE8)
+def _binunicode8(u: _Unpickler) -> None:
+    u.stack.append(_text(u.read(u.unpack(_U64))))
+
+
+@_op(pickle.SHORT_BINSTRING)
+def _short_binstring(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.byte()).decode("utf-8"))  # Python 2 str, as torch.load decodes it
+
+
+@_op(pickle.BINSTRING)
+def _binstring(u: _Unpickler) -> None:
+    n = u.unpack(_I32)
+    if n < 0:
+        raise FormatError("malformed pickle: negative BINSTRING length")
+    u.stack.append(u.read(n).decode("utf-8"))
+
+
+@_op(pickle.SHORT_BINBYTES)
+def _short_binbytes(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.byte()))
+
+
+@_op(pickle.BINBYTES)
+def _binbytes(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.unpack(_U32)))
+
+
+@_op(pickle.BINBYTES8)
+def _binbytes8(u: _Unpickler) -> None:
+    u.stack.append(u.read(u.unpack(_U64)))
+
+
+_EMPTY = {
+    pickle.EMPTY_TUPLE[0]: tuple,
+    pickle.EMPTY_LIST[0]: list,
+    pickle.EMPTY_DICT[0]: dict,
+    pickle.EMPTY_SET[0]: set,
+}
+
+
+@_op(pickle.EMPTY_TUPLE, pickle.EMPTY_LIST, pickle.EMPTY_DICT, pickle.EMPTY_SET)
+def _empty(u: _Unpickler) -> None:
+    u.stack.append(_EMPTY[u.code]())
+
+
+@_op(pickle.TUPLE)
+def _tuple(u: _Unpickler) -> None:
+    items = u.pop_mark()  # before touching u.stack: pop_mark replaces it
+    u.stack.append(u.nest(tuple(items), items))
+
+
+@_op(pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
+def _tuple_n(u: _Unpickler) -> None:
+    n = u.code - pickle.TUPLE1[0] + 1
+    if len(u.stack) < n:
+        raise FormatError("malformed pickle: stack underflow in TUPLE")
+    items = tuple(u.stack[-n:])
+    u.stack[-n:] = [u.nest(items, items)]
+
+
+@_op(pickle.LIST)
+def _list(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.stack.append(u.nest(items, items))
+
+
+@_op(pickle.DICT)
+def _dict(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.stack.append(u.nest(dict(zip(_keys(items[::2]), items[1::2], strict=True)), items[1::2]))
+
+
+@_op(pickle.APPEND)
+def _append(u: _Unpickler) -> None:
+    item = u.stack.pop()
+    u.nest(u.target(list), (item,)).append(item)
+
+
+@_op(pickle.APPENDS)
+def _appends(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.nest(u.target(list), items).extend(items)
+
+
+@_op(pickle.SETITEM)
+def _setitem(u: _Unpickler) -> None:
+    value, key = u.stack.pop(), u.stack.pop()
+    u.nest(u.target(dict), (value,))[_key(key)] = value
+
+
+@_op(pickle.SETITEMS)
+def _setitems(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.nest(u.target(dict), items[1::2]).update(zip(_keys(items[::2]), items[1::2], strict=True))
+
+
+@_op(pickle.ADDITEMS)
+def _additems(u: _Unpickler) -> None:
+    items = u.pop_mark()
+    u.target(set).update(_keys(items))
+
+
+@_op(pickle.BINGET)
+def _binget(u: _Unpickler) -> None:
+    u.stack.append(u.memo[u.byte()])
+
+
+@_op(pickle.LONG_BINGET)
+def _long_binget(u: _Unpickler) -> None:
+    u.stack.append(u.memo[u.unpack(_U32)])
+
+
+@_op(pickle.BINPUT)
+def _binput(u: _Unpickler) -> None:
+    u.put(u.byte(), u.stack[-1])
+
+
+@_op(pickle.LONG_BINPUT)
+def _long_binput(u: _Unpickler) -> None:
+    u.put(u.unpack(_U32), u.stack[-1])
+
+
+@_op(pickle.MEMOIZE)
+def _memoize(u: _Unpickler) -> None:
+    u.put(len(u.memo), u.stack[-1])
+
+
+@_op(pickle.GLOBAL)
+def _global(u: _Unpickler) -> None:
+    module = u.readline()
+    u.stack.append(find_global(module, u.readline(), u.extra_globals))
+
+
+@_op(pickle.STACK_GLOBAL)
+def _stack_global(u: _Unpickler) -> None:
+    name, module = u.stack.pop(), u.stack.pop()
+    if not isinstance(module, str) or not isinstance(name, str):
+        raise FormatError("malformed pickle: STACK_GLOBAL names are not strings")
+    u.stack.append(find_global(module, name, u.extra_globals))
+
+
+@_op(pickle.REDUCE)
+def _reduce(u: _Unpickler) -> None:
+    args = u.stack.pop()
+    u.stack[-1] = _call(u.stack[-1], args)
+
+
+@_op(pickle.NEWOBJ)
+def _newobj(u: _Unpickler) -> None:
+    if u.extra_globals is None:  # torch.save pickles never create objects this way
+        raise FormatError(f"unsupported pickle opcode {pickle.NEWOBJ!r} at offset {u.pos - 1}")
+    args = u.stack.pop()
+    cls = u.stack[-1]
+    if not isinstance(cls, RecordClass):
+        raise UnsafePickleError(f"refusing to instantiate {limits.short(cls)} from pickle: not an allowed class")
+    if args != ():
+        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {limits.short(args)}")
+    record = Record(cls.name)
+    u.records[id(record)] = cls
+    u.stack[-1] = record
+
+
+@_op(pickle.BUILD)
+def _build(u: _Unpickler) -> None:
+    state = u.stack.pop()
+    inst = u.stack[-1]
+    if isinstance(inst, Record):
+        _build_record(inst, u.records[id(inst)], state)
+    elif isinstance(inst, TensorRef):
+        attributes = _python_state(state)
+        if attributes:
+            u.stack[-1] = _with_info(inst, python_state={**inst.info.get("python_state", {}), **attributes})
+    elif isinstance(inst, dict):
+        _python_state(state)  # OrderedDict instance attributes: validated, not kept
+    else:
+        raise FormatError(f"malformed pickle: BUILD on a {type(inst).__name__}")
+
+
+@_op(pickle.BINPERSID)
+def _binpersid(u: _Unpickler) -> None:
+    u.stack.append(u.persistent_load(u.stack.pop()))
+
+
+def _persistent_load(u: _Unpickler, pid: object) -> Storage:
+    """Parse ``('storage', type, key, location, numel[, view])`` and ask the container for it."""
+    if not isinstance(pid, tuple) or len(pid) not in (5, 6) or pid[0] not in ("storage", b"storage"):
+        raise FormatError(f"unsupported persistent id {limits.short(pid)}: only tensor storages are allowed")
+    if u.storage_loader is None:
+        raise FormatError("pickle refers to a tensor storage, but this part of the file has none")
+    _, stype, key, location, numel, *view = pid
+    if not isinstance(stype, _StorageType):
+        raise FormatError(f"persistent id storage type {limits.short(stype)} is not a torch storage class")
+    statekit_dtype(stype.dtype)
+    key, location = (v.decode("ascii") if isinstance(v, bytes) else v for v in (key, location))
+    if not isinstance(key, str) or not isinstance(location, str) or type(numel) is not int or numel < 0:
+        raise FormatError(f"malformed storage persistent id {limits.short(pid)}")
+    u.last_sid = sid = StorageId(key, stype.dtype, numel, location, view[0] if view else None)
+    return u.storage_loader(sid)
