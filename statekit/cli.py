@@ -203,6 +203,9 @@ def convert(
     shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,
+    also: Annotated[Path | None, typer.Option("--also", metavar="FILE", help="A second torch optimizer state over the same model (a Muon run's AdamW for the parameters that are not 2-D): its parameters join the burn output as further groups.")] = None,
+    also_key: Annotated[str | None, typer.Option("--also-key", metavar="KEY", help="Entry of the --also file (default: SRC) that holds the second state, e.g. adamw.")] = None,
+    also_out: Annotated[Path | None, typer.Option("--also-out", metavar="FILE", help="burn → torch for a record of two optimizers (Muon + AdamW): DST gets the family --optimizer names first (else the first group's), FILE the other, as its own state_dict.")] = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
     betas: BetasOpt = None,
@@ -241,6 +244,9 @@ def convert(
       statekit convert optim-10.bpk optim.pt --optimizer adamw --names names.txt --transpose '*.weight' --lr 3e-4
     PyTorch → burn (ids from the burn model, joined by path):
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
+    A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
+      statekit convert muon.pt optim.bpk --also adamw.pt --model model.pt --transpose '*.weight'
+      statekit convert optim.bpk muon.pt --also-out adamw.pt
     A torch state's positions are named by solving, never by assuming an order: each param group
     is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
     --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
@@ -263,7 +269,8 @@ def convert(
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
-                         share=resolve_share(shard))
+                         share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
+                         also_out=str(also_out) if also_out else None)
     _finish(result, out)
 
 

@@ -218,11 +218,15 @@ def _plain(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
 
-def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]]) -> dict[str, str]:
-    """Several parameter groups (hyperparameters and member ParamIds) as one metadata entry."""
+def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]],
+                       families: list[str] | None = None) -> dict[str, str]:
+    """Several parameter groups (hyperparameters and member ParamIds; each group's optimizer when
+    they differ, as a Muon run's Muon and AdamW groups) as one metadata entry."""
     skip = ("params", "param_names")
     payload = [{"hyperparams": {k: _plain(v) for k, v in g.items() if k not in skip}, "params": ids}
                for g, ids in zip(groups, members, strict=True)]
+    for g, family in zip(payload, families or [], strict=False):
+        g["optimizer"] = family
     for g in payload:
         for k, v in g["hyperparams"].items():
             _json(k, v)
@@ -236,6 +240,15 @@ def groups_from_metadata(metadata: dict[str, str]) -> list[tuple[dict[str, objec
         return [({k: tuple(v) if isinstance(v, list) and k in TUPLE_KEYS else v for k, v in g["hyperparams"].items()},
                  [str(i) for i in g["params"]]) for g in payload]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def group_families_from_metadata(metadata: dict[str, str]) -> list[str | None]:
+    """Each stored group's optimizer (None where :func:`groups_to_metadata` kept none)."""
+    try:
+        payload = json.loads(metadata.get(GROUPS_KEY, "[]"))
+        return [g.get("optimizer") if isinstance(g.get("optimizer"), str) else None for g in payload]
+    except (json.JSONDecodeError, TypeError, AttributeError):
         return []
 
 

@@ -6,6 +6,8 @@ real torch in the test run, bit for bit where the plan says exact."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -239,3 +241,76 @@ def test_torch_muon_to_burn_and_back_tracks_the_run(tmp_path, cli):
     cold = max_delta(resume_pair(None, ckpt["adamw"]))
     lr, steps = ckpt["muon"]["param_groups"][0]["lr"], 3
     assert migrated < 0.25 * lr * steps and cold > 10 * migrated, (migrated, cold)
+
+
+# ----------------------------------------------------------------------------- a Muon run's pair
+
+
+def test_torch_muon_and_adamw_pair_to_one_burn_record_and_back(tmp_path, cli):
+    """Two optimizers, two state_dicts → one burn record with a Muon group and an AdamW group
+    (each parameter its own family) → the two state_dicts again; the resumed pair tracks the
+    original run (AdamW's state comes back bit for bit)."""
+    src = TORCH_OPTIM / "muon_adamw.pt"
+    r = cli("convert", src, tmp_path / "pair.bpk", "--key", "muon", "--also-key", "adamw", "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    assert "group 0 (muon)" in r.stdout and "group 1 (adamw)" in r.stdout
+    d = json.loads(cli("inspect", tmp_path / "pair.bpk", "--json").stdout)
+    fams = {p["path"]: p["family"] for p in d["params"]}
+    assert fams == {"0.weight": "muon", "2.weight": "muon", "0.bias": "adamw", "2.bias": "adamw"}
+    f, ids = pack(tmp_path / "pair.bpk")
+    assert f"{ids['0.bias']}.momentum.moment_1" in f.tensors and f"{ids['0.weight']}.momentum.velocity" in f.tensors
+
+    r = cli("convert", tmp_path / "pair.bpk", tmp_path / "m.pt")
+    assert r.returncode != 0 and "--also-out" in r.stderr and not (tmp_path / "m.pt").exists()
+    r = cli("convert", tmp_path / "pair.bpk", tmp_path / "m.pt", "--also-out", tmp_path / "a.pt")
+    assert r.returncode == 0, r.stderr
+    ckpt = load(src)
+    muon, adamw = load(tmp_path / "m.pt"), load(tmp_path / "a.pt")
+    assert_same_state(ckpt["adamw"], adamw)
+    assert [g["param_names"] for g in muon["param_groups"]] == [["0.weight", "2.weight"]]
+    for i, entry in ckpt["muon"]["state"].items():
+        assert torch.allclose(entry["momentum_buffer"], muon["state"][i]["momentum_buffer"], rtol=2**-23, atol=0)
+    migrated, cold = max_delta(resume_pair(muon, adamw)), max_delta(resume_pair(None, ckpt["adamw"]))
+    assert migrated < 0.25 * 0.02 * 3 and cold > 10 * migrated, (migrated, cold)
+
+
+def test_the_pair_from_two_files_named_by_the_model(tmp_path, cli):
+    names = tmp_path / "names.txt"  # named_parameters() with shapes: each optimizer's positions are solved in it
+    names.write_text("0.weight [8, 4]\n0.bias [8]\n2.weight [3, 8]\n2.bias [3]\n")
+    r = cli("convert", TORCH_OPTIM / "muon.pt", tmp_path / "pair.bpk", "--also", TORCH_OPTIM / "adamw.pt",
+            "--names", names, "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(cli("inspect", tmp_path / "pair.bpk", "--json").stdout)
+    assert sorted((p["path"], p["family"]) for p in d["params"]) == [
+        ("0.bias", "adamw"), ("0.weight", "muon"), ("2.bias", "adamw"), ("2.weight", "muon")]
+
+
+def test_a_burn_muon_run_record_needs_each_part_named(tmp_path, cli):
+    """burn's own Muon + AdamW record (ModuleOptimizer::with_group) says neither family: velocity
+    is SGD's or Muon's, moments Adam's or AdamW's; --optimizer muon,adamw settles both parts."""
+    rng = np.random.default_rng(1)
+    vel = {"0.weight": rng.normal(size=(4, 8)).astype(np.float32),
+           "2.weight": rng.normal(size=(8, 3)).astype(np.float32)}
+    moments = {name: (BURN_IDS[name], {"momentum.moment_1": rng.normal(size=n).astype(np.float32),
+                                       "momentum.moment_2": rng.random(n).astype(np.float32),
+                                       "momentum.time": 3})
+               for name, n in (("0.bias", 8), ("2.bias", 3))}
+    burn_muon_record(tmp_path / "run.bpk", vel, BURN_IDS, moments)
+    names = tmp_path / "names.txt"
+    names.write_text("0.weight\n0.bias\n2.weight\n2.bias\n")
+    args = ["convert", tmp_path / "run.bpk", tmp_path / "m.pt", "--also-out", tmp_path / "a.pt", "--names", names,
+            "--transpose", "*.weight"]
+    r = cli(*args, "--optimizer", "muon")
+    assert r.returncode != 0 and "adam / adamw" in r.stderr and "--optimizer muon,adamw" in r.stderr
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "a.pt").exists()
+    r = cli(*args, "--optimizer", "muon,adamw")
+    assert r.returncode == 0, r.stderr
+    muon, adamw = load(tmp_path / "m.pt"), load(tmp_path / "a.pt")
+    assert muon["param_groups"][0]["param_names"] == ["0.weight", "2.weight"]
+    assert adamw["param_groups"][0]["param_names"] == ["0.bias", "2.bias"]
+    np.testing.assert_array_equal(muon["state"][1]["momentum_buffer"].numpy(), vel["2.weight"].T * np.float32(0.05))
+    np.testing.assert_array_equal(adamw["state"][0]["exp_avg"].numpy(), moments["0.bias"][1]["momentum.moment_1"])
+    assert adamw["param_groups"][0]["weight_decay"] == 1e-4  # burn's AdamW default, written explicitly
+    model = mlp((4, 8, 3))
+    torch.optim.Muon([p for p in model.parameters() if p.ndim == 2]).load_state_dict(muon)
+    torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2]).load_state_dict(adamw)

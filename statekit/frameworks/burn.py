@@ -135,6 +135,7 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
                 params[key].group = index
         grouped = {k for g in state.groups for k in g.keys}
         state.groups[0].keys += [k for k in params if k not in grouped]
+        _group_families(state, params, hyper.group_families_from_metadata(pack.metadata))
     else:
         state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
     # torch's param_names, kept by statekit in torch's order: the torch positions too
@@ -144,6 +145,30 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
             params[key].index = position
     return state
 
+
+
+def _group_families(state: OptimizerState, params: dict[str, ParamState], families: list[str | None]) -> None:
+    """Groups statekit stored with their optimizer (a Muon run's Muon and AdamW groups): each
+    parameter takes its group's, where its fields allow it (burn's velocity is SGD's or Muon's)."""
+    if not any(families):
+        return
+    for index, group in enumerate(state.groups):
+        family = families[index] if index < len(families) else None
+        for key in group.keys:
+            p = params[key]
+            if family and p.family and (p.family == family or family in naming.layout("burn", p.family).also):
+                p.family = family
+                p.extra["__family_settled"] = True
+    fams = {p.family for p in params.values()}
+    if len(fams) == 1 and None not in fams:
+        state.family = fams.pop()
+        state.candidates = (state.family,)
+    else:
+        state.family = "mixed" if None not in fams else None
+        state.candidates = ()
+    state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
+    state.notes.append("each group's optimizer recorded by statekit in the file's metadata: "
+                       + ", ".join(f"group {i} {f}" for i, f in enumerate(families) if f))
 
 
 def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, object]]) -> OptimizerState:
