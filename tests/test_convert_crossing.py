@@ -314,3 +314,115 @@ def test_a_burn_muon_run_record_needs_each_part_named(tmp_path, cli):
     model = mlp((4, 8, 3))
     torch.optim.Muon([p for p in model.parameters() if p.ndim == 2]).load_state_dict(muon)
     torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2]).load_state_dict(adamw)
+
+
+# ----------------------------------------------------------------------------- L-BFGS
+
+
+def lbfgs_model(ckpt):
+    return model_from(ckpt, (3, 4, 2))
+
+
+def resume_lbfgs(name, sd):
+    ckpt = load(TORCH_OPTIM / f"{name}.pt")
+    model = lbfgs_model(ckpt)
+    group = {k: v for k, v in ckpt["optimizer"]["param_groups"][0].items() if k != "params"}
+    opt = torch.optim.LBFGS(model.parameters(), **group)
+    opt.load_state_dict(sd)
+    for x, y in load(TORCH_OPTIM / f"{name}_next.pt")["batches"]:
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    return dict(model.named_parameters())
+
+
+def same_lbfgs_state(a, b):
+    """torch LBFGS states equal bit for bit (the scratch list ``al`` aside: torch rebuilds it)."""
+    sa, sb = a["state"][0], b["state"][0]
+    assert [k for k in sa if k != "al"] == list(sb)
+    for key, value in sb.items():
+        if isinstance(value, list):
+            assert len(value) == len(sa[key]) and all(torch.equal(x, y) for x, y in zip(value, sa[key], strict=True))
+        elif torch.is_tensor(value):
+            assert torch.equal(value, sa[key]), key
+        else:
+            assert value == sa[key], key
+
+
+@pytest.mark.parametrize("name", ["lbfgs", "lbfgs_wolfe"])
+def test_torch_lbfgs_to_burn_and_back_resumes_bit_identically(name, tmp_path, cli):
+    src = TORCH_OPTIM / f"{name}.pt"
+    r = cli("convert", src, tmp_path / "l.bpk", "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    assert "flat [0:12] → [0:12]" in r.stdout and "history_s.i ⇄ old_stps[i]" in r.stdout
+    r = cli("convert", tmp_path / "l.bpk", tmp_path / "back.pt")
+    assert r.returncode == 0, r.stderr
+    assert "exact back" in r.stdout
+    ckpt, back = load(src), load(tmp_path / "back.pt")
+    same_lbfgs_state(ckpt["optimizer"], back)
+    params = resume_lbfgs(name, back)
+    reference = load(TORCH_OPTIM / f"{name}_next.pt")["params"]
+    for n, p in params.items():
+        assert torch.equal(p.detach(), reference[n]), n
+
+
+def test_lbfgs_in_burn_holds_each_segment_in_burns_layout(tmp_path, cli):
+    """burn's flat vectors put each Linear weight as [in, out]: the segment of 0.weight ([4, 3] in
+    torch) is the transpose of torch's, flattened; the biases' segments are torch's."""
+    src = TORCH_OPTIM / "lbfgs.pt"
+    assert cli("convert", src, tmp_path / "l.bpk", "--transpose", "*.weight").returncode == 0
+    f = BurnpackFile(str(tmp_path / "l.bpk"))
+    state = load(src)["optimizer"]["state"][0]
+    for burn_name, torch_value in (("history_s.2", state["old_stps"][2]), ("history_y.0", state["old_dirs"][0]),
+                                   ("d", state["d"]), ("prev_flat_grad", state["prev_flat_grad"])):
+        got, want = f.tensor(burn_name).numpy(), torch_value.numpy()
+        np.testing.assert_array_equal(got[:12], want[:12].reshape(4, 3).T.reshape(-1))
+        np.testing.assert_array_equal(got[12:16], want[12:16])
+        np.testing.assert_array_equal(got[16:24], want[16:24].reshape(2, 4).T.reshape(-1))
+        np.testing.assert_array_equal(got[24:], want[24:])
+    assert f.scalars["g_iter"].value == state["n_iter"] == 12 and f.scalars["history_s.len"].value == 3
+    assert f.scalars["t"].value == state["t"]
+
+
+def test_a_burn_lbfgs_record_gets_ro_and_h_diag_derived(tmp_path, cli):
+    """A record burn wrote itself (no statekit metadata): torch's ro = 1/(y·s) and H_diag are
+    computed, the plan says the run tracks; torch loads it and continues close to the run."""
+    from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack
+
+    src = TORCH_OPTIM / "lbfgs.pt"
+    assert cli("convert", src, tmp_path / "l.bpk", "--transpose", "*.weight").returncode == 0
+    f = BurnpackFile(str(tmp_path / "l.bpk"))
+    write_burnpack(tmp_path / "burn.bpk", [PackTensor(n, f.tensor(n)) for n in f.data_order], {},
+                   {k: Scalar(v.kind, v.value) for k, v in f.scalars.items()})
+    names = tmp_path / "names.txt"
+    names.write_text("0.weight [4, 3]\n0.bias [4]\n2.weight [2, 4]\n2.bias [2]\n")
+    r = cli("convert", tmp_path / "burn.bpk", tmp_path / "t.pt", "--names", names)
+    assert r.returncode != 0 and "Linear weights" in r.stderr
+    r = cli("convert", tmp_path / "burn.bpk", tmp_path / "t.pt", "--names", names, "--transpose", "*.weight",
+            "--lr", "0.5", "--hyper", "max_iter=4", "--hyper", "history_size=3")
+    assert r.returncode == 0, r.stderr
+    assert "ro[i] = 1/(y_i·s_i)" in r.stdout and "resume: tracks" in r.stdout
+    ckpt, out = load(src), load(tmp_path / "t.pt")
+    group = out["param_groups"][0]
+    assert (group["lr"], group["max_iter"], group["max_eval"], group["history_size"]) == (0.5, 4, 5, 3)
+    want, got = ckpt["optimizer"]["state"][0], out["state"][0]
+    for key in ("d", "prev_flat_grad"):
+        assert torch.equal(got[key], want[key])
+    for a, b in zip(got["ro"], want["ro"], strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=0)
+    assert torch.allclose(got["H_diag"], want["H_diag"], rtol=1e-5, atol=0)
+    assert got["func_evals"] == 0 and got["n_iter"] == want["n_iter"]
+    params = resume_lbfgs("lbfgs", out)
+    reference = load(TORCH_OPTIM / "lbfgs_next.pt")["params"]
+    assert max((params[n].detach() - reference[n]).abs().max().item() for n in reference) < 1e-4
+
+
+def test_lbfgs_without_names_or_shapes_is_refused(tmp_path, cli):
+    sd = load(TORCH_OPTIM / "lbfgs.pt")["optimizer"]
+    torch.save(sd, tmp_path / "bare.pt")  # no model beside it: positions have no names
+    r = cli("convert", tmp_path / "bare.pt", tmp_path / "l.bpk", "--transpose", "*.weight")
+    assert r.returncode != 0 and "--names" in r.stderr and not (tmp_path / "l.bpk").exists()
+    assert "Traceback" not in r.stderr

@@ -220,6 +220,10 @@ def _read_lbfgs(pack: BurnpackFile) -> OptimizerState:
     state.global_slots = {n: pack.tensor(n) for n in pack.data_order}
     state.global_scalars = {k: v.value for k, v in pack.scalars.items()}
     state.notes.append("L-BFGS keeps one global state over all parameters, tied to parameter order")
+    family, hp = hyper.from_metadata(pack.metadata)  # torch's LBFGS group, kept by statekit
+    if family == "lbfgs" and hp:
+        state.groups = [ParamGroup(hyperparams=hp, keys=[])]
+        state.hyperparams_stored = True
     return state
 
 

@@ -153,6 +153,11 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
         name_checkpoint(ckpt, opts, src)
+        if state.family == "lbfgs":  # one global state of flat vectors (statekit.ops.lbfgs)
+            from statekit.ops import lbfgs
+
+            return lbfgs.convert(ckpt, src, dst, fmt, opts, plan_in=plan_in, dry_run=dry_run, plan_out=plan_out,
+                                 progress=progress, on_plan=on_plan)
         if state.family == "mixed" and registry.framework_of(fmt) == "torch":
             from statekit.ops import pair
 
@@ -261,6 +266,25 @@ def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) 
     with progress("writing", ckpt.nbytes, unit_bytes=True) as advance:
         size = burn.save_checkpoint(ckpt, dst, progress=advance)
     return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, an exact copy)"])
+
+
+def carry_out_with(plan: Plan, nbytes: int, write_target, *, dry_run: bool, plan_out: str | None,
+                   progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None) -> Result:
+    """Save the plan if asked, hand it to ``on_plan``, and (unless a dry run) ``write_target(advance,
+    warnings)`` (returns the size written)."""
+    if plan_out:
+        from statekit.atomic import atomic_write
+
+        with atomic_write(plan_out) as fh:
+            fh.write(plan.dumps().encode() + b"\n")
+    if on_plan is not None:
+        on_plan(plan)
+    if dry_run:
+        return Result(plan, None, messages=["dry run: nothing written"])
+    warnings: list[str] = []
+    with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
+        size = write_target(advance, warnings)
+    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"], warnings=warnings)
 
 
 def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | None,

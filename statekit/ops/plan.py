@@ -62,6 +62,9 @@ class Plan:
     transforms: list[dict] = field(default_factory=list)
     exactness: str | None = None
     group_families: list[str] | None = None  # per target group, when groups hold different optimizers
+    # L-BFGS: each parameter's segment of the flat vectors, in the target's order
+    # ({path, src_offset, numel, src_shape, transpose}; statekit.ops.lbfgs)
+    segments: list[dict] | None = None
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views

@@ -86,7 +86,8 @@ def plan_view(plan, full: bool = False) -> list:
         which = f" ({families[i]})" if i < len(families) else ""
         items.append(Line.of(f"group {i}{which}: {shown}"))
     for t in getattr(plan, "transforms", None) or []:
-        items.append(Line.of(f"transform (group {t['group']}): {t['text']}"))
+        where = "state" if t.get("slot") == "(global)" else f"transform (group {t['group']})"
+        items.append(Line.of(f"{where}: {t['text']}"))
     if getattr(plan, "exactness", None):
         items.append(Line.of(f"resume: {plan.exactness}"))
     if plan.hyperparams and plan.assumed:
