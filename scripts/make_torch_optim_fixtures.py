@@ -11,7 +11,7 @@ reference a resumed run must reproduce:
 - ``muon_adamw.pt``: ``torch.optim.Muon`` over the 2-D weights and ``torch.optim.AdamW`` over
   the rest, two optimizers and two state_dicts (``"muon"``, ``"adamw"``; torch's Muon refuses any
   parameter that is not 2-D, so real runs pair it so), 3 steps; ``muon.pt`` / ``adamw.pt`` hold
-  the same two state_dicts alone;
+  the same two state_dicts alone, ``muon_names.txt`` the model's ``named_parameters()`` with shapes;
 - ``lbfgs.pt``: ``torch.optim.LBFGS`` (max_iter 4, history_size 3: the history wraps), 3 steps
   on a model 3 → 4 → 2 whose weights are [out, in]; ``lbfgs_wolfe.pt`` the same with
   ``line_search_fn="strong_wolfe"``.
@@ -96,6 +96,7 @@ def muon_adamw() -> None:
                OUT / "muon_adamw.pt")
     torch.save(muon.state_dict(), OUT / "muon.pt")
     torch.save(adamw.state_dict(), OUT / "adamw.pt")
+    (OUT / "muon_names.txt").write_text("".join(f"{n} {list(p.shape)}\n" for n, p in model.named_parameters()))
     train(model, [muon, adamw], data[STEPS:])
     torch.save({"batches": data[STEPS:], "params": params(model), "muon": muon.state_dict(),
                 "adamw": adamw.state_dict()}, OUT / "muon_adamw_next.pt")

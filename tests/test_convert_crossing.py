@@ -426,3 +426,41 @@ def test_lbfgs_without_names_or_shapes_is_refused(tmp_path, cli):
     r = cli("convert", tmp_path / "bare.pt", tmp_path / "l.bpk", "--transpose", "*.weight")
     assert r.returncode != 0 and "--names" in r.stderr and not (tmp_path / "l.bpk").exists()
     assert "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- no counterpart
+
+
+def test_burn_adan_to_torch_is_refused_once_by_name(tmp_path, cli):
+    from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack
+    from statekit.tensor import TensorRef
+
+    pid, v = 21, TensorRef.from_array(np.ones(3, np.float32))
+    fields = ("momentum.exp_avg", "momentum.exp_avg_sq", "momentum.exp_avg_diff", "momentum.neg_pre_grad")
+    write_burnpack(tmp_path / "adan.bpk", [PackTensor(f"{pid}.{f}", v, param_id=pid) for f in fields], {str(pid): "b"},
+                   {f"{pid}.momentum.time": Scalar("UInt", 2), f"{pid}.__rank": Scalar("UInt", 1)})
+    (tmp_path / "n.txt").write_text("b\n")
+    r = cli("convert", tmp_path / "adan.bpk", tmp_path / "o.pt", "--names", tmp_path / "n.txt")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and not (tmp_path / "o.pt").exists()
+    assert "burn adan" in r.stderr and "torch.optim 2.13 has no Adan" in r.stderr
+
+
+@pytest.mark.parametrize("family", ["NAdam", "RAdam", "Adamax", "Adadelta", "ASGD", "Rprop"])
+def test_torch_optimizers_burn_lacks_are_refused_by_name(family, tmp_path, cli):
+    model = mlp((4, 6, 3))
+    opt = getattr(torch.optim, family)(model.parameters())
+    train(model, [opt], [(torch.ones(2, 4), torch.zeros(2, 3))])
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "o.pt")
+    r = cli("convert", tmp_path / "o.pt", tmp_path / "o.bpk", "--transpose", "*.weight")
+    assert r.returncode == 1 and f"burn 0.22 has no {family}" in r.stderr and f"torch.optim.{family}" in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "o.bpk").exists()
+
+
+def test_pair_options_that_contradict_are_refused(tmp_path, cli):
+    src = TORCH_OPTIM / "muon_adamw.pt"
+    r = cli("convert", src, tmp_path / "p.bpk", "--key", "muon", "--also-key", "adamw", "--also-out", tmp_path / "a.pt")
+    assert r.returncode == 2 and "opposite directions" in r.stderr
+    r = cli("convert", src, tmp_path / "p.pt", "--key", "muon", "--also-key", "adamw")
+    assert r.returncode == 2 and "one burn record" in r.stderr
+    r = cli("convert", src, tmp_path / "p.bpk", "--key", "muon", "--also-key", "muon", "--transpose", "*.weight")
+    assert r.returncode == 1 and "in both optimizer states" in r.stderr and not (tmp_path / "p.bpk").exists()

@@ -171,55 +171,12 @@ def build(ckpt: Checkpoint, src: str, dst: str, fmt: str, opts: Options) -> Plan
     meta = _stored(ckpt)
     plan = Plan("convert", src, ckpt.format, dst, fmt, "lbfgs")
     torch_shapes = _torch_shapes(ckpt, opts) if src_fw == "torch" or dst_fw == "torch" else {}
-    # the source vector's segments, in its order: [(path, shape in the source's layout)]
-    if src_fw == "torch":
-        params = sorted(state.params, key=lambda p: p.index if p.index is not None else 0)
-        unnamed = [f"#{p.key}" for p in params if not p.path]
-        if unnamed:
-            raise MappingError(f"L-BFGS: positions {', '.join(unnamed[:4])} have no name; give --names FILE (with "
-                               "shapes) or a training checkpoint's model", src)
-        src_segments = [(p.path, torch_shapes.get(p.path)) for p in params]
-    elif meta.get("segments"):
-        src_segments = [(path, tuple(shape)) for path, shape in meta["segments"]]
-    else:
-        order = _torch_order(opts) if dst_fw == "torch" else None
-        if order is None:
-            raise MappingError("a burn L-BFGS record keeps no parameter order or shapes: give the torch order with "
-                               "--names FILE (with shapes) or --model MODEL.pt", src)
-        src_segments, open_layout = [], []
-        for path in order:
-            shape = torch_shapes.get(path)
-            decided = _decide(path, shape, None, opts) if shape else False
-            if decided is None:
-                open_layout.append(f"{path} {list(shape)}")
-            src_segments.append((path, shape[::-1] if shape and decided else shape))
-        if open_layout:
-            raise MappingError(_UNDECIDED.format(", ".join(open_layout)), src)
-        plan.warnings.append("burn's parameter order assumed to be the torch order given (burn's L-BFGS "
-                             "concatenates in module visit order; the record does not say it), transposed where "
-                             "--transpose says")
+    src_segments = _source_segments(state, src, dst_fw, meta, torch_shapes, opts, plan)
     missing = [path for path, shape in src_segments if shape is None]
     if missing:
         raise MappingError(f"L-BFGS: no shape for {', '.join(missing[:4])}; give --names FILE with shapes "
                            "(fc.weight [16, 4] per line) or --model", src)
-    # the target's order and shapes
-    if dst_fw == "torch":
-        order = _torch_order(opts) or ([p for p, _ in src_segments] if src_fw == "torch" else
-                                       meta.get("torch_order"))
-        if order is None:
-            raise MappingError("PyTorch pairs L-BFGS's vectors with parameters by position: give --names FILE or "
-                               "--model MODEL.pt", src)
-        recorded = {path: tuple(shape) for path, shape in meta.get("torch_shapes", [])}
-        want = {path: torch_shapes.get(path, recorded.get(path)) for path in order}
-    else:
-        if opts.model is not None and opts.model.order == "burn":
-            order = [m.path for m in opts.model.params if not m.buffer]
-            want = {m.path: tuple(m.shape) for m in opts.model.params}
-        else:
-            order = [p for p, _ in src_segments]
-            want = {p: None for p in order}
-            plan.warnings.append("burn's parameter order assumed to be torch's (no burn --model given): burn's "
-                                 "L-BFGS concatenates in module visit order")
+    order, want = _target_order(state, src, dst_fw, meta, torch_shapes, opts, src_segments, plan)
     by_path = dict(src_segments)
     offsets, lo = {}, 0
     for path, shape in src_segments:
@@ -257,6 +214,61 @@ def build(ckpt: Checkpoint, src: str, dst: str, fmt: str, opts: Options) -> Plan
     plan.segments = segments
     _hyper_and_fields(plan, state, src_fw, dst_fw, opts, meta)
     return plan
+
+
+def _source_segments(state, src, dst_fw, meta, torch_shapes, opts, plan) -> list[tuple[str, tuple | None]]:
+    """The source vector's segments in its order: [(path, shape in the source's layout)]."""
+    src_fw = state.framework
+    if src_fw == "torch":
+        params = sorted(state.params, key=lambda p: p.index if p.index is not None else 0)
+        unnamed = [f"#{p.key}" for p in params if not p.path]
+        if unnamed:
+            raise MappingError(f"L-BFGS: positions {', '.join(unnamed[:4])} have no name; give --names FILE (with "
+                               "shapes) or a training checkpoint's model", src)
+        src_segments = [(p.path, torch_shapes.get(p.path)) for p in params]
+    elif meta.get("segments"):
+        src_segments = [(path, tuple(shape)) for path, shape in meta["segments"]]
+    else:
+        order = _torch_order(opts) if dst_fw == "torch" else None
+        if order is None:
+            raise MappingError("a burn L-BFGS record keeps no parameter order or shapes: give the torch order with "
+                               "--names FILE (with shapes) or --model MODEL.pt", src)
+        src_segments, open_layout = [], []
+        for path in order:
+            shape = torch_shapes.get(path)
+            decided = _decide(path, shape, None, opts) if shape else False
+            if decided is None:
+                open_layout.append(f"{path} {list(shape)}")
+            src_segments.append((path, shape[::-1] if shape and decided else shape))
+        if open_layout:
+            raise MappingError(_UNDECIDED.format(", ".join(open_layout)), src)
+        plan.warnings.append("burn's parameter order assumed to be the torch order given (burn's L-BFGS "
+                             "concatenates in module visit order; the record does not say it), transposed where "
+                             "--transpose says")
+    return src_segments
+
+
+def _target_order(state, src, dst_fw, meta, torch_shapes, opts, src_segments, plan):
+    """The target's parameter order and the shapes it expects (None where unknown)."""
+    src_fw = state.framework
+    if dst_fw == "torch":
+        order = _torch_order(opts) or ([p for p, _ in src_segments] if src_fw == "torch" else
+                                       meta.get("torch_order"))
+        if order is None:
+            raise MappingError("PyTorch pairs L-BFGS's vectors with parameters by position: give --names FILE or "
+                               "--model MODEL.pt", src)
+        recorded = {path: tuple(shape) for path, shape in meta.get("torch_shapes", [])}
+        want = {path: torch_shapes.get(path, recorded.get(path)) for path in order}
+    else:
+        if opts.model is not None and opts.model.order == "burn":
+            order = [m.path for m in opts.model.params if not m.buffer]
+            want = {m.path: tuple(m.shape) for m in opts.model.params}
+        else:
+            order = [p for p, _ in src_segments]
+            want = {p: None for p in order}
+            plan.warnings.append("burn's parameter order assumed to be torch's (no burn --model given): burn's "
+                                 "L-BFGS concatenates in module visit order")
+    return order, want
 
 
 _UNDECIDED = ("cannot tell which rank-2 parameters are Linear weights (burn stores them [d_in, d_out], torch "
@@ -321,50 +333,67 @@ def target_state(plan: Plan, state: OptimizerState, meta: dict) -> OptimizerStat
     segs = plan.segments
     dst_fw = registry.framework_of(plan.target_format)
     src_fw = state.framework
-    g, sc = state.global_slots, state.global_scalars
-    s_list, y_list = history(state)
 
     def vec(ref):
         return ref if src_fw == dst_fw else rejoined(ref, segs)
 
-    slots: dict[str, TensorRef] = {}
-    scalars: dict[str, object] = {}
     out = OptimizerState(family="lbfgs", candidates=("lbfgs",), framework=dst_fw,
                          groups=[ParamGroup(dict(plan.hyperparams[0]) if plan.hyperparams else {}, [])])
     if dst_fw == "burn":
-        scalars["history_s.len"] = len(s_list)
-        for i, ref in enumerate(s_list):
-            slots[f"history_s.{i}"] = vec(ref)
-        scalars["history_y.len"] = len(y_list)
-        for i, ref in enumerate(y_list):
-            slots[f"history_y.{i}"] = vec(ref)
-        for burn_name, torch_name in VECTORS:
-            if torch_name in g:
-                slots[burn_name] = vec(g[torch_name])
-        t = sc.get("t", g.get("t"))
-        if t is not None:
-            scalars["t"] = float(t.numpy().reshape(-1)[0]) if isinstance(t, TensorRef) else float(t)
-        if "prev_loss" in sc:
-            scalars["prev_loss"] = float(sc["prev_loss"])
-        scalars["g_iter"] = int(sc.get("n_iter", 0))
-        if src_fw == "torch":
-            ro = [float(g[f"ro.{i}"].numpy().reshape(-1)[0]) for i in range(int(sc.get("ro.len", 0)))]
-            h = g.get("H_diag", sc.get("H_diag"))
-            kept = {"n_iter": int(sc.get("n_iter", 0)), "func_evals": sc.get("func_evals", 0), "ro": ro,
-                    "H_diag": float(h.numpy().reshape(-1)[0]) if isinstance(h, TensorRef) else h,
-                    "H_diag_tensor": isinstance(h, TensorRef), "t_tensor": isinstance(g.get("t"), TensorRef)}
-            plan.metadata[META_KEY] = json.dumps({
-                "torch": kept, "segments": [[s["path"], s["src_shape"][::-1] if s["transpose"] else s["src_shape"]]
-                                            for s in segs],
-                "torch_order": [s["path"] for s in sorted(segs, key=lambda s: s["src_offset"])],
-                "torch_shapes": [[s["path"], s["src_shape"]] for s in sorted(segs, key=lambda s: s["src_offset"])]},
-                separators=(",", ":"))
-        out.global_slots, out.global_scalars = slots, scalars
-        return out
-    # → torch: every parameter a position, the state under the first
-    out.params = [ParamState(key=str(a.dst_index), index=a.dst_index, path=a.dst_path, family="lbfgs")
-                  for a in plan.params]
-    out.groups[0].keys = [p.key for p in out.params]
+        out.global_slots, out.global_scalars = _burn_fields(plan, state, vec)
+    else:
+        out.params = [ParamState(key=str(a.dst_index), index=a.dst_index, path=a.dst_path, family="lbfgs")
+                      for a in plan.params]
+        out.groups[0].keys = [p.key for p in out.params]
+        out.global_slots, out.global_scalars = _torch_fields(state, meta, vec)
+    return out
+
+
+def _burn_fields(plan: Plan, state: OptimizerState, vec) -> tuple[dict, dict]:
+    """burn's L-BFGS record fields; torch's own ro, H_diag, func_evals and the segments kept in metadata."""
+    g, sc = state.global_slots, state.global_scalars
+    src_fw, segs = state.framework, plan.segments
+    s_list, y_list = history(state)
+    slots: dict[str, TensorRef] = {}
+    scalars: dict[str, object] = {}
+    scalars["history_s.len"] = len(s_list)
+    for i, ref in enumerate(s_list):
+        slots[f"history_s.{i}"] = vec(ref)
+    scalars["history_y.len"] = len(y_list)
+    for i, ref in enumerate(y_list):
+        slots[f"history_y.{i}"] = vec(ref)
+    for burn_name, torch_name in VECTORS:
+        if torch_name in g:
+            slots[burn_name] = vec(g[torch_name])
+    t = sc.get("t", g.get("t"))
+    if t is not None:
+        scalars["t"] = float(t.numpy().reshape(-1)[0]) if isinstance(t, TensorRef) else float(t)
+    if "prev_loss" in sc:
+        scalars["prev_loss"] = float(sc["prev_loss"])
+    scalars["g_iter"] = int(sc.get("n_iter", sc.get("g_iter", 0)))
+    if src_fw == "torch":
+        ro = [float(g[f"ro.{i}"].numpy().reshape(-1)[0]) for i in range(int(sc.get("ro.len", 0)))]
+        h = g.get("H_diag", sc.get("H_diag"))
+        kept = {"n_iter": int(sc.get("n_iter", 0)), "func_evals": sc.get("func_evals", 0), "ro": ro,
+                "H_diag": float(h.numpy().reshape(-1)[0]) if isinstance(h, TensorRef) else h,
+                "H_diag_tensor": isinstance(h, TensorRef), "t_tensor": isinstance(g.get("t"), TensorRef)}
+        plan.metadata[META_KEY] = json.dumps({
+            "torch": kept, "segments": [[s["path"], s["src_shape"][::-1] if s["transpose"] else s["src_shape"]]
+                                        for s in segs],
+            "torch_order": [s["path"] for s in sorted(segs, key=lambda s: s["src_offset"])],
+            "torch_shapes": [[s["path"], s["src_shape"]] for s in sorted(segs, key=lambda s: s["src_offset"])]},
+            separators=(",", ":"))
+    return slots, scalars
+
+
+def _torch_fields(state: OptimizerState, meta: dict, vec) -> tuple[dict, dict]:
+    """torch LBFGS's state (filed under the first parameter): renamed, re-joined, ro and H_diag
+    kept (torch's own, from metadata) or derived."""
+    g, sc = state.global_slots, state.global_scalars
+    src_fw = state.framework
+    s_list, y_list = history(state)
+    slots: dict[str, TensorRef] = {}
+    scalars: dict[str, object] = {}
     kept = (meta.get("torch") or {}) if src_fw == "burn" and _torch_fields_kept(state, meta) else None
     scalars["func_evals"] = int(kept["func_evals"]) if kept else int(sc.get("func_evals", 0))
     scalars["n_iter"] = int(sc.get("g_iter", sc.get("n_iter", 0)))
@@ -409,8 +438,7 @@ def target_state(plan: Plan, state: OptimizerState, meta: dict) -> OptimizerStat
     if "prev_loss" in sc:
         scalars["prev_loss"] = float(sc["prev_loss"])
     scalars["old_dirs.len"] = scalars["old_stps.len"] = scalars["ro.len"] = len(ys)
-    out.global_slots, out.global_scalars = slots, scalars
-    return out
+    return slots, scalars
 
 
 def _lazy_ro(y: TensorRef, s: TensorRef) -> TensorRef:
@@ -425,26 +453,19 @@ def _lazy_hdiag(y: TensorRef, s: TensorRef) -> TensorRef:
     return TensorRef(dtype="F32", shape=(), array_loader=value)
 
 
-def convert(ckpt: Checkpoint, src: str, dst: str, fmt: str, opts: Options, *, plan_in: str | None, dry_run: bool,
-            plan_out: str | None, progress, on_plan):
-    """``convert`` for an L-BFGS state (called by :func:`statekit.ops.convert.convert`)."""
-    from statekit.ops.convert import Result, carry_out_with
+def saved_plan(plan_in: str, src: str, dst: str, fmt: str) -> Plan:
+    plan = Plan.load(plan_in)
+    if plan.target_format != fmt or not plan.segments:
+        raise UsageError(f"the plan is not an L-BFGS plan writing {fmt}")
+    plan.source, plan.target = src, dst
+    return plan
 
-    if plan_in:
-        plan = Plan.load(plan_in)
-        if plan.target_format != fmt or not plan.segments:
-            raise UsageError(f"the plan is not an L-BFGS plan writing {fmt}")
-        plan.source, plan.target = src, dst
-    else:
-        plan = build(ckpt, src, dst, fmt, opts)
 
+def writer(plan: Plan, ckpt: Checkpoint, fmt: str, dst: str):
+    """``write(advance, warnings)`` for :func:`statekit.ops.convert.carry_out_with`."""
     def write(advance, warnings):
         target = target_state(plan, ckpt.optimizer, _stored(ckpt))
         save = registry.writer(fmt)
         return save(target, dst, family="lbfgs", groups=plan.hyperparams, metadata=dict(plan.metadata),
                     progress=advance, on_warning=warnings.append)
-
-    result = carry_out_with(plan, ckpt.nbytes, write, dry_run=dry_run, plan_out=plan_out, progress=progress,
-                            on_plan=on_plan)
-    assert isinstance(result, Result)
-    return result
+    return write
