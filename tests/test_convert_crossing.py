@@ -464,3 +464,40 @@ def test_pair_options_that_contradict_are_refused(tmp_path, cli):
     assert r.returncode == 2 and "one burn record" in r.stderr
     r = cli("convert", src, tmp_path / "p.bpk", "--key", "muon", "--also-key", "muon", "--transpose", "*.weight")
     assert r.returncode == 1 and "in both optimizer states" in r.stderr and not (tmp_path / "p.bpk").exists()
+
+
+def test_a_burn_adafactor_record_moves_to_torch_with_burns_defaults(tmp_path, cli):
+    """A record as burn writes it (§1.2: ``second_moment`` [rows, 1], ``column_second_moment``
+    [1, cols], scalar ``time``): torch's factors are burn's transposed, minus ε₁; an entry that is
+    ε₁ alone (a row whose gradients were all zero) becomes torch's 0; burn's defaults are written."""
+    from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack
+    from statekit.tensor import TensorRef
+
+    eps1 = np.float32(1e-30)
+    row = np.array([[0.5], [eps1], [0.25], [2.0]], np.float32)  # burn Linear weight [d_in=4, d_out=6]
+    col = np.array([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6]], np.float32)
+    bias = np.array([0.01, 0.02, eps1, 0.04, 0.05, 0.06], np.float32)
+    t = [PackTensor("31.second_moment", TensorRef.from_array(row), param_id=31),
+         PackTensor("31.column_second_moment", TensorRef.from_array(col), param_id=31),
+         PackTensor("32.second_moment", TensorRef.from_array(bias), param_id=32)]
+    scalars = {"31.time": Scalar("UInt", 7), "31.__rank": Scalar("UInt", 2),
+               "32.time": Scalar("UInt", 7), "32.__rank": Scalar("UInt", 1)}
+    write_burnpack(tmp_path / "af.bpk", t, {"31": "0.weight", "32": "0.bias"}, scalars)
+    d = json.loads(cli("inspect", tmp_path / "af.bpk", "--json").stdout)
+    assert d["family"] == "adafactor" and [p["shape"] for p in d["params"]] == [[4, 6], [6]]
+    (tmp_path / "n.txt").write_text("0.weight\n0.bias\n")
+    r = cli("convert", tmp_path / "af.bpk", tmp_path / "af.pt", "--names", tmp_path / "n.txt",
+            "--transpose", "*.weight")
+    assert r.returncode == 0, r.stderr
+    sd = load(tmp_path / "af.pt")
+    w, b = sd["state"][0], sd["state"][1]
+    np.testing.assert_array_equal(w["row_var"].numpy(), col.T - eps1)  # torch [out=6, in=4]: rows are burn's columns
+    np.testing.assert_array_equal(w["col_var"].numpy(), row.T - eps1)
+    assert w["col_var"].numpy()[0, 1] == 0.0 and b["variance"].numpy()[2] == 0.0
+    assert w["step"].item() == 7.0 and list(w) == ["step", "row_var", "col_var"]
+    group = sd["param_groups"][0]
+    assert (group["beta2_decay"], group["eps"], group["d"], group["weight_decay"]) == (-0.8, (None, 1e-3), 1.0, 0.0)
+    assert "relative_step" not in group and "epsilon_1" not in group
+    model = mlp((4, 6, 3))
+    opt = torch.optim.Adafactor([model[0].weight, model[0].bias])
+    opt.load_state_dict(sd)

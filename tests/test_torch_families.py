@@ -102,11 +102,11 @@ def resumes_identically(name: str, original, converted) -> bool:
 
 # what statekit does with each (measured by the test below): torch → torch resumes bit-identically
 # for every family it converts; burn has Adam, AdamW, SGD, RMSprop, Adagrad, Adafactor and Muon of
-# these (L-BFGS too: tests/test_convert_crossing.py); torch → burn → torch Muon comes back within a
+# these, and L-BFGS; torch → burn → torch Muon comes back within a
 # float32 unit of the buffer and tracks (tests/test_convert_crossing.py), not bit for bit
 CONVERTED = {"adam", "adamw", "sgd", "rmsprop", "adagrad", "nadam", "radam", "adamax", "adadelta", "adafactor",
-             "muon"}
-IN_BURN = {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adafactor", "muon"}
+             "muon", "lbfgs"}
+IN_BURN = {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adafactor", "muon", "lbfgs"}
 TRACKS_THROUGH_BURN = {"muon"}
 
 
