@@ -105,10 +105,14 @@ class ParamState:
         """The parameter's shape as its state shows it: the first field that is not a 0-dim
         per-parameter scalar (NAdam's ``mu_product``, ASGD's ``eta``/``mu``); for torch's Adafactor,
         which factors a matrix's second moment into ``row_var`` [..., n, 1] and ``col_var``
-        [..., 1, m], the shape those imply."""
+        [..., 1, m] (transformers' into ``exp_avg_sq_row`` [..., n] and ``exp_avg_sq_col`` [..., m]),
+        the shape those imply."""
         row, col = self.slots.get("row_var"), self.slots.get("col_var")
         if row is not None and col is not None and len(row.shape) == len(col.shape) >= 2:
             return tuple(row.shape[:-1]) + (col.shape[-1],)
+        row, col = self.slots.get("exp_avg_sq_row"), self.slots.get("exp_avg_sq_col")  # transformers' Adafactor
+        if row is not None and col is not None and len(row.shape) == len(col.shape) >= 1:
+            return tuple(row.shape) + (col.shape[-1],)
         first = None
         for ref in self.slots.values():
             if len(ref.shape) > 0:
@@ -180,13 +184,16 @@ class OptimizerState:
     hyperparams_stored: bool = False
     framework: str = "neutral"
     notes: list[str] = field(default_factory=list)
-    family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"
+    family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"; or, with a
+    # family, its name for people (a third-party optimizer's: "transformers Adafactor (…)")
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
 
     @property
     def family_label(self) -> str:
         if not self.family:
             return self.family_detail or "unknown"
+        if self.family_detail:  # a family of its own, named for people (transformers Adafactor, …)
+            return self.family_detail
         if len(self.candidates) > 1:
             return "/".join(self.candidates)
         return self.family

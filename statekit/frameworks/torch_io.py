@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 
 from statekit import dtypes
-from statekit.errors import FormatError, MappingError
+from statekit.errors import FormatError, MappingError, UnsafePickleError
 from statekit.formats import torch_pt
 from statekit.formats.torch_pickle import no_gc
-from statekit.frameworks import torch_state
+from statekit.frameworks import torch_state, torch_thirdparty
 from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
 FORMAT = "torch"
@@ -32,7 +32,13 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
 
         return registry.open_checkpoint(directory, **({"key": key} if key else {}), **options)
     with no_gc():  # 10^6 tensors become 10^6 records: no collection needs to rescan them meanwhile
-        return checkpoint_from_object(torch_pt.load_pt(path), path, key, FORMAT)
+        try:
+            obj = torch_pt.load_pt(path)
+        except UnsafePickleError as exc:  # a class only one optimizer library pickles: refused by its name
+            name = exc.message.partition("global '")[2].partition("'")[0]
+            torch_thirdparty.refuse_global(name, path)
+            raise
+        return checkpoint_from_object(obj, path, key, FORMAT)
 
 
 def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) -> Checkpoint:

@@ -13,7 +13,8 @@ import numpy as np
 
 from statekit import naming
 from statekit.errors import FormatError, MappingError
-from statekit.frameworks import torch_families
+from statekit.formats.torch_pickle import WrapperTensor
+from statekit.frameworks import torch_families, torch_thirdparty
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -160,6 +161,8 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
                         p.slots[name] = value
                     elif isinstance(value, TensorRef):
                         p.slots[name] = value
+                    elif isinstance(value, WrapperTensor):  # torchao's quantized moments, dequantized lazily
+                        p.slots[name] = torch_thirdparty.wrapper_slot(value, f"state[{idx}].{name}", path)
                     else:
                         p.extra[name] = value
                 if p.shape is not None:
@@ -176,6 +179,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         global_slots, global_scalars = _lbfgs_global(params, path)
         notes.append("L-BFGS keeps one global state over all parameters (torch files it under the first "
                      "parameter), tied to parameter order")
+    foreign = None if verdict.family else torch_thirdparty.identify(sd, path)
     for p in params:
         p.family = verdict.family
     if verdict.family and verdict.family not in BURN_FAMILIES:
@@ -184,7 +188,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
     extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
     if extra_ids:
         notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
-    return OptimizerState(
+    state = OptimizerState(
         family=verdict.family,
         candidates=(verdict.family,) if verdict.family else verdict.candidates,
         params=params,
@@ -196,6 +200,9 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         global_slots=global_slots,
         global_scalars=global_scalars,
     )
+    if foreign is not None:  # an optimizer from outside torch.optim (transformers, torchao, …)
+        torch_thirdparty.settle(foreign, state, sd, path)
+    return state
 
 
 LBFGS_LISTS = ("old_dirs", "old_stps", "ro")  # lists of tensors (y, s, 1/(y·s)); "al" is scratch

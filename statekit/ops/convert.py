@@ -16,6 +16,7 @@ from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 from statekit.formats.dcp import Share
 from statekit.formats.dcp import sharing as dcp_sharing
+from statekit.frameworks import torch_thirdparty
 from statekit.ops.build import build_plan
 from statekit.ops.execute import write
 from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
@@ -157,6 +158,10 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan)
             if done is not None:
                 return done
+        adapted: list[str] = []
+        if torch_thirdparty.is_foreign(state):  # transformers Adafactor, torchao, … as the optimizer continuing it
+            state, adapted = torch_thirdparty.adapt(state, registry.framework_of(fmt), optimizer=opts.optimizer,
+                                                     path=src)
         if plan_in:
             plan = Plan.load(plan_in)
             if plan.target_format != fmt:
@@ -165,6 +170,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
             plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+            plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)

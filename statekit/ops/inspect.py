@@ -60,6 +60,24 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     return out
 
 
+def plain_value(value: object, depth: int = 0) -> object:
+    """A param-group value as JSON can hold it: a 0-dim tensor (torchao's ``lr``, torch-optimi's
+    ``step``) as its number, another tensor as ``"tensor [shape] dtype"``, an object as its type."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, TensorRef):
+        if value.numel == 1 and not value.shape and value.dtype != "QFloat":
+            return plain_value(value.numpy().reshape(-1)[0].item())
+        return f"tensor {list(value.shape)} {value.dtype}"
+    if isinstance(value, list | tuple) and depth < 8:
+        return [plain_value(v, depth + 1) for v in value]
+    if isinstance(value, dict) and depth < 8:
+        return {str(k): plain_value(v, depth + 1) for k, v in value.items()}
+    return f"({type(value).__name__})"
+
+
 def _native(state: OptimizerState, p: ParamState) -> dict[str, str]:
     """neutral slot name → the framework's own name (read only: shared by every parameter)."""
     return _native_names(state.framework, p.family or state.family)
@@ -82,6 +100,8 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
     fields: dict[str, dict] = {}
     for slot, ref in p.slots.items():
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
+        if type(ref.info) is dict and "stored_as" in ref.info:  # a value decoded from another form (torchao codes)
+            item["stored_as"] = ref.info["stored_as"]
         if stats:
             item["stats"] = stats_of(ref)
         fields[native.get(slot, slot)] = item
@@ -213,10 +233,12 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         unread = opaque_warning(state)
         if unread:
             out["warnings"].append(unread)
+        out["family_label"] = state.family_label
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
-        out["groups"] = [{"hyperparameters": g.hyperparams, "params": len(g.keys)} for g in state.groups]
+        out["groups"] = [{"hyperparameters": {str(k): plain_value(v) for k, v in g.hyperparams.items()},
+                          "params": len(g.keys)} for g in state.groups]
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
                 out["params"].append(describe_param(state, p, stats, stats_of))

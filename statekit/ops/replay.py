@@ -365,6 +365,27 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
     return row
 
 
+def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | None):
+    """A side from an optimizer outside torch.optim (torchao, transformers Adafactor, …) as the
+    state of the optimizer that continues it (:func:`statekit.frameworks.torch_thirdparty.adapt`):
+    the arithmetic both sides are replayed in. Refused where none continues it."""
+    from dataclasses import replace
+
+    from statekit.frameworks import torch_thirdparty
+
+    notes: list[str] = []
+    sides = [original, migrated]
+    for i, ckpt in enumerate(sides):
+        if torch_thirdparty.is_foreign(ckpt.optimizer):
+            other = sides[1 - i].optimizer
+            target = other.framework if other is not None and not torch_thirdparty.is_foreign(other) else "torch"
+            want = optimizer or (other.family if other is not None and other.family in ("adam", "adamw") else None)
+            state, said = torch_thirdparty.adapt(ckpt.optimizer, target, optimizer=want, path=ckpt.path)
+            sides[i] = replace(ckpt, optimizer=state)
+            notes += [f"{ckpt.path}: {n}" for n in said]
+    return sides[0], sides[1], notes
+
+
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
                   flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
@@ -373,6 +394,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     compare; returns a JSON-able report. Pairs come from ``plan``, the migrated file's record of
     its sources, or equal paths (:mod:`statekit.ops.pairing`). A resized state is compared on
     the region both hold; its new elements must step like a zero state at the migrated step."""
+    original, migrated, adapted = _as_continued(original, migrated, optimizer)
     a_state, b_state = original.optimizer, migrated.optimizer
     if a_state is None:
         raise UsageError(f"{original.path}: holds no optimizer state")
@@ -409,7 +431,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
                             (lambda n: progress(steps / (n * len(pairs)))) if progress else None)
         ok &= row["tracks"]
         rows.append(row)
-    notes = list(pair_notes)
+    notes = list(pair_notes) + adapted
     squares = [pr.path for pr in pairs if len(pr.original.shape or ()) == 2 and pr.original.shape[0] == pr.original.shape[1]
                and not pr.transpose and a_state.framework != b_state.framework and pr.via == "path"]
     if squares:

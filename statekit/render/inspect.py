@@ -19,6 +19,8 @@ def summary_line(d: dict) -> str:
     kind = d["kind"]
     if d.get("family") and d["family"].startswith("unknown"):
         kind = f"{kind} (unknown family)"  # the reason is long: it follows the table, as a note
+    elif d.get("family_label") and d["family_label"] != d.get("family") and not d["family_label"].startswith("unknown"):
+        kind = f"{kind} ({d['family_label']})"  # a family of its own, by its people's name (transformers Adafactor)
     elif d.get("family"):
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
         kind = f"{kind} ({fam})"

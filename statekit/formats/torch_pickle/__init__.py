@@ -52,12 +52,13 @@ from statekit.formats.torch_pickle.structure import (
     check_structure,
     no_gc,
 )
-from statekit.formats.torch_pickle.values import Record, RecordClass
+from statekit.formats.torch_pickle.values import Record, RecordClass, TensorKey, WrapperTensor
 from statekit.formats.torch_pickle.writer import _Pickler, dumps
 
 __all__ = [
     "MAX_DEPTH", "MAX_EXPANSION", "MAX_STEPS", "STATEKIT_TO_TORCH", "TORCH_DTYPE_NAMES", "TORCH_TO_STATEKIT",
-    "Record", "RecordClass", "Storage", "StorageId", "StorageLoader", "TensorInfo", "TorchDtype", "_ALLOWED",
+    "Record", "RecordClass", "Storage", "StorageId", "StorageLoader", "TensorInfo", "TensorKey", "TorchDtype",
+    "WrapperTensor", "_ALLOWED",
     "_Pickler", "_Unpickler", "allowed_callable", "check_structure", "dumps", "find_global", "loads", "no_gc",
     "statekit_dtype",
 ]

@@ -14,7 +14,7 @@ from statekit.errors import FormatError, UnsafePickleError
 from statekit.formats import limits
 from statekit.formats.torch_pickle.dtype_table import _STORAGE_CLASSES, TORCH_DTYPE_NAMES, TorchDtype
 from statekit.formats.torch_pickle.geometry import _int_tuple, _tensor
-from statekit.formats.torch_pickle.values import _key, _keys, _python_state
+from statekit.formats.torch_pickle.values import Float8Codes, WrapperTensor, _key, _keys, _python_state
 from statekit.tensor import TensorRef
 
 
@@ -55,6 +55,8 @@ def _rebuild_tensor_v3(
     _check_metadata(metadata)
     if not isinstance(dtype, TorchDtype):
         raise FormatError(f"_rebuild_tensor_v3 dtype {limits.short(dtype)} is not a torch dtype")
+    if dtype.name in FLOAT8_DTYPES:  # one byte an element: the bytes, kept for a wrapper's codes
+        return Float8Codes(_tensor(storage, storage_offset, size, stride, "uint8", bool(requires_grad)), dtype.name)
     return _tensor(storage, storage_offset, size, stride, dtype.name, bool(requires_grad))
 
 
@@ -70,7 +72,13 @@ def _rebuild_parameter_with_state(data, requires_grad, backward_hooks, state):
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-    """A tensor (sub)class with Python attributes: ``func(*args)`` then the attributes."""
+    """A tensor (sub)class with Python attributes: ``func(*args)`` then the attributes.
+
+    A wrapper subclass allowed by name (:data:`WRAPPER_CLASSES`) becomes a
+    :class:`WrapperTensor` record of its class, geometry and pickled attributes: nothing of the
+    class is imported or run."""
+    if isinstance(func, _Callable) and func.fn is _rebuild_wrapper_subclass:
+        return _wrapper_tensor(new_type, args, state)
     if (
         not isinstance(func, _Callable)
         or not isinstance(new_type, _TensorType)
@@ -84,6 +92,61 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 
 def _rebuild_qtensor(*_args):
     """Allowed only so that a quantized tensor is refused by its storage's dtype, read first."""
+
+
+FLOAT8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+
+# Tensor subclasses that keep their data in attributes (``torch._utils._rebuild_wrapper_subclass``
+# + ``_rebuild_from_type_v2``), allowed by their exact class names so that a reader can see those
+# attributes as plain values. torchao's low-bit optimizer states (OptimState8bit/4bit/Fp8;
+# ``torchao.prototype.low_bit_optim`` up to torchao 0.9, ``torchao.optim`` from 0.10).
+WRAPPER_CLASSES = frozenset(
+    f"{module}.subclass_{kind}.OptimState{cls}"
+    for module in ("torchao.optim", "torchao.prototype.low_bit_optim")
+    for kind, cls in (("8bit", "8bit"), ("4bit", "4bit"), ("fp8", "Fp8"))
+)
+
+
+@dataclass(frozen=True)
+class _WrapperClass:
+    """An allowed wrapper subclass named as ``_rebuild_from_type_v2``'s type (a name, nothing more)."""
+
+    name: str
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, stride, storage_offset, layout, device, requires_grad):
+    """Allowed only inside ``_rebuild_from_type_v2`` (:func:`_wrapper_tensor`), never called alone."""
+    raise FormatError("_rebuild_wrapper_subclass outside _rebuild_from_type_v2 is not supported")
+
+
+def _wrapper_tensor(new_type, args, state) -> WrapperTensor:
+    if not isinstance(new_type, _WrapperClass) or not isinstance(args, tuple) or len(args) != 8:
+        raise FormatError(f"unsupported _rebuild_wrapper_subclass call for {limits.short(new_type)}")
+    cls, dtype, size, stride, offset, layout, device, _requires_grad = args
+    if cls != new_type or not isinstance(dtype, TorchDtype) or layout != "torch.strided" or offset != 0:
+        raise FormatError(f"unsupported {new_type.name} geometry: {limits.short(args)}")
+    attributes = _python_state(state)
+    if not all(isinstance(k, str) for k in attributes):
+        raise FormatError(f"{new_type.name} attributes have non-string names")
+    for name, value in attributes.items():
+        if isinstance(value, Float8Codes):  # a float8 tensor inside the wrapper: its bytes, dtype in info
+            attributes[name] = _with_info(value.raw, float8=value.torch_dtype)
+    return WrapperTensor(new_type.name, dtype.name, _int_tuple(size, "size"), _int_tuple(stride, "stride"),
+                         str(device), attributes)
+
+
+def _get_layout(name):
+    """``torch.serialization._get_layout``: only the strided layout, as its name."""
+    if name != "torch.strided":
+        raise FormatError(f"tensor layout {limits.short(name)} is not supported")
+    return name
+
+
+def _device(kind, index=None):
+    """``torch.device(type[, index])`` as its name (``cpu``, ``cuda:0``)."""
+    if not isinstance(kind, str) or not (index is None or type(index) is int):
+        raise FormatError(f"torch.device({limits.short(kind)}, {limits.short(index)}) is not a device")
+    return kind if index is None or ":" in kind else f"{kind}:{index}"
 
 
 @dataclass(frozen=True)
@@ -163,7 +226,13 @@ def _allowed_globals() -> dict[str, object]:
     ):
         allowed[f"torch._utils.{fn.__name__}"] = _Callable(fn.__name__, fn)
     allowed["torch._tensor._rebuild_from_type_v2"] = _Callable("_rebuild_from_type_v2", _rebuild_from_type_v2)
+    allowed["torch._utils._rebuild_wrapper_subclass"] = _Callable("_rebuild_wrapper_subclass",
+                                                                  _rebuild_wrapper_subclass)
+    for name in WRAPPER_CLASSES:
+        allowed[name] = _WrapperClass(name)
     for full, fn in {
+        "torch.serialization._get_layout": _get_layout,
+        "torch.device": _device,
         "collections.OrderedDict": _ordered_dict,
         "torch.Size": _size,
         "builtins.set": _set,

@@ -9,7 +9,7 @@ import operator
 
 from statekit.errors import FormatError
 from statekit.formats.torch_pickle.geometry import TensorInfo
-from statekit.formats.torch_pickle.values import Record
+from statekit.formats.torch_pickle.values import Float8Codes, Record, WrapperTensor
 from statekit.tensor import TensorRef
 
 MAX_DEPTH = 100  # container nesting; torch's checkpoints nest a handful of levels
@@ -63,6 +63,10 @@ def _children(node: object):
         return state.values() if state else None
     if isinstance(node, Record):
         return node.fields.values()
+    if isinstance(node, WrapperTensor):
+        return node.state.values()
+    if isinstance(node, Float8Codes):  # a float8 tensor outside a wrapper subclass's codes
+        raise FormatError(node.refusal)
     return None
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from statekit.errors import FormatError
 from statekit.formats import limits
 from statekit.formats.torch_pickle.dtype_table import TorchDtype
+from statekit.tensor import TensorRef
 
 
 def _python_state(state: object) -> dict:
@@ -58,8 +59,44 @@ class Record:
         return self.cls.rsplit(".", 1)[-1]
 
 
-# dict keys and set members: hashed in constant time (a Record by identity)
-_FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype, Record)
+@dataclass(eq=False)
+class WrapperTensor:
+    """A wrapper tensor subclass allowed by name (torchao's low-bit optimizer states), as the
+    pickle describes it and never constructed: its class's full name, its outer dtype (a torch
+    dtype name), shape, stride and device, and the attributes it pickled (``state``: tensors as
+    TensorRefs, numbers, a ``torch.Size`` as a tuple)."""
+
+    cls: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: str
+    state: dict
+
+
+@dataclass(eq=False)
+class Float8Codes:
+    """A float8 tensor (``torch.float8_e4m3fn`` …), which statekit holds only as a wrapper
+    subclass's codes (torchao's OptimStateFp8): the bytes as a U8 TensorRef and the torch dtype
+    name. Anywhere else in a pickle it is refused by :func:`statekit.formats.torch_pickle.structure.check_structure`."""
+
+    raw: TensorRef
+    torch_dtype: str
+
+    @property
+    def refusal(self) -> str:
+        return f"tensor dtype torch.{self.torch_dtype} is not supported: this dtype is not handled by statekit"
+
+
+@dataclass(eq=False)  # hashed by identity, as torch hashes a tensor used as a dict key
+class TensorKey:
+    """A tensor used as a dict key (GrokAdamW keys its state by the parameters themselves)."""
+
+    tensor: object
+
+
+# dict keys and set members: hashed in constant time (a Record, a TensorKey by identity)
+_FLAT_KEYS = (str, int, float, bool, type(None), bytes, complex, TorchDtype, Record, TensorKey)
 _FLAT_KEY_TYPES = frozenset(_FLAT_KEYS)
 
 
@@ -70,6 +107,8 @@ def _key(key: object) -> object:
         return key
     if isinstance(key, tuple) and len(key) <= 64 and all(isinstance(k, _FLAT_KEYS) for k in key):
         return key
+    if isinstance(key, TensorRef):
+        return TensorKey(key)
     raise FormatError(f"malformed pickle: a {type(key).__name__} as a dict key or set member is not supported")
 
 

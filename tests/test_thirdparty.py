@@ -1,0 +1,321 @@
+"""Optimizer states written by the optimizers people add to torch (fixtures/thirdparty/, made by
+scripts/make_thirdparty_fixtures.py with torchao, transformers, lion-pytorch, schedulefree,
+torch-optimi, galore-torch and grokadamw): recognised, read with their real tensors, converted
+where another optimizer continues them, refused by name otherwise. None of those packages is
+needed here: the references (torchao's own dequantize(), transformers' continued run) are files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import statekit
+from statekit.errors import MappingError
+from statekit.ops.inspect import inspect
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file  # noqa: E402
+
+THIRD = Path(__file__).resolve().parent.parent / "fixtures" / "thirdparty"
+TORCHAO = ("torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8", "torchao-adamw8bit-bf16")
+AO_NAMES = ["0.weight", "0.bias", "2.weight", "2.bias"]
+SMALL_NAMES = ["0.weight", "0.bias", "2.weight"]
+
+# every fixture: the family statekit gives it and the fields of its first parameter
+FAMILIES = {
+    "torchao-adamw8bit": ("torchao-adam-8bit", "torchao AdamW8bit", {"exp_avg", "exp_avg_sq"}),
+    "torchao-adamw4bit": ("torchao-adam-4bit", "torchao AdamW4bit", {"exp_avg", "exp_avg_sq"}),
+    "torchao-adamwfp8": ("torchao-adam-fp8", "torchao AdamWFp8", {"exp_avg", "exp_avg_sq"}),
+    "torchao-adamw8bit-bf16": ("torchao-adam-8bit", "torchao AdamW8bit", {"exp_avg", "exp_avg_sq"}),
+    "hf-adafactor-relative": ("transformers-adafactor", "transformers Adafactor",
+                              {"exp_avg_sq_row", "exp_avg_sq_col", "RMS"}),
+    "hf-adafactor-trainer": ("transformers-adafactor", "transformers Adafactor",
+                             {"exp_avg_sq_row", "exp_avg_sq_col", "RMS"}),
+    "hf-adafactor-beta1": ("transformers-adafactor", "transformers Adafactor",
+                           {"exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "RMS"}),
+    "lion-pytorch": ("lion-pytorch", "lion-pytorch Lion", {"exp_avg"}),
+    "schedulefree-adamw": ("schedulefree-adamw", "schedule-free AdamWScheduleFree", {"z", "exp_avg_sq"}),
+    "schedulefree-adamw-eval": ("schedulefree-adamw", "schedule-free AdamWScheduleFree", {"z", "exp_avg_sq"}),
+    "schedulefree-sgd": ("schedulefree-sgd", "schedule-free SGDScheduleFree", {"z"}),
+    "schedulefree-radam": ("schedulefree-radam", "schedule-free RAdamScheduleFree", {"z", "exp_avg_sq"}),
+    "optimi-stableadamw": ("optimi-stableadamw", "torch-optimi StableAdamW", {"exp_avg", "exp_avg_sq", "eps_sq"}),
+    "apex-fusedadam": ("apex-fusedadam", "apex FusedAdam", {"exp_avg", "exp_avg_sq"}),
+    "deepspeed-fusedadam": ("deepspeed-fusedadam", "DeepSpeed FusedAdam", {"exp_avg", "exp_avg_sq"}),
+}
+
+
+def torch_load(path):
+    return torch.load(path, weights_only=True)
+
+
+def bits(t) -> np.ndarray:
+    """A tensor's bytes as integers, for bit-for-bit comparisons (NaN and -0.0 included)."""
+    arr = t.detach().contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+    return arr.numpy()
+
+
+def as_torch(ref):
+    """A statekit tensor's values as a torch tensor (bfloat16 through its bits)."""
+    arr = np.array(ref.numpy())
+    if ref.dtype == "BF16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def names_file(tmp_path: Path, names: list[str]) -> Path:
+    path = tmp_path / "names.txt"
+    path.write_text("\n".join(names) + "\n")
+    return path
+
+
+def test_torchao_states_convert_with_torchao_impossible_to_import(tmp_path):
+    """In a fresh interpreter where ``import torchao`` (and transformers) fails, as if not
+    installed: the torchao files still read and convert."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "for lib in ('torchao', 'transformers', 'lion_pytorch', 'schedulefree', 'optimi'): sys.modules[lib] = None\n"
+        "import statekit\n"
+        f"statekit.convert({str(THIRD / 'torchao-adamwfp8.pt')!r}, {str(tmp_path / 'out.pt')!r}, optimizer='adamw')\n"
+        "assert not [m for m in sys.modules if m.startswith('torchao') and sys.modules[m] is not None]\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    reference = load_file(THIRD / "torchao-reference.safetensors")
+    assert (bits(torch_load(tmp_path / "out.pt")["state"][0]["exp_avg"])
+            == bits(reference["torchao-adamwfp8.0.exp_avg"])).all()
+
+
+@pytest.mark.parametrize("stem", sorted(FAMILIES))
+def test_every_fixture_inspects_with_its_family_and_its_tensors(stem, cli):
+    family, name, fields = FAMILIES[stem]
+    saved = torch_load(THIRD / f"{stem}.pt") if not stem.startswith("torchao") else None
+    with statekit.open(THIRD / f"{stem}.pt") as ckpt:
+        d = inspect(ckpt, stats=True)
+        assert d["family"] == family and name in d["family_label"]
+        assert not d["warnings"]
+        first = d["params"][0]
+        assert set(first["fields"]) == fields
+        for p, param in zip(d["params"], ckpt.optimizer.params, strict=True):
+            assert p["family"] == family and p["step"] == (None if stem == "lion-pytorch" else 3)  # Lion keeps none
+            for field, item in p["fields"].items():
+                assert item["stats"]["nan"] == 0 and item["stats"]["min"] is not None
+                if saved is not None:  # the values are the file's own
+                    want = saved["state"][param.index][field]
+                    got = as_torch(param.slots[field])
+                    assert list(item["shape"]) == list(want.shape) and torch.equal(got, want)
+    res = cli("inspect", THIRD / f"{stem}.pt")
+    assert res.returncode == 0, res.stderr
+    assert f"optimizer ({name}" in res.stdout.splitlines()[0]
+    res = cli("inspect", "--json", THIRD / f"{stem}.pt")  # torch-optimi's step tensor in a group: JSON too
+    assert res.returncode == 0, res.stderr
+    json.loads(res.stdout)
+
+
+def test_transformers_adafactor_shows_the_parameter_shape_its_factors_imply():
+    with statekit.open(THIRD / "hf-adafactor-relative.pt") as ckpt:
+        assert [p.shape for p in ckpt.optimizer.params] == [(8, 12), (8,), (4, 8)]
+        assert [p.rank for p in ckpt.optimizer.params] == [2, 1, 2]
+
+
+def test_optimi_stableadamw_inspect_json_shows_the_groups_step_tensor(cli):
+    """Regression: the 0-dim step tensor torch-optimi keeps in its param group reached the JSON
+    encoder as a TensorRef and ended inspect --json in an internal error."""
+    res = cli("inspect", "--json", THIRD / "optimi-stableadamw.pt")
+    assert res.returncode == 0, res.stderr
+    group = json.loads(res.stdout)["groups"][0]["hyperparameters"]
+    assert group["step"] == 3 and group["beta1"] == 0.9 and group["max_lr"] is None
+    res = cli("inspect", "--json", THIRD / "torchao-adamw8bit.pt")  # torchao's lr, a 0-dim float32 tensor
+    assert json.loads(res.stdout)["groups"][0]["hyperparameters"]["lr"] == pytest.approx(0.01)
+
+
+def test_schedule_free_shows_its_mode_and_steps(cli):
+    res = cli("inspect", THIRD / "schedulefree-adamw.pt")
+    assert "train mode: the saved parameters are y" in res.stdout
+    res = cli("inspect", THIRD / "schedulefree-adamw-eval.pt")
+    assert "eval mode: the saved parameters are x" in res.stdout
+    assert "train_mode=False" in res.stdout and "weight_sum=" in res.stdout
+
+
+# ------------------------------------------------------------------------------- torchao
+
+
+@pytest.mark.parametrize("stem", TORCHAO)
+def test_torchao_moments_equal_torchaos_dequantize_bit_for_bit(stem):
+    reference = load_file(THIRD / "torchao-reference.safetensors")
+    with statekit.open(THIRD / f"{stem}.pt") as ckpt:
+        for p in ckpt.optimizer.params:
+            for field, ref in p.slots.items():
+                want = reference[f"{stem}.{p.index}.{field}"]
+                got = as_torch(ref)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert (bits(got) == bits(want)).all(), f"{stem} #{p.index} {field}"
+                # read in pieces smaller than a block (a piece is at least one block)
+                if want.dtype == torch.float32:
+                    pieces = np.concatenate(list(ref.pieces(64)))
+                    assert (pieces.view(np.int32) == bits(want).reshape(-1)).all()
+
+
+@pytest.mark.parametrize("stem", TORCHAO)
+def test_torchao_to_pt_is_torchaos_dequantize_and_loads_into_torch_adamw(stem, cli, tmp_path):
+    reference = load_file(THIRD / "torchao-reference.safetensors")
+    out = tmp_path / "adamw.pt"
+    res = cli("convert", THIRD / f"{stem}.pt", out, "--optimizer", "adamw")
+    assert res.returncode == 0, res.stderr
+    sd = torch_load(out)
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is True
+    assert sd["param_groups"][0]["lr"] == pytest.approx(0.01) and sd["param_groups"][0]["weight_decay"] == 0.01
+    for idx, entry in sd["state"].items():
+        assert entry["step"].item() == 3.0
+        for field in ("exp_avg", "exp_avg_sq"):
+            want = reference[f"{stem}.{idx}.{field}"]
+            assert entry[field].dtype == want.dtype and (bits(entry[field]) == bits(want)).all()
+    dtype = torch.bfloat16 if stem.endswith("bf16") else torch.float32
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10)).to(dtype)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(sd)
+    model(torch.randn(4, 64, dtype=dtype)).sum().backward()
+    opt.step()
+    assert opt.state_dict()["state"][0]["step"].item() == 4.0
+    verify = cli("verify-resume", THIRD / f"{stem}.pt", out, "--names", names_file(tmp_path, AO_NAMES))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_torchao_to_burn_and_verify_resume(cli, tmp_path):
+    out = tmp_path / "adamw.bpk"
+    names = names_file(tmp_path, AO_NAMES)
+    res = cli("convert", THIRD / "torchao-adamw4bit.pt", out, "--optimizer", "adamw", "--names", names,
+              "--transpose", "*.weight")
+    assert res.returncode == 0, res.stderr
+    reference = load_file(THIRD / "torchao-reference.safetensors")
+    with statekit.open(out) as ckpt:
+        by_path = {p.path: p for p in ckpt.optimizer.params}
+        got = by_path["0.weight"].slots["exp_avg"].numpy()
+        assert (got.T == reference["torchao-adamw4bit.0.exp_avg"].numpy()).all()  # burn keeps [in, out]
+    verify = cli("verify-resume", THIRD / "torchao-adamw4bit.pt", out, "--names", names, "--transpose", "*.weight")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_torchao_without_optimizer_says_adam_or_adamw(cli, tmp_path):
+    res = cli("convert", THIRD / "torchao-adamw8bit.pt", tmp_path / "x.pt")
+    assert res.returncode == 1 and not (tmp_path / "x.pt").exists()
+    assert "torchao-adamw8bit.pt" in res.stderr and "--optimizer adamw or --optimizer adam" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_float8_tensor_outside_torchaos_codes_is_still_refused(cli):
+    res = cli("inspect", Path(__file__).resolve().parent.parent / "fixtures" / "torch_extra" / "float8.pt")
+    assert res.returncode == 1 and "float8_e4m3fn is not supported" in res.stderr
+
+
+# ------------------------------------------------------------------------- transformers Adafactor
+
+
+def test_transformers_adafactor_to_torch_adafactor_resumes_transformers_run(cli, tmp_path):
+    out = tmp_path / "adafactor.pt"
+    res = cli("convert", THIRD / "hf-adafactor-relative.pt", out)
+    assert res.returncode == 0, res.stderr
+    sd = torch_load(out)
+    saved = torch_load(THIRD / "hf-adafactor-relative.pt")
+    assert sd["state"][0]["row_var"].shape == (8, 1) and sd["state"][0]["col_var"].shape == (1, 12)
+    assert torch.equal(sd["state"][0]["row_var"].reshape(-1), saved["state"][0]["exp_avg_sq_row"])
+    assert torch.equal(sd["state"][1]["variance"], saved["state"][1]["exp_avg_sq"])
+    ref = load_file(THIRD / "hf-adafactor-resume.safetensors")
+    params = [torch.nn.Parameter(ref[f"param.{i}"].clone()) for i in range(3)]
+    opt = torch.optim.Adafactor(params)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.01  # transformers' relative step min(1e-2, 1/√t)
+    cold = [torch.nn.Parameter(ref[f"param.{i}"].clone()) for i in range(3)]
+    cold_opt = torch.optim.Adafactor(cold, lr=0.01)
+    for k in range(3, 8):
+        for i in range(3):
+            params[i].grad, cold[i].grad = ref[f"grad.{k}.{i}"].clone(), ref[f"grad.{k}.{i}"].clone()
+        opt.step()
+        cold_opt.step()
+    for i in range(3):
+        final = ref[f"final.{i}"]
+        moved = (final - ref[f"param.{i}"]).abs().max().item()
+        resumed = (params[i].detach() - final).abs().max().item()
+        restarted = (cold[i].detach() - final).abs().max().item()
+        assert resumed <= 4 * torch.finfo(torch.float32).eps * final.abs().max().item(), (i, resumed, moved)
+        assert restarted > 100 * max(resumed, 1e-9)  # a cold restart is visibly elsewhere
+
+
+@pytest.mark.parametrize("stem, says", [
+    ("hf-adafactor-trainer", "scale_parameter=False, but torch.optim.Adafactor always scales its step"),
+    ("hf-adafactor-beta1", "beta1=0.9 keeps a first moment (exp_avg)"),
+])
+def test_transformers_adafactor_torch_cannot_continue_is_refused_naming_the_difference(stem, says, cli, tmp_path):
+    res = cli("convert", THIRD / f"{stem}.pt", tmp_path / "x.pt")
+    assert res.returncode == 1 and not (tmp_path / "x.pt").exists()
+    assert says in res.stderr and f"{stem}.pt" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+# -------------------------------------------------------------------- FusedAdam, StableAdamW
+
+
+@pytest.mark.parametrize("stem", ["apex-fusedadam", "deepspeed-fusedadam"])
+def test_fusedadam_to_torch_adam_is_the_adam_state_it_holds(stem, cli, tmp_path):
+    out = tmp_path / "adam.pt"
+    res = cli("convert", THIRD / f"{stem}.pt", out)
+    assert res.returncode == 0, res.stderr
+    assert "Adam and AdamW take the same step" in res.stderr
+    reference = load_file(THIRD / "fusedadam-reference.safetensors")
+    sd = torch_load(out)
+    for idx, entry in sd["state"].items():
+        for field in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[field], reference[f"{idx}.{field}"]), (idx, field)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4, bias=False))
+    opt = torch.optim.AdamW(model.parameters())
+    opt.load_state_dict(sd)
+    verify = cli("verify-resume", THIRD / f"{stem}.pt", out, "--names", names_file(tmp_path, SMALL_NAMES))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_apex_fusedadam_with_weight_decay_needs_adam_or_adamw(tmp_path):
+    saved = torch_load(THIRD / "apex-fusedadam.pt")
+    saved["param_groups"][0]["weight_decay"] = 0.01
+    torch.save(saved, tmp_path / "wd.pt")
+    with pytest.raises(MappingError, match="decoupled"):
+        statekit.convert(str(tmp_path / "wd.pt"), str(tmp_path / "out.pt"))
+    statekit.convert(str(tmp_path / "wd.pt"), str(tmp_path / "out.pt"), optimizer="adam")
+    assert torch_load(tmp_path / "out.pt")["param_groups"][0]["decoupled_weight_decay"] is False
+
+
+@pytest.mark.parametrize("stem, says", [
+    ("optimi-stableadamw", "StableAdamW keeps debiased moments"),
+    ("schedulefree-adamw", "schedule-free keeps z and averages the iterates"),
+    ("schedulefree-sgd", "schedule-free keeps z"),
+    ("schedulefree-radam", "schedule-free keeps z"),
+])
+def test_states_no_optimizer_continues_are_refused_by_name(stem, says, cli, tmp_path):
+    for target in ("x.pt", "x.bpk"):
+        res = cli("convert", THIRD / f"{stem}.pt", tmp_path / target)
+        assert res.returncode == 1 and says in res.stderr and not (tmp_path / target).exists()
+        assert len(res.stderr.strip().splitlines()) == 1
+
+
+# -------------------------------------------------------------------------- GaLore, GrokAdamW
+
+
+@pytest.mark.parametrize("stem, says", [
+    ("galore-adamw", "a GaLore optimizer state (galore-torch)"),
+    ("grokadamw", "a GrokAdamW optimizer state (grokadamw)"),
+])
+def test_galore_and_grokadamw_are_refused_in_one_line_naming_them(stem, says, cli):
+    for command in (["inspect"], ["doctor"], ["convert", "--dry-run"]):
+        args = [*command, THIRD / f"{stem}.pt"] + (["/tmp/never.pt"] if command[0] == "convert" else [])
+        res = cli(*args)
+        assert res.returncode != 0, res.stdout
+        assert says in res.stderr and f"{stem}.pt" in res.stderr
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
