@@ -245,7 +245,7 @@ def convert(
     PyTorch → burn (ids from the burn model, joined by path):
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
     A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
-      statekit convert muon.pt optim.bpk --also adamw.pt --model model.pt --transpose '*.weight'
+      statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
       statekit convert optim.bpk muon.pt --also-out adamw.pt
     A torch state's positions are named by solving, never by assuming an order: each param group
     is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
