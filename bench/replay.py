@@ -45,6 +45,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import optional  # noqa: E402
 
 import statekit.optim as so  # noqa: E402
 from statekit.optim import kernels  # noqa: E402
@@ -310,6 +313,7 @@ def main(argv=None) -> int:
     print(f"{n:,} float32 elements; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; "
           f"{os.cpu_count()} CPUs, --threads {threads}; torch {'yes' if have('torch') else 'no'}, numba "
           f"{'yes' if kernels.numba_available() else 'no'}")
+    print(optional.line())
     header = f"| {'row':46} | {'ms/step':>8} | {'M elem/s':>9} | {'GB/s':>6} |"
     print(header)
     print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")

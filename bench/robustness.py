@@ -88,9 +88,12 @@ def gzip_bomb(path: Path, inflated: int) -> None:
         fh.write(comp.flush())
 
 
-def shared_storage_pt(path: Path, n: int) -> None:
+def shared_storage_pt(path: Path, n: int, memo: bool = True) -> None:
     """torch.save's layout for ``{f"t{i}": base[i:i+1]}``: n views of one n-element storage, written
-    with CPython's pickler and stand-in globals (torch.save itself takes minutes for 10^6)."""
+    with CPython's pickler and stand-in globals (torch.save itself takes minutes for 10^6).
+    ``memo=False``: the same objects pickled without a memo (``Pickler.fast``: every global, string
+    and OrderedDict() written out again for each tensor), as other writers do: not torch.save's
+    exact opcode sequence."""
     code = f"""
 import collections, pickle, sys, types, zipfile
 torch = types.ModuleType("torch"); utils = types.ModuleType("torch._utils")
@@ -109,7 +112,9 @@ class P(pickle.Pickler):
         return ("storage", FloatStorage, "0", "cpu", {n}) if obj is STORAGE else None
 import io
 buf = io.BytesIO()
-P(buf, protocol=2).dump(collections.OrderedDict((f"t{{i}}", View(i)) for i in range({n})))
+pickler = P(buf, protocol=2)
+pickler.fast = {not memo}
+pickler.dump(collections.OrderedDict((f"t{{i}}", View(i)) for i in range({n})))
 with zipfile.ZipFile({str(path)!r}, "w", zipfile.ZIP_STORED) as zf:
     zf.writestr("archive/data.pkl", buf.getvalue())
     zf.writestr("archive/data/0", bytes(4 * {n}))

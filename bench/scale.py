@@ -33,6 +33,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import optional  # noqa: E402
 
 from statekit.formats.burnpack import (  # noqa: E402
     HEADER_SIZE,
@@ -287,6 +290,7 @@ def main() -> None:
     sizes = list(args.sizes_gib) + ([16.0] if args.big else [])
     jobs = args.jobs or len(os.sched_getaffinity(0))
     results = []
+    print(optional.line())
     folder = tempfile.mkdtemp(prefix="statekit-scale-", dir=args.dir)
     try:
         for gib in sizes:

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import optional  # noqa: E402
 from burnpack_scale import build  # noqa: E402
 
 from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack  # noqa: E402
@@ -103,9 +104,16 @@ def main(argv=None) -> int:
             f"statekit inspect {args.params} params": [*statekit, "inspect", str(wide)],
             f"statekit inspect {args.params} params --json": [*statekit, "inspect", str(wide), "--json"],
         }
+        # issue 21: the 3 KiB convert of a float32 file (its time against import numpy)
+        fixtures = ROOT / "fixtures"
+        small = [*statekit, "convert", str(fixtures / "hand-optim.bpk"), str(folder / "hand-optim.pt"),
+                 "--optimizer", "adam", "--names", str(fixtures / "hand-names.txt"), "--transpose", "*"]
+        rows["statekit convert 3 KiB .bpk → .pt (float32)"] = small
         tsv = [*statekit, "inspect", str(wide), "--format", "tsv"]
         if subprocess.run(tsv, env=env, capture_output=True).returncode == 0:
             rows[f"statekit inspect {args.params} params --format tsv"] = tsv
+        imported = subprocess.run([py, "-X", "importtime", *small[1:]], env=env, capture_output=True, text=True)
+        ml_dtypes_imported = any(ln.rstrip().endswith("| ml_dtypes") for ln in imported.stderr.splitlines())
         best, cpu = dict.fromkeys(rows, float("inf")), dict.fromkeys(rows, float("inf"))
         for _ in range(args.repeat):
             for label, cmd in rows.items():
@@ -115,6 +123,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"best of {args.repeat} fresh processes, interleaved; load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f} at the end; {os.cpu_count()} CPUs; {sys.version.split()[0]}")
+    print(optional.line())
     base, numpy_s = best["python -c pass"], best["python -c 'import numpy'"]
     header = f"| {'command':52} | {'seconds':>7} | {'x pass':>6} | {'x import numpy':>14} | {'CPU s':>6} |"
     print(header)
@@ -133,6 +142,11 @@ def main(argv=None) -> int:
     print(f"  {'  the same in CPU time':60} {cpu_ratio:6.2f}")
     verdict("statekit --version / python -c pass", best["statekit --version"] / base, 3.0)
     verdict(f"inspect {args.params} parameters (table)", best[f"statekit inspect {args.params} params"], 1.0, " s")
+    print("\nissue 21 Done-when (this run):")
+    print(f"  {'the float32 convert imports ml_dtypes':60} {'yes' if ml_dtypes_imported else 'no'}  "
+          f"(goal: no: {'NOT met' if ml_dtypes_imported else 'met'})")
+    verdict("convert 3 KiB .bpk → .pt / import numpy", best["statekit convert 3 KiB .bpk → .pt (float32)"] / numpy_s,
+            3.0)
     return 0
 
 

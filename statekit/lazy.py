@@ -27,4 +27,4 @@ class LazyModule:
 
 
 numpy = LazyModule("numpy")
-ml_dtypes = LazyModule("ml_dtypes")
+ml_dtypes = LazyModule("ml_dtypes")  # imported on first attribute read: only where an extended dtype is met

@@ -24,10 +24,14 @@ class Layout:
     step: str | None = None
     also: tuple[str, ...] = ()  # other families with byte-identical state (cannot be told apart)
     derived: frozenset[str] = field(default_factory=frozenset)  # slots recomputable from others
-    # neutral slots stored under a field ``slots`` already maps, by rank: burn Adafactor keeps a
-    # 1-D parameter's full second moment (torch's ``variance``) in ``second_moment``, the field of
-    # a matrix's row factor (torch's ``row_var``)
-    alias: dict[str, str] = field(default_factory=dict)
+    # family → the parameter ranks it can hold (burn's Muon takes only 2-D parameters): a parameter
+    # of another rank cannot be that family, whatever its fields
+    ranks: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def candidates(self, rank: int | None) -> tuple[str, ...]:
+        """The families this layout can be for a parameter of ``rank`` (None: unknown, all)."""
+        return tuple(f for f in (self.family, *self.also)
+                     if rank is None or f not in self.ranks or rank in self.ranks[f])
 
 
 BURN: tuple[Layout, ...] = (
@@ -52,16 +56,10 @@ BURN: tuple[Layout, ...] = (
         {"momentum.velocity": "momentum_buffer"},
         frozenset({"momentum.velocity"}),
         also=("muon",),
+        ranks={"muon": frozenset({2})},  # MuonState is SgdState's layout; Muon's step asserts D == 2
     ),
     Layout("adagrad", {"lr_decay.sum": "sum"}, frozenset({"lr_decay.sum", "lr_decay.time"}),
            step="lr_decay.time"),
-    Layout(
-        "adafactor",
-        {"second_moment": "row_var", "column_second_moment": "col_var"},
-        frozenset({"second_moment", "time"}),
-        step="time",
-        alias={"variance": "second_moment"},
-    ),
     Layout(
         "rmsprop",
         {"square_avg.square_avg": "square_avg", "centered.grad_avg": "grad_avg",
@@ -69,7 +67,24 @@ BURN: tuple[Layout, ...] = (
         frozenset({"square_avg.square_avg", "centered.avg"}),
         derived=frozenset({"avg"}),
     ),
+    # burn 0.22's LAMB, Lion and Adafactor (optimizers-burn-torch.md §1.2–1.4): fields directly
+    # under the parameter id, no ``momentum.`` level.
+    Layout("lamb", {"moment_1": "exp_avg", "moment_2": "exp_avg_sq"},
+           frozenset({"moment_1", "moment_2", "time"}), step="time"),
+    Layout("lion", {"momentum": "exp_avg"}, frozenset({"momentum"})),
+    # Adafactor: ``second_moment`` is the EMA of g² + ε₁ (ε₁ = 1e-30 inside, unlike torch's row_var /
+    # variance), reduced over the last axis for D ≥ 2 ([..., rows, 1]), full for D = 1;
+    # ``column_second_moment`` [..., 1, cols] only for D ≥ 2. Own slot names: the values are not torch's.
+    Layout("adafactor", {"second_moment": "second_moment", "column_second_moment": "column_second_moment"},
+           frozenset({"second_moment", "time"}), step="time"),
 )
+
+#: burn families that first shipped in burn 0.22 (no burn <= 0.21 legacy record holds them)
+BURN_022_FAMILIES = frozenset({"lamb", "lion", "adafactor"})
+
+#: factored second moments: (row slot [..., rows, 1], column slot [..., 1, cols]) → parameter shape
+#: [..., rows, cols] (torch's Adafactor, burn's Adafactor)
+FACTORED: tuple[tuple[str, str], ...] = (("row_var", "col_var"), ("second_moment", "column_second_moment"))
 
 # burn's SGD without momentum keeps no state at all: each parameter only has ``__rank``.
 BURN_STATELESS = "sgd"
@@ -78,6 +93,19 @@ BURN_GLOBAL_FAMILIES = {
     # L-BFGS flattens one global state with an empty prefix (no param ids, no __rank).
     "lbfgs": frozenset({"history_s.len", "history_y.len", "g_iter"}),
 }
+#: burn L-BFGS's global state (LBFGSState, lbfgs.rs): the vector lists (``<name>.len`` plus
+#: ``<name>.<i>``), the optional vectors and the scalars, each with what it holds
+BURN_LBFGS = {
+    "history_s": "s_k = t·d, the accepted steps, oldest first",
+    "history_y": "y_k = g_k − g_{k−1}, the gradient differences, oldest first",
+    "d": "the last search direction",
+    "prev_flat_grad": "the flat gradient at the start of the last iteration",
+    "t": "the last step size",
+    "prev_loss": "the loss after the last evaluation",
+    "g_iter": "the global iteration count",
+}
+BURN_LBFGS_LISTS = ("history_s", "history_y")
+BURN_LBFGS_STEP = "g_iter"
 
 TORCH: tuple[Layout, ...] = (
     Layout("adam", {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max_exp_avg_sq": "max_exp_avg_sq"},
@@ -108,6 +136,10 @@ CANDLE: tuple[Layout, ...] = (
 
 FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 
+# An Adafactor's factored second moment: row and column factors, not of the parameter's shape
+# (torch: row_var [..., n, 1], col_var [..., 1, m]; transformers: exp_avg_sq_row [..., n], exp_avg_sq_col [..., m])
+FACTORED_SLOTS = frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"})
+
 def layout(framework: str, family: str) -> Layout:
     for item in FRAMEWORKS[framework]:  # a family's own layout first (torch's muon), then one it shares
         if item.family == family:
@@ -118,9 +150,12 @@ def layout(framework: str, family: str) -> Layout:
     raise KeyError(f"{framework} has no optimizer family {family!r}")
 
 
-def classify(framework: str, fields: set[str]) -> Layout | None:
-    """The first layout whose required fields are all present and that explains every field."""
+def classify(framework: str, fields: set[str], exclude: frozenset[str] = frozenset()) -> Layout | None:
+    """The first layout whose required fields are all present and that explains every field
+    (``exclude``: families that cannot be there, e.g. those newer than the record's format)."""
     for item in FRAMEWORKS[framework]:
+        if item.family in exclude:
+            continue
         known = set(item.slots) | ({item.step} if item.step else set())
         if item.required <= fields and fields <= known:
             return item

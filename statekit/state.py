@@ -15,8 +15,8 @@ import fnmatch
 import math
 from dataclasses import dataclass, field
 
-from statekit import paramid
-from statekit.errors import MappingError
+from statekit import naming, paramid
+from statekit.errors import MappingError, UsageError
 from statekit.tensor import TensorRef
 
 GLOB_CHARS = frozenset("*?[")
@@ -99,22 +99,33 @@ class ParamState:
     group: int = 0
     declared_shape: tuple[int, ...] | None = None
     family: str | None = None
+    # every family this parameter's state could be (burn: SGD-momentum's fields are also Muon's for a
+    # 2-D parameter); empty when only ``family`` fits
+    candidates: tuple[str, ...] = ()
+
+    def _tensors(self):
+        """The state's tensors: its slots, then fields kept under their native names (an unknown layout)."""
+        yield from self.slots.values()
+        for value in self.extra.values():
+            if isinstance(value, TensorRef):
+                yield value
 
     @property
     def shape(self) -> tuple[int, ...] | None:
         """The parameter's shape as its state shows it: the first field that is not a 0-dim
-        per-parameter scalar (NAdam's ``mu_product``, ASGD's ``eta``/``mu``); for torch's Adafactor,
-        which factors a matrix's second moment into ``row_var`` [..., n, 1] and ``col_var``
-        [..., 1, m] (transformers' into ``exp_avg_sq_row`` [..., n] and ``exp_avg_sq_col`` [..., m]),
-        the shape those imply."""
-        row, col = self.slots.get("row_var"), self.slots.get("col_var")
-        if row is not None and col is not None and len(row.shape) == len(col.shape) >= 2:
-            return tuple(row.shape[:-1]) + (col.shape[-1],)
+        per-parameter scalar (NAdam's ``mu_product``, ASGD's ``eta``/``mu``); for a factored
+        second moment (torch's and burn's Adafactor keep a matrix's as a row factor [..., n, 1] and a
+        column factor [..., 1, m], :data:`statekit.naming.FACTORED`; transformers' as
+        ``exp_avg_sq_row`` [..., n] and ``exp_avg_sq_col`` [..., m]), the shape those imply."""
+        for row_slot, col_slot in naming.FACTORED:
+            row, col = self.slots.get(row_slot), self.slots.get(col_slot)
+            if row is not None and col is not None and len(row.shape) == len(col.shape) >= 2:
+                return tuple(row.shape[:-1]) + (col.shape[-1],)
         row, col = self.slots.get("exp_avg_sq_row"), self.slots.get("exp_avg_sq_col")  # transformers' Adafactor
         if row is not None and col is not None and len(row.shape) == len(col.shape) >= 1:
             return tuple(row.shape) + (col.shape[-1],)
         first = None
-        for ref in self.slots.values():
+        for ref in self._tensors():
             if len(ref.shape) > 0:
                 return tuple(ref.shape)
             first = () if first is None else first
@@ -132,9 +143,14 @@ class ParamState:
 
     @property
     def dtype(self) -> str | None:
-        for ref in self.slots.values():
+        for ref in self._tensors():
             return ref.dtype
         return None
+
+    @property
+    def family_label(self) -> str | None:
+        """``sgd/muon`` where the state fits several families, else the family."""
+        return "/".join(self.candidates) if len(self.candidates) > 1 else self.family
 
     @property
     def display_id(self) -> str | None:
@@ -163,6 +179,14 @@ class ParamGroup:
 
     hyperparams: dict[str, object] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
+    # the group's optimizer family where it is known per group (burn records whose parameters hold
+    # different optimizers' state: Muon for the matrices, AdamW for the rest); None: the state's
+    family: str | None = None
+    candidates: tuple[str, ...] = ()
+
+    @property
+    def family_label(self) -> str | None:
+        return "/".join(self.candidates) if len(self.candidates) > 1 else self.family
 
 
 @dataclass
@@ -192,11 +216,37 @@ class OptimizerState:
     def family_label(self) -> str:
         if not self.family:
             return self.family_detail or "unknown"
+        if self.family == "mixed" and any(g.family for g in self.groups):
+            return "mixed: " + " + ".join(g.family_label or "unknown" for g in self.groups)
         if self.family_detail:  # a family of its own, named for people (transformers Adafactor, …)
             return self.family_detail
         if len(self.candidates) > 1:
             return "/".join(self.candidates)
         return self.family
+
+    def resolved(self, names: str | list[str]) -> OptimizerState:
+        """This state with the families ``names`` settles (``--optimizer muon`` or ``muon,adamw``):
+        each name applies to the parameters whose state fits it among several families (burn's
+        SGD-momentum fields on a 2-D parameter are also Muon's), and nowhere else. A name that fits
+        no such parameter is refused. The state is changed in place and returned; its family is the
+        one left when every parameter agrees, else ``mixed`` with a family per group."""
+        wanted = [n.strip().lower() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+        for name in wanted:
+            hits = [p for p in self.params if len(p.candidates) > 1 and name in p.candidates]
+            if not hits:
+                fits = sorted({c for p in self.params for c in p.candidates if len(p.candidates) > 1})
+                fits_text = f"it fits {' or '.join(fits)}" if fits else "no part of it is ambiguous"
+                raise UsageError(f"--optimizer {name}: no parameter's state can be {name} "
+                                 f"(the state holds {self.family_label}; {fits_text})")
+            for p in hits:
+                p.family, p.candidates = name, (name,)
+        regroup(self)
+        return self
+
+    @property
+    def ambiguous(self) -> list[ParamState]:
+        """Parameters whose state fits several families."""
+        return [p for p in self.params if len(p.candidates) > 1]
 
     def find(self, name: str) -> ParamState:
         """The parameter a user names: by path, decimal or display ParamId, key, or ``#index``."""
@@ -215,6 +265,45 @@ class OptimizerState:
 
     def steps(self) -> set:
         return {p.step for p in self.params if p.step is not None}
+
+
+def regroup(state: OptimizerState) -> None:
+    """Recompute ``state``'s family from its parameters' (framework records that keep one
+    optimizer per parameter: burn's groups). Parameters are grouped by family (candidates
+    included) in file order, unless the state already has groups with hyperparameters of their
+    own; one family for every parameter gives that family, several give ``mixed``."""
+    if not state.params:
+        return
+    labels: dict[str | None, list[ParamState]] = {}
+    for p in state.params:
+        labels.setdefault(p.family, []).append(p)
+    if None in labels:
+        return  # an unknown layout somewhere: the state's family stays as the reader set it
+
+    def union(members: list[ParamState]) -> tuple[str, ...]:
+        out: dict[str, None] = {}
+        for p in members:
+            out.update(dict.fromkeys(p.candidates or (p.family,)))
+        return tuple(out)
+
+    if len(labels) == 1:
+        (family, members), = labels.items()
+        candidates = union(members)
+        state.family, state.candidates = family, candidates
+        for g in state.groups:
+            g.family, g.candidates = family, candidates
+        return
+    state.family, state.candidates = "mixed", ()
+    if any(g.hyperparams for g in state.groups):
+        return  # groups of their own (statekit-stored hyperparameters): each parameter keeps its family
+    hp = state.groups[0].hyperparams if state.groups else {}
+    state.groups = []
+    for index, (family, members) in enumerate(labels.items()):
+        candidates = union(members)
+        state.groups.append(ParamGroup(hyperparams=dict(hp), keys=[p.key for p in members], family=family,
+                                       candidates=candidates if len(candidates) > 1 else ()))
+        for p in members:
+            p.group = index
 
 
 def refuse_opaque(state: OptimizerState | None, source: str, doing: str) -> None:

@@ -82,7 +82,7 @@ def test_torch_adafactor_to_burn_and_back_resumes_bit_identically(tmp_path, cli)
     assert "second_moment = row_var + ε₁ (1e-30)" in r.stdout and "resume: exact back" in r.stdout
     r = cli("convert", tmp_path / "a.bpk", tmp_path / "back.pt")  # the layout recorded on the way in
     assert r.returncode == 0, r.stderr
-    assert "row_var = second_moment − ε₁ (1e-30)" in r.stdout
+    assert "row_var (variance for a 1-D parameter) = second_moment − ε₁ (1e-30)" in r.stdout
     ckpt, back = load(src), load(tmp_path / "back.pt")
     assert_same_state(ckpt["optimizer"], back)
 
@@ -301,7 +301,7 @@ def test_a_burn_muon_run_record_needs_each_part_named(tmp_path, cli):
     args = ["convert", tmp_path / "run.bpk", tmp_path / "m.pt", "--also-out", tmp_path / "a.pt", "--names", names,
             "--transpose", "*.weight"]
     r = cli(*args, "--optimizer", "muon")
-    assert r.returncode != 0 and "adam / adamw" in r.stderr and "--optimizer muon,adamw" in r.stderr
+    assert r.returncode != 0 and "muon + adam/adamw" in r.stderr and "--optimizer muon,adamw" in r.stderr
     assert not (tmp_path / "m.pt").exists() and not (tmp_path / "a.pt").exists()
     r = cli(*args, "--optimizer", "muon,adamw")
     assert r.returncode == 0, r.stderr
@@ -501,3 +501,22 @@ def test_a_burn_adafactor_record_moves_to_torch_with_burns_defaults(tmp_path, cl
     model = mlp((4, 6, 3))
     opt = torch.optim.Adafactor([model[0].weight, model[0].bias])
     opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("name,word", [("lamb", "LAMB"), ("lion", "Lion"), ("adan", "Adan")])
+def test_burn_lamb_lion_adan_records_are_refused_for_torch(name, word, tmp_path, cli):
+    r = cli("convert", FIXTURES / "burn-optim" / f"{name}.bpk", tmp_path / "x.pt", "--names",
+            FIXTURES / "hand-names.txt", "--transpose", "*.weight")
+    assert r.returncode == 1 and f"torch.optim 2.13 has no {word}" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_burns_own_muon_adamw_record_moves_to_the_torch_pair(tmp_path, cli):
+    """burn's with_group record (fixtures/burn-optim, built from the documented layout)."""
+    r = cli("convert", FIXTURES / "burn-optim" / "muon-adamw.bpk", tmp_path / "m.pt", "--also-out", tmp_path / "a.pt",
+            "--names", FIXTURES / "hand-names.txt", "--transpose", "*.weight", "--optimizer", "muon,adamw")
+    assert r.returncode == 0, r.stderr
+    muon, adamw = load(tmp_path / "m.pt"), load(tmp_path / "a.pt")
+    assert muon["param_groups"][0]["param_names"] == ["l1.weight", "l2.weight"]
+    assert adamw["param_groups"][0]["param_names"] == ["l1.bias", "l2.bias"]
+    assert [tuple(e["momentum_buffer"].shape) for e in muon["state"].values()] == [(16, 4), (1, 16)]

@@ -450,3 +450,34 @@ def test_a_quantized_tensor_without_its_scheme_is_refused_by_name_before_writing
     scheme = {"QFloat": {"value": "Q8S"}}  # with a scheme (read from a burnpack) it is kept as is
     assert PackTensor("x", TensorRef("QFloat", (4,), loader=lambda: b"\0" * 4, nbytes_hint=4,
                                      info={"burn_dtype": scheme})).burn_dtype == scheme
+
+
+# ------------------------------------------------------------------------------ param groups (issue 21)
+
+
+@pytest.mark.parametrize("key", [("a", "b"), 3])
+@pytest.mark.parametrize("family", ["adam", "unknown"])
+def test_param_group_with_a_key_that_is_not_a_string(tmp_path, key, family):
+    """A param group key that is no string (torch.save writes what it is given) used to end in
+    "internal error: TypeError: '<' not supported between instances of 'tuple' and 'str'" once
+    the family was unknown (and to be written back as a string otherwise): one line naming it."""
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.ones(3))
+    if family == "adam":
+        opt = torch.optim.Adam([p])
+        p.grad = torch.ones(3)
+        opt.step()
+        sd = opt.state_dict()
+    else:
+        sd = {"state": {0: {"foo": torch.ones(3)}}, "param_groups": [{"params": [0], "lr": 0.1}]}
+    sd["param_groups"][0][key] = 1
+    path = tmp_path / "group.pt"
+    torch.save(sd, path)
+    for stats in (False, True):
+        refuse(path, "param_groups[0]", "not a string", repr(key), stats=stats)
+    done = subprocess.run([sys.executable, "-m", "statekit", "inspect", str(path)], capture_output=True, text=True)
+    assert done.returncode != 0 and not done.stdout
+    assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "internal error" not in done.stderr

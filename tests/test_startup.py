@@ -54,6 +54,20 @@ def test_header_only_inspect_imports_no_numpy_torch_or_pydantic(fmt):
     assert "rich" not in roots and "┏" in r["out"] or fmt
 
 
+def test_float32_convert_imports_no_ml_dtypes(tmp_path):
+    """ml_dtypes (0.7 imports in about a second) only for a tensor of its dtypes (issue 21)."""
+    r = run("convert", "fixtures/hand-optim.bpk", str(tmp_path / "out.pt"), "--optimizer", "adam",
+            "--names", "fixtures/hand-names.txt", "--transpose", "*")
+    assert r["code"] == 0 and (tmp_path / "out.pt").stat().st_size > 3000
+    roots = {m.split(".")[0] for m in r["modules"]}
+    assert "numpy" in roots and "ml_dtypes" not in roots
+
+
+def test_bf16_convert_does_import_ml_dtypes(tmp_path):
+    r = run("convert", "fixtures/hand-optim-bf16.bpk", str(tmp_path / "out.safetensors"), "--optimizer", "adam")
+    assert r["code"] == 0 and "ml_dtypes" in {m.split(".")[0] for m in r["modules"]}
+
+
 def test_inspect_with_stats_does_read_tensors():
     """The lazy numpy is real numpy as soon as values are needed."""
     r = run("inspect", "fixtures/hand-optim.bpk", "--stats", "--json")

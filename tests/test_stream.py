@@ -133,6 +133,32 @@ def test_crc_with_and_without_isal(monkeypatch, fast):
     assert crc(data[50:], crc(data[:50])) == zlib.crc32(data) == crc(data)
 
 
+@pytest.mark.parametrize("n", [0, 1, 5 << 10, (2 << 20) - 1, (2 << 20) + 3, (8 << 20) + 12_345])
+def test_crc_in_parts_on_threads_is_zlibs(monkeypatch, n):
+    """Without isal, large buffers are CRC'd in parts on threads and combined: zlib's values
+    (references: zlib.crc32 of the whole, from several start values, bytes and memoryviews)."""
+    import zlib
+
+    monkeypatch.setattr(stream, "default_jobs", lambda: 4)
+    data = np.random.default_rng(n).bytes(n)
+    for start in (0, 1, 0xDEADBEEF, 0xFFFFFFFF):
+        want = zlib.crc32(data, start)
+        assert stream.crc32_threads(data, start) == want
+        assert stream.crc32_threads(memoryview(data), start) == want
+        assert stream.crc32_threads(np.frombuffer(data, np.uint8).data, start) == want
+
+
+def test_crc32_combine_is_zlibs():
+    import zlib
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        a, b = rng.bytes(int(rng.integers(0, 300))), rng.bytes(int(rng.integers(0, 300)))
+        assert stream.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    big = bytes(3 << 20)  # a length with many bits set
+    assert stream.crc32_combine(zlib.crc32(b"x"), zlib.crc32(big), len(big)) == zlib.crc32(b"x" + big)
+
+
 def test_diff_skips_equal_bytes_and_finds_every_difference(tmp_path, monkeypatch):
     """diff reads both files in pieces and computes only where bytes differ: the same facts
     whatever the piece size, and exactly the elements changed here."""

@@ -157,10 +157,11 @@ def test_torchao_moments_equal_torchaos_dequantize_bit_for_bit(stem):
                 got = as_torch(ref)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert (bits(got) == bits(want)).all(), f"{stem} #{p.index} {field}"
-                # read in pieces smaller than a block (a piece is at least one block)
-                if want.dtype == torch.float32:
-                    pieces = np.concatenate(list(ref.pieces(64)))
-                    assert (pieces.view(np.int32) == bits(want).reshape(-1)).all()
+                for size in (1, 7, 64, 1000):  # pieces of any size, across block boundaries
+                    if want.dtype == torch.float32:
+                        pieces = list(ref.pieces(size))
+                        assert {x.size for x in pieces[:-1]} <= {size}
+                        assert (np.concatenate(pieces).view(np.int32) == bits(want).reshape(-1)).all()
 
 
 @pytest.mark.parametrize("stem", TORCHAO)
@@ -319,3 +320,86 @@ def test_galore_and_grokadamw_are_refused_in_one_line_naming_them(stem, says, cl
         assert res.returncode != 0, res.stdout
         assert says in res.stderr and f"{stem}.pt" in res.stderr
         assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------- doctor
+
+
+@pytest.mark.parametrize("stem", sorted(FAMILIES))
+def test_doctor_passes_every_fixture(stem, cli):
+    res = cli("doctor", THIRD / f"{stem}.pt")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "no problems found" in res.stdout
+
+
+def test_doctor_finds_a_nan_planted_in_a_torchao_block_scale(cli, tmp_path):
+    """The dequantized moments are what doctor checks: a NaN scale spoils its whole block (256 values)."""
+    import zipfile
+
+    from statekit.formats import torch_pt
+
+    src = THIRD / "torchao-adamw8bit.pt"
+    scale = torch_pt.load_pt(src)["state"][0]["exp_avg_sq"].state["scale"]
+    key = scale.info["storage_key"]
+    out = tmp_path / "nan.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item)
+            if item.filename.endswith(f"/data/{key}"):
+                values = np.frombuffer(data, dtype="<f4").copy()
+                values[2] = np.nan
+                data = values.tobytes()
+            zout.writestr(item, data)
+    res = cli("doctor", out)
+    assert res.returncode != 0
+    assert "exp_avg_sq: 256 NaN of 4096" in res.stdout
+
+
+def test_a_torchao_record_that_does_not_add_up_is_refused_naming_it():
+    from statekit.errors import FormatError
+    from statekit.formats.torch_pickle import WrapperTensor
+    from statekit.frameworks.torch_thirdparty import wrapper_slot
+    from statekit.tensor import TensorRef
+
+    codes = TensorRef.from_array(np.zeros((64, 64), dtype=np.uint8))
+    qmap = TensorRef.from_array(np.linspace(-1, 1, 256, dtype=np.float32))
+    cls = "torchao.optim.subclass_8bit.OptimState8bit"
+    for state, says in (
+        ({"codes": codes, "scale": TensorRef.from_array(np.ones(15, np.float32)), "qmap": qmap}, "15 scales"),
+        ({"codes": codes, "scale": TensorRef.from_array(np.ones(16, np.float32))}, "256-entry qmap"),
+        ({"codes": codes, "qmap": qmap}, "without its codes and float32 scale"),
+    ):
+        with pytest.raises(FormatError, match=says):
+            wrapper_slot(WrapperTensor(cls, "float32", (64, 64), (64, 1), "cpu", state), "state[0].exp_avg", "x.pt")
+    shaped = {"codes": TensorRef.from_array(np.zeros(8, np.uint8)), "scale": TensorRef.from_array(np.ones(1, np.float32)),
+              "qmap": TensorRef.from_array(np.ones(16, np.float32)), "_shape": ("a",)}
+    with pytest.raises(FormatError, match="not a tuple of sizes"):
+        wrapper_slot(WrapperTensor(cls.replace("8bit", "4bit"), "float32", (16,), (1,), "cpu", shaped), "w", "x.pt")
+
+
+# ------------------------------------------------------------------------------------- Lion
+
+
+def test_lion_pytorch_to_burn_lion_momentum_is_exp_avg_bit_for_bit(cli, tmp_path):
+    out = tmp_path / "lion.bpk"
+    names = names_file(tmp_path, SMALL_NAMES)
+    res = cli("convert", THIRD / "lion-pytorch.pt", out, "--names", names, "--transpose", "*.weight")
+    assert res.returncode == 0, res.stderr
+    assert "decoupled_weight_decay=True" in res.stderr  # what the file cannot say is said
+    saved = torch_load(THIRD / "lion-pytorch.pt")
+    with statekit.open(out) as ckpt:
+        assert ckpt.optimizer.family == "lion"
+        by_path = {p.path: p for p in ckpt.optimizer.params}
+        for i, name in enumerate(SMALL_NAMES):
+            p = by_path[name]
+            assert p.step is None and set(p.slots) == {"exp_avg"}  # burn's {id}.momentum
+            got = as_torch(p.slots["exp_avg"])
+            want = saved["state"][i]["exp_avg"]
+            assert torch.equal(got.T if want.dim() == 2 else got, want)
+        d = inspect(ckpt)
+        assert all(set(p["fields"]) == {"momentum"} for p in d["params"])
+
+
+def test_lion_pytorch_has_no_torch_optimizer_to_continue_it(cli, tmp_path):
+    res = cli("convert", THIRD / "lion-pytorch.pt", tmp_path / "x.pt")
+    assert res.returncode == 1 and "torch has no lion optimizer" in res.stderr

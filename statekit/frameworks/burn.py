@@ -15,7 +15,7 @@ from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
 from statekit.lazy import numpy as np
-from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState, regroup
 from statekit.tensor import TensorRef
 
 FORMAT = "burnpack"
@@ -120,11 +120,8 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     state = _classified(params, fields)
     stored_family, hp = hyper.from_metadata(pack.metadata)
     state.hyperparams_stored = bool(hp)
-    if stored_family and stored_family in state.candidates and len(state.candidates) > 1:
-        for p in params.values():  # each parameter's family too (burn's Adam layout is also AdamW's)
-            if p.family in state.candidates:
-                p.family = stored_family
-        state.family, state.candidates = stored_family, (stored_family,)
+    if stored_family and any(stored_family in p.candidates for p in params.values()):
+        state.resolved([stored_family])  # each parameter's family too (burn's Adam layout is also AdamW's)
         state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
         state.notes.append(f"family {stored_family} recorded by statekit in the file's metadata")
     stored_groups = hyper.groups_from_metadata(pack.metadata)
@@ -136,8 +133,13 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
         grouped = {k for g in state.groups for k in g.keys}
         state.groups[0].keys += [k for k in params if k not in grouped]
         _group_families(state, params, hyper.group_families_from_metadata(pack.metadata))
+        for group in state.groups:  # a family per group where its parameters agree
+            fams = {params[k].family for k in group.keys}
+            if len(fams) == 1 and state.family == "mixed":
+                group.family = fams.pop()
     else:
-        state.groups = [ParamGroup(hyperparams=hp, keys=list(params))]
+        for group in state.groups:  # one group per family (regroup), the stored hyperparameters on each
+            group.hyperparams = dict(hp)
     # torch's param_names, kept by statekit in torch's order: the torch positions too
     for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
         if key in params and params[key].path in (None, path):
@@ -156,63 +158,100 @@ def _group_families(state: OptimizerState, params: dict[str, ParamState], famili
         family = families[index] if index < len(families) else None
         for key in group.keys:
             p = params[key]
-            if family and p.family and (p.family == family or family in naming.layout("burn", p.family).also):
-                p.family = family
-                p.extra["__family_settled"] = True
-    fams = {p.family for p in params.values()}
-    if len(fams) == 1 and None not in fams:
-        state.family = fams.pop()
-        state.candidates = (state.family,)
-    else:
-        state.family = "mixed" if None not in fams else None
-        state.candidates = ()
-    state.notes = [n for n in state.notes if "cannot tell them apart" not in n]
+            if family and p.family and (p.family == family or family in p.candidates):
+                p.family, p.candidates = family, ()
+        group.family, group.candidates = family, ()
+    regroup(state)
+    if state.family == "mixed":
+        for index, group in enumerate(state.groups):
+            group.family = families[index] if index < len(families) else None
+    state.notes = [n for n in state.notes if "cannot tell them apart" not in n and "one optimizer per" not in n]
     state.notes.append("each group's optimizer recorded by statekit in the file's metadata: "
                        + ", ".join(f"group {i} {f}" for i, f in enumerate(families) if f))
 
 
 def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, object]]) -> OptimizerState:
-    """Each parameter's burn fields matched to a layout (naming.BURN); the state's family and notes."""
-    families = set()
+    """Each parameter's burn fields matched to a layout (naming.BURN); the state's family, its
+    groups (one per family: burn's ``ModuleOptimizer::with_group`` gives each parameter its own
+    optimizer, Muon for the matrices and AdamW for the rest) and notes."""
+    unknown = 0
     for key, p in params.items():
         leaves = fields[key]
         if not leaves:
             lay = naming.layout("burn", naming.BURN_STATELESS)
         else:
             lay = naming.classify("burn", set(leaves))
-        if lay is None:
-            p.extra = dict(leaves)
-            families.add(None)
-            continue
-        p.family = lay.family
-        families.add(lay.family)
+        if lay is not None and not _kinds_fit(lay, leaves):
+            lay = None  # the names fit, the kinds do not (a scalar where burn keeps a tensor)
         for leaf, value in leaves.items():
-            if leaf == lay.step:
+            if lay is not None and leaf == lay.step:
                 p.step = value.value
                 p.extra["__step_kind"] = value.kind
-            elif leaf in lay.slots:
+            elif lay is not None and leaf in lay.slots:
                 p.slots[lay.slots[leaf]] = value
-        for slot, leaf in lay.alias.items():  # Adafactor: a 1-D parameter's second_moment is unfactored
-            factored = lay.slots[leaf]
-            if factored in p.slots and len(p.slots) == 1 and len(p.slots[factored].shape) <= 1:
-                p.slots[slot] = p.slots.pop(factored)
+            else:
+                p.extra[leaf] = value
         if p.rank is None and p.shape is not None:
             p.rank = len(p.shape)
-    state = OptimizerState(family=None, params=list(params.values()), framework="burn")
-    if len(families) == 1 and None not in families:
-        family = families.pop()
-        state.family = family
-        state.candidates = (family, *naming.layout("burn", family).also)
-    elif families:
-        state.family = "mixed" if None not in families else None
-        state.notes.append("parameters hold different optimizer layouts (several parameter groups?)")
-    if state.family is None:
-        state.notes.append("unrecognised state layout: fields are kept under their burn names")
-    if len(state.candidates) > 1:
+        why = None if lay is None else _inconsistent(lay.family, p)
+        if lay is None or why:
+            p.slots, p.step = {}, None
+            p.extra = dict(leaves)
+            unknown += 1
+            if why:
+                p.extra["__why"] = why
+            continue
+        p.family = lay.family
+        candidates = lay.candidates(p.rank)
+        p.candidates = candidates if len(candidates) > 1 else ()
+    state = OptimizerState(family=None, params=list(params.values()), framework="burn",
+                           groups=[ParamGroup(keys=list(params))])
+    regroup(state)
+    if unknown:
+        known = {p.family for p in state.params if p.family}
+        state.family = "mixed" if known else None
+        whys = sorted({p.extra["__why"] for p in state.params if "__why" in p.extra})
+        state.notes.append(f"{unknown} parameter(s) hold a state layout statekit does not recognise: "
+                           "their fields are kept under their burn names" + (f" ({'; '.join(whys)})" if whys else ""))
+    elif state.family == "mixed":
+        shown = ", ".join(f"{g.family_label} ({len(g.keys)} params)" for g in state.groups)
+        state.notes.append(f"the record holds one optimizer per parameter group (burn's with_group): {shown}")
+    if len(state.candidates) > 1:  # one family, which burn stores as another's too (text kept as written before)
         state.notes.append(
             f"{' and '.join(state.candidates)} store identical state in burn; the file cannot tell them apart"
         )
+    elif state.family == "mixed":
+        for cands in dict.fromkeys(g.candidates for g in state.groups if len(g.candidates) > 1):
+            lay = naming.layout("burn", cands[0])
+            limit = "".join(f"; {f} holds only {'/'.join(map(str, sorted(lay.ranks[f])))}-D parameters"
+                            for f in cands if f in lay.ranks)
+            state.notes.append(f"{' and '.join(cands)} store identical state in burn; the file cannot tell them apart "
+                               f"(say --optimizer {'|'.join(cands)}, for that part only{limit})")
     return state
+
+
+def _kinds_fit(lay, leaves: dict[str, object]) -> bool:
+    """The step is a scalar and every other field a tensor, as burn's state struct has them."""
+    return all(isinstance(v, Scalar) == (leaf == lay.step) for leaf, v in leaves.items())
+
+
+def _inconsistent(family: str, p: ParamState) -> str | None:
+    """Why a parameter's fields, though named as ``family``'s, cannot be its state: burn's
+    Adafactor keeps a row factor [..., rows, 1] and a column factor [..., 1, cols] for D ≥ 2 and one
+    full second moment for D = 1 (its step would panic on anything else)."""
+    if family != "adafactor":
+        return None
+    row, col = p.slots.get("second_moment"), p.slots.get("column_second_moment")
+    rank = p.rank
+    if col is None:
+        if rank is not None and rank >= 2:
+            return f"{p.label()}: a {rank}-D Adafactor state without column_second_moment"
+        return None
+    r, c = tuple(row.shape), tuple(col.shape)
+    if len(r) < 2 or len(r) != len(c) or r[-1] != 1 or c[-2] != 1 or r[:-2] != c[:-2] or (
+            rank is not None and rank != len(r)):
+        return f"{p.label()}: Adafactor factors second_moment {list(r)} and column_second_moment {list(c)} do not fit"
+    return None
 
 
 def _read_lbfgs(pack: BurnpackFile) -> OptimizerState:
@@ -255,7 +294,7 @@ def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
                 _put(tensors, scalars, key, leaf, value, p.id)
         else:
             lay = naming.layout("burn", family)
-            native = {neutral: leaf for leaf, neutral in lay.slots.items()} | lay.alias
+            native = {neutral: leaf for leaf, neutral in lay.slots.items()}
             for slot, ref in p.slots.items():
                 if slot not in native:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state has no field for {slot!r}")

@@ -99,7 +99,7 @@ def optimizer_state(opt: LegacyOptimizer, notes: list[str] | None = None) -> Opt
         key = str(entry.id) if entry.id is not None else entry.display_id
         p = ParamState(key=key, id=entry.id, rank=entry.rank)
         fields = entry.fields
-        lay = (naming.classify("burn", set(fields)) if fields
+        lay = (naming.classify("burn", set(fields), exclude=naming.BURN_022_FAMILIES) if fields
                else naming.layout("burn", naming.BURN_STATELESS))
         if lay is None:
             p.extra = {leaf: _as_extra(value) for leaf, value in fields.items()}

@@ -13,6 +13,7 @@ import numpy as np
 
 from statekit import naming
 from statekit.errors import FormatError, MappingError
+from statekit.formats import limits
 from statekit.formats.torch_pickle import WrapperTensor
 from statekit.frameworks import torch_families, torch_thirdparty
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
@@ -141,6 +142,10 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         names = group.get("param_names")
         if names is not None and (not isinstance(names, list) or len(names) != len(ids)):
             raise FormatError(f"param_groups[{g}]: param_names does not match params", path)
+        odd = next((k for k in group if not isinstance(k, str)), None)
+        if odd is not None:  # torch.optim names every hyperparameter by a string
+            raise FormatError(f"param_groups[{g}] has a key that is not a string: {limits.short(odd)}; torch's "
+                              f"optimizers name hyperparameters by strings", path)
         hp = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         keys = []
         fields_here: list[set[str]] = []
@@ -173,12 +178,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         raw_groups.append(group)
         groups.append(ParamGroup(hyperparams=hp, keys=keys))
     verdict = torch_families.classify(raw_groups, per_group_fields)
-    global_slots: dict[str, TensorRef] = {}
-    global_scalars: dict[str, object] = {}
-    if verdict.family == "lbfgs":
-        global_slots, global_scalars = _lbfgs_global(params, path)
-        notes.append("L-BFGS keeps one global state over all parameters (torch files it under the first "
-                     "parameter), tied to parameter order")
+    global_slots, global_scalars = _lbfgs_global(params, path, notes) if verdict.family == "lbfgs" else ({}, {})
     foreign = None if verdict.family else torch_thirdparty.identify(sd, path)
     for p in params:
         p.family = verdict.family
@@ -209,11 +209,13 @@ LBFGS_LISTS = ("old_dirs", "old_stps", "ro")  # lists of tensors (y, s, 1/(y·s)
 LBFGS_SCRATCH = "al"
 
 
-def _lbfgs_global(params: list[ParamState], path: str) -> tuple[dict[str, TensorRef], dict[str, object]]:
+def _lbfgs_global(params: list[ParamState], path: str, notes: list[str]) -> tuple[dict[str, TensorRef], dict]:
     """torch LBFGS's one state (under its first parameter) as global state: tensors by name
     (``old_dirs.0`` …, ``d``, ``prev_flat_grad``, ``H_diag`` or ``t`` when they are tensors) and
     scalars (``n_iter``, ``func_evals``, ``t``, ``prev_loss``, ``H_diag`` before any pair, each
     list's ``.len``); torch's scratch ``al`` is left out (rebuilt before it is read)."""
+    notes.append("L-BFGS keeps one global state over all parameters (torch files it under the first parameter), "
+                 "tied to parameter order")
     slots: dict[str, TensorRef] = {}
     scalars: dict[str, object] = {}
     holders = [p for p in params if p.slots or len(p.extra) > 1 or (p.extra and "__step_dtype" not in p.extra)]

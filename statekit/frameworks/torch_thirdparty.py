@@ -227,7 +227,9 @@ def wrapper_slot(value, where: str, path: str) -> TensorRef:
     codes, scale = st.get("codes"), st.get("scale")
     if not isinstance(codes, TensorRef) or not isinstance(scale, TensorRef) or scale.dtype != "F32":
         raise FormatError(f"{where}: {kind} without its codes and float32 scale tensors", path)
-    shape = tuple(st.get("_shape") or value.shape) if kind == "OptimState4bit" else tuple(value.shape)
+    shape = st.get("_shape", value.shape) if kind == "OptimState4bit" else value.shape
+    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise FormatError(f"{where}: {kind} shape {shape!r:.80} is not a tuple of sizes", path)
     numel = math.prod(shape)
     per_code = 2 if kind == "OptimState4bit" else 1
     qmap = st.get("qmap")
@@ -249,22 +251,29 @@ def wrapper_slot(value, where: str, path: str) -> TensorRef:
 
 
 def _dequantizer(kind: str, codes: TensorRef, scale: TensorRef, qmap: TensorRef | None, block: int, numel: int):
+    """Pieces of the dequantized moment: each value is ``q · scale[k // block]`` (one float32
+    product, as torchao's broadcast multiply gives it). Memory: one piece of codes and the scales
+    of the blocks it touches, whatever the block size."""
     def pieces(elements: int):
         from statekit.lazy import ml_dtypes
+        from statekit.tensor import Elements
 
-        blocks = max(1, elements // block)
-        per = blocks * block
+        per_code = 2 if kind == "OptimState4bit" else 1
+        size = max(per_code, elements - elements % per_code)
         table = qmap.numpy().reshape(-1) if qmap is not None else None
-        code_pieces = codes.pieces(per // 2 if kind == "OptimState4bit" else per)
-        for s in scale.pieces(blocks):
-            c = next(code_pieces)
-            if kind == "OptimState4bit":  # (c[::2] << 4) | c[1::2]: the high nibble first
+        scales = Elements(scale.pieces(max(1, size // block + 1)))
+        window, start, lo = np.empty(0, dtype=np.float32), 0, 0  # scales of blocks start, start+1, …
+        for c in codes.pieces(size // per_code):
+            if kind == "OptimState4bit":  # packed as (c[::2] << 4) | c[1::2]: the high nibble first
                 c = np.stack([c >> 4, c & 0xF], axis=-1).reshape(-1)
-            if kind == "OptimStateFp8":
-                q = c.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-            else:
-                q = table[c]
-            yield (q.reshape(s.size, -1) * s.reshape(-1, 1)).reshape(-1)
+            q = c.view(ml_dtypes.float8_e4m3fn).astype(np.float32) if table is None else table[c]
+            first, last = lo // block, (lo + q.size - 1) // block
+            window, start = window[first - start:], first
+            if start + window.size <= last:
+                window = np.concatenate([window, scales.take(last + 1 - start - window.size).astype(np.float32)])
+            index = np.arange(lo, lo + q.size, dtype=np.int64) // block - start
+            yield q * window[index]
+            lo += q.size
 
     return pieces
 

@@ -21,6 +21,16 @@ from statekit.state import OptimizerState, ParamState, refuse_opaque
 NOT_CONVERTED = ("asgd", "rprop", "sparseadam")
 
 
+def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerState:
+    """``state`` with ``--optimizer`` applied part by part where its parameters hold several
+    families' state (a burn record with Muon for the matrices and AdamW for the rest, whose
+    velocity fields are also SGD's: ``--optimizer muon`` settles those and leaves the others as
+    they are; ``muon,adamw`` settles both). A state of one family is returned unchanged."""
+    if not optimizer or state.family != "mixed" or not state.ambiguous:
+        return state
+    return state.resolved(optimizer)
+
+
 def _family(state: OptimizerState, opts: Options, crossing: bool, dst_fw: str = "neutral") -> str:
     family = _chosen_family(state, opts, crossing)
     cross.refuse_missing(family, state.framework, dst_fw)
@@ -32,6 +42,14 @@ def _chosen_family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     wanted = opts.optimizer.lower() if opts.optimizer else None
     if family is None and wanted and wanted in state.candidates:
         return wanted  # the user settles what the file cannot tell (an older torch's Adam or AdamW)
+    if family == "mixed" and any(g.family for g in state.groups):
+        if wanted:
+            state = resolve_families(state, wanted)
+        if state.family == "mixed":
+            raise MappingError(f"the record holds several optimizers, one per parameter group ({state.family_label}); "
+                               "statekit does not convert such a record yet")
+        family = state.family
+        wanted = None if family == wanted or family in (wanted or "").split(",") else wanted
     if family in (None, "mixed"):
         label = state.family_label if state.family_detail else "mixed or unknown layouts"
         raise MappingError(f"the optimizer family could not be determined from the file: {label}; "
@@ -71,13 +89,15 @@ def _same_shapes(p: ParamState) -> str | None:
     return None
 
 
-def _slots_missing(p: ParamState, family: str, target: str) -> tuple[str, ...]:
-    """The slots of ``p`` the target framework's state has no field for (refused, never dropped)."""
+def _slots_missing(p: ParamState, family: str, target: str, src: str = "neutral") -> tuple[str, ...]:
+    """The slots of ``p`` the target framework's state has no field for (refused, never dropped);
+    a slot another framework names differently (burn Adafactor's second_moment) by its target name."""
     if target not in naming.FRAMEWORKS:
         return ()
     lay = naming.layout(target, family)
-    neutral = set(lay.slots.values()) | set(lay.alias)
-    return tuple(s for s in p.slots if s not in neutral and s not in _derived(family))
+    neutral = set(lay.slots.values())
+    return tuple(s for s in p.slots if cross.slot_name(family, p.slots, src, target, s) not in neutral
+                 and s not in _derived(family))
 
 
 def _grouped(by_problem: dict[tuple, list[str]], say) -> list[str]:
@@ -154,7 +174,7 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
             uneven = _same_shapes(p)
             if uneven:
                 problems.append(uneven)
-            missing = _slots_missing(p, family, dst_fw)
+            missing = _slots_missing(p, family, dst_fw, src_fw)
             if missing:
                 no_field.setdefault(missing, []).append(p.label())
     problems += _grouped(no_field, lambda m, who: f"{dst_fw}'s {family} state has no field for {', '.join(m)} "

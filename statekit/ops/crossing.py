@@ -80,6 +80,31 @@ def _say(value: float) -> str:
     return f"{value:.7g}"
 
 
+# Adafactor's second moments: burn's field names are its own (its values hold ε₁), torch's by rank
+TO_BURN_SLOTS = {"row_var": "second_moment", "col_var": "column_second_moment", "variance": "second_moment"}
+
+
+def slot_name(family: str, slots, src_fw: str, dst_fw: str, slot: str) -> str:
+    """``slot`` of a parameter's ``slots`` under the target framework's name."""
+    if family != "adafactor" or {src_fw, dst_fw} != {"burn", "torch"}:
+        return slot
+    if dst_fw == "burn":
+        return TO_BURN_SLOTS.get(slot, slot)
+    if slot == "column_second_moment":
+        return "col_var"
+    if slot == "second_moment":
+        return "row_var" if "column_second_moment" in slots else "variance"
+    return slot
+
+
+def renamed_slots(family: str, slots: dict, src_fw: str, dst_fw: str) -> dict:
+    """``slots`` under the target framework's names, in its order (row factor first)."""
+    out = {slot_name(family, slots, src_fw, dst_fw, k): v for k, v in slots.items()}
+    if len(out) != len(slots):
+        raise MappingError(f"{family} slots {sorted(slots)} do not map one to one onto {dst_fw}'s")
+    return out
+
+
 def transforms(family: str, src_fw: str, dst_fw: str, values: dict, group: int) -> list[Transform]:
     """The value changes for ``family`` crossing ``src_fw`` → ``dst_fw`` with the group's
     hyperparameters ``values`` (the target's, already checked by :func:`target_values`)."""
@@ -87,17 +112,15 @@ def transforms(family: str, src_fw: str, dst_fw: str, values: dict, group: int) 
         return []
     if family == "adafactor":
         eps1 = float(values.get("epsilon_1", BURN_EPS1))
-        out = []
-        for slot in ("row_var", "col_var", "variance"):
-            burn_name = {"row_var": "second_moment", "col_var": "column_second_moment",
-                         "variance": "second_moment"}[slot]
-            if dst_fw == "burn":
-                text = (f"{burn_name} = {slot} + ε₁ ({_say(eps1)}): burn adds ε₁ to g² before averaging, torch "
-                        "clamps instead")
-            else:
-                text = (f"{slot} = {burn_name} − ε₁ ({_say(eps1)}): burn added ε₁ to g² before averaging")
-            out.append(Transform(group, slot, "add", eps1 if dst_fw == "burn" else -eps1, text))
-        return out
+        if dst_fw == "burn":
+            return [Transform(group, slot, "add", eps1,
+                              f"{burn} = {slot} + ε₁ ({_say(eps1)}): burn adds ε₁ to g² before averaging, torch "
+                              "clamps instead") for slot, burn in TO_BURN_SLOTS.items()]
+        return [Transform(group, "second_moment", "add", -eps1,
+                          f"row_var (variance for a 1-D parameter) = second_moment − ε₁ ({_say(eps1)}): burn added "
+                          "ε₁ to g² before averaging"),
+                Transform(group, "column_second_moment", "add", -eps1,
+                          f"col_var = column_second_moment − ε₁ ({_say(eps1)})")]
     if family == "muon":
         mu = float(values.get("momentum", 0.95))
         if dst_fw == "torch":

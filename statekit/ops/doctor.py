@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from statekit import dtypes, io
+from statekit import dtypes, io, naming
 from statekit.errors import MappingError
 from statekit.frameworks.torch_state import BUFFER_SUFFIXES
 from statekit.ops.diff import METHOD_WORDS
@@ -87,7 +87,10 @@ def scan(ref: TensorRef, block: int = BLOCK) -> dict:
 
 def _check_param(p: ParamState, findings: list[dict]) -> None:
     label = p.label()
-    shapes = {slot: tuple(ref.shape) for slot, ref in p.slots.items()}
+    # per-parameter scalars (transformers Adafactor's RMS, optimi's eps_sq) and an Adafactor's factored
+    # second moment (row and column factors) are not the parameter's shape by design
+    shapes = {slot: tuple(ref.shape) for slot, ref in p.slots.items()
+              if ref.shape and slot not in naming.FACTORED_SLOTS}
     if len(set(shapes.values())) > 1:
         detail = ", ".join(f"{slot} {_shape(s)}" for slot, s in shapes.items())
         findings.append(_finding("error", "field-shapes", label, f"fields have different shapes: {detail}"))

@@ -88,7 +88,8 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
 
 # Adafactor's factored second moment: transposing the parameter swaps the factors (the row factor
 # [n, 1] of a [n, m] matrix is the column factor [1, n] of its transpose)
-FACTORS = {"row_var": "col_var", "col_var": "row_var"}
+FACTORS = {"row_var": "col_var", "col_var": "row_var", "second_moment": "column_second_moment",
+           "column_second_moment": "second_moment"}
 
 
 def group_family(plan: Plan, group: int) -> str | None:
@@ -115,13 +116,16 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
                 slots[name] = transformed(ref, cast=a.cast)
         else:
             slots[name] = transformed(ref, a.transpose, shape, a.cast)
-    if a.transpose and set(FACTORS) <= set(slots):
-        slots = {k: slots[k] for k in ("row_var", "col_var")} | {k: v for k, v in slots.items() if k not in FACTORS}
+    if a.transpose:  # the row factor first again
+        rows = [k for k in ("row_var", "second_moment") if k in slots]
+        slots = {k: slots[k] for k in rows} | {k: v for k, v in slots.items() if k not in rows}
     if not plan.allow_nonfinite:
         slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
     for t in plan.transforms:
         if t["group"] == a.group and t["slot"] in slots:
             slots[t["slot"]] = crossing.apply(slots[t["slot"]], t["op"], t["value"])
+    if family is not None:
+        slots = crossing.renamed_slots(family, slots, registry.framework_of(plan.source_format), target_fw)
     if target_fw == "burn":
         slots = burn.with_derived_slots(family, slots)
     else:  # derived copies (burn RMSProp's avg): the other frameworks recompute them

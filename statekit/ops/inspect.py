@@ -90,8 +90,14 @@ def _native_names(framework: str | None, family: str | None) -> dict[str, str]:
             lay = naming.layout(framework, family)
         except KeyError:  # a family statekit reads but has no field table for: show the names as stored
             return {}
-        return {neutral: native for native, neutral in lay.slots.items()} | lay.alias
+        return {neutral: native for native, neutral in lay.slots.items()}
     return {}
+
+
+def _candidates(state: OptimizerState, p: ParamState) -> list[str]:
+    """The families a parameter's state fits: its own, else the state's where it has the state's family."""
+    cands = p.candidates or (state.candidates if p.family == state.family else ())
+    return list(cands) if len(cands) > 1 else []
 
 
 def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
@@ -124,7 +130,9 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
         "dtype": p.dtype,
         "step": p.step,
         "group": p.group,
-        "family": p.family or state.family or state.family_label,
+        "family": p.family or (state.family if state.family not in (None, "mixed") else
+                               "unknown" if state.family == "mixed" else state.family_label),
+        "family_candidates": _candidates(state, p),
         "fields": fields,
     }
     if state.framework == "burn":
@@ -239,6 +247,10 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])
         out["groups"] = [{"hyperparameters": {str(k): plain_value(v) for k, v in g.hyperparams.items()},
                           "params": len(g.keys)} for g in state.groups]
+        if state.family == "mixed":  # one optimizer per group (burn's with_group): each group's family
+            for item, g in zip(out["groups"], state.groups, strict=True):
+                item["family"] = g.family
+                item["family_candidates"] = list(g.candidates) if len(g.candidates) > 1 else []
         for i, p in enumerate(state.params):
             if chosen is None or i in chosen:
                 out["params"].append(describe_param(state, p, stats, stats_of))
@@ -249,6 +261,9 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
                 "tensors": {n: {"shape": list(r.shape), "dtype": r.dtype} for n, r in state.global_slots.items()},
                 "scalars": state.global_scalars,
             }
+            if stats:
+                for n, r in state.global_slots.items():
+                    out["global"]["tensors"][n]["stats"] = tensor_stats(r)
         if ckpt.format == "burnpack" and not state.hyperparams_stored:
             out["notes"].append("burn optimizer files store no hyperparameters (lr, betas, eps, decay)")
     elif ckpt.model is not None:

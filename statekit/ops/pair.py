@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from statekit import hyper, naming
+from statekit import hyper
 from statekit.errors import MappingError, UsageError
 from statekit.ops.plan import Plan
 from statekit.state import OptimizerState, ParamGroup
@@ -65,29 +65,27 @@ def families_of_groups(state: OptimizerState) -> list[str | None]:
 
 def settle(state: OptimizerState, wanted: list[str], path: str) -> None:
     """Give every parameter of a record mixing families its own, from ``--optimizer A,B`` where the
-    fields cannot tell (burn keeps SGD-momentum's and Muon's, Adam's and AdamW's, alike)."""
-    open_parts: dict[tuple[str, ...], int] = {}
-    for p in state.params:
-        if p.family is None:
-            raise MappingError(f"parameter {p.label()}: unrecognised state layout; statekit converts only states "
-                               "it recognises exactly", path)
-        try:
-            lay = naming.layout(state.framework, p.family)
-        except KeyError:
-            continue
-        candidates = (lay.family, *lay.also) if p.family == lay.family and lay.also else (p.family,)
-        if p.extra.get("__family_settled"):
-            continue
-        chosen = [w for w in wanted if w in candidates]
-        if chosen:
-            p.family = chosen[0]
-        elif len(candidates) > 1:
-            open_parts[candidates] = open_parts.get(candidates, 0) + 1
-    if open_parts:
-        says = "; ".join(f"{n} parameters keep {' / '.join(c)} state (identical in {state.framework})"
-                         for c, n in open_parts.items())
-        parts = [w for w in wanted] + [c[-1] for c in open_parts]
-        raise UsageError(f"{says}: say which with --optimizer {','.join(parts)} (one name per part)")
+    fields cannot tell (burn keeps SGD-momentum's and Muon's, Adam's and AdamW's, alike): each name
+    settles the part it fits (:meth:`OptimizerState.resolved`); a part left open is refused."""
+    unknown = [p.label() for p in state.params if p.family is None]
+    if unknown:
+        raise MappingError(f"parameters {', '.join(unknown[:3])}: unrecognised state layout; statekit converts "
+                           "only states it recognises exactly", path)
+    open_names = {c for p in state.ambiguous for c in p.candidates}
+    settled = {p.family for p in state.params}
+    stray = [w for w in wanted if w not in open_names and w not in settled]
+    if stray:
+        raise UsageError(f"--optimizer {','.join(stray)}: no parameter's state can be that (the file holds "
+                         f"{state.family_label})")
+    names = [w for w in wanted if w in open_names]
+    if names:
+        state.resolved(names)
+    if state.ambiguous:
+        parts = list(dict.fromkeys(wanted + [p.candidates[-1] for p in state.ambiguous]
+                                   + [p.family for p in state.params if not p.candidates]))
+        raise UsageError(f"{path} holds {state.family_label.removeprefix('mixed: ')}: burn keeps identical state "
+                         f"for {' and '.join(sorted({'/'.join(p.candidates) for p in state.ambiguous}))}; say "
+                         f"which with --optimizer {','.join(parts)} (one name per part)")
 
 
 def split(state: OptimizerState, wanted: list[str]) -> list[tuple[str, OptimizerState]]:

@@ -9,7 +9,6 @@ meaningless).
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from statekit import dtypes
@@ -19,7 +18,11 @@ _SIGNED = {2: np.int16, 4: np.int32, 8: np.int64}
 
 def mantissa_bits(dtype: str) -> int:
     """Explicit mantissa bits of a statekit float dtype (F64 52, F32 23, F16 10, BF16 7)."""
-    return int(ml_dtypes.finfo(dtypes.numpy_dtype(dtype)).nmant)
+    if dtype == "BF16":  # (ml_dtypes' finfo, imported only for a BF16 tensor)
+        import ml_dtypes
+
+        return int(ml_dtypes.finfo(ml_dtypes.bfloat16).nmant)
+    return int(np.finfo(dtypes.numpy_dtype(dtype)).nmant)
 
 
 def coarser(a: str, b: str) -> str:

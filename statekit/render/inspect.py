@@ -23,12 +23,31 @@ def summary_line(d: dict) -> str:
         kind = f"{kind} ({d['family_label']})"  # a family of its own, by its people's name (transformers Adafactor)
     elif d.get("family"):
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
+        if fam == "mixed" and any(g.get("family") for g in d.get("groups", [])):
+            fam = "mixed: " + " + ".join(_family_label(g) for g in d["groups"])
         kind = f"{kind} ({fam})"
     size = human_bytes(d["bytes"])
     if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
         size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
     return " · ".join([f"{d['format']}{version}", kind, f"{len(d['params'])} params",
                        f"{d['tensors']} tensors, {d['scalars']} scalars", size])
+
+
+def _family_label(item: dict) -> str:
+    """A parameter's or group's family: ``sgd/muon`` where its state fits several."""
+    cands = item.get("family_candidates") or []
+    return "/".join(cands) if len(cands) > 1 else (item.get("family") or "unknown")
+
+
+def _per_row_family(d: dict) -> bool:
+    """Whether the parameters hold different families (burn optimizer groups): a family column."""
+    return d["kind"] == "optimizer" and d.get("family") == "mixed"
+
+
+def _names(d: dict) -> list[str]:
+    optimizer = d["kind"] == "optimizer"
+    return (["path", "id", "display id", "rank", "shape", "dtype"] + (["family"] if _per_row_family(d) else [])
+            + (["step", "fields"] if optimizer else []))
 
 
 def _prefix(path: str | None) -> str:
@@ -43,10 +62,12 @@ def _ident(p: dict) -> str:
     return f"#{p['index']}" if p.get("index") is not None else "-"
 
 
-def _cells(p: dict, optimizer: bool) -> dict[str, str]:
+def _cells(p: dict, optimizer: bool, family: bool = False) -> dict[str, str]:
     cells = {"path": p["path"] or "-", "id": _ident(p), "display id": p["display_id"] or "-",
              "rank": str(p["rank"]) if p["rank"] is not None else "-", "shape": format_shape(p["shape"]),
              "dtype": p["dtype"] or "-"}
+    if family:
+        cells["family"] = _family_label(p)
     if optimizer:
         cells["step"] = "-" if p["step"] is None else f"{p['step']:g}"
         cells["fields"] = ", ".join(_field_text(n, f) for n, f in p["fields"].items()) or "(no state)"
@@ -119,12 +140,13 @@ class PlainLines(str):
 
 def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
     optimizer = d["kind"] == "optimizer"
+    family = _per_row_family(d)
     groups: dict[str, list[dict]] = {}
     cells_of: dict[int, dict[str, str]] = {}
     for p in d["params"]:
         groups.setdefault(_prefix(p["path"]), []).append(p)
-        cells_of[id(p)] = _cells(p, optimizer)
-    names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["step", "fields"] if optimizer else [])
+        cells_of[id(p)] = _cells(p, optimizer, family)
+    names = _names(d)
     rows = list(cells_of.values())
     widths = _widths(rows, names)
     cols = _columns(rows, names, width, widths)
@@ -178,8 +200,7 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     if stats:
         out.append(stats_table(d))
     if d.get("global"):
-        g = d["global"]
-        out.append(Line.of(f"global state: {len(g['tensors'])} tensors, scalars {g['scalars']}"))
+        out += global_view(d["global"])
     if d.get("scalar_values"):
         from rich.table import Table
 
@@ -192,12 +213,36 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     for i, sched in enumerate(d.get("schedulers", [])):
         shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
         out.append(Line.of(f"lr scheduler {i}: {shown}"))
-    for g in d.get("groups", []):
+    per_group = _per_row_family(d)
+    for i, g in enumerate(d.get("groups", [])):
+        fam = f"{_family_label(g)}, " if per_group and g.get("family") else ""
         if g["hyperparameters"]:
             hp = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params")
-            out.append(Line.of(f"group ({g['params']} params): {hp}"))
+            out.append(Line.of(f"group ({g['params']} params): {fam}{hp}"))
+        elif fam:
+            out.append(Line.of(f"group {i} ({g['params']} params): {fam[:-2]}"))
     out += [Line.of(f"note: {n}", "cyan") for n in d.get("notes", [])]
     out += [Line.of(f"warning: {w}", "yellow") for w in d.get("warnings", [])]
+    return out
+
+
+def global_view(g: dict) -> list:
+    """An optimizer's global state (burn's and torch's L-BFGS): its tensors (name, shape, dtype) in
+    a table, history lists folded to one row each, then its scalars."""
+    rows: dict[str, list] = {}
+    for name, t in g["tensors"].items():
+        head, _, tail = name.rpartition(".")
+        key = head if head and tail.isdigit() else name
+        rows.setdefault(key, []).append(t)
+    table = Grid([Column("global state"), Column("shape"), Column("dtype")])
+    for key, items in rows.items():
+        shapes = {format_shape(t["shape"]) for t in items}
+        dtypes_ = {t["dtype"] for t in items}
+        label = f"{key} ({len(items)} vectors)" if len(items) > 1 or key not in g["tensors"] else key
+        table.add_row([label, ", ".join(sorted(shapes)), ", ".join(sorted(dtypes_))])
+    out: list = [table] if rows else []
+    if g["scalars"]:
+        out.append(Line.of("global scalars: " + ", ".join(f"{k}={v}" for k, v in g["scalars"].items())))
     return out
 
 
@@ -227,6 +272,7 @@ def stats_table(d: dict):
 def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     """One header and one line per parameter."""
     optimizer = d["kind"] == "optimizer"
-    names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["step", "fields"] if optimizer else [])
-    rows = [list(_cells(p, optimizer).values()) for p in d["params"]]  # the cells come in ``names`` order
+    family = _per_row_family(d)
+    names = _names(d)
+    rows = [list(_cells(p, optimizer, family).values()) for p in d["params"]]  # the cells come in ``names`` order
     return [n.replace(" ", "_") for n in names], rows
