@@ -17,6 +17,12 @@ one in-place step, best of ``--repeat`` after a warm-up. Rows:
   baseline has no threads (one thread); today's reference is timed on one thread
   (``STATEKIT_THREADS=1``) and on ``--threads`` threads, and both ratios are printed, with
   the ratio of the one-thread runs' CPU times (steadier than wall time on a busy machine);
+* issue 18's optimizers (NAdam, RAdam, Adamax, Adadelta, Adafactor, ASGD, Rprop, Muon): one step
+  of torch's own for-loop (``foreach=False``) and foreach (``foreach=True``; Muon has none) and of
+  statekit's reference replay of each (its ``torch`` flavor, and ``torch-foreach`` where that
+  rounds differently), same run, same tensor, with the ratios statekit / torch. Adafactor steps a
+  ``[numel/1024, 1024]`` matrix (its factored path), Muon a ``--muon-side`` square matrix (its
+  Newton–Schulz products are cubic), the others a vector. ``--optimizers-only`` runs just these;
 * ``statekit verify-resume`` of a torch Adam checkpoint of ``--verify-params`` parameters (four
   square Linear weights, written by torch) against itself, 10 steps, in a fresh process: wall
   time and peak RSS against the state's size (its two moments). ``--verify-params 0`` skips it.
@@ -243,6 +249,64 @@ def verify_resume_run(total: int, steps: int = 10) -> tuple[float, int, int]:
         return float(seconds), int(rss_kib) * 1024, 2 * 4 * numel
 
 
+NEW_OPTIMIZERS = ("NAdam", "RAdam", "Adamax", "Adadelta", "Adafactor", "ASGD", "Rprop", "Muon")
+
+
+def optimizer_rows(numel: int, repeat: int, muon_side: int) -> list[tuple]:
+    """(name, shape, torch for-loop s, torch foreach s or None, statekit torch s, statekit foreach s or None)."""
+    import torch
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for cls_name in NEW_OPTIMIZERS:
+        name = cls_name.lower()
+        if name == "muon":
+            shape = (muon_side, muon_side)
+        elif name == "adafactor":
+            shape = (max(1, numel // 1024), 1024)
+        else:
+            shape = (numel,)
+        p0 = rng.standard_normal(shape, dtype=np.float32)
+        g = rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-2)
+        cls = getattr(torch.optim, cls_name)
+
+        def torch_seconds(foreach, cls=cls, p0=p0, g=g, name=name):
+            param = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+            param.grad = torch.from_numpy(g)
+            opt = cls([param], **({} if name == "muon" else {"foreach": foreach}))
+            return best_time(opt.step, repeat)
+
+        def ours_seconds(flavor, p0=p0, g=g, name=name):
+            state = {"p": p0.copy(), "s": {}, "k": 0}
+
+            def one():
+                state["p"], state["s"], state["k"] = so.step(name, state["p"], g, state["s"], state["k"], {}, flavor)
+
+            return best_time(one, repeat)
+
+        flavors = so.ALGORITHMS[name].flavors
+        rows.append((cls_name, shape, torch_seconds(False), None if name == "muon" else torch_seconds(True),
+                     ours_seconds("torch"), ours_seconds("torch-foreach") if "torch-foreach" in flavors else None))
+    return rows
+
+
+def print_optimizer_rows(rows, load) -> None:
+    print(f"\nissue 18 optimizers, one step (load average {load[0]:.2f} at start); statekit = its reference replay, "
+          "bit-exact; ratio = statekit time / torch time (lower is faster)")
+    header = (f"| {'optimizer':9} | {'shape':>13} | {'torch loop ms':>13} | {'torch foreach ms':>16} | "
+              f"{'statekit ms':>11} | {'statekit foreach ms':>19} | {'/ loop':>6} | {'/ foreach':>9} |")
+    print(header)
+    print("|" + "|".join("-" * len(cell) for cell in header.split("|")[1:-1]) + "|")
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.1f}"
+
+    for name, shape, loop, foreach, ours, ours_fe in rows:
+        vs_fe = None if foreach is None else (ours_fe if ours_fe is not None else ours) / foreach
+        print(f"| {name:9} | {'x'.join(map(str, shape)):>13} | {ms(loop):>13} | {ms(foreach):>16} | {ms(ours):>11} | "
+              f"{ms(ours_fe):>19} | {ours / loop:6.2f} | {'-' if vs_fe is None else f'{vs_fe:.2f}':>9} |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=50_000_000)
@@ -253,8 +317,20 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--verify-params", type=int, default=100_000_000)
     parser.add_argument("--verify-only", action="store_true", help="only the verify-resume measurement")
+    parser.add_argument("--optimizers-only", action="store_true", help="only issue 18's optimizer rows")
+    parser.add_argument("--optimizer-numel", type=int, default=None,
+                        help="elements per tensor for issue 18's optimizer rows (default: --numel)")
+    parser.add_argument("--muon-side", type=int, default=1024, help="Muon's square matrix side")
     args = parser.parse_args(argv)
     n, r, threads = args.numel, args.repeat, args.threads
+    if args.optimizers_only:
+        if not have("torch"):
+            print("torch is not installed: no torch rows to compare with")
+            return 0
+        set_threads(threads)
+        load = os.getloadavg()
+        print_optimizer_rows(optimizer_rows(args.optimizer_numel or n, r, args.muon_side), load)
+        return 0
 
     if args.device == "cuda":
         return cuda_main(args)
@@ -349,6 +425,9 @@ def main(argv=None) -> int:
             ratio(f"reference {flavor}: today / {args.baseline_rev}, CPU time (1 thr both)",
                   reference["baseline cpu"][flavor] / reference["today 1 cpu"][flavor], 2.0)
     print_verify(args, verify, load)
+    if have("torch"):
+        set_threads(threads)
+        print_optimizer_rows(optimizer_rows(args.optimizer_numel or n, r, args.muon_side), os.getloadavg())
     return 0
 
 

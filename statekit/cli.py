@@ -319,7 +319,7 @@ def remap(
 
 
 KernelOpt = Annotated[str, typer.Option("--kernel", metavar="NAME", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference; CuPy's on CuPy arrays), torch, numba, cupy or reference; all give the same bits.")]
-FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, burn or candle (default: the state's framework).")]
+FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, torch-foreach, burn or candle (default: the state's framework).")]
 
 
 @app.command()

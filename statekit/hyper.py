@@ -44,6 +44,10 @@ TORCH_GROUPS: dict[str, dict[str, object]] = {
                  "foreach": None, "differentiable": False},
     "adafactor": {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0,
                   "foreach": None, "maximize": False},
+    "asgd": {"lr": 1e-2, "lambd": 1e-4, "alpha": 0.75, "t0": 1e6, "weight_decay": 0, "foreach": None,
+             "maximize": False, "differentiable": False, "capturable": False},
+    "rprop": {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50), "foreach": None, "maximize": False,
+              "differentiable": False, "capturable": False},
     "muon": {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
              "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None},
     "lbfgs": {"lr": 1, "max_iter": 20, "max_eval": 25, "tolerance_grad": 1e-7, "tolerance_change": 1e-9,
@@ -85,10 +89,16 @@ BURN_FIXED: dict[str, frozenset[str]] = {
 }
 
 # candle-nn's ``ParamsAdamW::default()`` (docs/candle.md): the same values as torch.optim.AdamW's.
+# candle-nn's ``SGD::new(vars, learning_rate)``: a learning rate and nothing else (no default, no
+# momentum, no weight decay).
 CANDLE_CONFIGS: dict[str, dict[str, object]] = {
     "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
+    "sgd": {"lr": None},
 }
-CANDLE_FIXED: dict[str, frozenset[str]] = {"adamw": frozenset({"amsgrad", "maximize", "decoupled_weight_decay"})}
+CANDLE_FIXED: dict[str, frozenset[str]] = {
+    "adamw": frozenset({"amsgrad", "maximize", "decoupled_weight_decay"}),
+    "sgd": frozenset({"momentum", "dampening", "weight_decay", "nesterov", "maximize"}),
+}
 
 CONFIGS: dict[str, dict[str, dict[str, object]]] = {
     "torch": {f: {k: v for k, v in g.items() if k not in EXECUTION_FLAGS} for f, g in TORCH_GROUPS.items()},
@@ -113,12 +123,18 @@ def split_betas(values: dict[str, object]) -> dict[str, object]:
     return out
 
 
+# torch defaults that are None as a setting, not as "no default" (Muon's adjust_lr_fn=None is
+# the "original" adjustment): the compute core spells the setting out.
+NONE_MEANS: dict[str, object] = {"adjust_lr_fn": "original"}
+
+
 def core_defaults(framework: str, family: str) -> dict[str, object]:
     """Every hyperparameter the compute core knows for ``family`` with ``framework``'s defaults:
     the algorithm's keys (torch's math, execution flags left out) overlaid by the framework's
     config; ``beta1``/``beta2`` spelling, numbers as floats."""
     base = CONFIGS["torch"].get(family, {}) if framework != "torch" else {}
     merged = split_betas({**base, **CONFIGS[framework][family]})
+    merged = {k: NONE_MEANS[k] if v is None and k in NONE_MEANS else v for k, v in merged.items()}
     return {k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in merged.items()}
 
 

@@ -124,6 +124,10 @@ TORCH: tuple[Layout, ...] = (
            frozenset({"square_avg", "step"}), step="step"),
     Layout("adagrad", {"sum": "sum"}, frozenset({"sum", "step"}), step="step"),
     Layout("sgd", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
+    Layout("asgd", {"eta": "eta", "mu": "mu", "ax": "ax"}, frozenset({"eta", "mu", "ax", "step"}), step="step"),
+    Layout("rprop", {"prev": "prev", "step_size": "step_size"}, frozenset({"prev", "step_size", "step"}),
+           step="step"),
+    # after SGD: the same single field (torch_families tells them apart by their group keys)
     Layout("muon", {"momentum_buffer": "momentum_buffer"}, frozenset({"momentum_buffer"})),
 )
 

@@ -259,6 +259,32 @@ def test_candle_adamw():
     assert_same(got, expected)
 
 
+def test_candle_sgd():
+    """candle-nn 0.11 SGD: ``var - grad * lr``, the product through affine (``g·f32(lr) + 0.0``)."""
+    lr = 0.03
+    p0 = P0.copy()
+    p0[2] = -0.0  # with g = -0.0 below: candle's "+ 0.0" makes the update +0.0, and -0 - +0 stays -0
+    grads = GRADS.copy()
+    grads[:, 2] = -0.0
+
+    def affine(x, mul, add=0.0):
+        return f(f(x * f(mul)) + f(add))
+
+    p, expected = list(p0), []
+    for t in range(3):
+        p = [f(p[i] - affine(grads[t][i], lr)) for i in range(4)]
+        expected.append((list(p), {}))
+    got, q, slots, k = [], p0.copy(), {}, 0
+    for t in range(3):
+        q, slots, k = so.step("sgd", q, grads[t], slots, k, {"lr": lr}, "candle")
+        got.append((q.copy(), dict(slots)))
+    assert bits(got[0][0])[2] == bits(f(-0.0))  # -0.0 - (+0.0); without the + 0.0 it would be +0.0
+    assert_same(got, expected)
+    for key, value in (("momentum", 0.9), ("weight_decay", 0.1), ("nesterov", True)):
+        with pytest.raises(so.registry.UsageError, match=f"candle sgd cannot use {key}"):
+            so.step("sgd", P0, GRADS[0], {}, 0, {"lr": lr, key: value}, "candle")
+
+
 def test_burn_and_candle_report_bit_exact():
     assert so.exactness("burn", np, "adam") == so.BIT_EXACT
     assert so.exactness("candle") == so.BIT_EXACT

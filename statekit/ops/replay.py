@@ -46,12 +46,16 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     return registry.resolve(algorithm, flavor, out)
 
 
-def default_flavor(state: OptimizerState | None) -> str:
-    """The arithmetic a state's own framework runs: torch's fused kernel when its group says so."""
+def default_flavor(state: OptimizerState | None, algorithm: str | None = None) -> str:
+    """The arithmetic a state's own framework runs: torch's fused kernel when its group says so,
+    torch's foreach path when its group says so and ``algorithm`` rounds it differently."""
     if state is None:
         return "torch"
     if state.framework == "torch" and any(g.hyperparams.get("fused") for g in state.groups):
         return "torch-fused"
+    if state.framework == "torch" and any(g.hyperparams.get("foreach") for g in state.groups) and algorithm \
+            and algorithm in registry.ALGORITHMS and "torch-foreach" in registry.ALGORITHMS[algorithm].flavors:
+        return "torch-foreach"
     return FLAVOR_OF_FRAMEWORK.get(state.framework, "torch")
 
 
@@ -93,6 +97,7 @@ class Lane:
     xp: object = None
     kernel: str = "auto"
     chosen: str = field(init=False, default="")
+    last_digest: bytes = field(init=False, default=b"")
 
     def __post_init__(self):
         self.chosen = registry.choose_kernel(self.algorithm, self.flavor, xp=self.xp, kernel=self.kernel)
@@ -236,7 +241,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
             raise UsageError(f"{state}: holds no optimizer state")
         refuse_opaque(st, state, "replay")
         algorithm = pick_algorithm(st, given=optimizer)
-        flav = flavor or default_flavor(st)
+        flav = flavor or default_flavor(st, algorithm)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
@@ -312,9 +317,25 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
         ln.steps[pr.path] = int(src.step)
     for k in range(steps):
         ln.step_one(pr.path, values(k + 1, 0.1))
-    ln.slots.pop(pr.path, None)
+    final_slots = ln.slots.pop(pr.path, {})
     ln.steps.pop(pr.path, None)
+    if which in ("original", "migrated"):
+        ln.last_digest = _digest(final_slots)  # for the bit-exact state comparison (no copy kept)
     return _layout(ln.params.pop(pr.path), t)
+
+
+def _digest(slots: dict) -> bytes:
+    """A digest of a lane's final state (slot names, shapes and float32 bits): two lanes with the
+    same arithmetic must end with the same one. It catches state the parameter never reads
+    (ASGD's average ``ax``) without keeping a copy of it."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=32)
+    for name in sorted(slots):
+        a = np.ascontiguousarray(np.asarray(slots[name], dtype=np.float32))
+        h.update(f"{name}:{a.shape};".encode())
+        h.update(a.view(np.uint8).reshape(-1).data)
+    return h.digest()
 
 
 def _new_elements_equal(fresh: np.ndarray, migrated: np.ndarray, kept: tuple[int, ...]) -> bool:
@@ -353,9 +374,15 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
             tick(len(run))
     max_diff, ratio, identical = seen["migrated"]
     tracks = identical if exact or pr.reset else ratio <= 1.0
+    slots_checked = exact and not (pr.reset or pr.kept or pr.transpose)
+    if slots_checked:  # the same arithmetic: the state after the steps must be the same bits too
+        same_slots = lanes["original"].last_digest == lanes["migrated"].last_digest
+        tracks = tracks and same_slots
     row = {"path": pr.path, "transposed": pr.transpose, "has_state": bool(pr.migrated and pr.migrated.slots),
            "tracks": tracks, "bit_exact": identical, "max_abs_diff": max_diff, "tolerance_ratio": ratio,
            "cold_ratio": seen["cold"][1]}
+    if slots_checked:
+        row["state_bit_exact"] = same_slots
     if pr.migrated is not None and pr.migrated.path and pr.migrated.path != pr.path:
         row["migrated_path"] = pr.migrated.path
     if pr.reset:
@@ -403,8 +430,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     refuse_opaque(a_state, original.path, "verify a resume")
     refuse_opaque(b_state, migrated.path, "verify a resume")
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
-    flav_a = flavor_original or default_flavor(a_state)
-    flav_b = flavor_migrated or default_flavor(b_state)
+    flav_a = flavor_original or default_flavor(a_state, algorithm)
+    flav_b = flavor_migrated or default_flavor(b_state, algorithm)
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)

@@ -20,9 +20,12 @@ from statekit.optim.fp import f32
 
 TORCH_FUSED = "torch-fused"
 TORCH = "torch"
+#: torch.optim with ``foreach=True``, for the optimizers whose foreach path rounds differently
+#: from the for-loop (NAdam, RAdam, ASGD, Adafactor); for the others foreach is ``torch``.
+TORCH_FOREACH = "torch-foreach"
 BURN = "burn"
 CANDLE = "candle"
-FLAVORS = (TORCH_FUSED, TORCH, BURN, CANDLE)
+FLAVORS = (TORCH_FUSED, TORCH, TORCH_FOREACH, BURN, CANDLE)
 REFERENCE_KERNEL = "reference"
 
 

@@ -21,14 +21,28 @@ from dataclasses import dataclass, field
 
 from statekit import hyper
 from statekit.errors import UsageError
-from statekit.optim import adagrad, adam, adan, rmsprop, sgd
+from statekit.optim import (
+    adadelta,
+    adafactor,
+    adagrad,
+    adam,
+    adamax,
+    adan,
+    asgd,
+    muon,
+    nadam,
+    radam,
+    rmsprop,
+    rprop,
+    sgd,
+)
 from statekit.optim.backend import get_backend, torch_available
-from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FUSED
+from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FOREACH, TORCH_FUSED
 
 BIT_EXACT = "bit-exact"
 TOLERANCE = "tolerance"
 
-FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", BURN: "burn", CANDLE: "candle"}
+FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", TORCH_FOREACH: "torch", BURN: "burn", CANDLE: "candle"}
 
 
 @dataclass(frozen=True)
@@ -63,18 +77,37 @@ def _algorithm(name: str, module, flavors: tuple[str, ...]) -> Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN)),
     "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE)),
-    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN)),
+    "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN, CANDLE)),
     "rmsprop": _algorithm("rmsprop", rmsprop, (TORCH, BURN)),
     "adagrad": _algorithm("adagrad", adagrad, (TORCH_FUSED, TORCH, BURN)),
     "adan": _algorithm("adan", adan, (BURN,)),
+    "nadam": _algorithm("nadam", nadam, (TORCH, TORCH_FOREACH)),
+    "radam": _algorithm("radam", radam, (TORCH, TORCH_FOREACH)),
+    "adamax": _algorithm("adamax", adamax, (TORCH,)),
+    "adadelta": _algorithm("adadelta", adadelta, (TORCH,)),
+    "asgd": _algorithm("asgd", asgd, (TORCH, TORCH_FOREACH)),
+    "rprop": _algorithm("rprop", rprop, (TORCH,)),
+    "adafactor": _algorithm("adafactor", adafactor, (TORCH, TORCH_FOREACH)),
+    "muon": _algorithm("muon", muon, (TORCH,)),
+}
+
+
+#: Optimizers statekit recognises but cannot step from a gradient alone, and why.
+NOT_REPLAYABLE = {
+    "lbfgs": "L-BFGS evaluates the loss closure several times per step (line search, function "
+             "evaluations), which gradient files cannot stand in for",
+    "sparseadam": "SparseAdam steps only the rows a sparse gradient touches, and gradient files hold dense tensors",
 }
 
 
 def get_algorithm(name: str) -> Algorithm:
-    """The :class:`Algorithm` called ``name``."""
+    """The :class:`Algorithm` called ``name``; an optimizer of :data:`NOT_REPLAYABLE` is refused with its reason."""
     try:
         return ALGORITHMS[name]
     except KeyError:
+        if name in NOT_REPLAYABLE:
+            raise UsageError(f"{name} cannot be replayed: {NOT_REPLAYABLE[name]} (inspect and convert still "
+                             "work)") from None
         raise UsageError(f"unknown optimizer {name!r} (known: {', '.join(ALGORITHMS)})") from None
 
 
@@ -156,8 +189,9 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
     * ``torch-fused``: bit-exact to torch's fused CPU kernel (AVX2 kernel, the one x86-64 CPUs
       with AVX2 or AVX-512 run) on every namespace: the replica uses only IEEE operations and
       an exact FMA emulation.
-    * ``torch``: bit-exact to ``torch.optim`` with ``foreach=False``/``True`` on CPU when the
-      square root is torch's own, i.e. on numpy with torch installed or on torch CPU tensors;
+    * ``torch`` / ``torch-foreach``: bit-exact to ``torch.optim`` with ``foreach=False``/``True``
+      (``torch-foreach``: ``foreach=True`` where it rounds differently) on CPU when the square
+      root (and, for Adafactor and Muon, the reductions and bfloat16 products) are torch's own, i.e. on numpy with torch installed or on torch CPU tensors;
       otherwise (no torch, CUDA, CuPy) the IEEE root differs by 1 ULP on some inputs and the
       result is within the tolerance of :mod:`statekit.optim.tolerance`. SGD has no square
       root: always bit-exact.
@@ -167,7 +201,7 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
     """
     if flavor not in FLAVORS:
         raise UsageError(f"unknown flavor {flavor!r} (known: {', '.join(FLAVORS)})")
-    if flavor != TORCH or algorithm == "sgd":
+    if flavor not in (TORCH, TORCH_FOREACH) or algorithm == "sgd":
         return BIT_EXACT
     b = get_backend(xp)
     if b.is_torch_cpu or (b.name == "numpy" and torch_available()):

@@ -1,4 +1,4 @@
-"""SGD with momentum, dampening, Nesterov and L2 weight decay: torch, torch fused, burn 0.22.
+"""SGD with momentum, dampening, Nesterov and L2 weight decay: torch, torch fused, burn 0.22, candle.
 
 Hyperparameters: ``lr momentum dampening weight_decay nesterov maximize``. Slot:
 ``momentum_buffer`` (only when ``momentum != 0``). A missing buffer means the first step with
@@ -20,6 +20,12 @@ Scalar rounding, per flavor:
     where the compiler fuses the other product:
     ``buf = fma(buf, f32(momentum), g * f32(1 - dampening))``.
 
+``candle`` (candle-nn 0.11 ``SGD``: a learning rate and nothing else)
+    ``var - grad * lr``, where ``grad * lr`` is candle's ``affine(grad, lr, 0.0)`` on the CPU
+    backend: ``g * f32(lr) + 0.0`` (the ``+ 0.0`` turns a ``-0.0`` product into ``+0.0``)::
+
+        p = p - (g * f32(lr) + 0.0)
+
 ``burn`` (burn 0.22 ``Sgd`` + ``Momentum``; one rounding per op)
     ``weight_decay`` is f32, ``momentum`` f64 used as f32, ``dampening`` f64 (``1 - dampening``
     in f64, then f32), ``lr`` f64 used as ``f32(lr)``. burn's ``MomentumConfig`` defaults to
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 from statekit.optim.common import (
     BURN,
+    CANDLE,
     TORCH,
     TORCH_FUSED,
     fused_vector_width,
@@ -107,6 +114,18 @@ def _burn(b, hp, step, present, like, vector_width):
     return kernel, {}, no_tail
 
 
-BUILDERS = {TORCH_FUSED: _torch_builder(fused=True), TORCH: _torch_builder(fused=False), BURN: _burn}
+def _candle(b, hp, step, present, like, vector_width):
+    k = {"lr": b.const(hp["lr"], like), "zero": b.const(0.0, like)}
+
+    def kernel(p, g, s, tail):
+        update = g * k["lr"]
+        update += k["zero"]
+        p -= update
+
+    return kernel, {}, no_tail
+
+
+BUILDERS = {TORCH_FUSED: _torch_builder(fused=True), TORCH: _torch_builder(fused=False), BURN: _burn,
+            CANDLE: _candle}
 
 step = make_step(BUILDERS, slot_names, "sgd")

@@ -231,6 +231,8 @@ def verify_view(report: dict) -> list:
         table.add_column(col, justify="right" if "Δ" in col else "left")
     for r in report["params"]:
         result = "bit-exact" if r["bit_exact"] else ("within tolerance" if r["tracks"] else "DIVERGES")
+        if r.get("state_bit_exact") is False:
+            result = "DIVERGES (state)"  # the parameter agrees, the state the steps left does not
         if r.get("reset"):
             result += " (cold start)"
         if "kept" in r:
