@@ -520,3 +520,18 @@ def test_burns_own_muon_adamw_record_moves_to_the_torch_pair(tmp_path, cli):
     assert muon["param_groups"][0]["param_names"] == ["l1.weight", "l2.weight"]
     assert adamw["param_groups"][0]["param_names"] == ["l1.bias", "l2.bias"]
     assert [tuple(e["momentum_buffer"].shape) for e in muon["state"].values()] == [(16, 4), (1, 16)]
+
+
+def test_verify_resume_on_the_conversions(tmp_path, cli):
+    """Adafactor through burn and back: verify-resume finds it bit-exact; a burn Muon state is
+    refused by name (statekit replays Muon in torch's arithmetic only), never an internal error."""
+    assert cli("convert", TORCH_OPTIM / "adafactor.pt", tmp_path / "a.bpk", "--transpose", "*.weight").returncode == 0
+    assert cli("convert", tmp_path / "a.bpk", tmp_path / "back.pt").returncode == 0
+    r = cli("verify-resume", TORCH_OPTIM / "adafactor.pt", tmp_path / "back.pt", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["criterion"] == "bit-exact" and all(row["bit_exact"] for row in d["params"])
+    assert cli("convert", TORCH_OPTIM / "muon_adamw.pt", tmp_path / "m.bpk", "--key", "muon",
+               "--transpose", "*.weight").returncode == 0
+    r = cli("verify-resume", TORCH_OPTIM / "muon.pt", tmp_path / "m.bpk")
+    assert r.returncode == 2 and "muon has no 'burn' flavor" in r.stderr and r.stderr.count("\n") == 1
