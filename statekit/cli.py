@@ -87,6 +87,10 @@ def _main(
     pass
 
 
+ModelConfigOpt = Annotated[Path | None, typer.Option("--model-config", metavar="CONFIG", help="A Hugging Face config.json: its architecture, built on the meta device (needs transformers: pip install 'statekit[hf]'), names a torch state's positions and gives each parameter's layout by module class. A Trainer folder's own config.json is used without it.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Let a model whose code is in its checkpoint (config.json auto_map) run that code to build its definition; never by default.")]
+
+
 @app.command()
 def inspect(
     file: FileArg,
@@ -95,6 +99,8 @@ def inspect(
     names: Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for a torch state's positions: see convert --help.")] = None,
     names_order: Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters()) or 'optimizer' (its param groups, one after the other).")] = None,
     model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
+    model_config: ModelConfigOpt = None,
+    trust_remote_code: TrustOpt = False,
     key: KeyOpt = None,
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
@@ -113,12 +119,17 @@ def inspect(
     from statekit import io
     from statekit.ops.inspect import inspect as describe
     out = _output(fmt, json_out)
-    with _no_cycle_collection(), io.open_checkpoint(file, **({"key": key} if key else {})) as ckpt:
-        if (names or model) and ckpt.optimizer is not None:
+    open_opts = {"key": key} if key else {}
+    if trust_remote_code:
+        open_opts["trust_remote_code"] = True
+    with _no_cycle_collection(), io.open_checkpoint(file, **open_opts) as ckpt:
+        if (names or model or model_config) and ckpt.optimizer is not None:
             from statekit.ops.convert import name_checkpoint
             from statekit.ops.options import make_options
 
-            name_checkpoint(ckpt, make_options(names=names, names_order=names_order, model=model), str(file))
+            name_checkpoint(ckpt, make_options(names=names, names_order=names_order, model=model,
+                                               model_config=model_config, trust_remote_code=trust_remote_code),
+                            str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
             result = describe(ckpt, stats=stats, on_param=advance, only=param)
@@ -224,6 +235,8 @@ def convert(
     names: NamesOpt = None,
     names_order: NamesOrderOpt = None,
     model: ModelOpt = None,
+    model_config: ModelConfigOpt = None,
+    trust_remote_code: TrustOpt = False,
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", metavar="max", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
     allow_nonfinite: NonfiniteOpt = False,
@@ -265,7 +278,8 @@ def convert(
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
                         names_order=names_order, model=model, dtype=dtype, step_policy=step,
-                        allow_nonfinite=allow_nonfinite, settings=hyper)
+                        allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
+                        settings=hyper)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
@@ -388,6 +402,8 @@ def verify_resume_cmd(
     transpose: Annotated[list[str] | None, typer.Option("--transpose", metavar="GLOB", help="Glob of square rank-2 parameters whose state the conversion transposed, when the migrated file does not record it; repeatable.")] = None,
     names: Annotated[Path | None, typer.Option("--names", metavar="FILE", help="Names for torch positions (model.named_parameters() order), for a side that has none.")] = None,
     model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="A model file naming a side's torch positions.")] = None,
+    model_config: ModelConfigOpt = None,
+    trust_remote_code: TrustOpt = False,
     plan: Annotated[Path | None, typer.Option("--plan", metavar="FILE", help="The remap plan (--plan-out) that made MIGRATED: renamed parameters are paired through it, resized ones compared on the kept region.")] = None,
     key: KeyOpt = None,
     kernel: KernelOpt = "auto",
@@ -418,6 +434,7 @@ def verify_resume_cmd(
         report = verify_resume_files(
             str(original), str(migrated), names=read_names(str(names)) if names else None,
             model=_load_model(model), plan=str(plan) if plan else None, key=key, steps=steps, seed=seed,
+            model_config=str(model_config) if model_config else None, trust_remote_code=trust_remote_code,
             optimizer=optimizer, given=hp, flavor_original=flavor_original, flavor_migrated=flavor_migrated,
             transpose=list(transpose or []), progress=advance, kernel=kernel)
     out.show("verify", report)

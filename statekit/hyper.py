@@ -76,7 +76,10 @@ BURN_CONFIGS: dict[str, dict[str, object]] = {
     # MuonConfig (§1.5): momentum {0.95, dampening 0, nesterov}, no weight decay unless configured,
     # adjust_lr_fn Original (torch's None / "original")
     "muon": {"lr": None, "weight_decay": 0.0, "momentum": 0.95, "dampening": 0.0, "nesterov": True,
-             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None},
+             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": "original"},
+    # LambConfig (§1.3) and LionConfig (§1.4); torch has neither
+    "lamb": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "use_trust_ratio": True},
+    "lion": {"lr": None, "betas": (0.9, 0.99), "weight_decay": 0.0},
     # LBFGSConfig (§1.6): torch's defaults, max_eval None = max_iter * 5 / 4
     "lbfgs": {"lr": None, "max_iter": 20, "max_eval": 25, "tolerance_grad": 1e-7, "tolerance_change": 1e-9,
               "history_size": 100, "line_search_fn": None},
@@ -85,7 +88,8 @@ BURN_MOMENTUM: dict[str, object] = {"momentum": 0.9, "dampening": 0.1, "nesterov
 BURN_FIXED: dict[str, frozenset[str]] = {
     "adam": _NO_MAXIMIZE, "adamw": _NO_MAXIMIZE, "sgd": _NO_MAXIMIZE, "rmsprop": _NO_MAXIMIZE,
     "adagrad": frozenset({"initial_accumulator_value", "maximize"}), "adan": frozenset(),
-    "adafactor": _NO_MAXIMIZE,
+    "adafactor": frozenset({"maximize", "eps"}),  # torch's eps pair: burn's are epsilon_1 / epsilon_2
+    "lamb": frozenset(), "lion": frozenset(), "muon": frozenset(),
 }
 
 # candle-nn's ``ParamsAdamW::default()`` (docs/candle.md): the same values as torch.optim.AdamW's.
@@ -149,7 +153,7 @@ def conversion_defaults(family: str) -> dict[str, object]:
     values = dict(BURN_CONFIGS.get(family, {}))
     if family == "sgd":
         values.update(BURN_MOMENTUM)
-    if values.get("lr", 0) is None:
+    if values.get("lr", 0) is None and family in TORCH_GROUPS:
         values["lr"] = TORCH_GROUPS[family]["lr"]
     return values
 
@@ -201,7 +205,24 @@ def torch_group(family: str, values: dict[str, object]) -> dict[str, object]:
 TUPLE_KEYS = frozenset({"betas", "eps", "etas", "step_sizes", "ns_coefficients"})
 KEYS_KEY = "statekit.group_keys"  # the hyperparameter names stored as statekit.<name>
 PATHS_KEY = "statekit.param_names"  # {ParamId: module path}: torch's param_names through burn
-NOT_HYPER = ("statekit.optimizer", "statekit.groups", KEYS_KEY, PATHS_KEY)
+# whether the torch file a burnpack came from kept param_names ("0": statekit solved them; written back
+# without them, as the original was); read back as OptimizerState.torch_names_in_file
+TORCH_NAMES_KEY = "statekit.torch_param_names"
+OMIT_NAMES_KEY = "torch.param_names"  # plan metadata for torch's writer: "omit" writes no param_names
+ARGS_KEY = "statekit.training_args"  # an HF TrainingArguments' optimizer settings, as read from training_args.bin
+NOT_HYPER = ("statekit.optimizer", "statekit.groups", KEYS_KEY, PATHS_KEY, ARGS_KEY, TORCH_NAMES_KEY)
+
+
+def training_args_to_metadata(args: dict[str, object]) -> dict[str, str]:
+    return {ARGS_KEY: json.dumps(args, separators=(",", ":"), allow_nan=True)} if args else {}
+
+
+def training_args_from_metadata(metadata: dict[str, str]) -> dict[str, object] | None:
+    try:
+        data = json.loads(metadata.get(ARGS_KEY, "null"))
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _json(key: str, value: object) -> str:

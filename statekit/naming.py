@@ -27,6 +27,22 @@ class Layout:
     # family → the parameter ranks it can hold (burn's Muon takes only 2-D parameters): a parameter
     # of another rank cannot be that family, whatever its fields
     ranks: dict[str, frozenset[int]] = field(default_factory=dict)
+    # neutral slots stored under a field ``slots`` already maps, for parameters of fewer than two
+    # dimensions: burn Adafactor keeps a vector's full second moment (torch's ``variance``) in
+    # ``second_moment``, the field of a matrix's row factor (torch's ``row_var``)
+    alias: dict[str, str] = field(default_factory=dict)
+
+    def slot_of(self, native: str, rank: int | None) -> str:
+        """The neutral slot of field ``native`` for a parameter of ``rank``."""
+        if rank is not None and rank < 2:
+            for neutral, field_name in self.alias.items():
+                if field_name == native:
+                    return neutral
+        return self.slots[native]
+
+    def native_of(self) -> dict[str, str]:
+        """neutral slot → field (aliases included)."""
+        return {**{neutral: native for native, neutral in self.slots.items()}, **self.alias}
 
     def candidates(self, rank: int | None) -> tuple[str, ...]:
         """The families this layout can be for a parameter of ``rank`` (None: unknown, all)."""
@@ -73,10 +89,10 @@ BURN: tuple[Layout, ...] = (
            frozenset({"moment_1", "moment_2", "time"}), step="time"),
     Layout("lion", {"momentum": "exp_avg"}, frozenset({"momentum"})),
     # Adafactor: ``second_moment`` is the EMA of g² + ε₁ (ε₁ = 1e-30 inside, unlike torch's row_var /
-    # variance), reduced over the last axis for D ≥ 2 ([..., rows, 1]), full for D = 1;
-    # ``column_second_moment`` [..., 1, cols] only for D ≥ 2. Own slot names: the values are not torch's.
-    Layout("adafactor", {"second_moment": "second_moment", "column_second_moment": "column_second_moment"},
-           frozenset({"second_moment", "time"}), step="time"),
+    # variance: statekit.ops.crossing), reduced over the last axis for D ≥ 2 ([..., rows, 1], torch's
+    # row_var), full for D = 1 (torch's variance); ``column_second_moment`` [..., 1, cols] only for D ≥ 2
+    Layout("adafactor", {"second_moment": "row_var", "column_second_moment": "col_var"},
+           frozenset({"second_moment", "time"}), step="time", alias={"variance": "second_moment"}),
 )
 
 #: burn families that first shipped in burn 0.22 (no burn <= 0.21 legacy record holds them)
@@ -84,7 +100,7 @@ BURN_022_FAMILIES = frozenset({"lamb", "lion", "adafactor"})
 
 #: factored second moments: (row slot [..., rows, 1], column slot [..., 1, cols]) → parameter shape
 #: [..., rows, cols] (torch's Adafactor, burn's Adafactor)
-FACTORED: tuple[tuple[str, str], ...] = (("row_var", "col_var"), ("second_moment", "column_second_moment"))
+FACTORED: tuple[tuple[str, str], ...] = (("row_var", "col_var"),)
 
 # burn's SGD without momentum keeps no state at all: each parameter only has ``__rank``.
 BURN_STATELESS = "sgd"

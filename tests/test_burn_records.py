@@ -199,3 +199,15 @@ def test_burn_to_burn_copy_of_the_mixed_record_is_exact(tmp_path):
     """Nothing to decide within burn: the record is copied as burn wrote it."""
     api.convert(str(FIX / "muon-adamw.bpk"), str(tmp_path / "y.bpk"))
     assert (tmp_path / "y.bpk").read_bytes() == (FIX / "muon-adamw.bpk").read_bytes()
+
+
+def test_burn_muon_and_adafactor_do_not_cross_to_torch_unchanged(cli, tmp_path):
+    """Same algorithm, different stored quantity: copying burn's velocity into torch's momentum_buffer
+    (an EMA, (1 - μ) times it) or burn's second moments (ε₁ inside) would be silently wrong."""
+    names = tmp_path / "n.txt"
+    names.write_text("l1.weight\nl2.weight\n")
+    r = cli("convert", str(FIX / "muon.bpk"), str(tmp_path / "m.pt"), "--optimizer", "muon", "--names", str(names),
+            "--transpose", "*.weight", "--lr", "0.01")
+    assert r.returncode == 1 and "(1 − μ)" in r.stderr and not (tmp_path / "m.pt").exists()
+    r = cli("convert", str(FIX / "adafactor.bpk"), str(tmp_path / "a.pt"))
+    assert r.returncode == 1 and "ε₁" in r.stderr and not (tmp_path / "a.pt").exists()

@@ -126,7 +126,8 @@ def test_resolve_fills_framework_defaults():
         (("adagrad", "burn", {"lr": 1.0, "initial_accumulator_value": 0.1}), "cannot use initial"),
         (("adan", "torch", {}), "no 'torch' flavor"),
         (("rmsprop", "torch-fused", {}), "no 'torch-fused' flavor"),
-        (("lion", "torch", {}), "unknown optimizer"),
+        (("lion", "torch", {}), "no 'torch' flavor"),
+        (("prodigy", "torch", {}), "unknown optimizer"),
     ],
 )
 def test_resolve_refuses(args, message):
@@ -136,12 +137,21 @@ def test_resolve_refuses(args, message):
 
 def test_registry_table():
     # other optimizers join the table (torch's NAdam, RAdam, … in tests/test_optim_torch_db.py)
-    assert {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adan", "nadam", "radam", "adamax"} <= set(so.ALGORITHMS)
+    assert {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adan", "nadam", "radam", "adamax",
+            "lamb", "lion", "adafactor", "muon"} <= set(so.ALGORITHMS)
     assert so.ALGORITHMS["adamw"].flavors == ("torch-fused", "torch", "burn", "candle")
     for algo in so.ALGORITHMS.values():
         assert {registry.FRAMEWORK_OF[fl] for fl in algo.flavors} == set(algo.frameworks)
-        names = [set(fw.defaults) for fw in algo.frameworks.values()]
-        assert all(n == names[0] for n in names), f"{algo.name}: frameworks disagree on names"
+        names = {fw: set(f.defaults) for fw, f in algo.frameworks.items()}
+        # burn's Adafactor and Muon have switches torch's lack (epsilon_1 added to g², relative-step /
+        # parameter-scaling, Muon's dampening): burn's column holds torch's names and those
+        burn_only = {"adafactor": {"epsilon_1", "epsilon_2", "relative_step", "scale_parameter"},
+                     "muon": {"dampening"}}.get(algo.name)
+        if burn_only:
+            assert names["burn"] == names["torch"] | burn_only, algo.name
+            continue
+        first = next(iter(names.values()))
+        assert all(n == first for n in names.values()), f"{algo.name}: frameworks disagree on names"
 
 
 @pytest.mark.parametrize(

@@ -248,6 +248,9 @@ def test_transformers_adafactor_to_torch_adafactor_resumes_transformers_run(cli,
         restarted = (cold[i].detach() - final).abs().max().item()
         assert resumed <= 4 * torch.finfo(torch.float32).eps * final.abs().max().item(), (i, resumed, moved)
         assert restarted > 100 * max(resumed, 1e-9)  # a cold restart is visibly elsewhere
+    verify = cli("verify-resume", THIRD / "hf-adafactor-relative.pt", out, "--names", names_file(tmp_path, SMALL_NAMES))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "exp_avg_sq_row/col (means of g²+ε₁) become row_var" in verify.stdout
 
 
 @pytest.mark.parametrize("stem, says", [
@@ -403,3 +406,36 @@ def test_lion_pytorch_to_burn_lion_momentum_is_exp_avg_bit_for_bit(cli, tmp_path
 def test_lion_pytorch_has_no_torch_optimizer_to_continue_it(cli, tmp_path):
     res = cli("convert", THIRD / "lion-pytorch.pt", tmp_path / "x.pt")
     assert res.returncode == 1 and "torch has no lion optimizer" in res.stderr
+
+
+@pytest.mark.parametrize("stem", ["torchao-adamw8bit", "hf-adafactor-relative", "schedulefree-adamw"])
+def test_replay_does_not_pass_a_third_party_update_off_as_torchs(stem, cli, tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"0.weight": np.zeros((8, 12), np.float32)}, tmp_path / "p.safetensors")
+    res = cli("replay", "--state", THIRD / f"{stem}.pt", "--params", tmp_path / "p.safetensors", "--grads",
+              tmp_path / "p.safetensors", "--out-params", tmp_path / "out.safetensors")
+    assert res.returncode == 1 and "replay runs torch's, burn's and candle's own arithmetic" in res.stderr
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_remap_continues_a_third_party_state_as_convert_does(cli, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4, bias=False))
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    out = tmp_path / "remapped.pt"
+    res = cli("remap", THIRD / "hf-adafactor-relative.pt", "--model", tmp_path / "model.pt", "-o", out,
+              "--names", names_file(tmp_path, SMALL_NAMES))
+    assert res.returncode == 0, res.stderr
+    sd = torch_load(out)
+    saved = torch_load(THIRD / "hf-adafactor-relative.pt")
+    assert sd["param_groups"][0]["param_names"] == SMALL_NAMES and sd["param_groups"][0]["lr"] == 0.01
+    assert torch.equal(sd["state"][2]["col_var"].reshape(-1), saved["state"][2]["exp_avg_sq_col"])
+    torch.optim.Adafactor(model.parameters()).load_state_dict(sd)
+
+
+def test_merge_refuses_a_third_party_state_by_name(cli, tmp_path):
+    res = cli("merge", THIRD / "lion-pytorch.pt", THIRD / "lion-pytorch.pt", "-o", tmp_path / "m.pt",
+              "--on-conflict", "first")
+    assert res.returncode == 1 and "lion-pytorch Lion" in res.stderr and "convert it first" in res.stderr
+    assert "internal error" not in res.stderr and not (tmp_path / "m.pt").exists()

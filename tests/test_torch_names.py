@@ -155,8 +155,9 @@ def test_trainer_state_to_burn_and_back_resumes_bit_identically(tmp_path):
     back = torch.load(tmp_path / "back.pt")
     orig = torch.load(TL / "optimizer.pt")
     assert [g["initial_lr"] for g in back["param_groups"]] == [g["initial_lr"] for g in orig["param_groups"]]
-    assert [g["param_names"] for g in back["param_groups"]] == [
-        true_names()[:len(orig["param_groups"][0]["params"])], true_names()[len(orig["param_groups"][0]["params"]):]]
+    # optimizer.pt kept no param_names (statekit solved them from the model): the copy keeps none either,
+    # group for group as Trainer wrote it
+    assert [dict(g) for g in back["param_groups"]] == [dict(g) for g in orig["param_groups"]]
 
     def resume(opt_path):
         torch.manual_seed(123)

@@ -127,10 +127,33 @@ def test_torch_positions_named_by_names_or_model(cli, trained):
     assert code == 1
 
 
-def test_unnamed_positions_without_a_record_are_refused_in_one_line(cli, trained):
-    res = cli("verify-resume", trained / "opt.pt", trained / "opt.pt")
+def test_two_torch_states_pair_by_position_when_groups_and_shapes_agree(cli, trained):
+    """verify-resume a.pt roundtrip.pt: neither names its positions, neither records moves (the round trip
+    through burn writes torch positions only, as a.pt has), and torch pairs state by position too."""
+    bpk, back = trained / "optim.bpk", trained / "roundtrip.pt"
+    assert cli("convert", trained / "opt.pt", bpk, "--names", trained / "names.txt", "--transpose", "head.weight",
+               "--no-transpose", "embed.weight").returncode == 0
+    assert cli("convert", bpk, back).returncode == 0
+    sd = torch.load(back, weights_only=True)
+    assert "param_names" not in sd["param_groups"][0]  # opt.pt had none
+    code, report = verify(cli, trained / "opt.pt", back)
+    assert code == 0 and report["tracks"]
+    assert any("paired by position" in n for n in report["notes"])
+    swap_moments(back, trained / "swapped.pt", 1, 2)  # norm.weight and norm.bias: the same shape
+    code, report = verify(cli, trained / "opt.pt", trained / "swapped.pt")
+    assert code == 1 and not report["tracks"]
+
+
+def test_unnamed_positions_that_disagree_by_position_are_refused_in_one_line(cli, trained):
+    torch.manual_seed(1)
+    other = Net(V + 4)
+    opt = torch.optim.Adam(other.parameters(), lr=1e-2)
+    other(torch.randint(0, V, (4,))).pow(2).mean().backward()
+    opt.step()
+    torch.save(opt.state_dict(), trained / "other.pt")
+    res = cli("verify-resume", trained / "opt.pt", trained / "other.pt")
     assert res.returncode == 1 and res.stderr.count("\n") == 1
-    assert "--names" in res.stderr and "--model" in res.stderr
+    assert "--names" in res.stderr and "--model" in res.stderr and "position 0 (#0)" in res.stderr
 
 
 def test_hyperparameter_flags_reach_both_sides(cli, trained):

@@ -140,10 +140,15 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     else:
         for group in state.groups:  # one group per family (regroup), the stored hyperparameters on each
             group.hyperparams = dict(hp)
+    if hyper.TORCH_NAMES_KEY in pack.metadata:
+        state.torch_names_in_file = pack.metadata[hyper.TORCH_NAMES_KEY] != "0"
+    args = hyper.training_args_from_metadata(pack.metadata)
+    if args is not None:
+        state.training_args = args
     # torch's param_names, kept by statekit in torch's order: the torch positions too
     for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
-        if key in params and params[key].path in (None, path):
-            params[key].path = path
+        if key in params:  # the torch name may differ from burn's path (a norm's weight is burn's gamma)
+            params[key].path = params[key].path or path
             params[key].index = position
     return state
 
@@ -188,7 +193,7 @@ def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, objec
                 p.step = value.value
                 p.extra["__step_kind"] = value.kind
             elif lay is not None and leaf in lay.slots:
-                p.slots[lay.slots[leaf]] = value
+                p.slots[lay.slot_of(leaf, p.rank if p.rank is not None else len(value.shape))] = value
             else:
                 p.extra[leaf] = value
         if p.rank is None and p.shape is not None:
@@ -241,12 +246,14 @@ def _inconsistent(family: str, p: ParamState) -> str | None:
     full second moment for D = 1 (its step would panic on anything else)."""
     if family != "adafactor":
         return None
-    row, col = p.slots.get("second_moment"), p.slots.get("column_second_moment")
+    row, col = p.slots.get("row_var", p.slots.get("variance")), p.slots.get("col_var")
     rank = p.rank
     if col is None:
-        if rank is not None and rank >= 2:
+        if rank is not None and rank >= 2 or "row_var" in p.slots:
             return f"{p.label()}: a {rank}-D Adafactor state without column_second_moment"
         return None
+    if row is None or "variance" in p.slots:
+        return f"{p.label()}: a column_second_moment for a vector's Adafactor state"
     r, c = tuple(row.shape), tuple(col.shape)
     if len(r) < 2 or len(r) != len(c) or r[-1] != 1 or c[-2] != 1 or r[:-2] != c[:-2] or (
             rank is not None and rank != len(r)):
@@ -294,7 +301,7 @@ def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
                 _put(tensors, scalars, key, leaf, value, p.id)
         else:
             lay = naming.layout("burn", family)
-            native = {neutral: leaf for leaf, neutral in lay.slots.items()}
+            native = lay.native_of()
             for slot, ref in p.slots.items():
                 if slot not in native:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state has no field for {slot!r}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from statekit import dtypes
+from statekit import dtypes, hyper
 from statekit.errors import FormatError, MappingError, UnsafePickleError
 from statekit.formats import torch_pt
 from statekit.formats.torch_pickle import no_gc
@@ -105,7 +105,8 @@ def save_optimizer(state: OptimizerState, path: str, *, family: str | None = Non
     family = family or state.family
     if groups is None:
         groups = [dict(g.hyperparams) for g in state.groups] or [{}]
-    torch_pt.save_pt(torch_state.to_state_dict(state, family, groups), path)
+    names = (metadata or {}).get(hyper.OMIT_NAMES_KEY) != "omit"
+    torch_pt.save_pt(torch_state.to_state_dict(state, family, groups, names=names), path)
     return os.path.getsize(path)
 
 

@@ -199,6 +199,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         family_detail=None if verdict.family else verdict.label,
         global_slots=global_slots,
         global_scalars=global_scalars,
+        torch_names_in_file=bool(params) and all(p.path for p in params),
     )
     if foreign is not None:  # an optimizer from outside torch.optim (transformers, torchao, …)
         torch_thirdparty.settle(foreign, state, sd, path)
@@ -275,7 +276,7 @@ def step_tensor(step: float | int) -> TensorRef:
     return TensorRef.from_array(np.array(step, dtype=np.float32), "F32")
 
 
-def to_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> dict:
+def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, names: bool = True) -> dict:
     """A torch state_dict for ``state``: ids 0..N-1 in ``state.params`` order, one group per entry
     of ``groups`` (each a full hyperparameter dict; parameters join the group of their ``group``).
     """
@@ -283,7 +284,7 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> dic
         return _lbfgs_state_dict(state, groups)
     out_state: dict[int, dict] = {}
     out_groups = [dict(g, params=[]) for g in groups]
-    names_known = all(p.path for p in state.params)
+    names_known = names and all(p.path for p in state.params)
     if names_known:
         for g in out_groups:
             g["param_names"] = []

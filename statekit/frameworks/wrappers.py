@@ -19,9 +19,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from statekit.errors import FormatError
+from statekit.errors import FormatError, MappingError
 from statekit.formats import torch_pt
-from statekit.frameworks import torch_io, torch_state
+from statekit.frameworks import hf_args, torch_io, torch_state
 from statekit.state import Checkpoint, ModelInfo, ModelParam
 
 FORMAT = "torch"  # a folder opens as the torch checkpoint its optimizer file is
@@ -145,14 +145,24 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     ckpt.path = path
     ckpt.metadata.update({"layout": lay.name, "optimizer_file": os.path.basename(opt_file)})
     model_file = _model_file(path, opt_file)
+    defined = _name_from_definition(ckpt, path, options.get("trust_remote_code", False), options.get("model_config"))
     if model_file is not None:
         ckpt.model, ordered = read_model_file(model_file)
         ckpt.metadata["model_file"] = os.path.basename(model_file)
-        if not any(p.path for p in ckpt.optimizer.params):
+        if not defined and not any(p.path for p in ckpt.optimizer.params):
             torch_io.name_from_model(ckpt, ordered=ordered, source=os.path.basename(model_file))
-    else:
+    elif not defined:
         ckpt.warnings.append("the folder holds no model file (model.safetensors, pytorch_model.bin): "
                              "parameters stay unnamed unless --names or --model is given")
+    _missing_definition(ckpt)
+    args, why = hf_args.read_folder(path)
+    if args is not None:
+        ckpt.optimizer.training_args = args
+        ckpt.metadata["training_args"] = hf_args.FILE
+        ckpt.optimizer.notes += [f"{hf_args.FILE}: {d}" for d in hf_args.compare(args, [
+            g.hyperparams for g in ckpt.optimizer.groups])]
+    elif why:
+        ckpt.warnings.append(why)
     suffix = os.path.splitext(os.path.basename(opt_file))[0][len("optimizer"):]
     stem, ext = os.path.splitext(lay.scheduler)
     sched_file = os.path.join(path, f"{stem}{suffix}{ext}")
@@ -162,6 +172,50 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     if lay.marker and os.path.isfile(os.path.join(path, lay.marker)):
         ckpt.scalars = _trainer_counters(os.path.join(path, lay.marker))
     return ckpt
+
+
+def name_from_definition(ckpt: Checkpoint, config: str, trust_remote_code: bool = False) -> bool:
+    """Name a torch checkpoint's positions from the model ``config`` describes (:mod:`hf_model`).
+
+    True when settled (named, or refused). A definition that cannot be built (no transformers, hub code
+    not allowed) leaves the state to the model file, with ``unnamed_why`` saying what would settle it;
+    one that disagrees with the state is a warning naming the position (the model file's shapes are
+    not tried after it: the definition is the model's own word)."""
+    from statekit.frameworks import hf_model
+
+    state = ckpt.optimizer
+    try:
+        definition = hf_model.build(config, trust_remote_code=trust_remote_code)
+    except MappingError as exc:  # no transformers, hub code not allowed, no such class: the model file may still do
+        state.unnamed_why = exc.message if isinstance(exc, hf_model.MissingDefinitionError) \
+            else f"{os.path.basename(config)}: {exc.message}"
+        return False
+    try:
+        hf_model.name_state(state, definition, ckpt.path)
+    except MappingError as exc:
+        state.unnamed_why = f"{os.path.basename(config)}: {exc.message}"
+        ckpt.warnings.append(f"{torch_io.UNNAMED} {state.unnamed_why}")
+        return True
+    ckpt.metadata["model_config"] = config
+    return True
+
+
+def _name_from_definition(ckpt: Checkpoint, path: str, trust_remote_code: bool, config: str | None) -> bool:
+    from statekit.frameworks import hf_model
+
+    config = config or hf_model.config_path(path)
+    if config is None or any(p.path for p in ckpt.optimizer.params):
+        return False
+    return name_from_definition(ckpt, config, trust_remote_code)
+
+
+def _missing_definition(ckpt: Checkpoint) -> None:
+    """Still unnamed for want of transformers: the reader's warning says what to install, in one line."""
+    state = ckpt.optimizer
+    if state.unnamed_why and not all(p.path for p in state.params) \
+            and not any(state.unnamed_why in w for w in ckpt.warnings):
+        ckpt.warnings = [w for w in ckpt.warnings if not w.startswith(torch_io.UNNAMED)]
+        ckpt.warnings.append(f"{torch_io.UNNAMED} {state.unnamed_why}")
 
 
 def _trainer_counters(path: str) -> dict:

@@ -8,6 +8,8 @@ whatever it would otherwise have to guess, listing every conflict at once.
 
 from __future__ import annotations
 
+import re
+
 from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
@@ -17,6 +19,8 @@ from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
 from statekit.state import OptimizerState, ParamState, refuse_opaque
 
+# burn-store's PyTorchToBurnAdapter renames a norm layer's weight/bias (decided here by the module class)
+NORM_RENAMES = {"weight": "gamma", "bias": "beta"}
 # torch families statekit reads but does not convert (their state or update is not modelled)
 NOT_CONVERTED = ("asgd", "rprop", "sparseadam")
 
@@ -38,6 +42,11 @@ def _family(state: OptimizerState, opts: Options, crossing: bool, dst_fw: str = 
 
 
 def _chosen_family(state: OptimizerState, opts: Options, crossing: bool) -> str:
+    from statekit.frameworks import torch_thirdparty
+
+    if torch_thirdparty.is_foreign(state):  # convert and remap adapt it first (torch_thirdparty.adapt)
+        raise MappingError(f"{state.family_label} state: statekit moves it only through convert or remap, as the "
+                           "optimizer that continues it")
     family = state.family
     wanted = opts.optimizer.lower() if opts.optimizer else None
     if family is None and wanted and wanted in state.candidates:
@@ -90,14 +99,12 @@ def _same_shapes(p: ParamState) -> str | None:
 
 
 def _slots_missing(p: ParamState, family: str, target: str, src: str = "neutral") -> tuple[str, ...]:
-    """The slots of ``p`` the target framework's state has no field for (refused, never dropped);
-    a slot another framework names differently (burn Adafactor's second_moment) by its target name."""
+    """The slots of ``p`` the target framework's state has no field for (refused, never dropped)."""
     if target not in naming.FRAMEWORKS:
         return ()
     lay = naming.layout(target, family)
-    neutral = set(lay.slots.values())
-    return tuple(s for s in p.slots if cross.slot_name(family, p.slots, src, target, s) not in neutral
-                 and s not in _derived(family))
+    neutral = set(lay.native_of())
+    return tuple(s for s in p.slots if s not in neutral and s not in _derived(family))
 
 
 def _grouped(by_problem: dict[tuple, list[str]], say) -> list[str]:
@@ -139,6 +146,19 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         raise MappingError("; ".join(problems), source)
     plan.params = actions
     _hyperparams(state, family, src_fw, dst_fw, opts, plan)
+    _training_args(state, plan, dst_fw)
+    flips = [a for a in actions if any(n.endswith("(module class)") for n in a.notes)]
+    if flips:
+        plan.layouts_from = (f"layouts and norm names from the module classes of the model's definition: "
+                             f"{sum(1 for a in flips if a.transpose)} transposed, "
+                             f"{sum(1 for a in flips if not a.transpose and a.src_path != a.dst_path)} renamed, "
+                             f"{len(flips)} decided in all")
+    solved = state.torch_names_in_file is False  # a torch file without param_names (statekit named it)
+    if dst_fw == "torch" and solved and operation == "convert" and opts.names is None and opts.model is None:
+        # back to torch with nothing said about names: the original kept no param_names, nor does its copy
+        plan.metadata[hyper.OMIT_NAMES_KEY] = "omit"
+    if dst_fw == "burn" and src_fw == "torch" and solved:
+        plan.metadata[hyper.TORCH_NAMES_KEY] = "0"
     if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
         plan.metadata.update(hyper.paths_to_metadata(
             {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))
@@ -149,6 +169,9 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
     """One action per source parameter with its target path: the user's rename rules, then the
     norm preset when crossing burn ⇄ torch; slots the target cannot hold are problems."""
     rules = [RenameRule.parse(r) for r in opts.renames]
+    if not rules:  # back to the framework the file came from: its recorded names (a --rename overrides)
+        rules = [RenameRule("^" + re.escape(to) + "$", frm, origin="record")
+                 for to, frm in opts.recorded_names if "$" not in frm and "\\" not in frm]
     if opts.preset and src_fw == "burn" and dst_fw in ("torch", "candle"):
         rules += [RenameRule(pat, rep, origin="preset") for pat, rep in NORM_PRESET]
     old_paths = opts.old_model.by_id() if opts.old_model else {}
@@ -165,10 +188,16 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
         if src_path is None and p.id is not None and p.id in old_paths:
             src_path = old_paths[p.id].path
         dst_path = rename(src_path, rules)
+        notes = []
+        if dst_path == src_path and src_path and opts.preset and src_fw == "torch" and dst_fw == "burn" \
+                and p.layout == "norm" and src_path.rpartition(".")[2] in NORM_RENAMES:
+            head, _, leaf = src_path.rpartition(".")
+            dst_path = f"{head}.{NORM_RENAMES[leaf]}" if head else NORM_RENAMES[leaf]
+            notes.append(f"{leaf} → {NORM_RENAMES[leaf]}: {p.module} is a norm layer (module class)")
         actions.append(ParamAction(
             action="keep" if dst_path == src_path else "rename",
             src_key=p.key, src_path=src_path, src_shape=list(p.shape) if p.shape is not None else None,
-            dst_path=dst_path, group=p.group,
+            dst_path=dst_path, group=p.group, notes=notes,
         ))
         if p.slots or p.step is not None:
             uneven = _same_shapes(p)
@@ -197,12 +226,32 @@ def _check_duplicates(actions: list[ParamAction], problems: list[str]) -> None:
         seen[a.dst_path] = a.src_path or a.src_key
 
 
-def _transpose(a: ParamAction, shape: tuple, want: tuple | None, opts: Options) -> bool | None:
-    """Whether a rank-2 state crossing burn ⇄ torch/candle is transposed; None when undecidable."""
+# what the owning module's class makes of a rank-2 tensor (statekit.frameworks.hf_model's layouts):
+# transposed crossing to burn's Linear [in, out] or not, and the words the plan shows
+CLASS_LAYOUTS = {
+    "out_in": (True, "[out, in], burn's Linear [in, out]"),
+    "in_out": (False, "[in, out] as burn's Linear"),
+    "embedding": (False, "[num, dim] as burn's Embedding"),
+    "norm": (False, "a norm's"),
+    "conv": (False, "burn's conv layout"),
+}
+
+
+def _transpose(a: ParamAction, shape: tuple, want: tuple | None, opts: Options, p: ParamState | None = None
+               ) -> bool | None:
+    """Whether a rank-2 state crossing burn ⇄ torch/candle is transposed; None when undecidable.
+    The user's globs first, then the owning module's class (from the model's definition), then shapes."""
     if matches_any(a.dst_path, opts.transpose) or matches_any(a.src_path, opts.transpose):
+        a.notes.append("layout: --transpose")
         return True
     if matches_any(a.dst_path, opts.no_transpose) or matches_any(a.src_path, opts.no_transpose):
+        a.notes.append("layout: --no-transpose")
         return False
+    known = CLASS_LAYOUTS.get(p.layout) if p is not None and p.layout else None
+    if known is not None:
+        flip, words = known
+        a.notes.append(f"{p.module} {words} (module class)")
+        return flip
     if want is not None and shape[0] != shape[1] and tuple(want) == shape[::-1]:
         a.notes.append("transposed: the target model's shape is the reverse")
         return True
@@ -225,7 +274,7 @@ def _layout(state, actions, opts, cross_layout: bool, dst_fw: str, plan, problem
         shape = tuple(a.src_shape)
         want = target_shapes.get(a.dst_path) if a.dst_path else None
         if len(shape) == 2 and cross_layout:
-            decided = _transpose(a, shape, want, opts)
+            decided = _transpose(a, shape, want, opts, by_key.get(a.src_key))
             if decided is None:
                 undecided.append(f"{a.src_path or a.src_key} {list(shape)}")
                 continue
@@ -279,7 +328,8 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
         return actions
     if names is None and opts.model is None and state.params and all(
             p.index is not None and p.path for p in state.params):  # torch's order, recorded in the file
-        names = [p.path for p in sorted(state.params, key=lambda p: p.index)]
+        target = {a.src_key: a.dst_path for a in actions}
+        names = [target.get(p.key) or p.path for p in sorted(state.params, key=lambda p: p.index)]
     if names is None and opts.model is not None:
         if opts.model.order != "named_parameters":
             problems.append(
@@ -370,8 +420,9 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
         problems.append(f"not in the target model: {', '.join(not_in_model[:4])}{more}")
     if nameless:
         more = f" (+{len(nameless) - 3} more)" if len(nameless) > 3 else ""
+        why = state.unnamed_why or "name a torch state's positions with --names FILE or --model MODEL"
         problems.append(f"{len(nameless)} parameters have neither a path nor an id ({', '.join(nameless[:3])}{more}); "
-                        "name a torch state's positions with --names FILE or --model MODEL")
+                        f"{why}")
     if generated:
         why = "no --model given" if opts.model is None else "the --model file has no ParamIds"
         plan.warnings.append(f"generated ParamIds for {len(generated)} parameters ({why}): "
@@ -383,6 +434,22 @@ def _ids_for_burn(state, actions, opts, problems, plan, dst_fw) -> None:
                 actions.append(ParamAction(action="new", dst_path=m.path,
                                            dst_id=None if m.id is None else str(m.id),
                                            dst_shape=list(m.shape), notes=["no state: initialised at its first step"]))
+
+
+def _training_args(state, plan, dst_fw) -> None:
+    """An HF TrainingArguments the source folder holds: recorded with the plan (and in a burnpack's
+    metadata); its disagreements with the param groups, which are what the optimizer ran with, warned."""
+    args = state.training_args
+    if not args:
+        return
+    from statekit.frameworks import hf_args
+
+    shown = {k: v for k, v in args.items() if k in hf_args.FIELDS and v is not None}
+    plan.training_args = shown
+    for line in hf_args.compare(args, [g.hyperparams for g in state.groups]):
+        plan.warnings.append(f"{hf_args.FILE}: {line} (the param group's value is written)")
+    if dst_fw == "burn":
+        plan.metadata.update(hyper.training_args_to_metadata(shown))
 
 
 def _reverse_preset(path: str) -> str:
@@ -433,6 +500,11 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         plan.transforms = [t.to_json() for i, v in enumerate(plan.hyperparams)
                            for t in cross.transforms(family, src_fw, dst_fw, v, i)]
         plan.exactness = cross.exactness(family, src_fw, dst_fw)
+        scale = cross.muon_scale_differs(family, src_fw, dst_fw, plan.params, plan.hyperparams[0]
+                                         if plan.hyperparams else {})
+        if scale:
+            plan.warnings.append(scale)
+            plan.exactness = "does not track for the weights the warning names: " + scale.split(": ", 1)[1]
     if dst_fw == "torch":
         plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
     if dst_fw == "burn" and len(plan.hyperparams) > 1:

@@ -58,6 +58,16 @@ def name_checkpoint(ckpt: Checkpoint, opts: Options, path: str, **kw):
     that it could not name them goes."""
     from statekit.frameworks.torch_io import UNNAMED
 
+    state = ckpt.optimizer
+    if opts.model_config and state.framework == "torch" and opts.names is None \
+            and not all(p.path for p in state.params):
+        from statekit.frameworks.wrappers import name_from_definition
+
+        for p in state.params:  # the definition names every position or none
+            p.path = None
+        name_from_definition(ckpt, opts.model_config, opts.trust_remote_code)
+        if state.unnamed_why and not all(p.path for p in state.params):
+            raise MappingError(state.unnamed_why, opts.model_config)
     resolution = name_source_params(ckpt.optimizer, opts, path, own_model=ckpt.model, **kw)
     if all(p.path for p in ckpt.optimizer.params):
         ckpt.warnings = [w for w in ckpt.warnings if not w.startswith(UNNAMED)]
@@ -143,7 +153,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                              on_plan=on_plan if share.index == 0 else None, shards=shards)
         result.messages.append(_share_summary(share, dst))
         return result
-    with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
+    with io.open_checkpoint(src, **open_options(opts, key)) as ckpt:
         if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
             return _copy_container(ckpt, dst, fmt, shards, dry_run, progress or silent)
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):
@@ -205,6 +215,14 @@ def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, prog
     return None
 
 
+def open_options(opts: Options | None, key: str | None = None) -> dict:
+    """What a reader is told besides the path: ``key``, and whether a checkpoint folder's model code may run."""
+    out: dict = {"key": key} if key else {}
+    if opts is not None and opts.trust_remote_code:
+        out["trust_remote_code"] = True
+    return out
+
+
 def recorded_layout(ckpt: Checkpoint, fmt: str, opts: Options) -> tuple[Options, str | None]:
     """Going back to the framework a file was converted from, the transposes it records
     (:data:`statekit.ops.pairing.MOVES_KEY`) are undone without repeating --transpose /
@@ -222,7 +240,8 @@ def recorded_layout(ckpt: Checkpoint, fmt: str, opts: Options) -> tuple[Options,
     moves = recorded_moves(ckpt) or []
     exact = [_glob_literal(m.dst_path) for m in moves]
     flipped = [_glob_literal(m.dst_path) for m in moves if m.transpose]
-    opts = replace(opts, transpose=flipped, no_transpose=[p for p in exact if p not in flipped])
+    names = [(m.dst_path, m.src_path) for m in moves if m.src_path and m.src_path != m.dst_path]
+    opts = replace(opts, transpose=flipped, no_transpose=[p for p in exact if p not in flipped], recorded_names=names)
     return opts, (f"layout as recorded when the file was converted from {came_from}: "
                   f"{len(flipped)} of {len(moves)} parameters transposed back")
 

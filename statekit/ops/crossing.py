@@ -80,31 +80,6 @@ def _say(value: float) -> str:
     return f"{value:.7g}"
 
 
-# Adafactor's second moments: burn's field names are its own (its values hold ε₁), torch's by rank
-TO_BURN_SLOTS = {"row_var": "second_moment", "col_var": "column_second_moment", "variance": "second_moment"}
-
-
-def slot_name(family: str, slots, src_fw: str, dst_fw: str, slot: str) -> str:
-    """``slot`` of a parameter's ``slots`` under the target framework's name."""
-    if family != "adafactor" or {src_fw, dst_fw} != {"burn", "torch"}:
-        return slot
-    if dst_fw == "burn":
-        return TO_BURN_SLOTS.get(slot, slot)
-    if slot == "column_second_moment":
-        return "col_var"
-    if slot == "second_moment":
-        return "row_var" if "column_second_moment" in slots else "variance"
-    return slot
-
-
-def renamed_slots(family: str, slots: dict, src_fw: str, dst_fw: str) -> dict:
-    """``slots`` under the target framework's names, in its order (row factor first)."""
-    out = {slot_name(family, slots, src_fw, dst_fw, k): v for k, v in slots.items()}
-    if len(out) != len(slots):
-        raise MappingError(f"{family} slots {sorted(slots)} do not map one to one onto {dst_fw}'s")
-    return out
-
-
 def transforms(family: str, src_fw: str, dst_fw: str, values: dict, group: int) -> list[Transform]:
     """The value changes for ``family`` crossing ``src_fw`` → ``dst_fw`` with the group's
     hyperparameters ``values`` (the target's, already checked by :func:`target_values`)."""
@@ -112,15 +87,14 @@ def transforms(family: str, src_fw: str, dst_fw: str, values: dict, group: int) 
         return []
     if family == "adafactor":
         eps1 = float(values.get("epsilon_1", BURN_EPS1))
+        burn = {"row_var": "second_moment", "col_var": "column_second_moment", "variance": "second_moment"}
         if dst_fw == "burn":
             return [Transform(group, slot, "add", eps1,
-                              f"{burn} = {slot} + ε₁ ({_say(eps1)}): burn adds ε₁ to g² before averaging, torch "
-                              "clamps instead") for slot, burn in TO_BURN_SLOTS.items()]
-        return [Transform(group, "second_moment", "add", -eps1,
-                          f"row_var (variance for a 1-D parameter) = second_moment − ε₁ ({_say(eps1)}): burn added "
-                          "ε₁ to g² before averaging"),
-                Transform(group, "column_second_moment", "add", -eps1,
-                          f"col_var = column_second_moment − ε₁ ({_say(eps1)})")]
+                              f"{burn[slot]} = {slot} + ε₁ ({_say(eps1)}): burn adds ε₁ to g² before averaging, torch "
+                              "clamps instead") for slot in burn]
+        return [Transform(group, slot, "add", -eps1,
+                          f"{slot} = {burn[slot]} − ε₁ ({_say(eps1)}): burn added ε₁ to g² before averaging")
+                for slot in burn]
     if family == "muon":
         mu = float(values.get("momentum", 0.95))
         if dst_fw == "torch":
@@ -202,3 +176,25 @@ def apply(ref, op: str, value: float):
     if op not in ("add", "mul", "div"):
         raise MappingError(f"unknown transform {op!r} in the plan")
     return stream.combine([ref], lambda piece: np.asarray(fn(piece), dtype=piece.dtype), ref.dtype)
+
+
+def muon_scale_differs(family: str, src_fw: str, dst_fw: str, actions, values: dict) -> str | None:
+    """Muon's "original" learning-rate adjustment √max(1, rows/cols) reads the weight in its own
+    framework's layout (torch [out, in], burn [d_in, d_out]): a transposed non-square weight is
+    stepped at another scale in the other framework. The warning naming them, or None."""
+    import math
+
+    if family != "muon" or {src_fw, dst_fw} != {"burn", "torch"} or values.get("adjust_lr_fn") == "match_rms_adamw":
+        return None
+    differ = []
+    for a in actions:
+        src, dst = a.src_shape, a.dst_shape
+        if a.transpose and src and dst and len(src) == 2 and src[0] != src[1]:
+            differ.append(f"{a.label()} ×{math.sqrt(max(1, src[0] / src[1])):.3g} → ×{math.sqrt(max(1, dst[0] / dst[1])):.3g}")
+    if not differ:
+        return None
+    more = f" (+{len(differ) - 4} more)" if len(differ) > 4 else ""
+    return ("Muon's original learning-rate adjustment √max(1, rows/cols) reads each weight in its framework's layout "
+            f"(torch [out, in], burn [d_in, d_out]), so the resumed run steps these weights at another scale: "
+            f"{', '.join(differ[:4])}{more}; the state moves exactly as the plan says, but only adjust_lr_fn "
+            "match_rms_adamw (0.2·√max(rows, cols)) or square weights give the same update in both")

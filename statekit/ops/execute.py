@@ -124,8 +124,6 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     for t in plan.transforms:
         if t["group"] == a.group and t["slot"] in slots:
             slots[t["slot"]] = crossing.apply(slots[t["slot"]], t["op"], t["value"])
-    if family is not None:
-        slots = crossing.renamed_slots(family, slots, registry.framework_of(plan.source_format), target_fw)
     if target_fw == "burn":
         slots = burn.with_derived_slots(family, slots)
     else:  # derived copies (burn RMSProp's avg): the other frameworks recompute them

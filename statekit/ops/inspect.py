@@ -90,7 +90,7 @@ def _native_names(framework: str | None, family: str | None) -> dict[str, str]:
             lay = naming.layout(framework, family)
         except KeyError:  # a family statekit reads but has no field table for: show the names as stored
             return {}
-        return {neutral: native for native, neutral in lay.slots.items()}
+        return lay.native_of()
     return {}
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from statekit import dtypes, io, stream
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
+from statekit.frameworks import torch_thirdparty
 from statekit.ops.diff import METHOD_WORDS, match_key, match_method
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
@@ -87,6 +88,9 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
     paths = [c.path for c in ckpts]
     for state, path in zip(states, paths, strict=True):
         refuse_opaque(state, path, "merge")
+        if torch_thirdparty.is_foreign(state):
+            raise MappingError(f"{state.family_label} state: merge joins torch's, burn's and candle's own states; "
+                               "convert it first where an optimizer continues it (statekit convert)", path)
     _check_one_family(paths, states)
     _check_one_framework(paths, states)
     method = match_method(*[s.params for s in states])

@@ -37,6 +37,9 @@ class Options:
     dtype: str | None = None
     step_policy: str | None = None
     allow_nonfinite: bool = False  # NaN/Inf moments are refused unless asked for
+    trust_remote_code: bool = False  # build a model whose code is in its checkpoint (config.json auto_map)
+    model_config: str | None = None  # --model-config: the config.json that names a plain .pt's positions
+    recorded_names: list = field(default_factory=list)  # (target path, source path) the file records (convert back)
 
 
 def parse_betas(value: object) -> tuple[float, float] | None:
@@ -111,8 +114,9 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
                  old_model: object = None, transpose: Iterable[str] = (), no_transpose: Iterable[str] = (),
                  rename: Iterable[str] = (), rules: Iterable[object] = (), preset: bool = True,
                  dtype: str | None = None, resize: bool = False, reset_step: Iterable[str] = (),
-                 step_policy: str | None = None, allow_nonfinite: bool = False,
-                 settings: Iterable[str] | dict | None = None, **hyperparams: object) -> Options:
+                 step_policy: str | None = None, allow_nonfinite: bool = False, trust_remote_code: bool = False,
+                 model_config: object = None, settings: Iterable[str] | dict | None = None,
+                 **hyperparams: object) -> Options:
     """:class:`Options` from a user's flags or keywords. ``names``: a list or a names file;
     ``names_order``: ``"model"`` or ``"optimizer"`` (what order ``names`` is in);
     ``model`` / ``old_model``: a path or a :class:`ModelInfo`; ``rules``: rename-rule files added
@@ -138,4 +142,6 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
                    preset=preset, transpose=list(transpose or ()), no_transpose=list(no_transpose or ()),
                    names=names, names_order=names_order, model=_model(model),
                    old_model=_model(old_model), resize=resize, reset_step=list(reset_step or ()),
-                   dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite)
+                   dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite,
+                   trust_remote_code=trust_remote_code,
+                   model_config=os.fspath(model_config) if model_config is not None else None)

@@ -117,6 +117,16 @@ def pair(original: Checkpoint, migrated: Checkpoint, transpose_globs: list[str],
     by_src_path = {m.src_path: m for m in moves or [] if m.src_path}
     by_src_key = {m.src_key: m for m in moves or [] if m.src_key is not None}
     unnamed = [p for p in a_state.params if p.path is None]
+    b_unnamed = bool(b_state.params) and not any(p.path for p in b_state.params)
+    if (unnamed or b_unnamed) and moves is None and a_state.framework == b_state.framework == "torch":
+        by_position, why = _by_position(a_state, b_state)
+        if by_position is not None:
+            return by_position, [POSITIONAL_NOTE]
+        side, who = (original, unnamed) if unnamed else (migrated, b_state.params)
+        raise MappingError(
+            f"{len(who)} parameters ({', '.join(p.label() for p in who[:3])}…) have no names, the migrated file "
+            f"records no source positions, and the two torch states cannot be paired by position ({why}): "
+            "give --names or --model to name them", side.path)
     if unnamed and moves is None:
         raise MappingError(
             f"{len(unnamed)} original parameters ({', '.join(p.label() for p in unnamed[:3])}…) have no names and "
@@ -161,3 +171,31 @@ def pair(original: Checkpoint, migrated: Checkpoint, transpose_globs: list[str],
         notes.append("original parameters paired through the source positions the migrated file records "
                      "(their names are not checked: give --names to check them too)")
     return pairs, notes
+
+
+POSITIONAL_NOTE = ("paired by position: both are torch states whose param groups and shapes agree position for "
+                   "position (torch itself pairs state with parameters so)")
+
+
+def _groups(state) -> list[list[ParamState]]:
+    by_key = {p.key: p for p in state.params}
+    if state.groups:
+        return [[by_key[k] for k in g.keys if k in by_key] for g in state.groups]
+    return [list(state.params)]
+
+
+def _by_position(a_state, b_state) -> tuple[list[Pairing] | None, str]:
+    """Two torch states paired position for position, or None and the first disagreement."""
+    ga, gb = _groups(a_state), _groups(b_state)
+    if len(ga) != len(gb):
+        return None, f"{len(ga)} param groups against {len(gb)}"
+    pairs = []
+    for g, (xs, ys) in enumerate(zip(ga, gb, strict=True)):
+        if len(xs) != len(ys):
+            return None, f"group {g} holds {len(xs)} parameters against {len(ys)}"
+        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            if tuple(x.shape or ()) != tuple(y.shape or ()) or set(x.slots) != set(y.slots):
+                return None, (f"group {g} position {k} (#{x.key}) is {list(x.shape or ())} {sorted(x.slots)} against "
+                              f"{list(y.shape or ())} {sorted(y.slots)}")
+            pairs.append(Pairing(x.path or y.path or f"#{x.key}", x, y, False, via="position"))
+    return pairs, ""

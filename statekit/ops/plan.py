@@ -65,6 +65,8 @@ class Plan:
     # L-BFGS: each parameter's segment of the flat vectors, in the target's order
     # ({path, src_offset, numel, src_shape, transpose}; statekit.ops.lbfgs)
     segments: list[dict] | None = None
+    layouts_from: str | None = None  # where transposes and norm renames were decided (module classes)
+    training_args: dict | None = None  # an HF TrainingArguments' optimizer settings (the source folder's)
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from statekit import io
 from statekit.errors import MappingError, UsageError
+from statekit.formats import registry
+from statekit.frameworks import torch_thirdparty
 from statekit.ops.build import Options, build_plan
 from statekit.ops.convert import Result, carry_out, name_source_params, output_format
 from statekit.ops.plan import Plan
@@ -32,16 +34,21 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
         fmt = output_format(out_path, to) if (to or os.path.splitext(out_path)[1]) else ckpt.format
         opts.allow_drop = True
         name_source_params(ckpt.optimizer, opts, state_path, model_names_source=False)
+        state, adapted = ckpt.optimizer, []
+        if torch_thirdparty.is_foreign(state):  # transformers Adafactor, torchao, … as the optimizer continuing it
+            state, adapted = torch_thirdparty.adapt(state, registry.framework_of(fmt), optimizer=opts.optimizer,
+                                                     path=state_path)
         if plan_in:
             plan = Plan.load(plan_in)
             plan.source, plan.target = state_path, out_path
         else:
-            plan = build_plan(ckpt.optimizer, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
+            plan = build_plan(state, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
+            plan.warnings.extend(adapted)
         dropped = [a.src_path or a.src_key for a in plan.params if a.action == "drop"]
         new = [a.dst_path for a in plan.params if a.action == "new"]
         if dropped:
             plan.warnings.append(f"dropped (not in the new model): {', '.join(map(str, dropped))}")
         if new:
             plan.warnings.append(f"new without state (initialised at their first step): {', '.join(map(str, new))}")
-        return carry_out(plan, ckpt.optimizer, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+        return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)

@@ -244,6 +244,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         if ckpt is not None and st is None:
             raise UsageError(f"{state}: holds no optimizer state")
         refuse_opaque(st, state, "replay")
+        _refuse_foreign(st, state)
         algorithm = pick_algorithm(st, given=optimizer)
         flav = flavor or default_flavor(st, algorithm)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
@@ -396,6 +397,17 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
     return row
 
 
+def _refuse_foreign(st: OptimizerState | None, path: str | None) -> None:
+    """replay runs torch's, burn's and candle's own arithmetic: a third-party optimizer's state (torchao
+    re-quantizing its moments, transformers Adafactor, …) is not replayed as if it were theirs."""
+    from statekit.frameworks import torch_thirdparty
+
+    if torch_thirdparty.is_foreign(st):
+        raise MappingError(f"{st.family_label} state: replay runs torch's, burn's and candle's own arithmetic, not "
+                           "this optimizer's; convert it first where an optimizer continues it (statekit convert)",
+                           path)
+
+
 def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | None):
     """A side from an optimizer outside torch.optim (torchao, transformers Adafactor, …) as the
     state of the optimizer that continues it (:func:`statekit.frameworks.torch_thirdparty.adapt`):
@@ -477,21 +489,22 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
 
 
 def verify_resume_files(original: str, migrated: str, *, names: list[str] | None = None, model=None,
-                        plan: str | None = None, key: str | None = None, **options) -> dict:
+                        plan: str | None = None, key: str | None = None, model_config: str | None = None,
+                        trust_remote_code: bool = False, **options) -> dict:
     """``statekit verify-resume``: open both sides (files or checkpoint folders), name unnamed torch
     positions from ``names`` / ``model`` (a :class:`~statekit.state.ModelInfo`), load a remap
     ``plan`` (a saved plan's path), and :func:`verify_resume` them."""
     from statekit import io
-    from statekit.ops.convert import name_checkpoint
+    from statekit.ops.convert import name_checkpoint, open_options
     from statekit.ops.options import Options
 
     loaded = Plan.load(plan) if plan else None
-    opts = Options(names=names, model=model)
+    opts = Options(names=names, model=model, model_config=model_config, trust_remote_code=trust_remote_code)
     with contextlib.ExitStack() as stack:
-        a = stack.enter_context(io.open_checkpoint(original))
-        b = stack.enter_context(io.open_checkpoint(migrated, **({"key": key} if key else {})))
+        a = stack.enter_context(io.open_checkpoint(original, **open_options(opts)))
+        b = stack.enter_context(io.open_checkpoint(migrated, **open_options(opts, key)))
         for ckpt in (a, b):
-            if ckpt.optimizer is not None and (names is not None or model is not None) \
+            if ckpt.optimizer is not None and (names is not None or model is not None or model_config) \
                     and not all(p.path for p in ckpt.optimizer.params):
                 name_checkpoint(ckpt, opts, ckpt.path)
         return verify_resume(a, b, plan=loaded, **options)

@@ -29,6 +29,7 @@ from statekit.optim import (
     adamax,
     adan,
     asgd,
+    burn_extra,
     muon,
     nadam,
     radam,
@@ -74,6 +75,16 @@ def _algorithm(name: str, module, flavors: tuple[str, ...]) -> Algorithm:
     return Algorithm(name, module.step, module.slot_names, flavors, _frameworks(name, flavors))
 
 
+def _by_flavor(torch_step: Callable, burn_step: Callable) -> Callable:
+    """One algorithm's ``step`` with torch's flavors in one module and burn's in another."""
+
+    def step(param, grad, slots, step, hp, flavor, xp=None, **kw):
+        chosen = burn_step if flavor == BURN else torch_step
+        return chosen(param, grad, slots, step, hp, flavor, xp, **kw)
+
+    return step
+
+
 ALGORITHMS: dict[str, Algorithm] = {
     "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN)),
     "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE)),
@@ -87,8 +98,16 @@ ALGORITHMS: dict[str, Algorithm] = {
     "adadelta": _algorithm("adadelta", adadelta, (TORCH,)),
     "asgd": _algorithm("asgd", asgd, (TORCH, TORCH_FOREACH)),
     "rprop": _algorithm("rprop", rprop, (TORCH,)),
-    "adafactor": _algorithm("adafactor", adafactor, (TORCH, TORCH_FOREACH)),
-    "muon": _algorithm("muon", muon, (TORCH,)),
+    # torch's for-loop/foreach (optim.adafactor, optim.muon) and burn 0.22's (optim.burn_extra)
+    "adafactor": Algorithm("adafactor", _by_flavor(adafactor.step, burn_extra.STEPS["adafactor"]),
+                           adafactor.slot_names, (TORCH, TORCH_FOREACH, BURN),
+                           _frameworks("adafactor", (TORCH, TORCH_FOREACH, BURN))),
+    "muon": Algorithm("muon", _by_flavor(muon.step, burn_extra.STEPS["muon"]), muon.slot_names, (TORCH, BURN),
+                      _frameworks("muon", (TORCH, BURN))),
+    # burn 0.22's whole-tensor steps (statekit.optim.burn_extra); torch has neither
+    **{name: Algorithm(name, burn_extra.STEPS[name], burn_extra.slot_names_of(name), (BURN,),
+                       _frameworks(name, (BURN,)))
+       for name in ("lamb", "lion")},
 }
 
 

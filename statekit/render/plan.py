@@ -64,6 +64,11 @@ def plan_view(plan, full: bool = False) -> list:
     items: list = [head, Line.of(f"optimizer {plan.family} · {plan.summary()}")]
     if getattr(plan, "names_from", None):
         items.append(Line.of(plan.names_from, "dim"))
+    if getattr(plan, "layouts_from", None):
+        items.append(Line.of(plan.layouts_from, "dim"))
+    if getattr(plan, "training_args", None):
+        items.append(Line.of("hyperparameters from the param groups; training_args.bin: " + ", ".join(
+            f"{k}={v}" for k, v in plan.training_args.items()), "dim"))
     table = Grid([Column(col, wrap=col not in ("source", "target"))
                   for col in ("action", "source", "target", "id / index", "shape", "changes")])
     styles = {"drop": "red", "new": "green", "rename": "cyan"}

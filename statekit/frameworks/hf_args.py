@@ -1,0 +1,120 @@
+"""A Trainer folder's ``training_args.bin``, read without executing anything.
+
+``Trainer`` saves its whole ``TrainingArguments`` with ``torch.save`` (names-and-layouts.md §2.4):
+a zip pickle of a dataclass (``NEWOBJ`` + ``BUILD`` with a state dict), enums (``OptimizerNames``,
+``SchedulerType`` …, ``REDUCE`` of their value), a ``torch.device`` and accelerate's cached
+``PartialState``. ``torch.load(weights_only=True)`` refuses it and a plain unpickler would import
+transformers and accelerate. statekit reads it through its own allow-listing pickle reader
+(:mod:`statekit.formats.torch_pickle`) with stand-ins for exactly those globals, allowed for this
+one file: classes become plain records (nothing of them runs) and enums their values.
+
+:func:`read` gives the optimizer's settings (:data:`FIELDS`), :func:`hyperparams` them in torch's
+param-group names, and :func:`compare` the disagreements with the saved param groups.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from statekit.errors import FormatError, StatekitError
+from statekit.formats import torch_pickle, torch_pt
+
+FILE = "training_args.bin"
+# what the optimizer was built with (Trainer: AdamW(lr=learning_rate, betas=(adam_beta1, adam_beta2),
+# eps=adam_epsilon, weight_decay=weight_decay) for adamw_torch / adamw_torch_fused)
+FIELDS = ("optim", "optim_args", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+          "max_grad_norm", "lr_scheduler_type", "warmup_steps", "warmup_ratio")
+# Trainer's optimizer names statekit reads as torch.optim.AdamW (trainer_optimizer.py)
+ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+# classes Trainer pickles as NEWOBJ + BUILD (records); enums and torch.device are REDUCE'd (values)
+RECORDS = ("TrainingArguments", "Seq2SeqTrainingArguments", "AcceleratorConfig", "PartialState", "AcceleratorState",
+           "GradientAccumulationPlugin")
+ENUM_ENDINGS = ("Names", "Type", "Strategy", "Option", "Mode", "Precision")
+ARGS_MODULES = ("transformers.", "accelerate.", "trl.", "peft.")
+
+
+class _Globals(dict):
+    """The stand-ins allowed for ``training_args.bin``: records for the dataclasses, values for the enums."""
+
+    def get(self, full: str, default=None):
+        module, _, name = full.rpartition(".")
+        if full == "torch.device":
+            return torch_pickle.allowed_callable(full, lambda *args: ":".join(str(a) for a in args))
+        if not module.startswith(ARGS_MODULES):
+            return default
+        if name in RECORDS or name.endswith(("Arguments", "Config")):
+            return torch_pickle.RecordClass(full)
+        if name.endswith(ENUM_ENDINGS):
+            return torch_pickle.allowed_callable(full, lambda value, *_: value)
+        return default
+
+
+def path_in(folder: str) -> str | None:
+    candidate = os.path.join(folder, FILE)
+    return candidate if os.path.isfile(candidate) else None
+
+
+def read(path: str) -> dict:
+    """The optimizer settings of a ``training_args.bin`` (a FormatError when it is not one)."""
+    obj = torch_pt.load_pt(path, extra_globals=_Globals())
+    if not isinstance(obj, torch_pickle.Record) or not obj.kind.endswith(("Arguments", "Config")):
+        raise FormatError("is not a pickled TrainingArguments", path)
+    out = {k: obj.fields[k] for k in FIELDS if k in obj.fields}
+    out["class"] = obj.kind
+    return out
+
+
+def read_folder(folder: str) -> tuple[dict | None, str | None]:
+    """``(settings, None)``, ``(None, why it could not be read)``, or ``(None, None)`` without the file."""
+    path = path_in(folder)
+    if path is None:
+        return None, None
+    try:
+        return read(path), None
+    except StatekitError as exc:
+        return None, f"{FILE} not read ({exc.message}); hyperparameters from the param groups only"
+
+
+def hyperparams(args: dict) -> dict:
+    """The TrainingArguments' values in torch's param-group names (what Trainer passed to AdamW)."""
+    out: dict = {}
+    if isinstance(args.get("learning_rate"), int | float):
+        out["lr"] = float(args["learning_rate"])
+    if isinstance(args.get("adam_beta1"), int | float) and isinstance(args.get("adam_beta2"), int | float):
+        out["betas"] = (float(args["adam_beta1"]), float(args["adam_beta2"]))
+    if isinstance(args.get("adam_epsilon"), int | float):
+        out["eps"] = float(args["adam_epsilon"])
+    if isinstance(args.get("weight_decay"), int | float):
+        out["weight_decay"] = float(args["weight_decay"])
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def compare(args: dict, groups: list[dict]) -> list[str]:
+    """Where the param groups disagree with the TrainingArguments (Trainer's two groups: group 0 decays
+    by ``weight_decay``, group 1 by 0; every group starts at ``learning_rate``: ``initial_lr``)."""
+    want = hyperparams(args)
+    out = []
+    optim = args.get("optim")
+    if isinstance(optim, str) and optim not in ADAMW:
+        out.append(f"TrainingArguments.optim is {optim!r}, not a torch AdamW ({', '.join(ADAMW)})")
+    for g, group in enumerate(groups):
+        checks = {"betas": want.get("betas"), "eps": want.get("eps"),
+                  "initial_lr" if "initial_lr" in group else "lr": want.get("lr")}
+        if "weight_decay" in want and len(groups) == 2:
+            checks["weight_decay"] = want["weight_decay"] if g == 0 else 0.0
+        for key, value in checks.items():
+            if value is None or key not in group:
+                continue
+            if not _same(group[key], value):
+                out.append(f"param group {g} has {key}={group[key]!r}, TrainingArguments say {value!r}")
+    return out
