@@ -12,6 +12,12 @@ for every fuzz case, ≤ 1 GiB peak RSS). "marginal" is the time a tensor from t
 one (start-up cancels: flat means linear); "x 10 s" and "x 1 GiB" are the 10^6 row's wall time
 and peak RSS over the goals (≤ 1.00 meets them). The machine's load (``uptime``) and CPU seconds
 say how far a busy machine inflated the wall time.
+
+Then issue 21's table (``--views N``, default 10^6; ``--only-views`` for it alone, ``--no-stats``
+to leave ``inspect --stats`` out): the N-view file in torch.save's own opcodes and pickled
+without a memo (``Pickler.fast``, as other writers do), each opened and inspected (table, TSV,
+JSON, ``--stats``) in a fresh process; goals: open ≤ 10 s, inspect ≤ 30 s, ``--stats`` ≤ 45 s,
+each ≤ 1 GiB, whatever the form.
 """
 
 from __future__ import annotations
@@ -150,6 +156,56 @@ def probe(path: Path) -> dict:
     return json.loads(out.stdout)
 
 
+def command(args: list[str]) -> dict:
+    """Wall seconds, CPU seconds and peak RSS (MiB, from ``/usr/bin/time``: the child's own) of one
+    ``statekit`` command in a fresh process, its output thrown away."""
+    import resource
+    import shutil
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    cmd = [sys.executable, "-m", "statekit", *args]
+    timer = shutil.which("time") or "/usr/bin/time"
+    with tempfile.NamedTemporaryFile("w+") as report:
+        wrapped = [timer, "-f", "%M", "-o", report.name, *cmd] if os.path.exists(timer) else cmd
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        done = subprocess.run(wrapped, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        seconds = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        peak = [ln for ln in report.read().split() if ln.isdigit()]
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    outcome = "ok" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-60:]}"
+    return {"seconds": seconds, "cpu": cpu, "rss": int(peak[-1]) >> 10 if peak else after.ru_maxrss >> 10,
+            "outcome": outcome}
+
+
+#: issue 21's goals for the 10^6-view file whatever its opcodes: (seconds, MiB)
+VIEW_GOALS = {"open": (10, 1024), "inspect": (30, 1024), "inspect --format tsv": (30, 1024),
+              "inspect --json": (30, 1024), "inspect --stats": (45, 1024)}
+
+
+def views_table(tmp: Path, n: int, stats: bool) -> None:
+    """The n-view file in torch.save's own form and without a memo (another writer's opcodes):
+    open, inspect (table, TSV, JSON) and inspect --stats, each against issue 21's goals."""
+    print(f"\n{n:,} views of one storage: torch.save's opcodes against the same pickled without a memo "
+          "(protocol 2, Pickler.fast)")
+    print(f"{'form':<12}{'command':<24}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'x goal s':>10}{'x 1 GiB':>9}"
+          "  outcome")
+    for form, memo in (("torch.save", True), ("no memo", False)):
+        path = tmp / f"views-{form.replace(' ', '')}.pt"
+        shared_storage_pt(path, n, memo)
+        rows = [("open", None)] + [(f"inspect{s}", ["inspect", str(path), *s.split()])
+                                   for s in ("", " --format tsv", " --json")]
+        if stats:
+            rows.append(("inspect --stats", ["inspect", str(path), "--stats"]))
+        for label, args in rows:
+            r = probe(path) if args is None else command(args)
+            goal_s, goal_mib = VIEW_GOALS[label.strip()]
+            print(f"{form:<12}{label:<24}{r['seconds']:>9.2f}{r['cpu']:>8.2f}{r['rss']:>10}"
+                  f"{r['seconds'] / goal_s:>10.2f}{r['rss'] / goal_mib:>9.2f}  {r['outcome']}")
+        path.unlink()
+
+
 def rename_seconds(n: int) -> float:
     sys.path.insert(0, str(ROOT))
     from statekit.ops.rules import NORM_PRESET, RenameRule, rename
@@ -163,8 +219,21 @@ def rename_seconds(n: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-tensors", type=int, default=1_000_000)
+    parser.add_argument("--views", type=int, default=1_000_000,
+                        help="views of the open/inspect table, both pickle forms (0: skip it)")
+    parser.add_argument("--no-stats", action="store_true", help="leave inspect --stats out of that table")
+    parser.add_argument("--only-views", action="store_true", help="that table alone")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import optional
+
+    print(optional.line())
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs at start")
+    if args.only_views:
+        with tempfile.TemporaryDirectory() as tmp:
+            views_table(Path(tmp), args.views, not args.no_stats)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cases: list[tuple[str, Path]] = [("baseline: small valid .bpk", ROOT / "fixtures" / "hand-optim.bpk")]
@@ -204,6 +273,8 @@ def main() -> None:
             previous = r["seconds"]
             path.unlink()
             n *= 10
+        if args.views:
+            views_table(tmp, args.views, not args.no_stats)
 
     print(f"\n{'norm-preset rename of a path of':<44}{'seconds':>9}{'x 8k':>10}")
     first = None

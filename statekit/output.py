@@ -53,17 +53,41 @@ def dumps(obj: object) -> str:
     0.2 s of a 10,000-parameter ``inspect --json``). This walks the value once, appending pieces,
     with C's string quoting; a value it does not know goes back to json itself.
     """
+    return "".join(dump_chunks(obj))
+
+
+class _Pieces(list):
+    """The pieces :func:`_dump` appends; every :data:`PIECES` of them joined into one chunk, so
+    that a description of 10^6 parameters is held as its text, not as 2·10^7 small strings."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks: list[str] = []
+
+    def fold(self) -> None:
+        self.chunks.append("".join(self))
+        self.clear()
+
+
+PIECES = 1 << 16
+
+
+def dump_chunks(obj: object) -> list[str]:
+    """:func:`dumps`'s text in chunks (written one after the other, never joined: see ``Output.json``)."""
     global _quote
     if _quote is None:
         from json.encoder import encode_basestring_ascii as _quote  # json.dumps's own (ensure_ascii), in C
-    out: list[str] = []
+    out = _Pieces()
     try:
         _dump(obj, out, "\n")
     except _Unusual:
         import json
 
-        return json.dumps(_jsonable(obj), indent=2, allow_nan=False)
-    return "".join(out)
+        return [json.dumps(_jsonable(obj), indent=2, allow_nan=False)]
+    out.fold()
+    return out.chunks
 
 
 _quote = None  # json's string quoting, imported by the first dumps()
@@ -106,6 +130,8 @@ def _dump(value: object, out: list[str], newline: str) -> None:
             out.append(sep)
             _dump(item, out, inner)
             sep = "," + inner
+            if len(out) > PIECES:
+                out.fold()
         out.append(newline + "]")
     elif hasattr(value, "item") and not isinstance(value, dict | list | tuple | str):  # numpy scalars
         _dump(value.item(), out, newline)
@@ -199,13 +225,22 @@ class Output:
         if self.format == "json":
             self.json(result.to_json() if hasattr(result, "to_json") else result)
         elif self.format == "tsv":
-            sys.stdout.write("".join(line + "\n" for line in render.tsv_lines(kind, result)))
+            batch: list[str] = []  # written a few thousand lines at a time: never the whole text
+            for line in render.tsv_lines(kind, result):
+                batch.append(line)
+                if len(batch) >= 4096:
+                    sys.stdout.write("\n".join(batch) + "\n")
+                    batch.clear()
+            if batch:
+                sys.stdout.write("\n".join(batch) + "\n")
         else:
             for item in render.table(kind, result, **options):
                 self.print(item)
 
     def json(self, obj: object) -> None:
-        sys.stdout.write(dumps(obj) + "\n")
+        for chunk in dump_chunks(obj):
+            sys.stdout.write(chunk)
+        sys.stdout.write("\n")
 
     def print(self, *objects: object) -> None:
         """Tables fit the width; lines of text are never wrapped (scripts grep them)."""

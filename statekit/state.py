@@ -99,6 +99,7 @@ class ParamState:
     group: int = 0
     declared_shape: tuple[int, ...] | None = None
     family: str | None = None
+    encoding: dict[str, object] = field(default_factory=dict)  # slot → how a library stores it (bitsandbytes)
     module: str | None = None  # the owning module's class, from the model's definition (torch sources)
     layout: str | None = None  # what that class makes of the tensor (statekit.frameworks.hf_model: out_in, in_out, …)
     # every family this parameter's state could be (burn: SGD-momentum's fields are also Muon's for a
@@ -213,6 +214,7 @@ class OptimizerState:
     family_detail: str | None = None  # why the family is unknown: "unknown (fields …, group keys …)"; or, with a
     # family, its name for people (a third-party optimizer's: "transformers Adafactor (…)")
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
+    library: str | None = None  # the optimizer library that wrote a torch file's state ("bitsandbytes")
     unnamed_why: str | None = None  # why they could not be named (one line: what to install or give)
     torch_names_in_file: bool | None = None  # a torch state's param_names were in its file (False: solved)
     training_args: dict | None = None  # HF TrainingArguments' optimizer settings (statekit.frameworks.hf_args)

@@ -171,7 +171,8 @@ def test_derived_tables():
     assert registry.from_extension("x.anything", "candle") == "candle"
     assert registry.framework_of("burn-legacy") == "burn"
     assert registry.framework_of("safetensors") == "neutral"
-    assert set(registry.writable()) == {"burnpack", "torch", "safetensors", "candle", "dcp", "deepspeed-universal"}
+    assert set(registry.writable()) == {"burnpack", "torch", "safetensors", "candle", "dcp", "deepspeed-universal",
+                                        "bnb", "bnb-flat", "bnb-2048"}
     assert registry.extension_of_framework("torch") == ".pt"
 
 

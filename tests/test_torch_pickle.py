@@ -632,10 +632,12 @@ def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> tuple[obje
             return type(exc)
 
     calls = []
-    real = torch_pickle._Unpickler.tensor_call
-    monkeypatch.setattr(torch_pickle._Unpickler, "tensor_call", lambda *a: calls.append(1) or real(*a))
+    for name in ("tensor_call", "inline_call"):
+        real = getattr(torch_pickle._Unpickler, name)
+        monkeypatch.setattr(torch_pickle._Unpickler, name, lambda *a, real=real: calls.append(1) or real(*a))
     fast = outcome()
     monkeypatch.setattr(torch_pickle.interpreter, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
+    monkeypatch.setattr(torch_pickle.interpreter, "_INLINE_CALL", re.compile(rb"(?!)"))
     return fast, outcome(), len(calls)
 
 
@@ -667,6 +669,59 @@ def test_tensor_call_fast_path_agrees_on_damaged_pickles(monkeypatch):
     pkl, storages = torch_saved({f"v{i}": t for i, t in enumerate(views_and_state()["views"].values())}
                                 | {"many": views_and_state()["many"]})
     rng = random.Random(14)
+    for _ in range(150):
+        damaged = bytearray(pkl)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(len(pkl) // 2, len(pkl))] = rng.choice([rng.randrange(256), *damaged[:40]])
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(bytes(damaged), storages, patch)
+        assert fast == slow
+
+
+def torch_saved_without_memo(obj: object) -> tuple[bytes, dict[str, bytes]]:
+    """data.pkl and the storages of real torch.save for ``obj`` with a pickler that keeps no memo
+    (``Pickler.fast``: every global, string and OrderedDict() written out each time), as other
+    writers and older versions do: torch's own reducers and persistent ids, another opcode sequence."""
+    import io
+    import types
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+
+    class Fast(pickle.Pickler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fast = True
+
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_module=types.SimpleNamespace(Pickler=Fast, __name__="fast_pickle"))
+    with zipfile.ZipFile(buf) as zf:
+        names = {n.split("/", 1)[1]: n for n in zf.namelist()}
+        storages = {k[5:]: zf.read(n) for k, n in names.items() if k.startswith("data/")}
+        return zf.read(names["data.pkl"]), storages
+
+
+def test_inline_fast_path_reads_a_pickle_without_memo_as_the_opcode_loop_does(monkeypatch):
+    obj = views_and_state()
+    pkl, storages = torch_saved_without_memo(obj)
+    import pickletools
+
+    assert not {op.name for op, _, _ in pickletools.genops(pkl)} & {"BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET"}
+    fast, slow, calls = load_both(pkl, storages, monkeypatch)
+    assert fast == slow
+    assert calls > 300
+    canonical, _ = torch_saved(obj)
+    monkeypatch.undo()
+    same, _, _ = load_both(canonical, torch_saved(obj)[1], monkeypatch)
+    assert same == fast  # the same tensors, names and values as torch.save's own form
+
+
+def test_inline_fast_path_agrees_on_damaged_pickles(monkeypatch):
+    import random
+
+    pkl, storages = torch_saved_without_memo({f"v{i}": t for i, t in enumerate(views_and_state()["views"].values())}
+                                             | {"many": views_and_state()["many"]})
+    rng = random.Random(21)
     for _ in range(150):
         damaged = bytearray(pkl)
         for _ in range(rng.randint(1, 3)):

@@ -82,6 +82,11 @@ FORMATS: tuple[Format, ...] = (
     Format("torch-folder", "torch", sniff="statekit.frameworks.wrappers:claims",
            open="statekit.frameworks.wrappers:open_checkpoint", directory=True,
            description="HF Trainer / Accelerate checkpoint folders"),
+    # bitsandbytes' own layouts of a torch .pt (read through the torch entry), written on request (--to):
+    # >= 0.49.2 (nested, blocks of 256: what bitsandbytes 0.50 writes), 0.44-0.49.1 (flat), <= 0.43 (blocks of 2048)
+    Format("bnb", "torch", write="statekit.frameworks.bnb:save_optimizer"),
+    Format("bnb-flat", "torch", write="statekit.frameworks.bnb:save_optimizer_flat"),
+    Format("bnb-2048", "torch", write="statekit.frameworks.bnb:save_optimizer_2048"),
     # candle AdamW state is a safetensors file: read through the safetensors entry, written on request.
     Format("candle", "candle", write="statekit.frameworks.candle:save_optimizer"),
 )

@@ -53,9 +53,10 @@ def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) ->
         ckpt.kind = "optimizer"
         ckpt.optimizer = torch_state.read_optimizer(sd, path)
         ckpt.optimizer.notes.extend(fqn_notes)
+        from statekit.frameworks.bnb import stored_tensors
         from statekit.state import nested_tensors
 
-        refs = [r for p in ckpt.optimizer.params for r in p.slots.values()]
+        refs = [r for p in ckpt.optimizer.params for r in (stored_tensors(p) if p.encoding else p.slots.values())]
         refs += [r for p in ckpt.optimizer.params for v in p.opaque.values() for r in nested_tensors(v)]
         ckpt.n_tensors = len(refs) + sum(1 for p in ckpt.optimizer.params if "__step_dtype" in p.extra
                                          and p.extra["__step_dtype"] != "python")

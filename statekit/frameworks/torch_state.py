@@ -15,7 +15,7 @@ from statekit import naming
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.torch_pickle import WrapperTensor
-from statekit.frameworks import torch_families, torch_thirdparty
+from statekit.frameworks import bnb, torch_families, torch_thirdparty
 from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -127,6 +127,8 @@ def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]
 def read_optimizer(sd: dict, path: str) -> OptimizerState:
     """Interpret a torch optimizer state_dict (no tensor data is read, except 0-dim steps)."""
     state_map = sd["state"]
+    if bnb.is_bnb(state_map):
+        return bnb.read_optimizer(sd, path, _step_value)
     notes: list[str] = []
     if any(isinstance(k, str) for k in state_map):
         notes.append("state is keyed by strings: torch ignores such entries on load and restarts from step 1")
@@ -178,16 +180,13 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         raw_groups.append(group)
         groups.append(ParamGroup(hyperparams=hp, keys=keys))
     verdict = torch_families.classify(raw_groups, per_group_fields)
-    global_slots, global_scalars = _lbfgs_global(params, path, notes) if verdict.family == "lbfgs" else ({}, {})
     foreign = None if verdict.family else torch_thirdparty.identify(sd, path)
     for p in params:
         p.family = verdict.family
     if verdict.family and verdict.family not in BURN_FAMILIES:
         notes.append(f"burn has no {torch_families.class_name(verdict.family).split('.')[-1]} optimizer: "
                      "this state can move to other torch files, not to burn")
-    extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
-    if extra_ids:
-        notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
+    _note_extra_ids(state_map, seen, notes)
     state = OptimizerState(
         family=verdict.family,
         candidates=(verdict.family,) if verdict.family else verdict.candidates,
@@ -197,13 +196,19 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         framework="torch",
         notes=notes,
         family_detail=None if verdict.family else verdict.label,
-        global_slots=global_slots,
-        global_scalars=global_scalars,
         torch_names_in_file=bool(params) and all(p.path for p in params),
     )
+    if verdict.family == "lbfgs":  # one global state, filed under the first parameter
+        state.global_slots, state.global_scalars = _lbfgs_global(params, path, notes)
     if foreign is not None:  # an optimizer from outside torch.optim (transformers, torchao, …)
         torch_thirdparty.settle(foreign, state, sd, path)
     return state
+
+
+def _note_extra_ids(state_map: dict, seen: set, notes: list[str]) -> None:
+    extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
+    if extra_ids:
+        notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
 
 
 LBFGS_LISTS = ("old_dirs", "old_stps", "ro")  # lists of tensors (y, s, 1/(y·s)); "al" is scratch

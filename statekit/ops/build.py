@@ -13,6 +13,7 @@ import re
 from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
+from statekit.frameworks import bnb
 from statekit.ops import crossing as cross
 from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
@@ -121,6 +122,38 @@ def _derived(family: str) -> frozenset[str]:
     return naming.derived_slots(family)
 
 
+BNB_FORMATS = ("bnb", "bnb-flat", "bnb-2048")
+
+
+def _check_library(state: OptimizerState, family: str, dst_fw: str, target_format: str) -> None:
+    """A bitsandbytes state moves only to an optimizer that continues it: refused by name otherwise."""
+    if state.library != bnb.LIBRARY or target_format in BNB_FORMATS or dst_fw not in naming.FRAMEWORKS:
+        return
+    try:
+        naming.layout(dst_fw, family)
+    except KeyError:
+        raise MappingError(f"bitsandbytes {family} state: {dst_fw} has no {family} optimizer to continue it"
+                           + (" (burn's Lion does: convert to .bpk)" if family == "lion" and dst_fw == "torch" else ""),
+                           ) from None
+
+
+def _library_notes(state: OptimizerState, family: str, target_format: str, plan: Plan) -> None:
+    """What a bitsandbytes side of the conversion does to the values, said in the plan."""
+    eight = sorted({enc.block for p in state.params for enc in p.encoding.values() if enc.bits == 8})
+    if state.library == bnb.LIBRARY and eight:
+        plan.warnings.append("bitsandbytes 8-bit moments (blocks of " + " and ".join(map(str, eight)) + ") become "
+                             "float32 exactly as bitsandbytes' dequantize_blockwise gives them (the file's own "
+                             "qmap and absmax)")
+    if target_format in BNB_FORMATS:
+        for h in plan.hyperparams:
+            bnb.bnb_group(family, h, target_format == "bnb-2048")  # refused now, before any byte is written
+        block = 2048 if target_format == "bnb-2048" else 256
+        plan.warnings.append(f"moments of parameters with at least {bnb.MIN_8BIT_SIZE} elements quantized to 8 bits "
+                             f"in blocks of {block} by bitsandbytes' CPU quantizer (quantize_blockwise on a CPU, as its "
+                             "8-bit optimizers do there; its pure-torch quantizer differs on a few codes); smaller "
+                             "ones, and those the source keeps in 32 bits, stay float32")
+
+
 def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
                opts: Options, operation: str = "convert") -> Plan:
     """The plan for moving ``state`` to ``target``: every name, identity, layout and
@@ -130,6 +163,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
     family = _family(state, opts, crossing, dst_fw)
+    _check_library(state, family, dst_fw, target_format)
     plan = Plan(operation, source, source_format, target, target_format, family)
     plan.names_from = state.names_from
     plan.step_policy, plan.allow_nonfinite = opts.step_policy, opts.allow_nonfinite
@@ -146,6 +180,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         raise MappingError("; ".join(problems), source)
     plan.params = actions
     _hyperparams(state, family, src_fw, dst_fw, opts, plan)
+    _library_notes(state, family, target_format, plan)
     _training_args(state, plan, dst_fw)
     flips = [a for a in actions if any(n.endswith("(module class)") for n in a.notes)]
     if flips:
@@ -477,6 +512,8 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         if not any("momentum_buffer" in p.slots for p in state.params):
             given.setdefault("momentum", 0.0)
     groups = [type(g)(hyperparams=hyper.neutral(g.hyperparams), keys=g.keys) for g in state.groups or []]
+    if state.library == bnb.LIBRARY:  # bitsandbytes packs hyperparameters its own way: in torch's words
+        groups = [type(g)(hyperparams=bnb.torch_hyperparams(family, g.hyperparams), keys=g.keys) for g in groups]
     if src_fw == "burn" and len(groups) > 1:  # groups statekit kept in a burn file's metadata
         plan.hyperparams = []
         for g in groups:

@@ -106,7 +106,8 @@ def _check_param(p: ParamState, findings: list[dict]) -> None:
         findings.append(_finding("warning", "layout", label, f"unrecognised state fields: {names}"))
     if p.opaque:
         findings.append(_finding("error", "opaque", label, f"state not understood, not checked: {p.opaque_text()}"))
-    fields = {**p.slots, **{k: v for k, v in p.extra.items() if isinstance(v, TensorRef)}}
+    fields = {_field_label(p, slot): ref for slot, ref in p.slots.items()}
+    fields.update({k: v for k, v in p.extra.items() if isinstance(v, TensorRef)})
     bad, zeros = [], []
     for name, ref in fields.items():
         facts = scan(ref)
@@ -120,6 +121,16 @@ def _check_param(p: ParamState, findings: list[dict]) -> None:
     if zeros and p.step is not None and p.step > 1:
         findings.append(_finding("warning", "zero-moments", label,
                                  f"{', '.join(zeros)} all zero at step {p.step:g}"))
+
+
+def _field_label(p: ParamState, slot: str) -> str:
+    """A slot as findings name it; one a library quantizes says where its values come from."""
+    enc = p.encoding.get(slot)
+    if enc is None:
+        return slot
+    if enc.bits == 8:
+        return f"{slot} ({enc.field}{'' if enc.part is None else f'[{enc.part}]'} dequantized with absmax{enc.field[-1]})"
+    return f"{slot} ({enc.field})"
 
 
 def _check_steps(params: list[ParamState], findings: list[dict]) -> None:

@@ -140,7 +140,8 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     extra = {k: v for k, v in p.extra.items() if k == "__step_kind"} if target_fw == "burn" else {}
     return ParamState(key=key, id=dst_id, index=a.dst_index, path=a.dst_path,
                       rank=len(shape) if shape is not None else p.rank, step=step, slots=slots, extra=extra,
-                      group=a.group, family=family)
+                      group=a.group, family=family,
+                      encoding={k: v for k, v in p.encoding.items() if k in slots})
 
 
 def write(plan: Plan, state: OptimizerState, path: str, progress=None, on_warning=None) -> int:

@@ -105,6 +105,10 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
     native = _native(state, p)
     fields: dict[str, dict] = {}
     for slot, ref in p.slots.items():
+        enc = p.encoding.get(slot)
+        if enc is not None:  # a library's own storage (bitsandbytes): the field as stored, and its meaning
+            _encoded_fields(fields, slot, ref, enc, stats, stats_of)
+            continue
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
         if type(ref.info) is dict and "stored_as" in ref.info:  # a value decoded from another form (torchao codes)
             item["stored_as"] = ref.info["stored_as"]
@@ -138,6 +142,32 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
     if state.framework == "burn":
         out.pop("index")
     return out
+
+
+MEANING = {"exp_avg": "first moment (m)", "exp_avg_sq": "second moment (v)",
+           "exp_avg_slow": "AdEMAMix's slow first moment (m2)", "momentum_buffer": "momentum buffer",
+           "square_avg": "running average of squared gradients", "sum": "sum of squared gradients"}
+
+
+def _encoded_fields(fields: dict, slot: str, ref: TensorRef, enc, stats: bool, stats_of) -> None:
+    """A slot a library stores its own way (``enc``: :class:`statekit.frameworks.bnb.Encoded`):
+    the stored field (codes or float32 state) with its meaning, and the stored map and scales;
+    ``stats`` are of the values the slot holds (dequantized)."""
+    name = enc.field if enc.part is None else f"{enc.field}[{enc.part}]"
+    item = {"shape": list(enc.codes.shape) if enc.part is None else list(ref.shape), "dtype": enc.codes.dtype,
+            "slot": slot, "meaning": MEANING.get(slot, slot), "encoding": enc.describe()}
+    if stats:
+        item["stats"] = stats_of(ref)
+    fields[name] = item
+    if enc.bits == 8:
+        n = enc.field[-1]
+        for key, ref2, role in ((f"qmap{n}", enc.qmap, f"quantization map of {enc.field}"),
+                                (f"absmax{n}", enc.absmax, f"block scales of {enc.field}")):
+            if key not in fields:
+                extra = {"shape": list(ref2.shape), "dtype": ref2.dtype, "role": role}
+                if stats and key.startswith("absmax"):
+                    extra["stats"] = stats_of(ref2)
+                fields[key] = extra
 
 
 def _opaque_field(value: object, depth: int = 0) -> dict:
@@ -195,6 +225,19 @@ def select(ckpt: Checkpoint, only: list[str] | None) -> set[int] | None:
     return chosen
 
 
+def _stat_order(p: ParamState) -> list[TensorRef]:
+    """The tensors :func:`describe_param` asks statistics of for ``p``'s slots, in its order
+    (an encoded slot's values, then its stored scales once)."""
+    out, seen = [], set()
+    for slot, ref in p.slots.items():
+        out.append(ref)
+        enc = p.encoding.get(slot)
+        if enc is not None and enc.bits == 8 and f"absmax{enc.field[-1]}" not in seen:
+            seen.add(f"absmax{enc.field[-1]}")
+            out.append(enc.absmax)
+    return out
+
+
 def _prefetched_stats(ckpt: Checkpoint, chosen) -> Callable[[TensorRef], dict]:
     """``tensor_stats`` of every tensor inspect will ask for, computed ``--jobs`` at a time in
     the order asked (each holds one block)."""
@@ -202,7 +245,7 @@ def _prefetched_stats(ckpt: Checkpoint, chosen) -> Callable[[TensorRef], dict]:
     if ckpt.optimizer is not None:
         for i, p in enumerate(ckpt.optimizer.params):
             if chosen is None or i in chosen:
-                refs += list(p.slots.values()) + [v for v in p.extra.values() if isinstance(v, TensorRef)]
+                refs += _stat_order(p) + [v for v in p.extra.values() if isinstance(v, TensorRef)]
     elif ckpt.model is not None:
         refs = [m.tensor for i, m in enumerate(ckpt.model.params)
                 if (chosen is None or i in chosen) and m.tensor is not None]
@@ -238,6 +281,8 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
     stats_of = _prefetched_stats(ckpt, chosen) if stats else tensor_stats
     if state is not None:
         out["family"] = state.family or state.family_label  # a name, or "unknown (…)": never blank
+        if state.library:
+            out["library"] = state.library
         unread = opaque_warning(state)
         if unread:
             out["warnings"].append(unread)

@@ -33,10 +33,17 @@ def table(kind: str, result, **options) -> list:
     return _function(kind, 0)(result, **options)
 
 
-def tsv_lines(kind: str, result) -> list[str]:
+def tsv_lines(kind: str, result):
     """One header line and one line per row, tab-separated (tabs and newlines in cells become spaces)."""
     header, rows = _function(kind, 1)(result)
-    return ["\t".join(_cell(c) for c in row) for row in [header, *rows]]
+    return _lines(header, rows)
+
+
+def _lines(header, rows):
+    """(a generator: rows may be one, made as they are written)"""
+    yield "\t".join(_cell(c) for c in header)
+    for row in rows:
+        yield "\t".join(_cell(c) for c in row)
 
 
 def _cell(value: object) -> str:

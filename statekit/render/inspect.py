@@ -15,6 +15,10 @@ FIELDS_MIN = 24  # the fields column wraps, but not narrower than this
 
 
 def summary_line(d: dict) -> str:
+    return " · ".join(summary_items(d))
+
+
+def summary_items(d: dict) -> list[str]:
     version = f" v{d['version']}" if d.get("version") is not None else ""
     kind = d["kind"]
     if d.get("family") and d["family"].startswith("unknown"):
@@ -25,12 +29,58 @@ def summary_line(d: dict) -> str:
         fam = "/".join(d["family_candidates"]) if len(d.get("family_candidates", [])) > 1 else d["family"]
         if fam == "mixed" and any(g.get("family") for g in d.get("groups", [])):
             fam = "mixed: " + " + ".join(_family_label(g) for g in d["groups"])
-        kind = f"{kind} ({fam})"
+        kind = f"{kind} ({d['library'] + ' ' if d.get('library') else ''}{fam})"
     size = human_bytes(d["bytes"])
     if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
         size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
-    return " · ".join([f"{d['format']}{version}", kind, f"{len(d['params'])} params",
-                       f"{d['tensors']} tensors, {d['scalars']} scalars", size])
+    return [f"{d['format']}{version}", kind, f"{len(d['params'])} params", f"{d['tensors']} tensors, {d['scalars']} scalars",
+            size]
+
+
+def wrapped(head: str, items: list[str], sep: str, width: int | None, style: str = "",
+            head_style: str = "") -> list[Line]:
+    """``head`` then ``items`` joined by ``sep``: one line when it fits ``width`` (or no width is
+    known), else as many as it takes, none wider than ``width``: a line ends after a separator
+    (``sep`` without its spaces), the next starts two spaces in; a word wider than a line is cut
+    into pieces that fit."""
+    whole = head + sep.join(items)
+    if width is None or len(whole) <= width:
+        return [Line(((head, head_style), (sep.join(items), style))) if head else Line.of(whole, style)]
+    indent = "  "
+    room = max(1, width - len(indent) - len(sep.rstrip()))
+
+    def cut(text: str) -> list[str]:
+        return [text[i : i + room] for i in range(0, max(len(text), 1), room)]
+
+    # (glue before it when on the same line, text, style)
+    tokens = [("", piece, head_style) for piece in cut(head.rstrip())] if head.strip() else []
+    for k, item in enumerate(items):
+        glue = sep if k else (head[len(head.rstrip()):] if tokens else "")
+        tokens += [(glue if i == 0 else "", piece, style) for i, piece in enumerate(cut(item))]
+    lines: list[Line] = []
+    parts: list[tuple[str, str]] = []
+    used = 0
+    for n, (glue, text, token_style) in enumerate(tokens):
+        last = n == len(tokens) - 1
+        tail = "" if last else tokens[n + 1][0].rstrip()  # what ends this line if the next token breaks
+        if parts and used + len(glue) + len(text) + len(tail) > width:
+            if glue.strip():
+                parts.append((glue.rstrip(), style))
+            lines.append(_line(parts))
+            parts, used, glue, text = [(indent, "")], len(indent), "", text.lstrip() or text
+        if glue:
+            parts.append((glue, style))
+        parts.append((text, token_style))
+        used += len(glue) + len(text)
+    lines.append(_line(parts))
+    return lines
+
+
+def _line(parts: list[tuple[str, str]]) -> Line:
+    """A Line of ``parts`` without trailing spaces (a word cut where the text had a space)."""
+    while len(parts) > 1 and not parts[-1][0].rstrip():
+        parts = parts[:-1]
+    return Line((*parts[:-1], (parts[-1][0].rstrip(), parts[-1][1])))
 
 
 def _family_label(item: dict) -> str:
@@ -76,6 +126,12 @@ def _cells(p: dict, optimizer: bool, family: bool = False) -> dict[str, str]:
 
 def _field_text(name: str, f: dict) -> str:
     """A field's name; one statekit does not understand also says what it is (a dict's keys)."""
+    if "encoding" in f:  # a library's own storage: what it holds, and how
+        enc = f["encoding"]
+        how = f"8-bit/{enc['block']}" if enc["bits"] == 8 else "32-bit"
+        return f"{name}={f['slot']} ({how})"
+    if "role" in f:
+        return name
     if f.get("understood", True):
         return name
     inner = f" {{{', '.join(f['keys'])}}}" if "keys" in f else f" ({f['type']})"
@@ -139,24 +195,29 @@ class PlainLines(str):
 
 
 def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
+    """The parameters grouped by module prefix. The cells are made twice (once for the column
+    widths, once for the rows) rather than kept: 10^6 rows of cells held at once took ~0.5 GB."""
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
+    names = _names(d)
     groups: dict[str, list[dict]] = {}
-    cells_of: dict[int, dict[str, str]] = {}
+    widths = {c: len(c) for c in names}
+    rows = 0
     for p in d["params"]:
         groups.setdefault(_prefix(p["path"]), []).append(p)
-        cells_of[id(p)] = _cells(p, optimizer, family)
-    names = _names(d)
-    rows = list(cells_of.values())
-    widths = _widths(rows, names)
-    cols = _columns(rows, names, width, widths)
-    if len(rows) > PLAIN_ROWS:
-        return _plain_table(groups, cells_of, cols, optimizer, widths)
+        cells = _cells(p, optimizer, family)
+        for c in names:
+            if len(cells[c]) > widths[c]:
+                widths[c] = len(cells[c])
+        rows += 1
+    cols = _columns([], names, width, widths)
+    if rows > PLAIN_ROWS:
+        return _plain_table(groups, cols, optimizer, widths, family)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
     for prefix, params in groups.items():
         for p in params:
-            cells = cells_of[id(p)]
+            cells = _cells(p, optimizer, family)
             table.add_row([cells[c] for c in cols])
         if len(params) > 1:
             elements, nbytes = _totals(params, optimizer)
@@ -166,8 +227,8 @@ def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
     return table
 
 
-def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, str]], cols: list[str],
-                 optimizer: bool, widths: dict[str, int]) -> PlainLines:
+def _plain_table(groups: dict[str, list[dict]], cols: list[str], optimizer: bool, widths: dict[str, int],
+                 family) -> PlainLines:
     """The table as aligned text: a header, a rule, the rows, a total line under each group."""
     right = {"rank", "step"}
     last = cols[-1]
@@ -183,7 +244,7 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
     out = [line({c: c for c in cols}), " ".join("-" * widths[c] for c in cols)]
     indent = sum(widths[c] + 1 for c in cols[:-1])
     for prefix, params in groups.items():
-        out += [line(cells_of[id(p)]) for p in params]
+        out += [line(_cells(p, optimizer, family)) for p in params]
         if len(params) > 1:
             elements, nbytes = _totals(params, optimizer)
             out.append(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
@@ -192,9 +253,9 @@ def _plain_table(groups: dict[str, list[dict]], cells_of: dict[int, dict[str, st
 
 def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
     """Renderables for ``statekit inspect``: summary, grouped table, notes."""
-    out: list = [Line(((f"{d['path']}: ", "bold"), (summary_line(d), "")))]
+    out: list = wrapped(f"{d['path']}: ", summary_items(d), " · ", width, head_style="bold")
     if d["kind"] == "optimizer" and str(d.get("family") or "").startswith("unknown"):
-        out.append(Line.of(f"family: {d['family']}", "yellow"))
+        out += wrapped("", f"family: {d['family']}".split(" "), " ", width, "yellow")
     if d["params"]:
         out.append(params_table(d, width))
     if stats:
@@ -212,17 +273,20 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
         out.append(table)
     for i, sched in enumerate(d.get("schedulers", [])):
         shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
-        out.append(Line.of(f"lr scheduler {i}: {shown}"))
+        out += wrapped(f"lr scheduler {i}: ", shown.split(", ") if shown else [], ", ", width)
     per_group = _per_row_family(d)
     for i, g in enumerate(d.get("groups", [])):
         fam = f"{_family_label(g)}, " if per_group and g.get("family") else ""
         if g["hyperparameters"]:
-            hp = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params")
-            out.append(Line.of(f"group ({g['params']} params): {fam}{hp}"))
+            hp = [f"{k}={v}" for k, v in g["hyperparameters"].items() if k != "params"]
+            out += wrapped(f"group ({g['params']} params): ", [fam + hp[0], *hp[1:]] if hp else [fam[:-2]], ", ",
+                           width)
         elif fam:
-            out.append(Line.of(f"group {i} ({g['params']} params): {fam[:-2]}"))
-    out += [Line.of(f"note: {n}", "cyan") for n in d.get("notes", [])]
-    out += [Line.of(f"warning: {w}", "yellow") for w in d.get("warnings", [])]
+            out += wrapped(f"group {i} ({g['params']} params): ", [fam[:-2]], ", ", width)
+    for n in d.get("notes", []):
+        out += wrapped("", f"note: {n}".split(" "), " ", width, "cyan")
+    for w in d.get("warnings", []):
+        out += wrapped("", f"warning: {w}".split(" "), " ", width, "yellow")
     return out
 
 
@@ -246,14 +310,8 @@ def global_view(g: dict) -> list:
     return out
 
 
-def stats_table(d: dict):
-    """A rich table (statistics read the tensors: rich's import is small beside that)."""
-    from rich.table import Table
-
-    table = Table(header_style="bold", title="field statistics")
-    for col in ("path", "field", "min", "max", "mean", "rms", "nan", "inf"):
-        table.add_column(col, justify="left" if col in ("path", "field") else "right")
-
+def _stats_rows(d: dict):
+    """(cells, has NaN/Inf) of each field with statistics, in table order."""
     def fmt(v) -> str:
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -263,9 +321,36 @@ def stats_table(d: dict):
             s = f.get("stats") or {}
             if not s:
                 continue
-            style = "red" if s.get("nan") or s.get("inf") else None
-            table.add_row(p["path"] or p["id"] or "-", name, *(fmt(s[k]) for k in ("min", "max", "mean", "rms")),
-                          str(s["nan"]), str(s["inf"]), style=style)
+            yield ([p["path"] or p["id"] or "-", name, *(fmt(s[k]) for k in ("min", "max", "mean", "rms")),
+                    str(s["nan"]), str(s["inf"])], bool(s.get("nan") or s.get("inf")))
+
+
+STATS_COLUMNS = ("path", "field", "min", "max", "mean", "rms", "nan", "inf")
+
+
+def stats_table(d: dict):
+    """A rich table (statistics read the tensors: rich's import is small beside that); above
+    :data:`PLAIN_ROWS` rows aligned text (rich took ~1 ms a row: 10^6 rows, a quarter of an hour)."""
+    widths = [len(c) for c in STATS_COLUMNS]
+    count = 0
+    for cells, _ in _stats_rows(d):
+        widths = [max(w, len(c)) for w, c in zip(widths, cells, strict=True)]
+        count += 1
+    if count > PLAIN_ROWS:
+        def line(cells: list[str]) -> str:
+            return " ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                            for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+        out = ["field statistics", line(list(STATS_COLUMNS)), " ".join("-" * w for w in widths)]
+        out += [line(cells) for cells, _ in _stats_rows(d)]
+        return PlainLines("\n".join(out) + "\n")
+    from rich.table import Table
+
+    table = Table(header_style="bold", title="field statistics")
+    for col in STATS_COLUMNS:
+        table.add_column(col, justify="left" if col in ("path", "field") else "right")
+    for cells, bad in _stats_rows(d):
+        table.add_row(*cells, style="red" if bad else None)
     return table
 
 
@@ -274,5 +359,5 @@ def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    rows = [list(_cells(p, optimizer, family).values()) for p in d["params"]]  # the cells come in ``names`` order
+    rows = (list(_cells(p, optimizer, family).values()) for p in d["params"])  # in ``names`` order, as written
     return [n.replace(" ", "_") for n in names], rows

@@ -491,4 +491,4 @@ def _render(result: dict) -> None:
     console = Console(file=io.StringIO(), width=100)
     for item in table("inspect", result, stats=True):
         console.print(item)
-    tsv_lines("inspect", result)
+    list(tsv_lines("inspect", result))

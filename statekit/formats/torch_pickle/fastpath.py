@@ -8,10 +8,16 @@ from __future__ import annotations
 import re
 import struct
 
-from statekit.formats.torch_pickle.allowlist import _ORDERED_DICT, _REBUILD_TENSOR_V2, _call, _Callable
+from statekit.formats.torch_pickle.allowlist import (
+    _ORDERED_DICT,
+    _REBUILD_TENSOR_V2,
+    _call,
+    _Callable,
+    find_global,
+)
 from statekit.formats.torch_pickle.geometry import _tensor
-from statekit.formats.torch_pickle.opcodes import _INTS, _TUPLE1, _int_op
-from statekit.formats.torch_pickle.structure import MAX_DEPTH
+from statekit.formats.torch_pickle.opcodes import _BININT1, _INTS, _TUPLE1, _int_op
+from statekit.formats.torch_pickle.structure import MAX_DEPTH, _is_container
 
 
 def _small_tuple(ints: bytes | None, op: bytes | None) -> tuple | bool:
@@ -19,6 +25,8 @@ def _small_tuple(ints: bytes | None, op: bytes | None) -> tuple | bool:
     nothing (EMPTY_TUPLE); False when the opcodes do not build what they seem to."""
     if ints is None:
         return ()
+    if len(ints) == 2 and ints[0] == _BININT1:  # (one dimension below 256: most of them)
+        return (ints[1],) if op[0] == _TUPLE1 else False
     values, i = [], 0
     while i < len(ints):
         width = _INTS[ints[i]]
@@ -42,10 +50,29 @@ def _tensor_call_pattern() -> re.Pattern:
     return re.compile(pattern, re.DOTALL)
 
 
+def _inline_call_pattern() -> re.Pattern:
+    """The same call as another writer pickles it without a memo (``Pickler.fast``, older
+    versions, other libraries): every global, string and ``OrderedDict()`` written out again, no
+    BINPUT; any argument may also come from the memo (BINGET/LONG_BINGET)."""
+    get = rb"(h.|j.{4})"
+    integer = rb"(K.|M.{2}|J.{4})"
+    ints = rb"((?:K.|M.{2}|J.{4}){1,3})"
+    small_tuple = rb"(?:" + get + rb"|" + ints + rb"([\x85-\x87])|\))"
+    pattern = (rb"\(\((?:X\x07\x00\x00\x00storage|" + get + rb")"
+               + rb"(?:c([A-Za-z0-9_.]{1,64})\n([A-Za-z0-9_]{1,64})\n|" + get + rb")"
+               + rb"(?:X([\x01-\x14])\x00\x00\x00([0-9]{1,20})|" + get + rb")"
+               + rb"(?:X([\x01-\x20])\x00\x00\x00([A-Za-z0-9:_]{1,32})|" + get + rb")"
+               + integer + rb"tQ" + integer + small_tuple + small_tuple + rb"([\x88\x89])"
+               + rb"(?:ccollections\nOrderedDict\n|" + get + rb")\)RtR")
+    return re.compile(pattern, re.DOTALL)
+
+
 _TENSOR_CALL = _tensor_call_pattern()
 _KEYED_CALL = re.compile(rb"(q.|r.{4})(h.|j.{4})" + _TENSOR_CALL.pattern, re.DOTALL)  # after a BINUNICODE
 _PUT_RUNS = {k: struct.Struct("<" + "xI" * k) for k in range(1, 9)}  # k LONG_BINPUTs -> their indices
+_INLINE_CALL = _inline_call_pattern()
 _TENSOR_CALL_OPS = 25  # opcodes one such call runs, counted toward MAX_STEPS (a few more or fewer)
+_INLINE_CALL_OPS = 21
 
 
 def keyed_call(u, groups: tuple, stack: list) -> bool:
@@ -120,4 +147,70 @@ def tensor_call(u, groups: tuple, stack: list, keyed: tuple | None = None) -> bo
         stack[-1] = _call(stack[-1], args)
     new += (backward_hooks, args, stack[-1])
     memo += new
+    return True
+
+
+def _get(memo, op: bytes) -> object:
+    """What a BINGET / LONG_BINGET (``op``, with its argument) pushes; IndexError/KeyError if none."""
+    return memo[int.from_bytes(op[1:], "little")]
+
+
+def cached_global(u, module: bytes, name: bytes) -> object:
+    """``find_global`` of a GLOBAL's two lines, remembered per pickle (the allow-list is fixed)."""
+    found = u.globals.get((module, name))
+    if found is None:
+        found = u.globals[(module, name)] = find_global(module.decode(), name.decode(), u.extra_globals)
+    return found
+
+
+def inline_call(u, groups: tuple, stack: list) -> bool:
+    """Run a whole call that :data:`_INLINE_CALL` matched (MARK to its REDUCE, no memo written) as
+    its ~21 opcodes would, with the same checks and in their order; False — nothing done — when
+    a memo entry it reads is not there or the opcodes do not build what they seem to (the loop
+    then runs them and says why)."""
+    (name_get, st_module, st_name, st_get, key_len, key, key_get, loc_len, location, loc_get, numel, offset,
+     size_get, size_ints, size_op, stride_get, stride_ints, stride_op, grad, od_get) = groups
+    if len(u.metastack) + 2 > MAX_DEPTH:
+        return False
+    if (key is not None and len(key) != key_len[0]) or (location is not None and len(location) != loc_len[0]):
+        return False
+    memo = u.memo
+    try:  # every memo read first: a missing entry leaves everything to the loop
+        size = _get(memo, size_get) if size_get else _small_tuple(size_ints, size_op)
+        stride = _get(memo, stride_get) if stride_get else _small_tuple(stride_ints, stride_op)
+        od_func = _get(memo, od_get) if od_get else None
+        reads = groups[:11]
+        inline = name_get is None and st_get is None and key_get is None and loc_get is None
+        if not (inline and u.last_inline[0] == reads):
+            storage_name = "storage" if name_get is None else _get(memo, name_get)
+            stype = _get(memo, st_get) if st_get is not None else None
+            key = key.decode() if key is not None else _get(memo, key_get)
+            location = location.decode() if location is not None else _get(memo, loc_get)
+    except (IndexError, KeyError):
+        return False
+    if size is False or stride is False:
+        return False
+    # from here on, exactly what the opcodes do
+    if inline and u.last_inline[0] == reads:
+        storage = u.last_inline[1]  # the same bytes as the previous call's id: the same storage
+    else:
+        if stype is None:
+            stype = cached_global(u, st_module, st_name)
+        pid = (storage_name, stype, key, location, _int_op(numel))
+        if any(map(_is_container, pid)):
+            pid = u.nest(pid, pid)
+        storage = u.persistent_load(pid)
+        u.last_inline = (reads, storage) if inline else ((), None)
+    if od_func is None:
+        od_func = cached_global(u, b"collections", b"OrderedDict")
+    backward_hooks = {} if od_func is _ORDERED_DICT else _call(od_func, ())
+    args = (storage, _int_op(offset), size, stride, grad == b"\x88", backward_hooks)
+    depths = u.depths
+    if not (type(size) is tuple and type(stride) is tuple and id(size) not in depths and id(stride) not in depths
+            and id(backward_hooks) not in depths):
+        u.nest(args, args)
+    if stack[-1] is _REBUILD_TENSOR_V2 and type(backward_hooks) is dict:  # what its stand-in does
+        stack[-1] = _tensor(storage, args[1], size, stride, None, args[4])
+    else:
+        stack[-1] = _call(stack[-1], args)
     return True

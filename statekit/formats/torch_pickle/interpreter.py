@@ -20,13 +20,21 @@ from statekit.formats.torch_pickle.allowlist import (
     find_global,
 )
 from statekit.formats.torch_pickle.dtype_table import statekit_dtype
-from statekit.formats.torch_pickle.fastpath import _KEYED_CALL, _TENSOR_CALL, _TENSOR_CALL_OPS
+from statekit.formats.torch_pickle.fastpath import (
+    _INLINE_CALL,
+    _INLINE_CALL_OPS,
+    _KEYED_CALL,
+    _TENSOR_CALL,
+    _TENSOR_CALL_OPS,
+    cached_global,
+)
 from statekit.formats.torch_pickle.geometry import Storage, StorageId
 from statekit.formats.torch_pickle.opcodes import (
     _BINGET,
     _BINPUT,
     _BINUNICODE,
     _F64,
+    _GLOBAL,
     _I32,
     _INLINE_CONSTANTS,
     _INT_FORMATS,
@@ -99,6 +107,8 @@ class _Unpickler:
         self.last_sid: StorageId | None = None
         self.overwrites = 0  # memo entries replaced so far (tensor_call reuses what it read only if none was)
         self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
+        self.last_inline: tuple = ((), None)  # inline_call: (the bytes of its storage id, the storage)
+        self.globals: dict[tuple[bytes, bytes], object] = {}  # GLOBAL lines looked up so far (cached_global)
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -197,8 +207,7 @@ class _Unpickler:
         handler(self)
 
     def load(self) -> object:
-        """The interpreter loop: torch.save's opcodes inline (checked like their ``_OPS`` handlers,
-        which run the rest), a tensor's whole ``_rebuild_tensor_v2`` call at once (:meth:`tensor_call`)."""
+        """The loop: common opcodes inline (checked as their ``_OPS`` handlers), tensor calls at once."""
         data, end, u32 = self.data, len(self.data), _U32.unpack_from
         pos, start, steps = self.pos, self.pos, self.steps
         stack, metastack, memo = self.stack, self.metastack, self.memo
@@ -226,9 +235,9 @@ class _Unpickler:
                 elif code == _MARK:
                     if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-                    fast = data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable
-                    if fast and (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
-                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS, self.memo
+                    if data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable \
+                            and (done := self.fast_call(data, pos, start, stack)):
+                        pos, steps, memo = done[0], steps + done[1], self.memo
                         continue
                     metastack.append(stack)
                     stack = []
@@ -265,6 +274,8 @@ class _Unpickler:
                         pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS + 3, self.memo
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
+                elif code == _GLOBAL and (after := self.global_at(data, pos, stack)) >= 0:
+                    pos = after
                 elif code == _STOP:
                     return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
                 else:
@@ -276,8 +287,30 @@ class _Unpickler:
         finally:
             self.pos, self.steps = pos, steps
 
+    def fast_call(self, data, pos: int, start: int, stack: list) -> tuple[int, int] | None:
+        """A whole tensor call from the MARK at ``start`` (the callable on top), run at once when
+        its opcodes are torch.save's (:meth:`tensor_call`) or another writer's without a memo
+        (:meth:`inline_call`): (the offset after it, opcodes it stands for), else None."""
+        if data[pos + 1 : pos + 2] != b"X":  # (a string: not torch.save's memo reads)
+            if (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
+                return match.end(), _TENSOR_CALL_OPS
+        if (match := _INLINE_CALL.match(data, start)) and self.inline_call(match.groups(), stack):
+            return match.end(), _INLINE_CALL_OPS
+        return None
+
+    def global_at(self, data, pos: int, stack: list) -> int:
+        """GLOBAL's two lines from ``pos`` looked up (once per pickle) and pushed: the offset after
+        them, or -1 when they do not end within reach (its handler then says why)."""
+        nl = data.find(b"\n", pos, pos + 1024)
+        nl2 = data.find(b"\n", nl + 1, nl + 1025) if nl >= 0 else -1
+        if nl2 < 0:
+            return -1
+        stack.append(cached_global(self, bytes(data[pos:nl]), bytes(data[nl + 1 : nl2])))
+        return nl2 + 1
+
     keyed_call = fastpath.keyed_call
     tensor_call = fastpath.tensor_call
+    inline_call = fastpath.inline_call
 
     def persistent_load(self, pid: object) -> Storage:
         """The storage a persistent id names (its parsing cached: 10^6 views of one storage

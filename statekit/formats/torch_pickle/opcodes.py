@@ -6,6 +6,7 @@ import pickle
 import struct
 
 _STOP = pickle.STOP[0]
+_GLOBAL = pickle.GLOBAL[0]
 _I32, _U16, _U32, _U64, _F64 = (struct.Struct(f) for f in ("<i", "<H", "<I", "<Q", ">d"))
 
 _PUTS = (pickle.BINPUT, pickle.LONG_BINPUT)
