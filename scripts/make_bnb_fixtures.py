@@ -3,7 +3,7 @@ dequantized moments and quantizer outputs as references.
 
     python3 -m venv --system-site-packages /work/venvs/bnb
     /work/venvs/bnb/bin/pip install 'torch==2.13.0' bitsandbytes==0.50.2
-    /work/venvs/bnb/bin/python scripts/make_bnb_fixtures.py
+    /work/venvs/bnb/bin/python scripts/make_bnb_fixtures.py [NAME ...]   # NAMEs: only those fixtures
 
 bitsandbytes >= 0.50 runs its 8-bit optimizers on CPU. The test suite does not need it: it reads
 the committed files. Four parameters (torch ids 0..3, names in ``names.txt``): ``w1`` 128×64
@@ -24,6 +24,8 @@ on seeded gradients, then its state is saved:
 * ``adamw8bit-b2048.pt`` — the layout of bitsandbytes <= 0.43 (flat, block size 2048, param group
   without ``alpha``/``t_alpha``/``t_beta3``): AdamW32bit's fp32 moments quantized by bitsandbytes'
   own ``quantize_blockwise(blocksize=2048)``.
+* ``lamb8bit.pt`` / ``lars8bit.pt`` — LAMB8bit and LARS8bit, whose ``unorm_vec`` statekit does not
+  model: they must read as unknown, not as Adam or SGD.
 * ``adamw8bit-nan.pt`` — ``adamw8bit.pt`` with one absmax of ``w1``'s first moment set to NaN.
 * ``torch-adamw.pt`` — ``torch.optim.AdamW`` on the same parameters and gradients.
 * ``<name>.ref.npz`` — the references: ``<id>.<slot>`` the fp32 moments as
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -156,19 +159,27 @@ def main() -> None:
         "rmsprop8bit": (bnb.optim.RMSprop8bit, dict(lr=1e-2), "rmsprop"),
         "adagrad8bit": (bnb.optim.Adagrad8bit, dict(lr=1e-2), "adagrad"),
         "sgd8bit": (bnb.optim.SGD8bit, dict(lr=1e-2, momentum=0.9), "momentum"),
+        # states statekit must not mistake for Adam or SGD: LAMB/LARS keep the update norm too
+        "lamb8bit": (bnb.optim.LAMB8bit, dict(lr=1e-2), None),
+        "lars8bit": (bnb.optim.LARS8bit, dict(lr=1e-2, momentum=0.9), None),
     }
+    only = set(sys.argv[1:])  # names given: write only those fixtures (the others stay byte for byte)
+    if only:
+        optimizers = {k: v for k, v in optimizers.items() if k in only}
     written = {}
     for name, (cls, kw, kind) in optimizers.items():
         opt = train(bnb_opt(cls, **kw), params())
         sd = opt.state_dict()
         if name.startswith("paged_"):
             sd = tag_paged(sd)
-        save(name, sd, references(sd, kind))
+        save(name, sd, references(sd, kind) if kind else None)
         written[name] = sd
         if name == "adamw8bit":
             flat = torch.optim.Optimizer.state_dict(opt)
             assert "state1" in flat["state"][0]
             save("adamw8bit-flat", flat)
+    if only:
+        return
     # a NaN planted in one absmax of w1's first moment
     nan = copy.deepcopy(written["adamw8bit"])
     nan["state"][0]["__bnb_optimizer_quant_state__"]["absmax1"][3] = float("nan")

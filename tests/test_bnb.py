@@ -16,7 +16,8 @@ from statekit.formats import torch_pt
 from statekit.optim import blockwise
 
 BNB = Path(__file__).resolve().parent.parent / "fixtures" / "bnb"
-STATES = sorted(p.name for p in BNB.glob("*.pt") if p.name != "torch-adamw.pt")
+UNREAD = ("lamb8bit.pt", "lars8bit.pt")  # LAMB/LARS keep an update norm statekit does not model
+STATES = sorted(p.name for p in BNB.glob("*.pt") if p.name != "torch-adamw.pt" and p.name not in UNREAD)
 NAMES = ["--names", str(BNB / "names.txt")]
 FAMILY = {"adamw8bit.pt": "adamw", "adamw8bit-flat.pt": "adamw", "adamw8bit-nan.pt": "adamw", "adam8bit.pt": "adamw",
           "adamw8bit-b2048.pt": "adamw", "paged_adamw8bit.pt": "adamw", "adamw32bit.pt": "adamw",
@@ -30,7 +31,17 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def test_the_fixture_set_is_there():
-    assert set(STATES) == set(FAMILY)
+    assert set(STATES) == set(FAMILY) and all((BNB / n).exists() for n in UNREAD)
+
+
+@pytest.mark.parametrize("name", UNREAD)
+def test_lamb_and_lars_read_as_unknown_naming_what_is_not_modelled(cli, tmp_path, name):
+    """Their state1/state2 look like Adam's and SGD's: taken for those, a resume would skip the trust ratio."""
+    d = json.loads(cli("inspect", f"fixtures/bnb/{name}", "--json").stdout)
+    assert d["family"].startswith("unknown (") and "unorm_vec" in d["family"]
+    assert "state1" in d["params"][0]["fields"] and d["tensors"] >= 8
+    r = cli("convert", f"fixtures/bnb/{name}", str(tmp_path / "x.pt"))
+    assert r.returncode != 0 and "unorm_vec" in r.stderr and not (tmp_path / "x.pt").exists()
 
 
 @pytest.mark.parametrize("name", STATES)
@@ -338,3 +349,35 @@ def test_bnb_lion_to_burn_lion_momentum_exact(cli, tmp_path):
             assert np.array_equal(bits(got), bits(want)), name
     d = json.loads(cli("inspect", str(bpk), "--json").stdout)
     assert d["family"] == "lion" and all(set(p["fields"]) == {"momentum"} for p in d["params"])
+
+
+def test_verify_resume_tracks_bnb_lion_to_burn_lion(cli, tmp_path):
+    bpk = tmp_path / "lion.bpk"
+    assert cli("convert", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--transpose", "w*",
+               "--no-transpose", "emb").returncode == 0
+    r = cli("verify-resume", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--flavor-original burn" in r.stderr
+    r = cli("verify-resume", "fixtures/bnb/lion8bit.pt", str(bpk), *NAMES, "--flavor-original", "burn", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["tracks"] and d["optimizer"] == "lion"
+    assert all(p["bit_exact"] for p in d["params"])
+
+
+def test_stats_are_of_the_dequantized_values(cli):
+    d = json.loads(cli("inspect", "fixtures/bnb/adamw8bit-nan.pt", "--stats", "--json").stdout)
+    w1 = d["params"][0]["fields"]
+    assert (w1["state1"]["stats"]["nan"], w1["absmax1"]["stats"]["nan"], w1["state2"]["stats"]["nan"]) == (256, 1, 0)
+    refs = np.load(BNB / "adamw8bit.ref.npz")
+    v = refs["0.exp_avg_sq"].astype(np.float64)
+    assert w1["state2"]["stats"]["max"] == float(v.max()) and w1["state2"]["stats"]["min"] == float(v.min())
+    assert w1["state2"]["stats"]["mean"] == pytest.approx(float(v.mean()), rel=1e-12)
+
+
+def test_verify_resume_tracks_bnb_to_burn(cli, tmp_path):
+    bpk = tmp_path / "optim.bpk"
+    layout = ["--transpose", "w*", "--no-transpose", "emb"]
+    assert cli("convert", "fixtures/bnb/adamw8bit.pt", str(bpk), *NAMES, *layout).returncode == 0
+    r = cli("verify-resume", "fixtures/bnb/adamw8bit.pt", str(bpk), *NAMES, "--optimizer", "adamw", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["tracks"], d["params"]
+    assert d["flavors"] == {"original": "torch", "migrated": "burn"}

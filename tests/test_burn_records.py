@@ -224,3 +224,39 @@ def test_burn_muon_and_adafactor_do_not_cross_to_torch_unchanged(cli, tmp_path):
     r = cli("convert", str(FIX / "adafactor.bpk"), str(tmp_path / "a.pt"), "--names", str(FIX.parent / "hand-names.txt"),
             "--transpose", "*.weight")
     assert r.returncode == 0 and "second_moment − ε₁" in r.stdout, r.stderr
+
+
+def test_verify_resume_of_the_muon_adamw_record_steps_each_group_in_its_optimizer(cli, tmp_path):
+    import numpy as np
+
+    copy = tmp_path / "copy.bpk"
+    copy.write_bytes((FIX / "muon-adamw.bpk").read_bytes())
+    r = cli("verify-resume", str(FIX / "muon-adamw.bpk"), str(copy), "--lr", "0.01", "--optimizer", "muon,adamw",
+            "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(r.stdout)
+    assert d["optimizer"] == "muon + adamw" and d["criterion"] == "bit-exact"
+    assert {p["path"]: p["optimizer"] for p in d["params"]} == {"l1.weight": "muon", "l2.weight": "muon",
+                                                                "l1.bias": "adamw", "l2.bias": "adamw"}
+    # the adamw part still open: said, not guessed
+    r = cli("verify-resume", str(FIX / "muon-adamw.bpk"), str(copy), "--lr", "0.01", "--optimizer", "muon")
+    assert r.returncode == 2 and "still open: adam/adamw" in r.stderr
+    # l1.bias's two moments swapped (same shape): caught
+    ckpt = open_checkpoint(str(FIX / "muon-adamw.bpk"))
+    pack = ckpt.container
+    tensors = []
+    for name in pack.data_order:
+        src = name
+        if name.endswith(".momentum.moment_1") and pack.metadata.get(name.split(".")[0]) == "l1.bias":
+            src = name.replace("moment_1", "moment_2")
+        elif name.endswith(".momentum.moment_2") and pack.metadata.get(name.split(".")[0]) == "l1.bias":
+            src = name.replace("moment_2", "moment_1")
+        e = pack.tensors[src]
+        tensors.append(PackTensor(name, TensorRef.from_array(np.ascontiguousarray(pack.tensor(src).numpy())),
+                                  param_id=e.param_id))
+    write_burnpack(str(tmp_path / "swapped.bpk"), tensors, dict(pack.metadata), dict(pack.scalars))
+    r = cli("verify-resume", str(FIX / "muon-adamw.bpk"), str(tmp_path / "swapped.bpk"), "--lr", "0.01",
+            "--optimizer", "muon,adamw", "--json")
+    assert r.returncode == 1
+    bad = {p["path"] for p in json.loads(r.stdout)["params"] if not p["tracks"]}
+    assert bad == {"l1.bias"}

@@ -31,12 +31,14 @@ from statekit.tensor import TensorRef
 class Foreign:
     """One optimizer from outside ``torch.optim``: statekit's family id, what people call it, and
     what a conversion does with it (``target``: the family whose update it continues as, per
-    target framework; ``refused``: why it is not converted)."""
+    target framework; ``refused``: why it is not converted; ``flavor``: the replay arithmetic that
+    is the library's own, where statekit has it)."""
 
     family: str
     name: str
     target: str | None = None
     refused: str = ""
+    flavor: str | None = None  # the replay flavor whose arithmetic is this optimizer's own (None: the target's)
 
 
 KNOWN: dict[str, Foreign] = {f.family: f for f in (
@@ -45,7 +47,8 @@ KNOWN: dict[str, Foreign] = {f.family: f for f in (
     Foreign("torchao-adam-4bit", "torchao AdamW4bit or Adam4bit (4-bit OptimState4bit moments)", "adam"),
     Foreign("torchao-adam-fp8", "torchao AdamWFp8 or AdamFp8 (float8 OptimStateFp8 moments)", "adam"),
     Foreign("torchao-adam", "torchao low-bit AdamW or Adam (no tensor large enough to be quantized)", "adam"),
-    Foreign("lion-pytorch", "lion-pytorch Lion (lion_pytorch.Lion)", "lion"),
+    # lion-pytorch's update is burn Lion's, operation for operation (tests: bit for bit on its own run)
+    Foreign("lion-pytorch", "lion-pytorch Lion (lion_pytorch.Lion)", "lion", flavor="burn"),
     Foreign("apex-fusedadam", "apex FusedAdam (apex.optimizers.FusedAdam; step kept in the param group)", "adam"),
     Foreign("deepspeed-fusedadam", "DeepSpeed FusedAdam (deepspeed.ops.adam.FusedAdam)", "adam"),
     Foreign("deepspeed-cpuadam", "DeepSpeed CPUAdam (deepspeed.ops.adam.DeepSpeedCPUAdam)", "adam"),
@@ -396,6 +399,9 @@ def _adafactor_problems(g: dict, i: int, target: str, has_first_moment: bool) ->
 
 
 def _as_adafactor(state: OptimizerState, foreign: Foreign, target: str):
+    if target != "torch":
+        raise MappingError(f"{foreign.name} state → {target}: not converted yet (statekit moves it to "
+                           "torch.optim.Adafactor only)")
     problems: list[str] = []
     has_first = {p.group for p in state.params if "exp_avg" in p.slots}
     out_groups = []

@@ -432,15 +432,17 @@ def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | N
 
     notes: list[str] = []
     sides = [original, migrated]
+    flavors: list[str | None] = [None, None]
     for i, ckpt in enumerate(sides):
         if torch_thirdparty.is_foreign(ckpt.optimizer):
+            flavors[i] = torch_thirdparty.KNOWN[ckpt.optimizer.family].flavor
             other = sides[1 - i].optimizer
             target = other.framework if other is not None and not torch_thirdparty.is_foreign(other) else "torch"
             want = optimizer or (other.family if other is not None and other.family in ("adam", "adamw") else None)
             state, said = torch_thirdparty.adapt(ckpt.optimizer, target, optimizer=want, path=ckpt.path)
             sides[i] = replace(ckpt, optimizer=state)
             notes += [f"{ckpt.path}: {n}" for n in said]
-    return sides[0], sides[1], notes
+    return sides[0], sides[1], notes, flavors
 
 
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
@@ -451,7 +453,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     compare; returns a JSON-able report. Pairs come from ``plan``, the migrated file's record of
     its sources, or equal paths (:mod:`statekit.ops.pairing`). A resized state is compared on
     the region both hold; its new elements must step like a zero state at the migrated step."""
-    original, migrated, adapted = _as_continued(original, migrated, optimizer)
+    original, migrated, adapted, (flavor_a, flavor_b) = _as_continued(original, migrated, optimizer)
     a_state, b_state = original.optimizer, migrated.optimizer
     if a_state is None:
         raise UsageError(f"{original.path}: holds no optimizer state")
@@ -459,9 +461,18 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         raise UsageError(f"{migrated.path}: holds no optimizer state")
     refuse_opaque(a_state, original.path, "verify a resume")
     refuse_opaque(b_state, migrated.path, "verify a resume")
+    if "mixed" in (a_state.family, b_state.family):
+        return _verify_mixed(original, migrated, a_state, b_state, steps=steps, seed=seed, optimizer=optimizer,
+                             given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,
+                             progress=progress, kernel=kernel, plan=plan, adapted=adapted)
     algorithm = pick_algorithm(b_state, a_state, given=optimizer)
-    flav_a = flavor_original or default_flavor(a_state, algorithm)
-    flav_b = flavor_migrated or default_flavor(b_state, algorithm)
+    flav_a = flavor_original or flavor_a or default_flavor(a_state, algorithm)
+    flav_b = flavor_migrated or flavor_b or default_flavor(b_state, algorithm)
+    known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()
+    for flav, side, flag in ((flav_a, original, "--flavor-original"), (flav_b, migrated, "--flavor-migrated")):
+        if known and flav not in known:  # e.g. a torch file's Lion (bitsandbytes, lion-pytorch): burn's arithmetic only
+            raise UsageError(f"{side.path}: statekit has no {flav} arithmetic for {algorithm} (it has "
+                             f"{', '.join(known)}); say which to run with {flag} {known[0]}")
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
@@ -503,6 +514,70 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
                if quantized else ""),
             "hyperparams": {"original": hp_a, "migrated": hp_b}, "steps": steps, "seed": seed,
             "tracks": ok, "params": rows}
+
+
+def _families(state: OptimizerState, optimizer: str | None, path: str) -> dict[str, str]:
+    """Each parameter's family (by path) in a record holding several (burn's optimizer groups),
+    ``--optimizer`` settling the parts whose state fits several families."""
+    if state.family == "mixed" and optimizer and state.ambiguous:
+        state.resolved(optimizer)
+    left = sorted({p.family_label for p in state.params if len(p.candidates) > 1})
+    if left:
+        raise UsageError(f"{path}: say which optimizer each part is with --optimizer (the state holds "
+                         f"{state.family_label}; still open: {', '.join(left)}), e.g. --optimizer muon,adamw")
+    unknown = [p.label() for p in state.params if p.family is None]
+    if unknown:
+        raise UsageError(f"{path}: parameters of an unrecognised layout: {', '.join(unknown[:3])}")
+    return {p.path or p.key: p.family or state.family for p in state.params}
+
+
+def _verify_mixed(original, migrated, a_state, b_state, *, steps, seed, optimizer, given, flavors, transpose,
+                  progress, kernel, plan, adapted) -> dict:
+    """verify-resume of records whose parameters hold different optimizers (a Muon run's Muon and
+    AdamW groups): each pair steps in its own family's arithmetic, the same on both sides."""
+    fam_a = _families(a_state, optimizer, original.path)
+    fam_b = _families(b_state, optimizer, migrated.path) if b_state.family == "mixed" else None
+    pairs, pair_notes = pair(original, migrated, transpose or [], plan)
+    lr = float(given.get("lr") or 1e-3)
+    sets: dict[str, dict] = {}
+    hps: dict[str, dict] = {}
+    rows, ok, exact_all = [], True, True
+    for index, pr in enumerate(pairs):
+        family = fam_a.get(pr.path)
+        other = fam_b.get(pr.migrated.path or pr.path) if fam_b is not None and pr.migrated is not None else (
+            b_state.family if fam_b is None else family)
+        if family is None or other != family:
+            raise UsageError(f"{pr.path}: {family or 'no state'} in {original.path}, {other} in {migrated.path}")
+        if family not in sets:
+            flav_a = flavors[0] or default_flavor(a_state, family)
+            flav_b = flavors[1] or default_flavor(b_state, family)
+            hp_a = registry_hp(family, flav_a, {"lr": lr}, given)
+            hp_b = registry_hp(family, flav_b, {"lr": lr}, given)
+            hps[family] = {"original": hp_a, "migrated": hp_b, "flavors": {"original": flav_a, "migrated": flav_b}}
+            sets[family] = {"original": Lane(family, flav_a, hp_a, {}, kernel=kernel),
+                            "migrated": Lane(family, flav_b, hp_b, {}, kernel=kernel),
+                            "cold": Lane(family, flav_b, hp_b, {}, kernel=kernel),
+                            "fresh": Lane(family, flav_b, hp_b, {}, kernel=kernel)}
+        flav = hps[family]["flavors"]
+        exact = flav["original"] == flav["migrated"] and registry.exactness(
+            flav["original"], algorithm=family) == registry.BIT_EXACT
+        exact_all &= exact
+        row = _verify_param(pr, index, sets[family], seed, steps, lr, exact,
+                            (lambda n: progress(steps / (n * len(pairs)))) if progress else None)
+        row["optimizer"] = family
+        ok &= row["tracks"]
+        rows.append(row)
+    names = " + ".join(sets)
+    return {"original": original.path, "migrated": migrated.path, "optimizer": names,
+            "notes": list(pair_notes) + adapted + [f"one optimizer per parameter group: {names}"],
+            "flavors": {side: "/".join(dict.fromkeys(h["flavors"][side] for h in hps.values()))
+                        for side in ("original", "migrated")},
+            "kernels": {side: "/".join(dict.fromkeys(s[side].chosen for s in sets.values()))
+                        for side in ("original", "migrated")},
+            "criterion": "bit-exact" if exact_all else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})",
+            "hyperparams": {"original": {f: h["original"] for f, h in hps.items()},
+                            "migrated": {f: h["migrated"] for f, h in hps.items()}},
+            "steps": steps, "seed": seed, "tracks": ok, "params": rows}
 
 
 def verify_resume_files(original: str, migrated: str, *, names: list[str] | None = None, model=None,
