@@ -7,6 +7,7 @@ needed here: the references (torchao's own dequantize(), transformers' continued
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -484,3 +485,24 @@ def test_transformers_adafactor_to_burn_is_refused_naming_it_not_as_torchs(cli, 
               names_file(tmp_path, SMALL_NAMES), "--transpose", "*.weight")
     assert res.returncode == 1 and "transformers Adafactor" in res.stderr and "torch.optim.Adafactor state" not in res.stderr
     assert not (tmp_path / "x.bpk").exists()
+
+
+@pytest.mark.parametrize("stem", ["torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8"])
+def test_torchao_inspect_counts_the_bytes_stored_not_the_dequantized_ones(stem, cli):
+    import zipfile
+
+    path = THIRD / f"{stem}.pt"
+    with zipfile.ZipFile(path) as z:  # the file's tensor storages (codes, scales, the shared qmap, steps)
+        stored = sum(i.file_size for i in z.infolist() if "/data/" in i.filename)
+    d = json.loads(cli("inspect", "--json", path).stdout)
+    # less the group's lr and each parameter's step (0-dim float32 tensors; steps are shown apart)
+    assert d["bytes"] == stored - 4 * (len(d["params"]) + 1) < d["file_bytes"]
+    # torchao quantizes the moments of a tensor of 4096 elements or more (here the 64×64 weight only)
+    big = [p for p in d["params"] if math.prod(p["shape"]) >= 4096]
+    assert [p["shape"] for p in big] == [[64, 64]]
+    assert all("stored_label" in f for p in big for f in p["fields"].values())
+    moments = 64 * 64 * 2  # exp_avg and exp_avg_sq, read as float32
+    assert d["dequantized_bytes"] == moments * 4
+    head = cli("inspect", path).stdout.split("┏")[0]
+    assert "dequantized" in head
+    assert "exp_avg (" in cli("inspect", path).stdout  # the table says the moment is stored quantized
