@@ -159,6 +159,10 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
             if entry is not None:
                 if not isinstance(entry, dict):
                     raise FormatError(f"state[{idx}] is not a dict", path)
+                odd = next((k for k in entry if not isinstance(k, str)), None)
+                if odd is not None:  # torch.optim names every state field by a string
+                    raise FormatError(f"state[{idx}] has a key that is not a string: {limits.short(odd)}; torch's "
+                                      f"optimizers name state fields by strings", path)
                 fields_here.append({str(k) for k in entry})
                 for name, value in entry.items():
                     if name == "step":
