@@ -164,7 +164,7 @@ _ONE_COMMAND = False
 _KEPT: list = []
 
 
-OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, rmsprop, adagrad); needed when the file cannot tell, e.g. burn's Adam vs AdamW.")]
+OptimizerOpt = Annotated[str | None, typer.Option("--optimizer", metavar="NAME", help="Optimizer family (adam, adamw, sgd, muon, rmsprop, adagrad, adafactor, …); needed when the file cannot tell: burn's Adam vs AdamW, SGD-with-momentum vs Muon.")]
 LrOpt = Annotated[float | None, typer.Option("--lr", metavar="LR", help="Learning rate for the target's param group.")]
 BetasOpt = Annotated[str | None, typer.Option("--betas", metavar="B1,B2", help="Adam betas as 'B1,B2'.")]
 EpsOpt = Annotated[float | None, typer.Option("--eps", metavar="EPS", help="Adam/RMSprop/Adagrad eps (burn's default 1e-5 is written when converting from burn).")]
@@ -173,6 +173,7 @@ AmsOpt = Annotated[bool | None, typer.Option("--amsgrad/--no-amsgrad", help="AMS
 MomOpt = Annotated[float | None, typer.Option("--momentum", metavar="M", help="SGD/RMSprop momentum.")]
 DampOpt = Annotated[float | None, typer.Option("--dampening", metavar="D", help="SGD dampening (burn's default is 0.1, torch's 0).")]
 NestOpt = Annotated[bool | None, typer.Option("--nesterov/--no-nesterov", help="SGD Nesterov momentum.")]
+HyperOpt = Annotated[list[str] | None, typer.Option("--hyper", metavar="KEY=VALUE", help="Any other hyperparameter of the family, e.g. burn Adafactor's relative_step=false or Muon's ns_steps=5 (burn files store none: say what the run used); repeatable.")]
 RenameOpt = Annotated[list[str] | None, typer.Option("--rename", metavar="REGEX=REPLACEMENT", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
 RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", metavar="FILE", help="File of rename rules, one per line.")]
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
@@ -213,6 +214,9 @@ def convert(
     shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,
+    also: Annotated[Path | None, typer.Option("--also", metavar="FILE", help="A second torch optimizer state over the same model (a Muon run's AdamW for the parameters that are not 2-D): its parameters join the burn output as further groups.")] = None,
+    also_key: Annotated[str | None, typer.Option("--also-key", metavar="KEY", help="Entry of the --also file (default: SRC) that holds the second state, e.g. adamw.")] = None,
+    also_out: Annotated[Path | None, typer.Option("--also-out", metavar="FILE", help="burn → torch for a record of two optimizers (Muon + AdamW): DST gets the family --optimizer names first (else the first group's), FILE the other, as its own state_dict.")] = None,
     optimizer: OptimizerOpt = None,
     lr: LrOpt = None,
     betas: BetasOpt = None,
@@ -222,6 +226,7 @@ def convert(
     momentum: MomOpt = None,
     dampening: DampOpt = None,
     nesterov: NestOpt = None,
+    hyper: HyperOpt = None,
     rename: RenameOpt = None,
     rules: RulesOpt = None,
     preset: PresetOpt = True,
@@ -252,6 +257,9 @@ def convert(
       statekit convert optim-10.bpk optim.pt --optimizer adamw --names names.txt --transpose '*.weight' --lr 3e-4
     PyTorch → burn (ids from the burn model, joined by path):
       statekit convert opt.pt optim.bpk --model model-10.bpk --transpose 'fc*.weight'
+    A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
+      statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
+      statekit convert optim.bpk muon.pt --also-out adamw.pt
     A torch state's positions are named by solving, never by assuming an order: each param group
     is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
     --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
@@ -270,11 +278,13 @@ def convert(
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
                         names_order=names_order, model=model, dtype=dtype, step_policy=step,
-                        allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code)
+                        allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
+                        settings=hyper)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
-                         share=resolve_share(shard))
+                         share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
+                         also_out=str(also_out) if also_out else None)
     _finish(result, out)
 
 

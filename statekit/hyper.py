@@ -50,6 +50,8 @@ TORCH_GROUPS: dict[str, dict[str, object]] = {
               "differentiable": False, "capturable": False},
     "muon": {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
              "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None},
+    "lbfgs": {"lr": 1, "max_iter": 20, "max_eval": 25, "tolerance_grad": 1e-7, "tolerance_change": 1e-9,
+              "history_size": 100, "line_search_fn": None},
 }
 EXECUTION_FLAGS = frozenset({"foreach", "capturable", "differentiable", "fused"})
 
@@ -78,6 +80,9 @@ BURN_CONFIGS: dict[str, dict[str, object]] = {
     # LambConfig (§1.3) and LionConfig (§1.4); torch has neither
     "lamb": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.0, "use_trust_ratio": True},
     "lion": {"lr": None, "betas": (0.9, 0.99), "weight_decay": 0.0},
+    # LBFGSConfig (§1.6): torch's defaults, max_eval None = max_iter * 5 / 4
+    "lbfgs": {"lr": None, "max_iter": 20, "max_eval": 25, "tolerance_grad": 1e-7, "tolerance_change": 1e-9,
+              "history_size": 100, "line_search_fn": None},
 }
 BURN_MOMENTUM: dict[str, object] = {"momentum": 0.9, "dampening": 0.1, "nesterov": False}
 BURN_FIXED: dict[str, frozenset[str]] = {
@@ -108,6 +113,7 @@ FIXED: dict[str, dict[str, frozenset[str]]] = {"torch": {}, "burn": BURN_FIXED, 
 
 # The hyperparameters the CLI and the Python API accept (--lr, lr=…), in one list.
 FLAGS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "momentum", "dampening", "nesterov")
+# --hyper KEY=VALUE sets any other key of the family's table (burn's relative_step, Muon's ns_steps …)
 
 
 def split_betas(values: dict[str, object]) -> dict[str, object]:
@@ -249,11 +255,15 @@ def _plain(value: object) -> object:
     return list(value) if isinstance(value, tuple) else value
 
 
-def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]]) -> dict[str, str]:
-    """Several parameter groups (hyperparameters and member ParamIds) as one metadata entry."""
+def groups_to_metadata(groups: list[dict[str, object]], members: list[list[str]],
+                       families: list[str] | None = None) -> dict[str, str]:
+    """Several parameter groups (hyperparameters and member ParamIds; each group's optimizer when
+    they differ, as a Muon run's Muon and AdamW groups) as one metadata entry."""
     skip = ("params", "param_names")
     payload = [{"hyperparams": {k: _plain(v) for k, v in g.items() if k not in skip}, "params": ids}
                for g, ids in zip(groups, members, strict=True)]
+    for g, family in zip(payload, families or [], strict=False):
+        g["optimizer"] = family
     for g in payload:
         for k, v in g["hyperparams"].items():
             _json(k, v)
@@ -267,6 +277,15 @@ def groups_from_metadata(metadata: dict[str, str]) -> list[tuple[dict[str, objec
         return [({k: tuple(v) if isinstance(v, list) and k in TUPLE_KEYS else v for k, v in g["hyperparams"].items()},
                  [str(i) for i in g["params"]]) for g in payload]
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def group_families_from_metadata(metadata: dict[str, str]) -> list[str | None]:
+    """Each stored group's optimizer (None where :func:`groups_to_metadata` kept none)."""
+    try:
+        payload = json.loads(metadata.get(GROUPS_KEY, "[]"))
+        return [g.get("optimizer") if isinstance(g.get("optimizer"), str) else None for g in payload]
+    except (json.JSONDecodeError, TypeError, AttributeError):
         return []
 
 

@@ -89,21 +89,11 @@ BURN: tuple[Layout, ...] = (
            frozenset({"moment_1", "moment_2", "time"}), step="time"),
     Layout("lion", {"momentum": "exp_avg"}, frozenset({"momentum"})),
     # Adafactor: ``second_moment`` is the EMA of g² + ε₁ (ε₁ = 1e-30 inside, unlike torch's row_var /
-    # variance: naming.CROSS_TRANSFORM), reduced over the last axis for D ≥ 2 ([..., rows, 1], torch's
+    # variance: statekit.ops.crossing), reduced over the last axis for D ≥ 2 ([..., rows, 1], torch's
     # row_var), full for D = 1 (torch's variance); ``column_second_moment`` [..., 1, cols] only for D ≥ 2
     Layout("adafactor", {"second_moment": "row_var", "column_second_moment": "col_var"},
            frozenset({"second_moment", "time"}), step="time", alias={"variance": "second_moment"}),
 )
-
-#: families both burn and torch have whose stored quantities differ by a transform (a conversion
-#: between the two must apply it; until one does, it refuses): why, for the message
-CROSS_TRANSFORM = {
-    "adafactor": "burn's second moments hold ε₁ = 1e-30 inside them and torch's do not (row_var = "
-                 "second_moment − ε₁), and burn's relative-step / parameter-scaling switches decide whether "
-                 "torch can continue the state",
-    "muon": "torch's momentum_buffer is an EMA, (1 − μ) times burn's velocity (burn's first step keeps the "
-            "gradient itself), and only with burn's dampening 0",
-}
 
 #: burn families that first shipped in burn 0.22 (no burn <= 0.21 legacy record holds them)
 BURN_022_FAMILIES = frozenset({"lamb", "lion", "adafactor"})
@@ -171,8 +161,11 @@ FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 FACTORED_SLOTS = frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"})
 
 def layout(framework: str, family: str) -> Layout:
+    for item in FRAMEWORKS[framework]:  # a family's own layout first (torch's muon), then one it shares
+        if item.family == family:
+            return item
     for item in FRAMEWORKS[framework]:
-        if item.family == family or family in item.also:
+        if family in item.also:
             return item
     raise KeyError(f"{framework} has no optimizer family {family!r}")
 

@@ -203,14 +203,27 @@ def test_burn_to_burn_copy_of_the_mixed_record_is_exact(tmp_path):
 
 def test_burn_muon_and_adafactor_do_not_cross_to_torch_unchanged(cli, tmp_path):
     """Same algorithm, different stored quantity: copying burn's velocity into torch's momentum_buffer
-    (an EMA, (1 - μ) times it) or burn's second moments (ε₁ inside) would be silently wrong."""
+    (an EMA, (1 - μ) times it) or burn's second moments (ε₁ inside) would be silently wrong; the
+    conversion applies the transform (statekit.ops.crossing) and shows it in the plan."""
+    import numpy as np
+
+    from statekit.formats.burnpack import BurnpackFile
+
+    torch = pytest.importorskip("torch")
+
     names = tmp_path / "n.txt"
     names.write_text("l1.weight\nl2.weight\n")
     r = cli("convert", str(FIX / "muon.bpk"), str(tmp_path / "m.pt"), "--optimizer", "muon", "--names", str(names),
             "--transpose", "*.weight", "--lr", "0.01")
-    assert r.returncode == 1 and "(1 − μ)" in r.stderr and not (tmp_path / "m.pt").exists()
-    r = cli("convert", str(FIX / "adafactor.bpk"), str(tmp_path / "a.pt"))
-    assert r.returncode == 1 and "ε₁" in r.stderr and not (tmp_path / "a.pt").exists()
+    assert r.returncode == 0 and "(1 − μ) · velocity" in r.stdout, r.stderr
+    f = BurnpackFile(str(FIX / "muon.bpk"))
+    ids = {f.metadata[n.partition(".")[0]]: n.partition(".")[0] for n in f.tensors}
+    velocity = f.tensor(f"{ids['l1.weight']}.momentum.velocity").numpy()
+    buffer = torch.load(tmp_path / "m.pt", weights_only=True)["state"][0]["momentum_buffer"].numpy()
+    np.testing.assert_array_equal(buffer, velocity.T * np.float32(1 - 0.95))
+    r = cli("convert", str(FIX / "adafactor.bpk"), str(tmp_path / "a.pt"), "--names", str(FIX.parent / "hand-names.txt"),
+            "--transpose", "*.weight")
+    assert r.returncode == 0 and "second_moment − ε₁" in r.stdout, r.stderr
 
 
 def test_verify_resume_of_the_muon_adamw_record_steps_each_group_in_its_optimizer(cli, tmp_path):

@@ -513,3 +513,17 @@ def test_param_state_with_a_key_that_is_not_a_string(tmp_path, key, family):
     done = subprocess.run([sys.executable, "-m", "statekit", "inspect", str(path)], capture_output=True, text=True)
     assert done.returncode != 0 and not done.stdout
     assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "internal error" not in done.stderr
+
+
+def test_statistics_of_values_near_the_float64_limit(tmp_path):
+    """Values at or past 2^1023 (float64's top binade) ended inspect --stats in an internal
+    OverflowError (the sums' scale was 2^1024, no float); now scaled by 2^1023. Hand-computed
+    references: both values equal, so min = max = mean = rms."""
+    from statekit.ops.inspect import tensor_stats
+    from statekit.tensor import TensorRef
+
+    for values in ([1e308, 1e308], [-1.7e308, -1.7e308, -1.7e308], [1e308]):
+        s = tensor_stats(TensorRef.from_array(np.array(values, dtype=np.float64)))
+        v = values[0]
+        assert (s["min"], s["max"], s["nan"], s["inf"]) == (v, v, 0, 0)
+        assert s["mean"] == pytest.approx(v, rel=1e-15) and s["rms"] == pytest.approx(abs(v), rel=1e-15)

@@ -101,9 +101,13 @@ def resumes_identically(name: str, original, converted) -> bool:
 
 
 # what statekit does with each (measured by the test below): torch → torch resumes bit-identically
-# for every family it converts; burn has only Adam, AdamW, SGD, RMSprop and Adagrad of these
-CONVERTED = {"adam", "adamw", "sgd", "rmsprop", "adagrad", "nadam", "radam", "adamax", "adadelta", "adafactor"}
-IN_BURN = {"adam", "adamw", "sgd", "rmsprop", "adagrad"}
+# for every family it converts; burn has Adam, AdamW, SGD, RMSprop, Adagrad, Adafactor and Muon of
+# these, and L-BFGS; torch → burn → torch Muon comes back within a
+# float32 unit of the buffer and tracks (tests/test_convert_crossing.py), not bit for bit
+CONVERTED = {"adam", "adamw", "sgd", "rmsprop", "adagrad", "nadam", "radam", "adamax", "adadelta", "adafactor",
+             "muon", "lbfgs"}
+IN_BURN = {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adafactor", "muon", "lbfgs"}
+TRACKS_THROUGH_BURN = {"muon"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -124,6 +128,8 @@ def test_convert_resumes_bit_identically_or_is_refused_by_name(name, saved, tmp_
             assert "\n" not in exc.message
             continue
         assert expect_ok, f"{name} → {first.suffix} was converted"
+        if back is not None and family in TRACKS_THROUGH_BURN:
+            continue
         assert resumes_identically(name, src, back or first), f"{name}: {first} does not resume identically"
 
 

@@ -132,6 +132,7 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
                 params[key].group = index
         grouped = {k for g in state.groups for k in g.keys}
         state.groups[0].keys += [k for k in params if k not in grouped]
+        _group_families(state, params, hyper.group_families_from_metadata(pack.metadata))
         for group in state.groups:  # a family per group where its parameters agree
             fams = {params[k].family for k in group.keys}
             if len(fams) == 1 and state.family == "mixed":
@@ -151,6 +152,27 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
             params[key].index = position
     return state
 
+
+
+def _group_families(state: OptimizerState, params: dict[str, ParamState], families: list[str | None]) -> None:
+    """Groups statekit stored with their optimizer (a Muon run's Muon and AdamW groups): each
+    parameter takes its group's, where its fields allow it (burn's velocity is SGD's or Muon's)."""
+    if not any(families):
+        return
+    for index, group in enumerate(state.groups):
+        family = families[index] if index < len(families) else None
+        for key in group.keys:
+            p = params[key]
+            if family and p.family and (p.family == family or family in p.candidates):
+                p.family, p.candidates = family, ()
+        group.family, group.candidates = family, ()
+    regroup(state)
+    if state.family == "mixed":
+        for index, group in enumerate(state.groups):
+            group.family = families[index] if index < len(families) else None
+    state.notes = [n for n in state.notes if "cannot tell them apart" not in n and "one optimizer per" not in n]
+    state.notes.append("each group's optimizer recorded by statekit in the file's metadata: "
+                       + ", ".join(f"group {i} {f}" for i, f in enumerate(families) if f))
 
 
 def _classified(params: dict[str, ParamState], fields: dict[str, dict[str, object]]) -> OptimizerState:
@@ -244,6 +266,10 @@ def _read_lbfgs(pack: BurnpackFile) -> OptimizerState:
     state.global_slots = {n: pack.tensor(n) for n in pack.data_order}
     state.global_scalars = {k: v.value for k, v in pack.scalars.items()}
     state.notes.append("L-BFGS keeps one global state over all parameters, tied to parameter order")
+    family, hp = hyper.from_metadata(pack.metadata)  # torch's LBFGS group, kept by statekit
+    if family == "lbfgs" and hp:
+        state.groups = [ParamGroup(hyperparams=hp, keys=[])]
+        state.hyperparams_stored = True
     return state
 
 

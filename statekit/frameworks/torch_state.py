@@ -24,7 +24,8 @@ MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net")
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 _FLOATS = frozenset(("F64", "F32", "F16", "BF16"))
 MAX_EXACT_STEP = 2**24  # float32 holds integers exactly up to here
-BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "muon"})  # burn 0.22's optimizers
+# burn 0.22's optimizers that torch also has (LAMB, Lion and Adan are burn's alone)
+BURN_FAMILIES = frozenset({"adam", "adamw", "sgd", "rmsprop", "adagrad", "adafactor", "muon", "lbfgs"})
 STEP_NOT_IN_UPDATE = frozenset({"rmsprop"})  # torch counts steps there but its update never reads it
 
 
@@ -189,9 +190,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
     if verdict.family and verdict.family not in BURN_FAMILIES:
         notes.append(f"burn has no {torch_families.class_name(verdict.family).split('.')[-1]} optimizer: "
                      "this state can move to other torch files, not to burn")
-    extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
-    if extra_ids:
-        notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
+    _note_extra_ids(state_map, seen, notes)
     state = OptimizerState(
         family=verdict.family,
         candidates=(verdict.family,) if verdict.family else verdict.candidates,
@@ -203,9 +202,54 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         family_detail=None if verdict.family else verdict.label,
         torch_names_in_file=bool(params) and all(p.path for p in params),
     )
+    if verdict.family == "lbfgs":  # one global state, filed under the first parameter
+        state.global_slots, state.global_scalars = _lbfgs_global(params, path, notes)
     if foreign is not None:  # an optimizer from outside torch.optim (transformers, torchao, …)
         torch_thirdparty.settle(foreign, state, sd, path)
     return state
+
+
+def _note_extra_ids(state_map: dict, seen: set, notes: list[str]) -> None:
+    extra_ids = [k for k in state_map if (k if isinstance(k, int) else -1) not in seen and not isinstance(k, str)]
+    if extra_ids:
+        notes.append(f"state has entries for ids in no group: {extra_ids} (torch keeps but never uses them)")
+
+
+LBFGS_LISTS = ("old_dirs", "old_stps", "ro")  # lists of tensors (y, s, 1/(y·s)); "al" is scratch
+LBFGS_SCRATCH = "al"
+
+
+def _lbfgs_global(params: list[ParamState], path: str, notes: list[str]) -> tuple[dict[str, TensorRef], dict]:
+    """torch LBFGS's one state (under its first parameter) as global state: tensors by name
+    (``old_dirs.0`` …, ``d``, ``prev_flat_grad``, ``H_diag`` or ``t`` when they are tensors) and
+    scalars (``n_iter``, ``func_evals``, ``t``, ``prev_loss``, ``H_diag`` before any pair, each
+    list's ``.len``); torch's scratch ``al`` is left out (rebuilt before it is read)."""
+    notes.append("L-BFGS keeps one global state over all parameters (torch files it under the first parameter), "
+                 "tied to parameter order")
+    slots: dict[str, TensorRef] = {}
+    scalars: dict[str, object] = {}
+    holders = [p for p in params if p.slots or len(p.extra) > 1 or (p.extra and "__step_dtype" not in p.extra)]
+    if len(holders) > 1:
+        raise FormatError(f"LBFGS state under {len(holders)} parameters; torch keeps it under the first only", path)
+    for p in holders:
+        fields = {**p.slots, **{k: v for k, v in p.extra.items() if not k.startswith("__")}}
+        for name, value in fields.items():
+            if name == LBFGS_SCRATCH:
+                continue
+            if name in LBFGS_LISTS:
+                if not isinstance(value, list | tuple) or not all(isinstance(v, TensorRef) for v in value):
+                    raise FormatError(f"LBFGS state {name} is not a list of tensors", path)
+                scalars[f"{name}.len"] = len(value)
+                for i, ref in enumerate(value):
+                    slots[f"{name}.{i}"] = ref
+            elif isinstance(value, TensorRef):
+                slots[name] = value
+            elif isinstance(value, bool) or not isinstance(value, int | float):
+                raise FormatError(f"LBFGS state {name} is a {type(value).__name__}, not a number or tensor", path)
+            else:
+                scalars[name] = value
+        p.slots, p.extra = {}, {}
+    return slots, scalars
 
 
 def describe_scheduler(sd: object) -> dict:
@@ -245,6 +289,8 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, nam
     """A torch state_dict for ``state``: ids 0..N-1 in ``state.params`` order, one group per entry
     of ``groups`` (each a full hyperparameter dict; parameters join the group of their ``group``).
     """
+    if family == "lbfgs":
+        return _lbfgs_state_dict(state, groups)
     out_state: dict[int, dict] = {}
     out_groups = [dict(g, params=[]) for g in groups]
     names_known = names and all(p.path for p in state.params)
@@ -276,3 +322,27 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, nam
                 entry[slot] = p.slots[slot]
         out_state[idx] = entry
     return {"state": out_state, "param_groups": out_groups}
+
+
+LBFGS_ORDER = ("func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss")
+
+
+def _lbfgs_state_dict(state: OptimizerState, groups: list[dict]) -> dict:
+    """torch LBFGS's state_dict: one group, the whole state under the first parameter (torch's key order)."""
+    if len(groups) != 1:
+        raise MappingError(f"torch's LBFGS takes exactly one param group, not {len(groups)}")
+    group = dict(groups[0], params=list(range(len(state.params))))
+    if state.params and all(p.path for p in state.params):
+        group["param_names"] = [p.path for p in state.params]
+    g, sc = state.global_slots, state.global_scalars
+    entry: dict[str, object] = {}
+    for name in LBFGS_ORDER:
+        if name in LBFGS_LISTS:
+            n = int(sc.get(f"{name}.len", 0))
+            if n or f"{name}.len" in sc:
+                entry[name] = [g[f"{name}.{i}"] for i in range(n)]
+        elif name in g:
+            entry[name] = g[name]
+        elif name in sc:
+            entry[name] = sc[name]
+    return {"state": {0: entry} if entry and state.params else {}, "param_groups": [group]}

@@ -14,6 +14,7 @@ from statekit import hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 from statekit.frameworks import bnb
+from statekit.ops import crossing as cross
 from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
@@ -22,7 +23,7 @@ from statekit.state import OptimizerState, ParamState, refuse_opaque
 # burn-store's PyTorchToBurnAdapter renames a norm layer's weight/bias (decided here by the module class)
 NORM_RENAMES = {"weight": "gamma", "bias": "beta"}
 # torch families statekit reads but does not convert (their state or update is not modelled)
-NOT_CONVERTED = ("asgd", "rprop", "sparseadam", "muon", "lbfgs")
+NOT_CONVERTED = ("asgd", "rprop", "sparseadam")
 
 
 def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerState:
@@ -35,7 +36,13 @@ def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerS
     return state.resolved(optimizer)
 
 
-def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
+def _family(state: OptimizerState, opts: Options, crossing: bool, dst_fw: str = "neutral") -> str:
+    family = _chosen_family(state, opts, crossing)
+    cross.refuse_missing(family, state.framework, dst_fw)
+    return family
+
+
+def _chosen_family(state: OptimizerState, opts: Options, crossing: bool) -> str:
     from statekit.frameworks import torch_thirdparty
 
     if torch_thirdparty.is_foreign(state):  # convert and remap adapt it first (torch_thirdparty.adapt)
@@ -57,7 +64,7 @@ def _family(state: OptimizerState, opts: Options, crossing: bool) -> str:
         label = state.family_label if state.family_detail else "mixed or unknown layouts"
         raise MappingError(f"the optimizer family could not be determined from the file: {label}; "
                            "statekit converts only states it recognises exactly")
-    if state.framework == "torch" and family in NOT_CONVERTED:
+    if state.framework == "torch" and family in NOT_CONVERTED and not crossing:
         from statekit.frameworks.torch_families import class_name
 
         raise MappingError(f"{class_name(family)} state: statekit reads it but does not convert it")
@@ -92,12 +99,12 @@ def _same_shapes(p: ParamState) -> str | None:
     return None
 
 
-def _slots_missing(p: ParamState, family: str, target: str) -> tuple[str, ...]:
+def _slots_missing(p: ParamState, family: str, target: str, src: str = "neutral") -> tuple[str, ...]:
     """The slots of ``p`` the target framework's state has no field for (refused, never dropped)."""
     if target not in naming.FRAMEWORKS:
         return ()
     lay = naming.layout(target, family)
-    neutral = set(lay.slots.values())
+    neutral = set(lay.native_of())
     return tuple(s for s in p.slots if s not in neutral and s not in _derived(family))
 
 
@@ -155,7 +162,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     src_fw = state.framework
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
-    family = _family(state, opts, crossing)
+    family = _family(state, opts, crossing, dst_fw)
     _check_library(state, family, dst_fw, target_format)
     plan = Plan(operation, source, source_format, target, target_format, family)
     plan.names_from = state.names_from
@@ -211,12 +218,6 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
         except KeyError:
             raise MappingError(f"{dst_fw} has no {family} optimizer: this state cannot move to {dst_fw}",
                                plan.source) from None
-        if src_fw != dst_fw and src_fw in naming.FRAMEWORKS and family in naming.CROSS_TRANSFORM:
-            from statekit.frameworks.torch_families import class_name
-
-            name = class_name(family) if src_fw == "torch" else f"burn's {class_name(family).rsplit('.', 1)[-1]}"
-            raise MappingError(f"{name} state → {dst_fw}: not converted yet; "
-                               f"{naming.CROSS_TRANSFORM[family]}", plan.source)
     for p in state.params:
         src_path = p.path
         if src_path is None and p.id is not None and p.id in old_paths:
@@ -237,7 +238,7 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
             uneven = _same_shapes(p)
             if uneven:
                 problems.append(uneven)
-            missing = _slots_missing(p, family, dst_fw)
+            missing = _slots_missing(p, family, dst_fw, src_fw)
             if missing:
                 no_field.setdefault(missing, []).append(p.label())
     problems += _grouped(no_field, lambda m, who: f"{dst_fw}'s {family} state has no field for {', '.join(m)} "
@@ -530,6 +531,17 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
             values = dict(g.hyperparams)
             values.update(given)
             plan.hyperparams.append(values)
+    if src_fw != dst_fw and dst_fw != "neutral":  # values that change meaning or refuse the crossing
+        plan.hyperparams = [cross.target_values(family, src_fw, dst_fw, v, plan.assumed)
+                            for v in plan.hyperparams]
+        plan.transforms = [t.to_json() for i, v in enumerate(plan.hyperparams)
+                           for t in cross.transforms(family, src_fw, dst_fw, v, i)]
+        plan.exactness = cross.exactness(family, src_fw, dst_fw)
+        scale = cross.muon_scale_differs(family, src_fw, dst_fw, plan.params, plan.hyperparams[0]
+                                         if plan.hyperparams else {})
+        if scale:
+            plan.warnings.append(scale)
+            plan.exactness = "does not track for the weights the warning names: " + scale.split(": ", 1)[1]
     if dst_fw == "torch":
         plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
     if dst_fw == "burn" and len(plan.hyperparams) > 1:

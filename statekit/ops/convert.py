@@ -108,6 +108,7 @@ class Result:
     written: int | None
     copied: bool = False
     messages: list[str] = field(default_factory=list)
+    also: Plan | None = None  # the second output's plan (--also-out)
     warnings: list[str] = field(default_factory=list)  # the writer's, found while writing
 
 
@@ -118,12 +119,19 @@ def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
 def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None = None, key: str | None = None,
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
-            shards: int | None = None, share: Share | None = None) -> Result:
+            shards: int | None = None, share: Share | None = None, also: str | None = None,
+            also_key: str | None = None, also_out: str | None = None) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
-    this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index)."""
+    this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index).
+    ``also`` / ``also_key``: a second torch optimizer state over the same model (a Muon run's AdamW)
+    joining a burn output as further groups; ``also_out``: where a burn record's second optimizer
+    goes as its own torch state_dict (:mod:`statekit.ops.pair`)."""
     opts = opts or Options()
+    if also is not None or also_key is not None or also_out is not None:
+        return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
+                             progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out)
     # a directory (existing, or a name without extension) is a torch.distributed checkpoint
     directory = os.path.isdir(dst) or dst.endswith(("/", os.sep)) or not os.path.splitext(dst)[1]
     fmt = output_format(dst, to or ("dcp" if shards or directory else None))
@@ -156,6 +164,10 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
         name_checkpoint(ckpt, opts, src)
+        if state.family in ("lbfgs", "mixed"):
+            done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan)
+            if done is not None:
+                return done
         adapted: list[str] = []
         if torch_thirdparty.is_foreign(state):  # transformers Adafactor, torchao, … as the optimizer continuing it
             state, adapted = torch_thirdparty.adapt(state, registry.framework_of(fmt), optimizer=opts.optimizer,
@@ -181,6 +193,26 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                                  on_plan=on_plan)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan) -> Result | None:
+    """L-BFGS's one global state (:mod:`statekit.ops.lbfgs`); a record of two families going to torch,
+    which needs --also-out (:mod:`statekit.ops.pair`). None: the ordinary path."""
+    state = ckpt.optimizer
+    if state.family == "lbfgs":
+        from statekit.ops import lbfgs
+
+        plan = lbfgs.saved_plan(plan_in, src, dst, fmt) if plan_in else lbfgs.build(ckpt, src, dst, fmt, opts)
+        return carry_out_with(plan, ckpt.nbytes, lbfgs.writer(plan, ckpt, fmt, dst), dry_run=dry_run,
+                              plan_out=plan_out, progress=progress, on_plan=on_plan)
+    if registry.framework_of(fmt) == "torch":
+        from statekit.ops import pair
+
+        pair.settle(state, pair.wanted_families(opts.optimizer), src)
+        parts = [f for f, _ in pair.split(state, pair.wanted_families(opts.optimizer))]
+        raise UsageError(f"{src} holds {' and '.join(parts)} state: torch keeps one optimizer per state_dict; "
+                         f"give --also-out FILE for the {' and '.join(parts[1:])} part")
+    return None
 
 
 def open_options(opts: Options | None, key: str | None = None) -> dict:
@@ -273,6 +305,25 @@ def _copy(ckpt: Checkpoint, dst: str, dry_run: bool, progress: ProgressFactory) 
     return Result(None, size, copied=True, messages=[f"wrote {dst} ({size} bytes, an exact copy)"])
 
 
+def carry_out_with(plan: Plan, nbytes: int, write_target, *, dry_run: bool, plan_out: str | None,
+                   progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None) -> Result:
+    """Save the plan if asked, hand it to ``on_plan``, and (unless a dry run) ``write_target(advance,
+    warnings)`` (returns the size written)."""
+    if plan_out:
+        from statekit.atomic import atomic_write
+
+        with atomic_write(plan_out) as fh:
+            fh.write(plan.dumps().encode() + b"\n")
+    if on_plan is not None:
+        on_plan(plan)
+    if dry_run:
+        return Result(plan, None, messages=["dry run: nothing written"])
+    warnings: list[str] = []
+    with (progress or silent)("writing", nbytes, unit_bytes=True) as advance:
+        size = write_target(advance, warnings)
+    return Result(plan, size, messages=[f"wrote {plan.target} ({size} bytes)"], warnings=warnings)
+
+
 def carry_out(plan: Plan, state, nbytes: int, *, dry_run: bool, plan_out: str | None,
               progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None) -> Result:
     """Save the plan if asked, hand it to ``on_plan``, and (unless a dry run) write the target."""
@@ -308,3 +359,110 @@ def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run:
                          "state; weights across frameworks need their layout changes too)")
     size = registry.model_writer(fmt)(model, dst, dtype=opts.dtype)
     return Result(None, size, messages=[f"wrote {dst} ({size} bytes, {len(model.params)} model tensors)"])
+
+
+def _convert_pair(src: str, dst: str, opts: Options, *, to, key, dry_run, plan_out, plan_in, progress, on_plan,
+                  also, also_key, also_out) -> Result:
+    """Two torch optimizers ⇄ one burn record of two families (:mod:`statekit.ops.pair`)."""
+    from statekit.ops import pair
+
+    if plan_in:
+        raise UsageError("--plan applies one saved plan to one output; --also / --also-out build theirs")
+    fmt = output_format(dst, to)
+    if also_out is not None and (also is not None or also_key is not None):
+        raise UsageError("--also (a second input) and --also-out (a second output) go in opposite directions")
+    for out in (dst, also_out):
+        if out is not None and os.path.abspath(src) == os.path.abspath(out):
+            raise UsageError("source and destination are the same file")
+    with io.open_checkpoint(src, key=key) if key else io.open_checkpoint(src) as ckpt:
+        if ckpt.kind != "optimizer" or ckpt.optimizer is None:
+            raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
+        name_checkpoint(ckpt, opts, src)
+        wanted = pair.wanted_families(opts.optimizer)
+        if also_out is None:  # torch pair → one burn record
+            return _pair_to_burn(ckpt, src, dst, fmt, opts, also or src, also_key, dry_run, plan_out, progress,
+                                 on_plan)
+        return _pair_to_torch(ckpt, src, dst, fmt, also_out, opts, wanted, dry_run, plan_out, progress, on_plan)
+
+def _pair_to_torch(ckpt, src, dst, fmt, also_out, opts, wanted, dry_run, plan_out, progress, on_plan) -> Result:
+    """One burn record of two families → two torch state_dicts (DST and --also-out), both or neither."""
+    from dataclasses import replace
+
+    from statekit.ops import pair
+
+    state = ckpt.optimizer
+    if registry.framework_of(fmt) != "torch" or registry.framework_of(output_format(also_out, None)) != "torch":
+        raise UsageError("--also-out writes the second optimizer of a burn record as its own torch state_dict: "
+                         "both outputs are .pt")
+    pair.settle(state, wanted, src)
+    parts = pair.split(state, wanted)
+    if len(parts) != 2:
+        raise UsageError(f"--also-out: {src} holds {' and '.join(f for f, _ in parts) or 'no'} optimizer "
+                         f"state, not two families")
+    order = _target_order(opts)
+    plans = []
+    for (family, part), out in zip(parts, (dst, also_out), strict=True):
+        part_opts = replace(opts, optimizer=family)
+        if order is not None:  # each optimizer's positions: its own parameters, in the model's order
+            mine = {p.path for p in part.params}
+            part_opts = replace(part_opts, names=[n for n in order if n in mine])
+        part_opts, recorded = recorded_layout(ckpt, "torch", part_opts)
+        plan = build_plan(part, src, ckpt.format, out, output_format(out, None), part_opts)
+        if recorded:
+            plan.warnings.append(recorded)
+        plans.append((plan, part))
+    results = []
+    try:
+        for (plan, part), out in zip(plans, (dst, also_out), strict=True):
+            results.append(carry_out(plan, part, ckpt.nbytes, dry_run=dry_run,
+                                     plan_out=None if out != dst else plan_out, progress=progress,
+                                     on_plan=on_plan))
+    except BaseException:
+        if results and not dry_run and os.path.exists(dst):  # all or nothing: not half a pair
+            os.unlink(dst)
+        raise
+    first, second = results
+    return Result(first.plan, first.written, messages=first.messages + second.messages,
+                  warnings=first.warnings + second.warnings, also=second.plan)
+
+
+def _pair_to_burn(ckpt, src, dst, fmt, opts, other_path, also_key, dry_run, plan_out, progress, on_plan) -> Result:
+    """Two torch states (the input and --also) → one burn record, one group set after the other."""
+    from dataclasses import replace
+
+    from statekit.ops import pair
+
+    if registry.framework_of(fmt) != "burn":
+        raise UsageError(f"--also joins two torch states into one burn record; {dst} is {fmt}")
+    state = ckpt.optimizer
+    with (io.open_checkpoint(other_path, key=also_key) if also_key else io.open_checkpoint(other_path)) as other:
+        if other.kind != "optimizer" or other.optimizer is None:
+            raise MappingError(f"holds {other.kind} data, not optimizer state", other_path)
+        name_source_params(other.optimizer, opts, other_path, own_model=other.model or ckpt.model)
+        if other.model is not None and not all(p.path for p in other.optimizer.params):
+            from statekit.frameworks.torch_io import name_from_model
+
+            name_from_model(other, ordered=True, source="its checkpoint's model state_dict")
+        if not all(p.path for p in other.optimizer.params) and ckpt.model is not None:
+            from statekit.frameworks import torch_names
+
+            torch_names.name_state(other.optimizer, torch_names.from_model_info(
+                ckpt.model, "the input's model state_dict", ordered=True), other_path)
+        merged = pair.merge(state, other.optimizer, other_path)
+        opts_plain = replace(opts, optimizer=None)
+        opts_plain, _ = recorded_layout(ckpt, fmt, opts_plain)
+        plans = [build_plan(part, src if i == 0 else other_path, ckpt.format, dst, fmt, opts_plain)
+                 for i, (_, part) in enumerate(pair.split(merged, []))]
+        plan = pair.combine(plans)
+        plan.source = f"{src} + {other_path}"
+        return carry_out(plan, merged, ckpt.nbytes + other.nbytes, dry_run=dry_run, plan_out=plan_out,
+                         progress=progress, on_plan=on_plan)
+
+
+def _target_order(opts: Options) -> list[str] | None:
+    """The torch parameter order --names or --model gives (None: neither)."""
+    if opts.names is not None:
+        return [e.name for e in opts.names.entries] if hasattr(opts.names, "entries") else list(opts.names)
+    if opts.model is not None and opts.model.order == "named_parameters":
+        return [m.path for m in opts.model.params if not m.buffer]
+    return None

@@ -86,23 +86,48 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
                           hyperparams_stored=target_fw != "burn", framework=target_fw)
 
 
+# Adafactor's factored second moment: transposing the parameter swaps the factors (the row factor
+# [n, 1] of a [n, m] matrix is the column factor [1, n] of its transpose)
+FACTORS = {"row_var": "col_var", "col_var": "row_var", "second_moment": "column_second_moment",
+           "column_second_moment": "second_moment"}
+
+
+def group_family(plan: Plan, group: int) -> str | None:
+    """The optimizer of a target group: its own where groups hold different ones (Muon + AdamW)."""
+    if plan.group_families and group < len(plan.group_families):
+        return plan.group_families[group]
+    return plan.family
+
+
 def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamState:
+    from statekit.ops import crossing
+
     shape = tuple(a.dst_shape) if a.dst_shape is not None else None
+    family = group_family(plan, a.group)
     slots = {}
     for name, ref in p.slots.items():
         if p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
-            if a.transpose or a.resize:
+            if a.resize or (a.transpose and (name not in FACTORS or FACTORS[name] not in p.slots)):
                 raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
                                    "it cannot be transposed or resized", plan.source)
-            slots[name] = transformed(ref, cast=a.cast)
+            if a.transpose:  # [n, 1] → [1, n] under the other factor's name
+                slots[FACTORS[name]] = transformed(ref, True, None, a.cast)
+            else:
+                slots[name] = transformed(ref, cast=a.cast)
         else:
             slots[name] = transformed(ref, a.transpose, shape, a.cast)
+    if a.transpose:  # the row factor first again
+        rows = [k for k in ("row_var", "second_moment") if k in slots]
+        slots = {k: slots[k] for k in rows} | {k: v for k, v in slots.items() if k not in rows}
     if not plan.allow_nonfinite:
         slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
+    for t in plan.transforms:
+        if t["group"] == a.group and t["slot"] in slots:
+            slots[t["slot"]] = crossing.apply(slots[t["slot"]], t["op"], t["value"])
     if target_fw == "burn":
-        slots = burn.with_derived_slots(plan.family, slots)
+        slots = burn.with_derived_slots(family, slots)
     else:  # derived copies (burn RMSProp's avg): the other frameworks recompute them
-        slots = {k: v for k, v in slots.items() if k not in naming.derived_slots(plan.family)}
+        slots = {k: v for k, v in slots.items() if k not in naming.derived_slots(family)}
     step = p.step
     if a.reset_step:
         step = 0
@@ -115,7 +140,7 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     extra = {k: v for k, v in p.extra.items() if k == "__step_kind"} if target_fw == "burn" else {}
     return ParamState(key=key, id=dst_id, index=a.dst_index, path=a.dst_path,
                       rank=len(shape) if shape is not None else p.rank, step=step, slots=slots, extra=extra,
-                      group=a.group, family=plan.family,
+                      group=a.group, family=family,
                       encoding={k: v for k, v in p.encoding.items() if k in slots})
 
 

@@ -29,6 +29,12 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
     """
     if ref.dtype == "QFloat":
         return {}
+    if ref.numel == 1:  # (10^6 one-element views: numpy's per-call cost was most of --stats)
+        return _one_value_stats(ref, block)
+    return _streamed_stats(ref, block)
+
+
+def _streamed_stats(ref: TensorRef, block: int) -> dict:
     from statekit.stream import nonfinite  # statistics only: a header-only inspect never loads it
 
     n = ref.numel
@@ -46,7 +52,7 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
             lo, hi = min(lo, cmin), max(hi, cmax)
             top = max(abs(cmin), abs(cmax))
             if top > LARGE and top > scale:
-                grown = math.ldexp(1.0, math.frexp(top)[1])
+                grown = math.ldexp(1.0, min(math.frexp(top)[1], 1023))
                 total, squares, scale = total * (scale / grown), squares * (scale / grown) ** 2, grown
             part = finite / scale if scale != 1.0 else finite
             total += float(part.sum())
@@ -58,6 +64,24 @@ def tensor_stats(ref: TensorRef, block: int = BLOCK) -> dict:
            "rms": scale * math.sqrt(squares / count) if count else None,
            "nan": nan, "inf": inf}
     return out
+
+
+def _one_value_stats(ref: TensorRef, block: int) -> dict:
+    """:func:`tensor_stats` of a one-element tensor, the same arithmetic on the one float64 value
+    (read the same way) without numpy's per-call cost."""
+    values = [float(v) for piece in ref.pieces(block) for v in piece.astype(np.float64).reshape(-1)]
+    if len(values) != 1:  # (a reader that disagrees with the shape: the general path says how)
+        return _streamed_stats(ref, block)
+    v = values[0]
+    if not math.isfinite(v):  # only floats can be: NaN or ±Inf, and no finite value left
+        return {"min": None, "max": None, "mean": None, "rms": None, "nan": int(v != v), "inf": int(v == v)}
+    scale, top = 1.0, abs(v)
+    if top > LARGE and top > scale:  # (2^1023 at most: 2^1024 is no float, and the parts stay below 2)
+        scale = math.ldexp(1.0, min(math.frexp(top)[1], 1023))
+    part = v / scale if scale != 1.0 else v
+    total, squares = 0.0 + part, 0.0 + part * part  # (as the sums start: -0.0 becomes 0.0)
+    return {"min": v, "max": v, "mean": scale * (total / 1), "rms": scale * math.sqrt(squares / 1),
+            "nan": 0, "inf": 0}
 
 
 def plain_value(value: object, depth: int = 0) -> object:
@@ -253,8 +277,9 @@ def _prefetched_stats(ckpt: Checkpoint, chosen) -> Callable[[TensorRef], dict]:
                 if (chosen is None or i in chosen) and m.tensor is not None]
     from statekit import stream
 
-    results = stream.parallel_map(tensor_stats, refs)
-    return lambda _ref: next(results)
+    # one-element tensors inline, in their turn (a thread's hand-off costs more than their stats)
+    results = stream.parallel_map(tensor_stats, [r for r in refs if r.numel != 1])
+    return lambda ref: tensor_stats(ref) if ref.numel == 1 else next(results)
 
 
 def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] | None = None,

@@ -66,6 +66,28 @@ def given_hyperparams(**values: object) -> dict[str, object]:
     return {k: v for k, v in values.items() if v is not None}
 
 
+def parse_setting(text: str) -> tuple[str, object]:
+    """``--hyper KEY=VALUE``: ``true``/``false``, ``none``, a number, ``A,B`` (a tuple) or a word."""
+    key, eq, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not eq or not key.isidentifier():
+        raise UsageError(f"--hyper {text!r}: expected KEY=VALUE, e.g. relative_step=false")
+
+    def value(word: str) -> object:
+        word = word.strip()
+        low = word.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if low in ("none", "null"):
+            return None
+        try:
+            return int(word) if word.lstrip("-").isdigit() else float(word)
+        except ValueError:
+            return word
+
+    return key, tuple(value(w) for w in raw.split(",")) if "," in raw else value(raw)
+
+
 def read_names(path: str, order: str | None = None):
     """A names file as a :class:`~statekit.frameworks.torch_names.ModelOrder` (see
     :func:`statekit.frameworks.torch_names.read_names_file` for the accepted forms)."""
@@ -93,12 +115,14 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
                  rename: Iterable[str] = (), rules: Iterable[object] = (), preset: bool = True,
                  dtype: str | None = None, resize: bool = False, reset_step: Iterable[str] = (),
                  step_policy: str | None = None, allow_nonfinite: bool = False, trust_remote_code: bool = False,
-                 model_config: object = None, **hyperparams: object) -> Options:
+                 model_config: object = None, settings: Iterable[str] | dict | None = None,
+                 **hyperparams: object) -> Options:
     """:class:`Options` from a user's flags or keywords. ``names``: a list or a names file;
     ``names_order``: ``"model"`` or ``"optimizer"`` (what order ``names`` is in);
     ``model`` / ``old_model``: a path or a :class:`ModelInfo`; ``rules``: rename-rule files added
     after ``rename``; hyperparameters by the names of ``hyper.FLAGS`` (``betas`` as a pair or
-    ``"B1,B2"``)."""
+    ``"B1,B2"``); ``settings``: any other key of the family's hyperparameters (``--hyper KEY=VALUE``
+    strings, or a dict), e.g. burn Adafactor's ``relative_step``."""
     from statekit.ops.rules import read_rules_file
 
     renames = list(rename or ())
@@ -108,7 +132,13 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
         names = read_names(os.fspath(names), names_order)
     elif names is not None and not hasattr(names, "entries"):
         names = list(names)
-    return Options(optimizer=optimizer, hyperparams=given_hyperparams(**hyperparams), renames=renames,
+    given = given_hyperparams(**hyperparams)
+    extra = dict(settings) if isinstance(settings, dict) else dict(parse_setting(t) for t in settings or ())
+    for key in extra:
+        if key in given:
+            raise UsageError(f"--hyper {key}=…: give it as --{key.replace('_', '-')}")
+    given.update(extra)
+    return Options(optimizer=optimizer, hyperparams=given, renames=renames,
                    preset=preset, transpose=list(transpose or ()), no_transpose=list(no_transpose or ()),
                    names=names, names_order=names_order, model=_model(model),
                    old_model=_model(old_model), resize=resize, reset_step=list(reset_step or ()),

@@ -57,6 +57,14 @@ class Plan:
     step_policy: str | None = None  # candle: "max" writes the largest of differing steps
     allow_nonfinite: bool = False  # write NaN/Inf state instead of refusing it
     names_from: str | None = None  # how a torch source's positions were named (torch_names), when they were
+    # value changes applied while writing (statekit.ops.crossing.Transform as dicts) and what they
+    # promise about a resumed run
+    transforms: list[dict] = field(default_factory=list)
+    exactness: str | None = None
+    group_families: list[str] | None = None  # per target group, when groups hold different optimizers
+    # L-BFGS: each parameter's segment of the flat vectors, in the target's order
+    # ({path, src_offset, numel, src_shape, transpose}; statekit.ops.lbfgs)
+    segments: list[dict] | None = None
     layouts_from: str | None = None  # where transposes and norm renames were decided (module classes)
     training_args: dict | None = None  # an HF TrainingArguments' optimizer settings (the source folder's)
     version: int = PLAN_VERSION

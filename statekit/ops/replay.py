@@ -38,7 +38,11 @@ def registry_hp(algorithm: str, flavor: str, stored: dict, given: dict) -> dict:
     this flavor's framework (torch's ``foreach``, ``fused`` …) are left out.
     """
     merged = hyper.split_betas({**stored, **{k: v for k, v in given.items() if v is not None}})
-    framework = registry.get_algorithm(algorithm).frameworks[registry.FRAMEWORK_OF[flavor]]
+    algo = registry.get_algorithm(algorithm)
+    if flavor not in algo.flavors:  # e.g. a burn Muon record: statekit replays Muon in torch's arithmetic only
+        raise UsageError(f"{algorithm} has no {flavor!r} flavor (statekit replays it as {', '.join(algo.flavors)}): "
+                         f"its {registry.FRAMEWORK_OF[flavor]} state cannot be stepped here")
+    framework = algo.frameworks[registry.FRAMEWORK_OF[flavor]]
     out = {k: v for k, v in merged.items() if k in framework.defaults and v is not None}
     for key in framework.fixed:
         if key in out and out[key] == framework.defaults[key]:

@@ -84,10 +84,17 @@ def plan_view(plan, full: bool = False) -> list:
     if left_out:
         items.append(Line.of(f"{left_out} of {len(plan.params)} rows not shown: --dry-run shows every row, "
                              "--plan-out FILE saves them as JSON", "dim"))
+    families = getattr(plan, "group_families", None) or []
     for i, g in enumerate(plan.hyperparams):
         shown = ", ".join(f"{k}={v}{'*' if k in plan.assumed else ''}" for k, v in g.items()
                           if k not in EXECUTION_FLAGS)
-        items.append(Line.of(f"group {i}: {shown}"))
+        which = f" ({families[i]})" if i < len(families) else ""
+        items.append(Line.of(f"group {i}{which}: {shown}"))
+    for t in getattr(plan, "transforms", None) or []:
+        where = "state" if t.get("slot") == "(global)" else f"transform (group {t['group']})"
+        items.append(Line.of(f"{where}: {t['text']}"))
+    if getattr(plan, "exactness", None):
+        items.append(Line.of(f"resume: {plan.exactness}"))
     if plan.hyperparams and plan.assumed:
         items.append(Line.of("* assumed: not stored in the source, filled with its framework's defaults", "dim"))
     for r in plan.rules:
