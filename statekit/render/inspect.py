@@ -266,7 +266,7 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     if stats:
         out.append(stats_table(d))
     if d.get("global"):
-        out += global_view(d["global"])
+        out += global_view(d["global"], width)
     if d.get("scalar_values"):
         from rich.table import Table
 
@@ -295,7 +295,7 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     return out
 
 
-def global_view(g: dict) -> list:
+def global_view(g: dict, width: int | None = None) -> list:
     """An optimizer's global state (burn's and torch's L-BFGS): its tensors (name, shape, dtype) in
     a table, history lists folded to one row each, then its scalars."""
     rows: dict[str, list] = {}
@@ -311,7 +311,7 @@ def global_view(g: dict) -> list:
         table.add_row([label, ", ".join(sorted(shapes)), ", ".join(sorted(dtypes_))])
     out: list = [table] if rows else []
     if g["scalars"]:
-        out.append(Line.of("global scalars: " + ", ".join(f"{k}={v}" for k, v in g["scalars"].items())))
+        out += wrapped("global scalars: ", [f"{k}={v}" for k, v in g["scalars"].items()], ", ", width)
     return out
 
 
