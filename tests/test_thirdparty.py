@@ -480,13 +480,6 @@ def test_lion_pytorch_run_continues_bit_for_bit_as_burn_lion_from_the_converted_
     assert verify.returncode == 0 and "bit-exact" in verify.stdout, verify.stdout + verify.stderr
 
 
-def test_transformers_adafactor_to_burn_is_refused_naming_it_not_as_torchs(cli, tmp_path):
-    res = cli("convert", THIRD / "hf-adafactor-relative.pt", tmp_path / "x.bpk", "--names",
-              names_file(tmp_path, SMALL_NAMES), "--transpose", "*.weight")
-    assert res.returncode == 1 and "transformers Adafactor" in res.stderr and "torch.optim.Adafactor state" not in res.stderr
-    assert not (tmp_path / "x.bpk").exists()
-
-
 @pytest.mark.parametrize("stem", ["torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8"])
 def test_torchao_inspect_counts_the_bytes_stored_not_the_dequantized_ones(stem, cli):
     import zipfile
@@ -506,3 +499,108 @@ def test_torchao_inspect_counts_the_bytes_stored_not_the_dequantized_ones(stem, 
     head = cli("inspect", path).stdout.split("┏")[0]
     assert "dequantized" in head
     assert "exp_avg (" in cli("inspect", path).stdout  # the table says the moment is stored quantized
+
+
+def test_transformers_adafactor_run_continues_as_burn_adafactor_from_the_converted_record(cli, tmp_path):
+    """statekit's burn Adafactor, started from the converted .bpk and fed transformers' own gradients
+    of steps 4..8, tracks where transformers took the model: burn holds ε₁ inside its moments as
+    transformers does (not added twice: the moments keep the file's bits), and both switches carry."""
+    from safetensors.numpy import save_file
+
+    out = tmp_path / "adafactor.bpk"
+    names = names_file(tmp_path, SMALL_NAMES)
+    res = cli("convert", THIRD / "hf-adafactor-relative.pt", out, "--names", names, "--transpose", "*.weight")
+    assert res.returncode == 0, res.stderr
+    assert "relative_step=True, scale_parameter=True" in res.stdout and "epsilon_1=1e-30" in res.stdout
+    assert "already hold ε₁" in res.stderr
+    saved = torch_load(THIRD / "hf-adafactor-relative.pt")
+    with statekit.open(out) as ckpt:
+        got = {n: {k: v.numpy() for k, v in p.slots.items()} for n, p in zip(SMALL_NAMES, sorted(
+            ckpt.optimizer.params, key=lambda p: -p.slots.get("row_var", p.slots.get("variance")).numel), strict=True)}
+    # burn's [in, out] weight: its row factor is transformers' column factor, bit for bit
+    assert (got["0.weight"]["row_var"].reshape(-1).view(np.int32) == bits(saved["state"][0]["exp_avg_sq_col"])).all()
+    assert (got["0.weight"]["col_var"].reshape(-1).view(np.int32) == bits(saved["state"][0]["exp_avg_sq_row"])).all()
+    assert (got["0.bias"]["variance"].view(np.int32) == bits(saved["state"][1]["exp_avg_sq"])).all()
+    ref = load_file(THIRD / "hf-adafactor-resume.safetensors")
+
+    def burn_layout(key: str) -> dict:  # burn keeps Linear weights [in, out]
+        return {n: (ref[f"{key}.{i}"].T if ref[f"{key}.{i}"].dim() == 2 else ref[f"{key}.{i}"]).contiguous().numpy()
+                for i, n in enumerate(SMALL_NAMES)}
+
+    save_file(burn_layout("param"), tmp_path / "p.safetensors")
+    grads = []
+    for k in range(3, 8):
+        save_file(burn_layout(f"grad.{k}"), tmp_path / f"g{k}.safetensors")
+        grads += ["--grads", tmp_path / f"g{k}.safetensors"]
+    res = cli("replay", "--state", out, "--params", tmp_path / "p.safetensors", *grads,
+              "--out-params", tmp_path / "after.safetensors")
+    assert res.returncode == 0, res.stderr
+    restarted = cold_burn_adafactor(burn_layout("param"), [burn_layout(f"grad.{k}") for k in range(3, 8)])
+    after, final = load_file(tmp_path / "after.safetensors"), burn_layout("final")
+    for name in SMALL_NAMES:
+        off = np.abs(after[name].numpy() - final[name]).max()
+        cold_off = np.abs(restarted[name] - final[name]).max()
+        # burn and transformers order the update differently (burn rounds every scalar to float32,
+        # divides where transformers multiplies by an rsqrt): a few float32 ulp of the largest weight
+        assert off <= 4 * np.finfo(np.float32).eps * np.abs(final[name]).max(), (name, off)
+        assert cold_off > 100 * max(off, 1e-9), (name, off, cold_off)
+    verify = cli("verify-resume", THIRD / "hf-adafactor-relative.pt", out, "--names", names, "--transpose", "*.weight")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.parametrize("stem, says", [
+    ("hf-adafactor-trainer", None),
+    ("hf-adafactor-beta1", "beta1=0.9 keeps a first moment (exp_avg), which burn's Adafactor does not have"),
+])
+def test_transformers_adafactor_to_burn_carries_both_switches_and_refuses_what_burn_cannot_express(
+        stem, says, cli, tmp_path):
+    out = tmp_path / "x.bpk"
+    res = cli("convert", THIRD / f"{stem}.pt", out, "--names", names_file(tmp_path, SMALL_NAMES),
+              "--transpose", "*.weight")
+    if says is None:  # the Trainer's settings: burn has both switches, transformers' own values carry
+        assert res.returncode == 0, res.stderr
+        assert "lr=0.001" in res.stdout and "relative_step=False, scale_parameter=False" in res.stdout
+        saved = torch_load(THIRD / f"{stem}.pt")
+        with statekit.open(out) as ckpt:
+            variance = next(p.slots["variance"] for p in ckpt.optimizer.params if "variance" in p.slots).numpy()
+        assert (variance.view(np.int32) == bits(saved["state"][1]["exp_avg_sq"])).all()  # ε₁ not added twice
+        verify = cli("verify-resume", THIRD / f"{stem}.pt", out, "--names", names_file(tmp_path, SMALL_NAMES),
+                     "--transpose", "*.weight")
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert "arithmetic burn → burn" in verify.stdout  # transformers' update is burn's, not torch's
+        return
+    assert res.returncode == 1 and not out.exists()
+    assert says in res.stderr and f"{stem}.pt" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def cold_burn_adafactor(params: dict, grads: list[dict]) -> dict:
+    """burn's Adafactor from no state (its first step) over the same gradients: the restart a silent
+    no-op restore would give."""
+    from statekit.optim.burn_extra import adafactor
+
+    hp = {"lr": 1e-2, "epsilon_1": 1e-30, "epsilon_2": 1e-3, "d": 1.0, "beta2_decay": -0.8, "weight_decay": 0.0,
+          "relative_step": True, "scale_parameter": True}
+    out = {n: v.copy() for n, v in params.items()}
+    for n in out:
+        state, step = {}, 0
+        for g in grads:
+            state = adafactor(out[n], g[n], state, step, hp)
+            step += 1
+    return out
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"weight_decay": 0.1}, "weight_decay=0.1 decays by the scaled, relative step in transformers, by the plain lr in "
+                            "burn's Adafactor"),
+    ({"warmup_init": True}, "warmup_init=True grows the relative step from 1e-6·t, which burn's Adafactor cannot do"),
+])
+def test_transformers_adafactor_settings_burn_cannot_express_are_refused(setting, says):
+    from statekit.frameworks.torch_thirdparty import adapt
+
+    with statekit.open(THIRD / "hf-adafactor-relative.pt") as ckpt:
+        state = ckpt.optimizer
+        state.groups[0].hyperparams.update(setting)
+        with pytest.raises(MappingError, match="cannot continue as burn's Adafactor") as err:
+            adapt(state, "burn")
+    assert says in str(err.value)

@@ -396,16 +396,17 @@ def _adafactor_problems(g: dict, i: int, target: str, has_first_moment: bool) ->
             out.append(f"{where}: relative_step=False (a constant lr={g.get('lr')}), but torch.optim.Adafactor's "
                        "step size is min(lr, 1/√t), which differs from step "
                        f"{math.floor(1 / float(g['lr']) ** 2) + 1 if g.get('lr') else 1} on")
-    if float(g.get("weight_decay") or 0) != 0:
+    plain_lr = not g.get("relative_step") and not g.get("scale_parameter")
+    if float(g.get("weight_decay") or 0) != 0 and (target == "torch" or not plain_lr):
         out.append(f"{where}: weight_decay={g['weight_decay']} decays by the scaled, relative step in transformers, by "
                    f"the plain lr in {target}'s Adafactor")
     return out
 
 
 def _as_adafactor(state: OptimizerState, foreign: Foreign, target: str):
-    if target != "torch":
-        raise MappingError(f"{foreign.name} state → {target}: not converted yet (statekit moves it to "
-                           "torch.optim.Adafactor only)")
+    if target not in ("torch", "burn"):
+        raise MappingError(f"{foreign.name} state → {target}: no Adafactor there (statekit moves it to "
+                           "torch.optim.Adafactor or burn's Adafactor)")
     problems: list[str] = []
     has_first = {p.group for p in state.params if "exp_avg" in p.slots}
     out_groups = []
@@ -414,8 +415,10 @@ def _as_adafactor(state: OptimizerState, foreign: Foreign, target: str):
         eps = g.get("eps") or (1e-30, 1e-3)
         values = {"lr": 1e-2 if g.get("relative_step") else g.get("lr"), "beta2_decay": g.get("decay_rate", -0.8),
                   "eps": tuple(eps), "d": g.get("clip_threshold", 1.0), "weight_decay": g.get("weight_decay", 0.0)}
-        if target != "torch":  # burn's switches (torch has none: it always scales and steps relatively)
-            values.update(relative_step=bool(g.get("relative_step")), scale_parameter=bool(g.get("scale_parameter")))
+        if target == "burn":  # burn's switches and its two epsilons (torch has neither switch)
+            del values["eps"]
+            values.update(epsilon_1=float(eps[0]), epsilon_2=float(eps[1]), relative_step=bool(g.get("relative_step")),
+                          scale_parameter=bool(g.get("scale_parameter")))
         values.update({k: g[k] for k in ANNOTATIONS if k in g})
         out_groups.append(values)
     if problems:
@@ -424,6 +427,8 @@ def _as_adafactor(state: OptimizerState, foreign: Foreign, target: str):
     for p in state.params:
         slots: dict[str, TensorRef] = {}
         for name, ref in p.slots.items():
+            if target == "burn" and name.startswith("exp_avg_sq"):
+                ref = _without_eps1(ref, out_groups[p.group]["epsilon_1"])
             if name == "exp_avg_sq_row":  # [..., R] → [..., R, 1]: the same bytes
                 slots["row_var"] = replace(ref, shape=tuple(ref.shape) + (1,))
             elif name == "exp_avg_sq_col":  # [..., C] → [..., 1, C]
@@ -434,10 +439,26 @@ def _as_adafactor(state: OptimizerState, foreign: Foreign, target: str):
     notes = ["transformers Adafactor's exp_avg_sq_row/col (means of g²+ε₁) become row_var [..., n, 1] and col_var "
              "[..., 1, m], exp_avg_sq becomes variance; RMS is dropped (recomputed from the parameter at every step)",
              "transformers adds ε₁ to g² before averaging, torch clamps with it instead: the moments differ by at most ε₁ "
-             f"(eps[0]={out_groups[0]['eps'][0] if out_groups else 1e-30:g})"]
+             f"(eps[0]={out_groups[0].get('eps', (1e-30,))[0] if out_groups else 1e-30:g})"]
+    if target == "burn":  # burn, like transformers, adds ε₁ to g² before averaging
+        eps1 = out_groups[0]["epsilon_1"] if out_groups else 1e-30
+        notes[1] = (f"transformers adds ε₁ (eps[0]={eps1:g}) to g² before averaging, as burn does: its moments "
+                    "already hold ε₁, so they are taken as torch's minus ε₁ and burn's crossing adds it back (the "
+                    f"file's own bits for entries of 0 or ≥ {2.0**-74:.2g})")
+        notes.append("burn's relative_step, scale_parameter, epsilon_1, epsilon_2, decay_rate (beta2_decay), "
+                     "clip_threshold (d) and weight_decay are transformers' own settings, carried as stored")
     if any(g.hyperparams.get("relative_step") for g in state.groups):
         notes.append("relative_step=True: the step size is min(1e-2, 1/√t), written as lr=0.01")
     return _copy(state, "adafactor", out_groups, params, notes), notes
+
+
+def _without_eps1(ref: TensorRef, eps1: float) -> TensorRef:
+    """``ref − ε₁`` in its own dtype, piece by piece (transformers' moments hold ε₁ as burn's do;
+    the torch ⇄ burn crossing adds it again)."""
+    from statekit import stream
+
+    return stream.combine([ref], lambda piece: np.asarray(piece - piece.dtype.type(eps1), dtype=piece.dtype),
+                          ref.dtype)
 
 
 def _as_lion(state: OptimizerState, foreign: Foreign, target: str):

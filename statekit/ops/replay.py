@@ -440,6 +440,8 @@ def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | N
             target = other.framework if other is not None and not torch_thirdparty.is_foreign(other) else "torch"
             want = optimizer or (other.family if other is not None and other.family in ("adam", "adamw") else None)
             state, said = torch_thirdparty.adapt(ckpt.optimizer, target, optimizer=want, path=ckpt.path)
+            if target == "burn" and state.family == "adafactor" and flavors[i] is None:
+                flavors[i] = "burn"  # transformers' Adafactor steps as burn's (ε₁ in g², both switches), not torch's
             sides[i] = replace(ckpt, optimizer=state)
             notes += [f"{ckpt.path}: {n}" for n in said]
     return sides[0], sides[1], notes, flavors
@@ -487,6 +489,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
              "cold": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
              "fresh": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel)}
     exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
+    if algorithm == "adafactor" and any(pr.transpose for pr in pairs):
+        exact = False  # a transposed weight swaps the factors: the same update, rounded in another order
     quantized = _quantized(a_state, b_state)
     lr = float(hp_a.get("lr", 1e-3))
     rows, ok = [], True
