@@ -132,7 +132,7 @@ def inspect(
                             str(file))
         total = len(ckpt.optimizer.params) if ckpt.optimizer else len(ckpt.model.params) if ckpt.model else 0
         with out.progress("statistics", total if stats else None) as advance:
-            result = describe(ckpt, stats=stats, on_param=advance, only=param)
+            result = describe(ckpt, stats=stats, on_param=advance, only=param, stream=True)
         out.show("inspect", result, stats=stats, width=out.width)
         if _ONE_COMMAND:
             _KEPT.append((ckpt, result))  # freed by the process's exit, not one object at a time (see main)

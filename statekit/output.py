@@ -35,7 +35,7 @@ def _jsonable(value: object) -> object:
         return str(value)
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
+    if isinstance(value, list | tuple) or getattr(type(value), "json_list", False):
         return [_jsonable(v) for v in value]
     if hasattr(value, "item"):  # numpy scalars
         return _jsonable(value.item())
@@ -60,14 +60,18 @@ class _Pieces(list):
     """The pieces :func:`_dump` appends; every :data:`PIECES` of them joined into one chunk, so
     that a description of 10^6 parameters is held as its text, not as 2·10^7 small strings."""
 
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "sink")
 
-    def __init__(self) -> None:
+    def __init__(self, sink=None) -> None:
         super().__init__()
         self.chunks: list[str] = []
+        self.sink = sink  # where each chunk goes instead (Output.json: stdout), or None: kept
 
     def fold(self) -> None:
-        self.chunks.append("".join(self))
+        if self.sink is None:
+            self.chunks.append("".join(self))
+        else:
+            self.sink("".join(self))
         self.clear()
 
 
@@ -88,6 +92,25 @@ def dump_chunks(obj: object) -> list[str]:
         return [json.dumps(_jsonable(obj), indent=2, allow_nan=False)]
     out.fold()
     return out.chunks
+
+
+def write_chunks(obj: object, write) -> None:
+    """:func:`dumps`'s text given to ``write`` chunk by chunk, none of it kept (10^6 parameters'
+    text held at once was ~0.35 GB). A first walk writes nothing: a value only :mod:`json` can
+    write is found before any output (then json writes it all), so output is never partial."""
+    global _quote
+    if _quote is None:
+        from json.encoder import encode_basestring_ascii as _quote
+    try:
+        _dump(obj, _Pieces(lambda chunk: None), "\n")
+    except _Unusual:
+        import json
+
+        write(json.dumps(_jsonable(obj), indent=2, allow_nan=False))
+        return
+    out = _Pieces(write)
+    _dump(obj, out, "\n")
+    out.fold()
 
 
 _quote = None  # json's string quoting, imported by the first dumps()
@@ -120,7 +143,7 @@ def _dump(value: object, out: list[str], newline: str) -> None:
             _dump(item, out, inner)
             sep = "," + inner
         out.append(newline + "}")
-    elif kind is list or kind is tuple:
+    elif kind is list or kind is tuple or getattr(kind, "json_list", False):  # (json_list: ops.inspect.Rows)
         if not value:
             out.append("[]")
             return
@@ -238,8 +261,7 @@ class Output:
                 self.print(item)
 
     def json(self, obj: object) -> None:
-        for chunk in dump_chunks(obj):
-            sys.stdout.write(chunk)
+        write_chunks(obj, sys.stdout.write)
         sys.stdout.write("\n")
 
     def print(self, *objects: object) -> None:

@@ -152,7 +152,7 @@ def _itemsize(dtype: str | None) -> int:
         return 0
 
 
-def _totals(params: list[dict], optimizer: bool) -> tuple[int, int]:
+def _totals(params, optimizer: bool) -> tuple[int, int]:
     """Elements and bytes of a group of parameters (their state fields, for optimizer files)."""
     elements = nbytes = 0
     for p in params:
@@ -199,17 +199,21 @@ class PlainLines(str):
     """Pre-formatted lines: :class:`statekit.output.Output` writes them to stdout unchanged."""
 
 
-def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
+CHUNK_LINES = 4096
+
+
+def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
     """The parameters grouped by module prefix. The cells are made twice (once for the column
     widths, once for the rows) rather than kept: 10^6 rows of cells held at once took ~0.5 GB."""
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[int]] = {}  # positions: the rows are read again by position (they may be made on reading)
     widths = {c: len(c) for c in names}
     rows = 0
-    for p in d["params"]:
-        groups.setdefault(_prefix(p["path"]), []).append(p)
+    params = d["params"]
+    for p in params:
+        groups.setdefault(_prefix(p["path"]), []).append(rows)
         cells = _cells(p, optimizer, family)
         for c in names:
             if len(cells[c]) > widths[c]:
@@ -217,24 +221,25 @@ def params_table(d: dict, width: int | None = None) -> Grid | PlainLines:
         rows += 1
     cols = _columns([], names, width, widths)
     if rows > PLAIN_ROWS:
-        return _plain_table(groups, cols, optimizer, widths, family)
+        return _plain_table(params, groups, cols, optimizer, widths, family)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
-    for prefix, params in groups.items():
-        for p in params:
-            cells = _cells(p, optimizer, family)
+    for prefix, positions in groups.items():
+        for i in positions:
+            cells = _cells(params[i], optimizer, family)
             table.add_row([cells[c] for c in cols])
-        if len(params) > 1:
-            elements, nbytes = _totals(params, optimizer)
+        if len(positions) > 1:
+            elements, nbytes = _totals(map(params.__getitem__, positions), optimizer)
             total = {c: "" for c in cols}
             total[last] = f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}"
             table.add_row([total[c] for c in cols], style="dim", end_section=True)
     return table
 
 
-def _plain_table(groups: dict[str, list[dict]], cols: list[str], optimizer: bool, widths: dict[str, int],
-                 family) -> PlainLines:
-    """The table as aligned text: a header, a rule, the rows, a total line under each group."""
+def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimizer: bool, widths: dict[str, int],
+                 family) -> list[PlainLines]:
+    """The table as aligned text: a header, a rule, the rows, a total line under each group
+    (in pieces of :data:`CHUNK_LINES` lines, written one after the other)."""
     right = {"rank", "step"}
     last = cols[-1]
 
@@ -246,14 +251,30 @@ def _plain_table(groups: dict[str, list[dict]], cols: list[str], optimizer: bool
     def line(cells: dict[str, str]) -> str:
         return template.format(*values(cells)).rstrip()
 
+    chunks: list[PlainLines] = []
     out = [line({c: c for c in cols}), " ".join("-" * widths[c] for c in cols)]
+
+    def add(text: str) -> None:  # (joined every CHUNK_LINES lines: 10^6 line objects held took ~0.1 GB)
+        out.append(text)
+        if len(out) >= CHUNK_LINES:
+            chunks.append(PlainLines("\n".join(out) + "\n"))
+            out.clear()
+
     indent = sum(widths[c] + 1 for c in cols[:-1])
-    for prefix, params in groups.items():
-        out += [line(_cells(p, optimizer, family)) for p in params]
-        if len(params) > 1:
-            elements, nbytes = _totals(params, optimizer)
-            out.append(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
-    return PlainLines("\n".join(out) + "\n")
+    for prefix, positions in groups.items():
+        if len(positions) == len(params):  # one group: the rows in order (made once more, not by position)
+            for p in params:
+                add(line(_cells(p, optimizer, family)))
+            elements, nbytes = _totals(params, optimizer) if len(positions) > 1 else (0, 0)
+        else:
+            for i in positions:
+                add(line(_cells(params[i], optimizer, family)))
+            elements, nbytes = _totals(map(params.__getitem__, positions), optimizer)
+        if len(positions) > 1:
+            add(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
+    if out:
+        chunks.append(PlainLines("\n".join(out) + "\n"))
+    return chunks
 
 
 def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
@@ -262,7 +283,8 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     if d["kind"] == "optimizer" and str(d.get("family") or "").startswith("unknown"):
         out += wrapped("", f"family: {d['family']}".split(" "), " ", width, "yellow")
     if d["params"]:
-        out.append(params_table(d, width))
+        table = params_table(d, width)
+        out += table if isinstance(table, list) else [table]
     if stats:
         out.append(stats_table(d))
     if d.get("global"):
