@@ -89,3 +89,13 @@ def test_param_globs_on_inspect_diff_and_doctor(cli, tmp_path):
     assert {p["label"] for p in d["params"]} <= {"l2.weight", "l2.bias"} and len(d["params"]) == 2
     d = json.loads(cli("doctor", HAND, "--param", "*.bias", "--json").stdout)
     assert d["params"] == 2
+
+
+@pytest.mark.parametrize("columns", ["80", "60"])
+def test_inspect_of_a_global_state_fits_the_terminal(cli, columns):
+    """burn's L-BFGS record: its "global scalars" line was one line of 97 characters at 80 columns."""
+    r = cli("inspect", FIXTURES / "burn-optim" / "lbfgs.bpk", env={"COLUMNS": columns})
+    assert r.returncode == 0, r.stderr
+    assert all(len(line) <= int(columns) for line in r.stdout.splitlines()), r.stdout
+    shown = " ".join(r.stdout.split())
+    assert "g_iter=8" in shown and "prev_loss=" in shown and "history_y.len=7" in shown

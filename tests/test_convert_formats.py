@@ -93,3 +93,23 @@ def test_nonfinite_state_is_refused_unless_allowed(tmp_path, cli):
     assert cli("convert", src, tmp_path / "x.safetensors", "--allow-nonfinite").returncode == 0
     r = cli("diff", src, tmp_path / "x.safetensors")
     assert r.returncode == 0, r.stdout  # NaN at the same places compares equal
+
+
+@pytest.mark.parametrize("src, out, code", [
+    ("burn-optim/lion.bpk", "out.pt", 1),        # torch has no Lion
+    ("burn-optim/lamb.bpk", "out.pt", 1),        # torch has no LAMB
+    ("burn-optim/muon.bpk", "out.pt", 2),        # sgd or muon: the user must say
+    ("burn-optim/muon-adamw.bpk", "out.safetensors", 1),
+    ("burn-optim/muon-adamw.bpk", "out.pt", 2),   # its message already starts with the file: once
+    ("bnb/ademamix8bit.pt", "out.pt", 1),        # torch has no AdEMAMix
+    ("bnb/lamb8bit.pt", "out.bpk", 1),           # unorm_vec: not read
+])
+def test_a_refused_conversion_names_the_file_it_read(src, out, code, cli, tmp_path):
+    """Refusals raised while planning (no Adan/LAMB/Lion in torch, sgd-or-muon, bitsandbytes
+    families) said what was wrong but not of which file: one line naming it, no output file."""
+    path = Path(__file__).resolve().parent.parent / "fixtures" / src
+    res = cli("convert", path, tmp_path / out)
+    assert res.returncode == code
+    assert res.stderr.startswith(f"statekit: error: {path}") and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.count(str(path)) == 1
+    assert not list(tmp_path.iterdir())

@@ -288,3 +288,35 @@ def test_a_remapped_state_is_paired_by_path(tmp_path, cli):
     d = json.loads(r.stdout)
     assert r.returncode == 1 and d["matched_by"] == "path"
     assert {p["path"] for p in d["only_in_a"]} == {"ff.weight", "ff.bias"}
+
+
+def _torch_state_with_tensor_lr(path: Path, lr: float) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.Adam([p], lr=torch.tensor(lr))  # torch takes a tensor lr (torchao stores one too)
+    p.grad = torch.ones(3)
+    opt.step()
+    torch.save(opt.state_dict(), path)
+
+
+@pytest.mark.parametrize("fixture", ["thirdparty/torchao-adamw8bit.pt", "thirdparty/optimi-stableadamw.pt"])
+def test_a_file_diffed_with_itself_is_equal_when_a_group_value_is_a_tensor(fixture, cli):
+    f = ROOT / "fixtures" / fixture
+    res = cli("diff", f, f)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "TensorRef" not in res.stdout
+
+
+def test_group_values_stored_as_tensors_are_compared_by_value(tmp_path, cli):
+    pytest.importorskip("torch")
+    a, a2, b = tmp_path / "a.pt", tmp_path / "a2.pt", tmp_path / "b.pt"
+    _torch_state_with_tensor_lr(a, 0.01)
+    _torch_state_with_tensor_lr(a2, 0.01)
+    _torch_state_with_tensor_lr(b, 0.25)
+    assert cli("diff", a, a2).returncode == 0
+    res = cli("diff", a, b, "--json")
+    assert res.returncode == 1
+    hyper = json.loads(res.stdout)["hyperparameters"]
+    assert [(h["name"], h["a"], h["b"]) for h in hyper] == [("lr", pytest.approx(0.01), 0.25)]

@@ -13,6 +13,7 @@ import math
 import pickle
 import struct
 import zipfile
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -478,6 +479,37 @@ def test_param_group_with_a_key_that_is_not_a_string(tmp_path, key, family):
     torch.save(sd, path)
     for stats in (False, True):
         refuse(path, "param_groups[0]", "not a string", repr(key), stats=stats)
+    done = subprocess.run([sys.executable, "-m", "statekit", "inspect", str(path)], capture_output=True, text=True)
+    assert done.returncode != 0 and not done.stdout
+    assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "internal error" not in done.stderr
+
+
+@pytest.mark.parametrize("key", [(128,), 3])
+@pytest.mark.parametrize("family", ["adam", "bnb"])
+def test_param_state_with_a_key_that_is_not_a_string(tmp_path, key, family):
+    """Fuzz crasher torch-zip (fixtures/fuzz-corpus/torch-zip-8a5e87c6c3f4.pt, a bitsandbytes
+    state): a per-parameter state key that is no string became a field "name" and ended in
+    "internal error: TypeError: sequence item 5: expected str instance, tuple found" in inspect's
+    table: one line naming it."""
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    if family == "adam":
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.Adam([p])
+        p.grad = torch.ones(3)
+        opt.step()
+        sd = opt.state_dict()
+        path = tmp_path / "state.pt"
+    else:  # the real bitsandbytes file, loaded by torch and saved back with the odd key
+        sd = torch.load(Path(__file__).resolve().parent.parent / "fixtures" / "bnb" / "adamw8bit.pt",
+                        weights_only=True)
+        path = tmp_path / "bnb.pt"
+    sd["state"][0][key] = 1
+    torch.save(sd, path)
+    for stats in (False, True):
+        refuse(path, "state[0]", "not a string", repr(key), stats=stats)
     done = subprocess.run([sys.executable, "-m", "statekit", "inspect", str(path)], capture_output=True, text=True)
     assert done.returncode != 0 and not done.stdout
     assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "internal error" not in done.stderr

@@ -7,6 +7,7 @@ needed here: the references (torchao's own dequantize(), transformers' continued
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -477,6 +478,27 @@ def test_lion_pytorch_run_continues_bit_for_bit_as_burn_lion_from_the_converted_
         assert (bits(after[name]) == final[name].view(np.int32)).all(), name
     verify = cli("verify-resume", THIRD / "lion-pytorch.pt", out, "--names", names, "--transpose", "*.weight")
     assert verify.returncode == 0 and "bit-exact" in verify.stdout, verify.stdout + verify.stderr
+
+
+@pytest.mark.parametrize("stem", ["torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8"])
+def test_torchao_inspect_counts_the_bytes_stored_not_the_dequantized_ones(stem, cli):
+    import zipfile
+
+    path = THIRD / f"{stem}.pt"
+    with zipfile.ZipFile(path) as z:  # the file's tensor storages (codes, scales, the shared qmap, steps)
+        stored = sum(i.file_size for i in z.infolist() if "/data/" in i.filename)
+    d = json.loads(cli("inspect", "--json", path).stdout)
+    # less the group's lr and each parameter's step (0-dim float32 tensors; steps are shown apart)
+    assert d["bytes"] == stored - 4 * (len(d["params"]) + 1) < d["file_bytes"]
+    # torchao quantizes the moments of a tensor of 4096 elements or more (here the 64×64 weight only)
+    big = [p for p in d["params"] if math.prod(p["shape"]) >= 4096]
+    assert [p["shape"] for p in big] == [[64, 64]]
+    assert all("stored_label" in f for p in big for f in p["fields"].values())
+    moments = 64 * 64 * 2  # exp_avg and exp_avg_sq, read as float32
+    assert d["dequantized_bytes"] == moments * 4
+    head = cli("inspect", path).stdout.split("┏")[0]
+    assert "dequantized" in head
+    assert "exp_avg (" in cli("inspect", path).stdout  # the table says the moment is stored quantized
 
 
 def test_transformers_adafactor_run_continues_as_burn_adafactor_from_the_converted_record(cli, tmp_path):

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from statekit.errors import FormatError, MappingError
-from statekit.formats import torch_pt
+from statekit.formats import limits, torch_pt
 from statekit.lazy import numpy as np
 from statekit.optim import blockwise
 from statekit.state import OptimizerState, ParamGroup, ParamState
@@ -255,6 +255,9 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
 
 
 def _read_param(p: ParamState, entry: dict, family: str | None, where: str, path: str, step_value) -> None:
+    odd = next((k for k in entry if not isinstance(k, str)), None)
+    if odd is not None:  # bitsandbytes names every state field by a string
+        raise FormatError(f"{where} has a key that is not a string: {limits.short(odd)}", path)
     for name, value in entry.items():
         if name == "step":
             p.step, p.extra["__step_dtype"] = step_value(value, where, path)

@@ -41,6 +41,21 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
         return checkpoint_from_object(obj, path, key, FORMAT)
 
 
+def stored_nbytes(refs: list) -> int:
+    """The bytes the file stores for ``refs``: a value decoded from other tensors (torchao's
+    quantized moments) counts those tensors, and a tensor saved twice (one qmap shared by every
+    moment) counts once."""
+    seen: dict = {}
+    for ref in refs:
+        info = ref.info if type(ref.info) is dict else {}
+        for r in info.get("stored_tensors", (ref,)):
+            i = r.info if type(r.info) is dict else {}
+            key = ((i["storage_key"], i.get("storage_offset"), r.shape, r.dtype) if "storage_key" in i
+                   else id(r))
+            seen.setdefault(key, r.nbytes)
+    return sum(seen.values())
+
+
 def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) -> Checkpoint:
     """A Checkpoint for the object a torch file (or DCP directory) holds."""
     from statekit.frameworks import torch_fqn
@@ -60,7 +75,7 @@ def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) ->
         refs += [r for p in ckpt.optimizer.params for v in p.opaque.values() for r in nested_tensors(v)]
         ckpt.n_tensors = len(refs) + sum(1 for p in ckpt.optimizer.params if "__step_dtype" in p.extra
                                          and p.extra["__step_dtype"] != "python")
-        ckpt.nbytes = sum(r.nbytes for r in refs)
+        ckpt.nbytes = stored_nbytes(refs)
         if where:
             ckpt.metadata["key"] = where
             ckpt.optimizer.notes.append(f"optimizer state found under {where!r} in a training checkpoint")

@@ -124,6 +124,14 @@ def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]
     raise FormatError(f"{where}: step is {type(value).__name__}, expected a number or 0-dim tensor", path)
 
 
+def _field_names(entry: dict, idx: int, path: str) -> set[str]:
+    odd = next((k for k in entry if not isinstance(k, str)), None)
+    if odd is not None:  # torch.optim names every state field by a string
+        raise FormatError(f"state[{idx}] has a key that is not a string: {limits.short(odd)}; torch's "
+                          f"optimizers name state fields by strings", path)
+    return set(entry)
+
+
 def read_optimizer(sd: dict, path: str) -> OptimizerState:
     """Interpret a torch optimizer state_dict (no tensor data is read, except 0-dim steps)."""
     state_map = sd["state"]
@@ -160,7 +168,7 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
             if entry is not None:
                 if not isinstance(entry, dict):
                     raise FormatError(f"state[{idx}] is not a dict", path)
-                fields_here.append({str(k) for k in entry})
+                fields_here.append(_field_names(entry, idx, path))
                 for name, value in entry.items():
                     if name == "step":
                         p.step, p.extra["__step_dtype"] = _step_value(value, f"state[{idx}]", path)

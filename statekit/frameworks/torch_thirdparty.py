@@ -218,6 +218,7 @@ def group_step(value: object, where: str, path: str) -> int | float:
 
 STORED = {"OptimState8bit": "8-bit codes", "OptimState4bit": "4-bit codes (two a byte)",
           "OptimStateFp8": "float8_e4m3fn codes"}
+LABEL = {"OptimState8bit": "8-bit", "OptimState4bit": "4-bit", "OptimStateFp8": "fp8"}
 
 
 def wrapper_slot(value, where: str, path: str) -> TensorRef:
@@ -250,7 +251,10 @@ def wrapper_slot(value, where: str, path: str) -> TensorRef:
     if per_code == 2 and block % 2:
         raise FormatError(f"{where}: OptimState4bit block size {block} is odd", path)
     return TensorRef(dtype="F32", shape=shape, piece_source=_dequantizer(kind, codes, scale, qmap, block, numel),
-                     info={"stored_as": f"torchao {kind}: {STORED[kind]}, block {block}"})
+                     info={"stored_as": f"torchao {kind}: {STORED[kind]}, block {block}",
+                           "stored_label": f"{LABEL[kind]}/{block}",
+                           # what the file holds: the sizes inspect counts are of these, not of the float32
+                           "stored_tensors": tuple(r for r in (codes, scale, qmap) if isinstance(r, TensorRef))})
 
 
 def _dequantizer(kind: str, codes: TensorRef, scale: TensorRef, qmap: TensorRef | None, block: int, numel: int):

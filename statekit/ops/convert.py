@@ -7,12 +7,13 @@ state and the options, shows it, and (unless ``dry_run``) writes the target atom
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from statekit import io
-from statekit.errors import MappingError, UsageError
+from statekit.errors import MappingError, StatekitError, UsageError
 from statekit.formats import registry
 from statekit.formats.dcp import Share
 from statekit.formats.dcp import sharing as dcp_sharing
@@ -153,7 +154,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                              on_plan=on_plan if share.index == 0 else None, shards=shards)
         result.messages.append(_share_summary(share, dst))
         return result
-    with io.open_checkpoint(src, **open_options(opts, key)) as ckpt:
+    with io.open_checkpoint(src, **open_options(opts, key)) as ckpt, _naming(src):
         if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
             return _copy_container(ckpt, dst, fmt, shards, dry_run, progress or silent)
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):
@@ -193,6 +194,17 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                                  on_plan=on_plan)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+@contextlib.contextmanager
+def _naming(src: str):
+    """A refusal raised while planning (no such optimizer in torch, sgd-or-muon …) names the file read."""
+    try:
+        yield
+    except StatekitError as exc:
+        if exc.path is None and not exc.message.startswith(os.fspath(src)):
+            exc.path = os.fspath(src)
+        raise
 
 
 def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan) -> Result | None:

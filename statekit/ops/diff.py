@@ -25,6 +25,7 @@ from statekit import dtypes, io, stream
 from statekit import tensor as _tensor
 from statekit.errors import MappingError, UsageError
 from statekit.ops import ulp
+from statekit.ops.inspect import plain_value
 from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState, matches
 from statekit.tensor import TensorRef
 
@@ -363,12 +364,21 @@ def _hyperparameters(sa: OptimizerState | None, sb: OptimizerState | None) -> tu
     if len(sa.groups) != len(sb.groups):
         diffs.append({"group": None, "name": "groups", "a": len(sa.groups), "b": len(sb.groups)})
     for i, (ga, gb) in enumerate(zip(sa.groups, sb.groups, strict=False)):
-        ha = {k: v for k, v in ga.hyperparams.items() if k not in ("params", "param_names")}
-        hb = {k: v for k, v in gb.hyperparams.items() if k not in ("params", "param_names")}
+        # a group value stored as a tensor (torchao's lr, torch-optimi's step) is compared by its number
+        ha = {k: _group_value(v) for k, v in ga.hyperparams.items() if k not in ("params", "param_names")}
+        hb = {k: _group_value(v) for k, v in gb.hyperparams.items() if k not in ("params", "param_names")}
         for name in [*ha, *(k for k in hb if k not in ha)]:
             if not _same_value(ha.get(name), hb.get(name)):
                 diffs.append({"group": i, "name": name, "a": ha.get(name), "b": hb.get(name)})
     return diffs, notes
+
+
+def _group_value(value):
+    if isinstance(value, TensorRef):
+        return plain_value(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_group_value(v) for v in value)
+    return value
 
 
 def _scalar_diffs(a: dict, b: dict, prefix: str) -> list[dict]:

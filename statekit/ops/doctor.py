@@ -25,6 +25,7 @@ import numpy as np
 
 from statekit import dtypes, io, naming
 from statekit.errors import MappingError
+from statekit.frameworks import bnb
 from statekit.frameworks.torch_state import BUFFER_SUFFIXES
 from statekit.ops.diff import METHOD_WORDS
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState, matches
@@ -89,8 +90,10 @@ def _check_param(p: ParamState, findings: list[dict]) -> None:
     label = p.label()
     # per-parameter scalars (transformers Adafactor's RMS, optimi's eps_sq) and an Adafactor's factored
     # second moment (row and column factors) are not the parameter's shape by design
+    # bitsandbytes' code table and block scales (kept as stored when its family is not read) neither
     shapes = {slot: tuple(ref.shape) for slot, ref in p.slots.items()
-              if ref.shape and slot not in naming.FACTORED_SLOTS}
+              if ref.shape and slot not in naming.FACTORED_SLOTS
+              and not ("state1" in p.slots and slot in bnb.STATE_KEYS[2:])}
     if len(set(shapes.values())) > 1:
         detail = ", ".join(f"{slot} {_shape(s)}" for slot, s in shapes.items())
         findings.append(_finding("error", "field-shapes", label, f"fields have different shapes: {detail}"))

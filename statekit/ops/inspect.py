@@ -136,6 +136,8 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
         if type(ref.info) is dict and "stored_as" in ref.info:  # a value decoded from another form (torchao codes)
             item["stored_as"] = ref.info["stored_as"]
+            if "stored_label" in ref.info:
+                item["stored_label"] = ref.info["stored_label"]
         if stats:
             item["stats"] = stats_of(ref)
         fields[native.get(slot, slot)] = item
@@ -433,6 +435,10 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
         if unread:
             out["warnings"].append(unread)
         out["family_label"] = state.family_label
+        decoded = sum(ref.nbytes for p in state.params for ref in p.slots.values()
+                      if type(ref.info) is dict and "stored_tensors" in ref.info)
+        if decoded:  # "bytes" counts what the file stores (torchao's codes); these are the values as read
+            out["dequantized_bytes"] = decoded
         out["family_candidates"] = list(state.candidates)
         out["hyperparameters_stored"] = state.hyperparams_stored
         out["notes"] = list(state.notes) + ([state.names_from] if state.names_from else [])

@@ -33,6 +33,9 @@ def summary_items(d: dict) -> list[str]:
     size = human_bytes(d["bytes"])
     if d.get("file_bytes") is not None:  # the file's size, and how much of it is tensor data
         size = f"{human_bytes(d['file_bytes'])} ({human_bytes(d['bytes'])} in tensors)"
+    if d.get("dequantized_bytes"):  # quantized moments (torchao): what they take once read as float32
+        size = f"{size[:-1]}; quantized moments: {human_bytes(d['dequantized_bytes'])} dequantized)" \
+            if size.endswith(")") else f"{size} ({human_bytes(d['dequantized_bytes'])} dequantized)"
     return [f"{d['format']}{version}", kind, f"{len(d['params'])} params", f"{d['tensors']} tensors, {d['scalars']} scalars",
             size]
 
@@ -130,6 +133,8 @@ def _field_text(name: str, f: dict) -> str:
         enc = f["encoding"]
         how = f"8-bit/{enc['block']}" if enc["bits"] == 8 else "32-bit"
         return f"{name}={f['slot']} ({how})"
+    if "stored_label" in f:  # decoded from codes as it was read (torchao): how the file stores it
+        return f"{name} ({f['stored_label']})"
     if "role" in f:
         return name
     if f.get("understood", True):
@@ -283,7 +288,7 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     if stats:
         out.append(stats_table(d))
     if d.get("global"):
-        out += global_view(d["global"])
+        out += global_view(d["global"], width)
     if d.get("scalar_values"):
         from rich.table import Table
 
@@ -312,7 +317,7 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
     return out
 
 
-def global_view(g: dict) -> list:
+def global_view(g: dict, width: int | None = None) -> list:
     """An optimizer's global state (burn's and torch's L-BFGS): its tensors (name, shape, dtype) in
     a table, history lists folded to one row each, then its scalars."""
     rows: dict[str, list] = {}
@@ -328,7 +333,7 @@ def global_view(g: dict) -> list:
         table.add_row([label, ", ".join(sorted(shapes)), ", ".join(sorted(dtypes_))])
     out: list = [table] if rows else []
     if g["scalars"]:
-        out.append(Line.of("global scalars: " + ", ".join(f"{k}={v}" for k, v in g["scalars"].items())))
+        out += wrapped("global scalars: ", [f"{k}={v}" for k, v in g["scalars"].items()], ", ", width)
     return out
 
 

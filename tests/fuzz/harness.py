@@ -66,7 +66,8 @@ def seeds(group: str) -> list[bytes]:
     if group == "burnpack":
         found = _read("hand-optim.bpk", "hand-optim-019.bpk", "hand-optim-sgd.bpk", "hand-optim-rmsprop.bpk",
                       "hand-model.bpk", "hand-scheduler.bpk", "lm-model.bpk", "legacy-bpk/adamw_amsgrad.bpk",
-                      "hand-optim-adagrad.bpk")
+                      "hand-optim-adagrad.bpk", "burn-optim/adafactor.bpk", "burn-optim/lamb.bpk",
+                      "burn-optim/lbfgs.bpk", "burn-optim/muon-adamw.bpk", "burn-optim/lion.bpk")
     elif group == "msgpack":
         found = _read("legacy/adam_full.mpk", "legacy/adam_half.mpk", "legacy/adamw_amsgrad.mpk",
                       "legacy/model-21.mpk", "legacy/sgd_momentum.mpk")
@@ -78,7 +79,12 @@ def seeds(group: str) -> list[bytes]:
     elif group == "torch-zip":
         found = _read("torch/checkpoint.pt", "torch/state_dict.pt", "torch/nested_dict.pt", "torch/bool.pt",
                       "torch/parameter.pt", "torch_extra/views.pt", "torch_extra/attributes.pt",
-                      "torch_extra/big_endian.pt", "torch_extra/protocol4.pt")
+                      "torch_extra/big_endian.pt", "torch_extra/protocol4.pt", "bnb/adamw8bit.pt",
+                      "bnb/ademamix8bit.pt", "bnb/lamb8bit.pt", "bnb/paged_adamw32bit.pt",
+                      "thirdparty/torchao-adamw8bit.pt", "thirdparty/torchao-adamw4bit.pt",
+                      "thirdparty/torchao-adamwfp8.pt", "thirdparty/hf-adafactor-trainer.pt",
+                      "thirdparty/schedulefree-adamw.pt", "thirdparty/lion-pytorch.pt",
+                      "thirdparty/galore-adamw.pt", "hf/v5/llama/checkpoint-2/optimizer.pt")
         made = _converted("hand-optim.bpk", ".pt", optimizer="adam")
         found += [made] if made else []
     elif group == "torch-legacy":
@@ -86,7 +92,8 @@ def seeds(group: str) -> list[bytes]:
                       "torch/legacy_with_offsets.pt", "torch_extra/legacy_views.pt", "torch_extra/legacy_dtypes.pt")
     elif group == "safetensors":
         found = _read("candle/model.safetensors", "candle/optimizer.safetensors",
-                      "candle/optimizer-nometa.safetensors", "candle/model-bf16.safetensors")
+                      "candle/optimizer-nometa.safetensors", "candle/model-bf16.safetensors",
+                      "thirdparty/torchao-reference.safetensors", "thirdparty/lion-resume.safetensors")
         made = _converted("hand-optim.bpk", ".safetensors")
         found += [made] if made else []
     else:
