@@ -58,34 +58,20 @@ def _equal(ours, ref, where="") -> None:
         assert ours == ref and type(ours) is type(ref), where
 
 
-def _torch_equal(a, b, where="") -> None:
-    if isinstance(b, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(b, dict):
-        assert list(a) == list(b), where
-        for k in b:
-            _torch_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(b, list | tuple):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _torch_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
-def _torch_close(a, b, where="") -> None:
-    """Same structure and values to float32 rounding (a few ULPs after 10 steps)."""
+def _torch_equal(a, b, where="", close=False) -> None:
+    """Same structure and values: bit for bit, or with ``close`` to float32 rounding (a few ULPs
+    after 10 steps)."""
     if isinstance(b, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), where
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7) if close else torch.equal(a, b), where
     elif isinstance(b, dict):
         assert list(a) == list(b), where
         for k in b:
-            _torch_close(a[k], b[k], f"{where}.{k}")
+            _torch_equal(a[k], b[k], f"{where}.{k}", close)
     elif isinstance(b, list | tuple):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _torch_close(x, y, f"{where}[{i}]")
+            _torch_equal(x, y, f"{where}[{i}]", close)
     else:
         assert a == b, where
 
@@ -240,4 +226,4 @@ def test_dcp_written_by_statekit_resumes_bit_identically(tmp_path, cli):
     for _, _, out in runs[1:]:
         _torch_equal(torch.load(out, weights_only=True), by_torch, out)
     recorded = torch.load(DCP / "resume.pt", weights_only=True)["after"]
-    _torch_close(by_torch, recorded, "torch's resume")
+    _torch_equal(by_torch, recorded, "torch's resume", close=True)
