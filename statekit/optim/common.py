@@ -107,6 +107,23 @@ def torch_grad(b: Backend, p, g, wd32, maximize: bool, wd: float):
     return g
 
 
+def torch_adam_moments(b: Backend, p, g, s, k, *, decoupled: bool, maximize: bool, wd: float, beta1: float, like):
+    """The opening torch's NAdam and RAdam share: decoupled decay of ``p`` in place (or the
+    coupled gradient), then ``exp_avg`` and ``exp_avg_sq`` updated in place as torch rounds them
+    (``k``: the step's float32 constants ``decay``, ``wd``, ``c2``, ``beta2``). Returns ``(g, m, v)``."""
+    if decoupled and wd != 0:
+        if maximize:
+            g = -g
+        p[...] = p * k["decay"]
+    else:
+        g = torch_grad(b, p, g, k["wd"], maximize, wd)
+    m = lerp(b, s["exp_avg"], g, 1 - beta1, like)
+    s["exp_avg"][...] = m
+    v = b.fma32(k["c2"] * g, g, s["exp_avg_sq"] * k["beta2"])
+    s["exp_avg_sq"][...] = v
+    return g, m, v
+
+
 def lerp(b: Backend, start, end, weight: float, like, out=None, scratch=None):
     """torch's ``start.lerp(end, weight)`` for float32 (vector and scalar loops agree), into
     ``out`` when given (``start`` itself may be ``out``); ``end - start`` into ``scratch`` when

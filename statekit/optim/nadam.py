@@ -22,7 +22,7 @@ Element-wise (``f32`` of each scalar; ``sqrt`` is torch's CPU root, as for Adam)
 
 from __future__ import annotations
 
-from statekit.optim.common import TORCH, TORCH_FOREACH, lerp, torch_grad
+from statekit.optim.common import TORCH, TORCH_FOREACH, torch_adam_moments
 from statekit.optim.fp import f32
 from statekit.optim.tensorwise import make_scalar_step
 
@@ -59,16 +59,8 @@ def _builder(foreach: bool):
         sqrt, around = b.torch_root()
 
         def kernel(p, g, s, tail):
-            if decoupled and wd != 0:
-                if maximize:
-                    g = -g
-                p[...] = p * k["decay"]
-            else:
-                g = torch_grad(b, p, g, k["wd"], maximize, wd)
-            m = lerp(b, s["exp_avg"], g, 1 - beta1, like)
-            s["exp_avg"][...] = m
-            v = b.fma32(k["c2"] * g, g, s["exp_avg_sq"] * k["beta2"])
-            s["exp_avg_sq"][...] = v
+            g, m, v = torch_adam_moments(b, p, g, s, k, decoupled=decoupled, maximize=maximize, wd=wd,
+                                         beta1=beta1, like=like)
             if foreach:
                 denom = sqrt(v) / k["bc2_sqrt"] + k["eps"]
             else:

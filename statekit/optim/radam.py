@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from statekit.optim.common import TORCH, TORCH_FOREACH, lerp, make_step, no_tail, torch_grad
+from statekit.optim.common import TORCH, TORCH_FOREACH, make_step, no_tail, torch_adam_moments
 from statekit.optim.fp import f32
 
 
@@ -57,16 +57,8 @@ def _builder(foreach: bool):
         sqrt, around = b.torch_root()
 
         def kernel(p, g, s, tail):
-            if decoupled and wd != 0:
-                if maximize:
-                    g = -g
-                p[...] = p * k["decay"]
-            else:
-                g = torch_grad(b, p, g, k["wd"], maximize, wd)
-            m = lerp(b, s["exp_avg"], g, 1 - beta1, like)
-            s["exp_avg"][...] = m
-            v = b.fma32(k["c2"] * g, g, s["exp_avg_sq"] * k["beta2"])
-            s["exp_avg_sq"][...] = v
+            g, m, v = torch_adam_moments(b, p, g, s, k, decoupled=decoupled, maximize=maximize, wd=wd,
+                                         beta1=beta1, like=like)
             if foreach:
                 with np.errstate(divide="ignore"):  # unrectified: coef is -0.0, the buffer -inf, its reciprocal -0.0
                     buffer = k["one"] / ((sqrt(v) + k["eps"]) / k["coef"]) + k["unrect"]
