@@ -15,9 +15,21 @@ from statekit.formats.torch_pickle.allowlist import (
     _Callable,
     find_global,
 )
-from statekit.formats.torch_pickle.geometry import _tensor
-from statekit.formats.torch_pickle.opcodes import _BININT1, _INTS, _TUPLE1, _int_op
+from statekit.formats.torch_pickle.geometry import _DTYPE_CACHE, TensorInfo, _geometry, _tensor
+from statekit.formats.torch_pickle.opcodes import (
+    _BININT,
+    _BININT1,
+    _BININT2,
+    _BINUNICODE,
+    _I32,
+    _INTS,
+    _TUPLE1,
+    _U16,
+    _U32,
+    _int_op,
+)
 from statekit.formats.torch_pickle.structure import MAX_DEPTH, _is_container
+from statekit.tensor import FileSpan, TensorRef
 
 
 def _small_tuple(ints: bytes | None, op: bytes | None) -> tuple | bool:
@@ -214,3 +226,88 @@ def inline_call(u, groups: tuple, stack: list) -> bool:
     else:
         stack[-1] = _call(stack[-1], args)
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# runs of memo-less calls viewing one storage
+
+
+_REBUILD_GLOBAL = b"ctorch._utils\n_rebuild_tensor_v2\n"
+_OFFSET_GROUP = 12  # (of _INLINE_CALL: the storage offset's int opcode)
+_INLINE_RUN_OPS = 3 + _INLINE_CALL_OPS  # BINUNICODE, GLOBAL, MARK, then the call
+
+
+def inline_template(u, data, match, after: int, func: object, ref: object) -> tuple | None:
+    """What :func:`inline_run` needs to repeat the call ``match`` just ran (``func`` called, ``ref``
+    built), or None when the next pair does not repeat it or it cannot be repeated byte for byte:
+    every argument written inline (no memo read), the callable torch.save's ``_rebuild_tensor_v2``
+    named by a GLOBAL, and a plain view of a storage (what :func:`_tensor` builds first)."""
+    if type(data) is not bytes or data[after : after + 1] != b"X" or after + 5 > len(data):
+        return None
+    head = _REBUILD_GLOBAL + data[match.start() : match.start(_OFFSET_GROUP)]
+    tail = data[match.end(_OFFSET_GROUP) : match.end()]
+    k = after + 5 + _U32.unpack_from(data, after + 1)[0]
+    o = k + len(head)
+    if not (data.startswith(head, k) and data.startswith(tail, o + 1 + _INTS.get(data[o] if o < len(data) else 0, 0))):
+        return None  # (the next pair is not this call again: nothing more is done for it)
+    groups = match.groups()
+    if (func is not _REBUILD_TENSOR_V2 or type(ref) is not TensorRef or type(ref.info) is not TensorInfo
+            or ref.info.own is not None or ref.array_loader is not None
+            or any(groups[i] is not None for i in (0, 3, 6, 9, 12, 15, 19))
+            or cached_global(u, b"torch._utils", b"_rebuild_tensor_v2") is not _REBUILD_TENSOR_V2
+            or cached_global(u, b"collections", b"OrderedDict") is not _ORDERED_DICT):
+        return None
+    storage = u.last_inline[1]
+    name, _, itemsize = _DTYPE_CACHE[storage.dtype]
+    size, stride = ref.shape, ref.info.stride
+    numel, extent, _ = _geometry(size, stride, itemsize, storage.key)
+    span = storage.span
+    if name != ref.dtype or (span is None) != (ref.span is None):
+        return None
+    return (head, tail, storage, size, stride, name, ref.info.shared, itemsize, numel, extent,
+            storage.nbytes // itemsize, span)
+
+
+def inline_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, int]:
+    """The (dict key, tensor) pairs from ``pos`` that repeat the ``run`` (:func:`inline_template`) call byte for byte but
+    for the key and the storage offset — a BINUNICODE, the GLOBAL, the call — pushed as their
+    opcodes would push them: (the offset after the last, opcodes run). It stops (and leaves the
+    rest to the loop) at anything else: another opcode, other bytes, an offset that is negative
+    or past the storage's end, a key that is not UTF-8."""
+    (head, tail, storage, size, stride, name, shared, itemsize, numel, extent, capacity, span) = run
+    skey, length, end, steps = storage.key, numel * itemsize, len(data), 0
+    lh, lt = len(head), len(tail)
+    if len(u.metastack) + 2 > MAX_DEPTH:
+        return pos, 0
+    u32, u16, i32, append = _U32.unpack_from, _U16.unpack_from, _I32.unpack_from, stack.append
+    while pos + 5 <= end and data[pos] == _BINUNICODE:
+        k = pos + 5 + u32(data, pos + 1)[0]
+        if not data.startswith(head, k):
+            break
+        o = k + lh
+        code = data[o] if o < end else -1
+        if code == _BININT1 and o + 2 <= end:
+            offset, q = data[o + 1], o + 2
+        elif code == _BININT2 and o + 3 <= end:
+            offset, q = u16(data, o + 1)[0], o + 3
+        elif code == _BININT and o + 5 <= end:
+            offset, q = i32(data, o + 1)[0], o + 5
+        else:
+            break
+        if offset < 0 or (numel and offset + extent >= capacity) or not data.startswith(tail, q):
+            break
+        try:
+            key = data[pos + 5 : k].decode()
+        except UnicodeDecodeError:
+            break
+        info = TensorInfo(shared, skey, offset, stride)
+        if span is not None:
+            ref = TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + offset * itemsize, length))
+        else:
+            start = offset * itemsize
+            ref = TensorRef(name, size, loader=lambda start=start: storage.resolve()[start : start + length], info=info)
+        append(key)
+        append(ref)
+        steps += _INLINE_RUN_OPS
+        pos = q + lt
+    return pos, steps

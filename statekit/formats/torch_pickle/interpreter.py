@@ -294,8 +294,15 @@ class _Unpickler:
         if data[pos + 1 : pos + 2] != b"X":  # (a string: not torch.save's memo reads)
             if (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
                 return match.end(), _TENSOR_CALL_OPS
+        func, last = stack[-1], self.last_inline
         if (match := _INLINE_CALL.match(data, start)) and self.inline_call(match.groups(), stack):
-            return match.end(), _INLINE_CALL_OPS
+            after, ops = match.end(), _INLINE_CALL_OPS
+            if self.last_inline is last and last[1] is not None:  # the same storage as the call before
+                run = fastpath.inline_template(self, data, match, after, func, stack[-1])
+                if run is not None:  # and the next pair repeats it: as many as do, at once
+                    after, more = fastpath.inline_run(self, run, data, after, stack)
+                    ops += more
+            return after, ops
         return None
 
     def global_at(self, data, pos: int, stack: list) -> int:
