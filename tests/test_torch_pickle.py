@@ -651,12 +651,20 @@ def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch, files=None,
         monkeypatch.setattr(torch_pickle._Unpickler, name, lambda *a, real=real: calls.append(1) or real(*a))
     real_run = torch_pickle.fastpath.inline_run
 
+    real_keyed_run = torch_pickle.fastpath.keyed_run
+
     def run(*args):  # a run of repeated memo-less calls: one fast call per tensor it pushed
         pos, ops = real_run(*args)
         calls.extend([1] * (ops // torch_pickle.fastpath._INLINE_RUN_OPS))
         return pos, ops
 
+    def keyed_run(*args):  # a run of torch.save's repeated calls, likewise
+        pos, ops = real_keyed_run(*args)
+        calls.extend([1] * (ops // torch_pickle.fastpath._KEYED_RUN_OPS))
+        return pos, ops
+
     monkeypatch.setattr(torch_pickle.fastpath, "inline_run", run)
+    monkeypatch.setattr(torch_pickle.fastpath, "keyed_run", keyed_run)
     fast = outcome()
     monkeypatch.setattr(torch_pickle.interpreter, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
     monkeypatch.setattr(torch_pickle.interpreter, "_INLINE_CALL", re.compile(rb"(?!)"))
@@ -854,4 +862,108 @@ def test_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
             damaged[rng.randrange(200, len(pkl))] = rng.choice([rng.randrange(256), *b"KMJXtQRu(\x85\x86\x88\x89"])
         with monkeypatch.context() as patch:
             fast, slow, _ = load_both(bytes(damaged), views_storages(), patch, files=tmp_path)
+        assert fast == slow
+
+
+# runs of torch.save's own calls viewing one storage (fastpath.keyed_run): real torch.save
+# pickles, some with one call's bytes edited (a pickle holds no byte offsets: lengths may change)
+
+
+def saved_views(n: int = 2500, changes: dict | None = None) -> tuple[bytes, dict[str, bytes]]:
+    """torch.save of ``{f"v{i}": base[30 i : 30 i + 1]}`` (offsets in all three int opcodes,
+    SETITEMS every 1000), ``changes`` putting other tensors at some positions."""
+    torch = pytest.importorskip("torch")
+    base = torch.arange(80_000, dtype=torch.float32)
+    views = {f"v{i}": base[30 * i : 30 * i + 1] for i in range(n)}
+    for i, make in (changes or {}).items():
+        views[f"v{i}"] = make(base, torch)
+    return torch_saved(views)
+
+
+def edited(pkl: bytes, name: str, edit) -> bytes:
+    """``pkl`` with the call after the key ``name`` changed: ``edit(op, arg, raw)`` for its
+    storage offset's int opcode returns the bytes to put there instead (or the key's own bytes
+    when ``op`` is the BINUNICODE)."""
+    ops = list(pickletools.genops(pkl))
+    at = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BINUNICODE" and arg == name)
+    persid = next(i for i in range(at, len(ops)) if ops[i][0].name == "BINPERSID")
+    target = at if edit(None, None, None) == "key" else persid + 1
+    op, arg, pos = ops[target]
+    end = ops[target + 1][2]
+    return pkl[:pos] + edit(op.name, arg, pkl[pos:end]) + pkl[end:]
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["loader", "file-span"])
+def test_runs_of_torch_saves_views_read_what_the_opcode_loop_reads(monkeypatch, tmp_path, spans):
+    changes = {5: lambda b, t: b[3:5], 6: lambda b, t: b[3:5], 40: lambda b, t: b[:0], 41: lambda b, t: b[7],
+               42: lambda b, t: b[:6].view(2, 3), 43: lambda b, t: b[:6].view(2, 3).t(),
+               900: lambda b, t: t.ones(1, requires_grad=True), 1200: lambda b, t: t.arange(3.0)[1:2],
+               1201: lambda b, t: t.arange(3.0)[2:3], 1700: lambda b, t: b[::5][:1], 2100: lambda b, t: b.double()[:1]}
+    pkl, storages = saved_views(changes=changes)
+    fast, slow, calls = load_both(pkl, storages, monkeypatch, files=tmp_path if spans else None)
+    assert fast == slow
+    assert calls >= 2400
+    tensors = dict(fast[1])
+    assert len(tensors) == 2500
+    assert tensors["v2499"][3]["storage_offset"] == 30 * 2499 and tensors["v2499"][4] == np.float32(74_970).tobytes()
+    assert tensors["v42"][2] == (2, 3) and tensors["v900"][3]["requires_grad"] and tensors["v41"][2] == ()
+    if spans:
+        assert tensors["v1000"][5] == (30_000 * 4, 4)
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["loader", "file-span"])
+@pytest.mark.parametrize("edit", [
+    lambda op, arg, raw: "offset" if op is None else pickle.BININT + struct.pack("<i", 80_000),
+    lambda op, arg, raw: "offset" if op is None else pickle.BININT + struct.pack("<i", -1),
+    lambda op, arg, raw: "offset" if op is None else pickle.BINFLOAT + struct.pack(">d", 3.0),
+    lambda op, arg, raw: "offset" if op is None else pickle.NONE,
+    lambda op, arg, raw: "key" if op is None else raw.replace(b"v1500", b"v\xff500"),
+    lambda op, arg, raw: "key" if op is None else raw.replace(b"v1500", b"v\xed\xa0\x80"),
+], ids=["past-the-end", "negative", "float", "none", "not-utf8", "surrogate"])
+def test_a_torch_save_run_stops_at_a_bad_call_with_the_opcode_loops_error(monkeypatch, tmp_path, spans, edit):
+    pkl, storages = saved_views()
+    fast, slow, _ = load_both(edited(pkl, "v1500", edit), storages, monkeypatch,
+                              files=tmp_path if spans else None, messages=True)
+    assert fast == slow
+    assert isinstance(fast, tuple) and fast[0] is FormatError, fast
+
+
+def test_a_torch_save_run_with_an_edited_memo_index_or_truncated_is_the_loops(monkeypatch):
+    pkl, storages = saved_views(1200)
+    ops = list(pickletools.genops(pkl))
+    puts = [pos for op, _, pos in ops if op.name == "LONG_BINPUT"]
+    for cut in (len(pkl) // 3, len(pkl) // 3 + 7, len(pkl) // 2 + 1, len(pkl) - 40):
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(pkl[:cut], storages, patch, messages=True)
+        assert fast == slow and fast[0] is FormatError and "truncated" in fast[1]
+    for put in (puts[len(puts) // 2], puts[len(puts) // 2 + 1], puts[-30]):  # an index one off: the memo turns sparse
+        damaged = pkl[: put + 1] + struct.pack("<I", struct.unpack_from("<I", pkl, put + 1)[0] + 1) + pkl[put + 5 :]
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(damaged, storages, patch, messages=True)
+        assert fast == slow
+    # the key of v600 memoized one index off, and a call 100 tensors on reading the index it skipped
+    at = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BINUNICODE" and arg == "v600")
+    index, put = ops[at + 1][1], ops[at + 1][2]
+    later = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BINUNICODE" and arg == "v700")
+    od = next(i for i in range(later, len(ops)) if ops[i][0].name == "EMPTY_TUPLE") - 1
+    od_pos, after_od = ops[od][2], ops[od + 1][2]
+    damaged = (pkl[: put + 1] + struct.pack("<I", index + 1) + pkl[put + 5 : od_pos] + pickle.LONG_BINGET
+               + struct.pack("<I", index) + pkl[after_od:])
+    fast, slow, _ = load_both(damaged, storages, monkeypatch, messages=True)
+    assert fast == slow and "KeyError" in fast[1]
+
+
+def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
+    """Random bytes changed inside a run of torch.save's views: the fast path gives the opcode
+    loop's result or its error class, never something else."""
+    import random
+
+    pkl, storages = saved_views(400)
+    rng = random.Random(36)
+    for _ in range(150):
+        damaged = bytearray(pkl)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(len(pkl) // 4, len(pkl))] = rng.choice([rng.randrange(256), *b"KMJXtQRrhj\x85\x88\x89"])
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(bytes(damaged), storages, patch, files=tmp_path)
         assert fast == slow
