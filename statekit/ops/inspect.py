@@ -138,7 +138,7 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
     for slot, ref in p.slots.items():
         enc = p.encoding.get(slot)
         if enc is not None:  # a library's own storage (bitsandbytes): the field as stored, and its meaning
-            _encoded_fields(fields, slot, ref, enc, stats, stats_of)
+            _encoded_fields(fields, slot, ref, enc, stats, stats_of, _meaning(state, slot))
             continue
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
         if type(ref.info) is dict and "stored_as" in ref.info:  # a value decoded from another form (torchao codes)
@@ -182,13 +182,21 @@ MEANING = {"exp_avg": "first moment (m)", "exp_avg_sq": "second moment (v)",
            "square_avg": "running average of squared gradients", "sum": "sum of squared gradients"}
 
 
-def _encoded_fields(fields: dict, slot: str, ref: TensorRef, enc, stats: bool, stats_of) -> None:
+def _meaning(state: OptimizerState, slot: str) -> str:
+    """What a slot holds; one whose family is still open (bitsandbytes' state1), what it is in each."""
+    named = {f: names[slot] for f, names in state.slot_renames.items() if slot in names}
+    if slot in MEANING or not named:
+        return MEANING.get(slot, slot)
+    return " or ".join(f"{f}'s {n} ({MEANING.get(n, n)})" for f, n in named.items()) + ": say which with --optimizer"
+
+
+def _encoded_fields(fields: dict, slot: str, ref: TensorRef, enc, stats: bool, stats_of, meaning: str) -> None:
     """A slot a library stores its own way (``enc``: :class:`statekit.frameworks.bnb.Encoded`):
     the stored field (codes or float32 state) with its meaning, and the stored map and scales;
     ``stats`` are of the values the slot holds (dequantized)."""
     name = enc.field if enc.part is None else f"{enc.field}[{enc.part}]"
     item = {"shape": list(enc.codes.shape) if enc.part is None else list(ref.shape), "dtype": enc.codes.dtype,
-            "slot": slot, "meaning": MEANING.get(slot, slot), "encoding": enc.describe()}
+            "slot": slot, "meaning": meaning, "encoding": enc.describe()}
     if stats:
         item["stats"] = stats_of(ref)
     fields[name] = item

@@ -17,6 +17,7 @@ import numpy as np
 from statekit import dtypes, hyper, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry as formats
+from statekit.frameworks import bnb
 from statekit.ops.pairing import pair
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
@@ -66,10 +67,25 @@ def default_flavor(state: OptimizerState | None, algorithm: str | None = None) -
 def state_hp(state: OptimizerState | None) -> dict:
     if state is None or not state.groups:
         return {}
+    if state.library == bnb.LIBRARY and state.family:  # bitsandbytes packs its hyperparameters its own way
+        return bnb.torch_hyperparams(state.family, state.groups[0].hyperparams)
     return dict(state.groups[0].hyperparams)
 
 
-def pick_algorithm(*states: OptimizerState | None, given: str | None) -> str:
+def pick_algorithm(*states: OptimizerState | None, given: str | None, paths: tuple = ()) -> str:
+    """The optimizer to step: ``given`` (``--optimizer``), else the one the states agree on. A state
+    whose file cannot tell its family (one of several, :meth:`OptimizerState.settle`) is refused
+    until ``given`` names one of them, and then settled as it (its slots renamed for that family)."""
+    for i, state in enumerate(states):
+        if state is not None and state.family is None and len(state.candidates) > 1:
+            where = paths[i] if i < len(paths) else None
+            if not given:
+                raise UsageError(f"say which optimizer with --optimizer (the state holds {state.family_label})", where)
+            try:
+                state.settle(given)
+            except UsageError as exc:
+                exc.path = exc.path or where
+                raise
     if given:
         return given.lower()
     for state in states:
@@ -247,7 +263,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
             raise UsageError(f"{state}: holds no optimizer state")
         refuse_opaque(st, state, "replay")
         _refuse_foreign(st, state)
-        algorithm = pick_algorithm(st, given=optimizer)
+        algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
         flav = flavor or default_flavor(st, algorithm)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
         grad_sets = [read_tensors(g) for g in grads]
@@ -505,7 +521,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         return _verify_mixed(original, migrated, a_state, b_state, steps=steps, seed=seed, optimizer=optimizer,
                              given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,
                              progress=progress, kernel=kernel, plan=plan, adapted=adapted)
-    algorithm = pick_algorithm(b_state, a_state, given=optimizer)
+    algorithm = pick_algorithm(b_state, a_state, given=optimizer, paths=(migrated.path, original.path))
     flav_a = flavor_original or flavor_a or default_flavor(a_state, algorithm)
     flav_b = flavor_migrated or flavor_b or default_flavor(b_state, algorithm)
     known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()

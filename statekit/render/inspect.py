@@ -132,7 +132,7 @@ def _field_text(name: str, f: dict) -> str:
     if "encoding" in f:  # a library's own storage: what it holds, and how
         enc = f["encoding"]
         how = f"8-bit/{enc['block']}" if enc["bits"] == 8 else "32-bit"
-        return f"{name}={f['slot']} ({how})"
+        return f"{name}={f['slot']} ({how})" if f["slot"] != name else f"{name} ({how})"  # family open: no name yet
     if "stored_label" in f:  # decoded from codes as it was read (torchao): how the file stores it
         return f"{name} ({f['stored_label']})"
     if "role" in f:
