@@ -148,9 +148,23 @@ print(json.dumps({"seconds": seconds, "cpu": cpu, "rss": int(hwm) >> 10, "outcom
 """
 
 
+_ENV: dict = {}
+
+
+def _env() -> dict:
+    """The children's environment: statekit from this checkout, its bytecode compiled once and
+    kept, as an install has it (``optional.installed_env``)."""
+    if not _ENV:
+        sys.path.insert(0, str(ROOT / "bench"))
+        import optional
+
+        _ENV.update(optional.installed_env(ROOT, PYTHONPATH=str(ROOT)))
+    return _ENV
+
+
 def probe(path: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=_env())
     if out.returncode:
         return {"seconds": float("nan"), "cpu": float("nan"), "rss": 0, "outcome": "CRASH " + out.stderr.strip().splitlines()[-1][:60]}
     return json.loads(out.stdout)
@@ -162,7 +176,7 @@ def command(args: list[str]) -> dict:
     import resource
     import shutil
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    env = {**_env(), "COLUMNS": "100"}
     cmd = [sys.executable, "-m", "statekit", *args]
     timer = shutil.which("time") or "/usr/bin/time"
     with tempfile.NamedTemporaryFile("w+") as report:

@@ -156,6 +156,7 @@ def patch_one_tensor(path: str, name_hint: str) -> str:
 
 
 TIME = shutil.which("time") or "/usr/bin/time"
+ENV = optional.installed_env(ROOT)  # bytecode compiled once and kept, as an install has it
 
 
 def run(cmd: list[str], expect: tuple[int, ...] = (0,)) -> tuple[float, int]:
@@ -168,7 +169,7 @@ def run(cmd: list[str], expect: tuple[int, ...] = (0,)) -> tuple[float, int]:
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, 1), (os.POSIX_SPAWN_DUP2, err.fileno(), 2)]
             t = time.perf_counter()
-            pid = os.posix_spawnp(wrapped[0], wrapped, os.environ, file_actions=actions)
+            pid = os.posix_spawnp(wrapped[0], wrapped, ENV, file_actions=actions)
             _, status, usage = os.wait4(pid, 0)
             wall = time.perf_counter() - t
         finally:

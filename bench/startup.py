@@ -87,12 +87,7 @@ def main(argv=None) -> int:
         if not wide.exists():
             many_params(wide, args.params)
 
-        env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="100")
-        # statekit's modules compiled once, as any install has them (pip compiles a wheel's bytecode):
-        # with PYTHONDONTWRITEBYTECODE set (some sandboxes do) every run would compile them again
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "statekit")], env=env,
-                       stdout=subprocess.DEVNULL, check=True)
+        env = optional.installed_env(ROOT, PYTHONPATH=str(ROOT), COLUMNS="100")
         py = sys.executable
         statekit = [py, "-m", "statekit"]
         rows = {

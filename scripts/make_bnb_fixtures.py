@@ -26,6 +26,12 @@ on seeded gradients, then its state is saved:
   own ``quantize_blockwise(blocksize=2048)``.
 * ``lamb8bit.pt`` / ``lars8bit.pt`` — LAMB8bit and LARS8bit, whose ``unorm_vec`` statekit does not
   model: they must read as unknown, not as Adam or SGD.
+* ``sgd8bit-dampening.pt``, ``rmsprop8bit-eps0.pt``, ``lion8bit-beta2-0.pt``, ``adagrad8bit-eps0.pt``
+  — one-state optimizers whose param group another one-state optimizer stores alike (SGD8bit with
+  dampening 0.5: betas (0.9, 0.5), eps 0, as a Lion8bit's; RMSprop8bit with eps 0: as an SGD8bit's;
+  Lion8bit with beta2 0: as an SGD8bit's; Adagrad8bit with eps 0: as a Lion8bit with betas (0, 0)).
+  ``sgd8bit-dampening.ref.npz`` also holds, for ids 1 and 2, ``<id>.param`` / ``.grad`` / ``.param_next``: the
+  parameters after the 3 steps, a 4th gradient, and the parameters after SGD8bit's own 4th step.
 * ``adamw8bit-nan.pt`` — ``adamw8bit.pt`` with one absmax of ``w1``'s first moment set to NaN.
 * ``torch-adamw.pt`` — ``torch.optim.AdamW`` on the same parameters and gradients.
 * ``<name>.ref.npz`` — the references: ``<id>.<slot>`` the fp32 moments as
@@ -128,6 +134,24 @@ def references(sd: dict, kind: str, block: int = 256) -> dict[str, np.ndarray]:
     return out
 
 
+def next_step(opt, ps: list[torch.nn.Parameter]) -> dict[str, np.ndarray]:
+    """``<id>.param`` (after the saved steps), ``<id>.grad`` and ``<id>.param_next`` (after one
+    more step of ``opt``, the optimizer itself)."""
+    g = torch.Generator().manual_seed(2)
+    out = {}
+    for i, p in enumerate(ps):
+        p.grad = torch.randn(p.shape, generator=g) * 0.05
+        if i in KEEP_NEXT:
+            out[f"{i}.param"], out[f"{i}.grad"] = p.detach().clone().numpy(), p.grad.clone().numpy()
+    opt.step()
+    for i in KEEP_NEXT:
+        out[f"{i}.param_next"] = ps[i].detach().clone().numpy()
+    return out
+
+
+KEEP_NEXT = (1, 2)  # b1 (32-bit state) and w2 (8-bit): enough to see the arithmetic, small to commit
+
+
 def tag_paged(sd: dict) -> dict:
     """What F.get_paged leaves on a paged buffer: ``is_paged`` and ``page_deviceid`` attributes."""
     sd = copy.deepcopy(sd)
@@ -159,6 +183,12 @@ def main() -> None:
         "rmsprop8bit": (bnb.optim.RMSprop8bit, dict(lr=1e-2), "rmsprop"),
         "adagrad8bit": (bnb.optim.Adagrad8bit, dict(lr=1e-2), "adagrad"),
         "sgd8bit": (bnb.optim.SGD8bit, dict(lr=1e-2, momentum=0.9), "momentum"),
+        # one-state param groups several bitsandbytes optimizers store alike (bitsandbytes keeps no name):
+        # SGD's dampening sits where Lion's beta2 does, an RMSprop with eps 0 packs like SGD or Lion
+        "sgd8bit-dampening": (bnb.optim.SGD8bit, dict(lr=1e-2, momentum=0.9, dampening=0.5), "momentum"),
+        "rmsprop8bit-eps0": (bnb.optim.RMSprop8bit, dict(lr=1e-2, eps=0.0), "rmsprop"),
+        "lion8bit-beta2-0": (bnb.optim.Lion8bit, dict(lr=1e-3, betas=(0.9, 0.0)), "lion"),
+        "adagrad8bit-eps0": (bnb.optim.Adagrad8bit, dict(lr=1e-2, eps=0.0), "adagrad"),
         # states statekit must not mistake for Adam or SGD: LAMB/LARS keep the update norm too
         "lamb8bit": (bnb.optim.LAMB8bit, dict(lr=1e-2), None),
         "lars8bit": (bnb.optim.LARS8bit, dict(lr=1e-2, momentum=0.9), None),
@@ -168,11 +198,16 @@ def main() -> None:
         optimizers = {k: v for k, v in optimizers.items() if k in only}
     written = {}
     for name, (cls, kw, kind) in optimizers.items():
-        opt = train(bnb_opt(cls, **kw), params())
+        ps = params()
+        opt = train(bnb_opt(cls, **kw), ps)
         sd = opt.state_dict()
         if name.startswith("paged_"):
             sd = tag_paged(sd)
-        save(name, sd, references(sd, kind) if kind else None)
+        refs = references(sd, kind) if kind else None
+        if name == "sgd8bit-dampening":  # bitsandbytes' own 4th step from here: what continuing it must do
+            sd = copy.deepcopy(sd)  # state_dict() holds the live tensors, which the step changes
+            refs.update(next_step(opt, ps))
+        save(name, sd, refs)
         written[name] = sd
         if name == "adamw8bit":
             flat = torch.optim.Optimizer.state_dict(opt)

@@ -60,12 +60,13 @@ class _Pieces(list):
     """The pieces :func:`_dump` appends; every :data:`PIECES` of them joined into one chunk, so
     that a description of 10^6 parameters is held as its text, not as 2·10^7 small strings."""
 
-    __slots__ = ("chunks", "sink")
+    __slots__ = ("checking", "chunks", "sink")
 
-    def __init__(self, sink=None) -> None:
+    def __init__(self, sink=None, checking: bool = False) -> None:
         super().__init__()
         self.chunks: list[str] = []
         self.sink = sink  # where each chunk goes instead (Output.json: stdout), or None: kept
+        self.checking = checking  # write_chunks' first walk: only whether json is needed counts
 
     def fold(self) -> None:
         if self.sink is None:
@@ -102,7 +103,7 @@ def write_chunks(obj: object, write) -> None:
     if _quote is None:
         from json.encoder import encode_basestring_ascii as _quote
     try:
-        _dump(obj, _Pieces(lambda chunk: None), "\n")
+        _dump(obj, _Pieces(lambda chunk: None, checking=True), "\n")
     except _Unusual:
         import json
 
@@ -144,6 +145,11 @@ def _dump(value: object, out: list[str], newline: str) -> None:
             sep = "," + inner
         out.append(newline + "}")
     elif kind is list or kind is tuple or getattr(kind, "json_list", False):  # (json_list: ops.inspect.Rows)
+        if out.checking and kind is not list and kind is not tuple and hasattr(value, "json_check"):
+            checked = value.json_check()
+            if checked is not value:
+                _dump(checked, out, newline)
+                return
         if not value:
             out.append("[]")
             return

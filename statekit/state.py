@@ -218,6 +218,10 @@ class OptimizerState:
     unnamed_why: str | None = None  # why they could not be named (one line: what to install or give)
     torch_names_in_file: bool | None = None  # a torch state's param_names were in its file (False: solved)
     training_args: dict | None = None  # HF TrainingArguments' optimizer settings (statekit.frameworks.hf_args)
+    # where the file cannot tell its family (one of ``candidates``) and the candidates name the same
+    # stored field differently: family → {slot as read: that family's name} (bitsandbytes' state1 is
+    # Lion's exp_avg, SGD's momentum_buffer, RMSprop's square_avg), applied by :meth:`settle`
+    slot_renames: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def family_label(self) -> str:
@@ -248,6 +252,29 @@ class OptimizerState:
             for p in hits:
                 p.family, p.candidates = name, (name,)
         regroup(self)
+        return self
+
+    def settle(self, name: str) -> OptimizerState:
+        """This state as ``name``'s, where the file cannot tell its family and ``name`` is one of its
+        ``candidates`` (``--optimizer``): every parameter gets the family, and the slots the
+        candidates name differently get ``name``'s names (:attr:`slot_renames`). In place; a name
+        that is not a candidate is refused. A state whose family is known is returned unchanged."""
+        if self.family is not None or not self.candidates:
+            return self
+        name = name.strip().lower()
+        if name not in self.candidates:
+            raise UsageError(f"--optimizer {name}: the state holds {self.family_label}, not {name} "
+                             f"(say --optimizer {' or '.join(self.candidates)})")
+        renames = self.slot_renames.get(name, {})
+        for p in self.params:
+            p.family = name
+            if renames:
+                p.slots = {renames.get(k, k): v for k, v in p.slots.items()}
+                p.encoding = {renames.get(k, k): v for k, v in p.encoding.items()}
+        self.family, self.candidates, self.family_detail, self.slot_renames = name, (name,), None, {}
+        for g in self.groups:
+            if g.family is None and g.candidates:
+                g.family, g.candidates = name, ()
         return self
 
     @property

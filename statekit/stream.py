@@ -387,8 +387,8 @@ def release_scratch() -> None:
 
 
 def crc32_function() -> Callable:
-    """CRC-32 as zip writes it: ISA-L's (``isal``, in ``statekit[fast]``: about five times zlib's
-    speed with carry-less multiplication) when installed, else zlib's, spread over the cores for
+    """CRC-32 as zip writes it: ISA-L's (``isal``, a default dependency: about five times zlib's
+    speed with carry-less multiplication), else (a platform without its wheel) zlib's, spread over the cores for
     large buffers (:func:`crc32_threads`: zlib releases the GIL). Same values."""
     global _CRC32
     if _CRC32 is None:

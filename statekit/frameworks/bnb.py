@@ -151,35 +151,59 @@ def _half(ref: TensorRef, part: int, shape: tuple[int, ...]) -> TensorRef:
                      piece_source=lambda elements: _range(ref, part * n, n, max(1, elements)))
 
 
-def _family(entries: list[dict], groups: list[dict]) -> tuple[str | None, str]:
-    """The family the state and groups show, or None with the reason."""
+# How bitsandbytes 0.50's one-state optimizers pack their param group (Optimizer1State keeps lr,
+# betas, eps, weight_decay and checks every beta in [0, 1)): SGD (momentum, dampening) with eps 0.0
+# and momentum != 0; RMSprop (alpha, momentum) with its own eps and alpha != 0; Lion its betas with
+# eps 0.0; Adagrad (0.0, 0.0) with its own eps. Values several of them can store are ambiguous.
+ONE_STATE = ("adagrad", "lion", "rmsprop", "sgd")
+PACKING = "SGD: betas (momentum ≠ 0, dampening), eps 0; RMSprop: betas (alpha ≠ 0, momentum), any eps; " \
+          "Lion: betas (beta1, beta2), eps 0; Adagrad: betas (0, 0), any eps"
+
+
+def group_candidates(betas: tuple, eps) -> tuple[str, ...]:
+    """The one-state bitsandbytes optimizers that store ``betas``/``eps`` so (:data:`PACKING`)."""
+    b0, b1 = betas
+    fits = {"adagrad": b0 == 0 and b1 == 0, "lion": eps == 0, "rmsprop": b0 != 0, "sgd": eps == 0 and b0 != 0}
+    return tuple(f for f in ONE_STATE if fits[f])
+
+
+def _family(entries: list[dict], groups: list[dict]) -> tuple[str | None, tuple[str, ...], str]:
+    """The family the state and groups show (None: unknown), the families it fits, and why it is
+    not one: every group of one optimizer must fit it, so the candidates are those all fit."""
     keys = set().union(*(e.keys() for e in entries)) if entries else set()
     unread = sorted(k for k in keys if k in NOT_READ)
     if unread:
-        return None, f"bitsandbytes state with {', '.join(unread)} ({NOT_READ[unread[0]]}): not read by statekit"
+        return None, (), f"bitsandbytes state with {', '.join(unread)} ({NOT_READ[unread[0]]}): not read by statekit"
     two = {("state2" in e) for e in entries}
     if len(two) > 1:
-        return None, "bitsandbytes state mixing one- and two-state parameters"
-    families = set()
+        return None, (), "bitsandbytes state mixing one- and two-state parameters"
+    families: set[str] = set()
+    fits: list[tuple[tuple, object, tuple[str, ...]]] = []  # each one-state group: betas, eps, what fits
     for g in groups:
         betas = tuple(g.get("betas") or ())
         eps = g.get("eps")
         if two == {True} or (not entries and any(k in g for k in ADAM_GROUP_KEYS)):
             families.add("ademamix" if len(betas) == 3 else "adamw")
-        elif len(betas) == 2 and eps is not None:
-            if betas == (0.0, 0.0):
-                families.add("adagrad")  # RMSprop refuses alpha=0, SGD momentum=0
-            elif eps > 0:
-                families.add("rmsprop")  # SGD8bit and Lion8bit store eps=0
-            elif betas[1] == 0:
-                families.add("sgd")  # (momentum, dampening=0)
-            else:
-                families.add("lion")  # (beta1, beta2)
+        elif len(betas) == 2 and isinstance(eps, (int, float)) and all(isinstance(b, (int, float)) for b in betas):
+            fits.append((betas, eps, group_candidates(betas, eps)))
         else:
-            return None, f"bitsandbytes param group without the betas/eps it packs its hyperparameters in: {sorted(g)}"
-    if len(families) != 1:
-        return None, f"param groups of different bitsandbytes optimizers: {', '.join(sorted(families))}"
-    return families.pop(), ""
+            return None, (), f"bitsandbytes param group without the betas/eps it packs its hyperparameters in: {sorted(g)}"
+    if families and fits or len(families) > 1:
+        return None, (), f"param groups of different bitsandbytes optimizers: {', '.join(sorted(families) or ['a one-state optimizer'])}"
+    if families:
+        return families.pop(), (), ""
+    common = [f for f in ONE_STATE if all(f in c for _, _, c in fits)]
+    seen = "; ".join(dict.fromkeys(f"betas {_num(b)}, eps {_num(e)}" for b, e, _ in fits))
+    if not common:
+        return None, (), f"bitsandbytes one-state param groups ({seen}) that no optimizer of it stores ({PACKING})"
+    if len(common) == 1:
+        return common[0], (), ""
+    return None, tuple(common), (f"bitsandbytes stores no optimizer name, and {seen} fit {', '.join(common[:-1])} "
+                                 f"and {common[-1]} alike")
+
+
+def _num(v) -> str:
+    return f"({', '.join(_num(x) for x in v)})" if isinstance(v, tuple) else f"{v:g}"
 
 
 def _check_8bit(codes, absmax, qmap, where: str, n: int, path: str) -> int:
@@ -213,7 +237,7 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
         elif inner is not None:
             opaque[idx] = {QUANT_KEY: inner}
         entries[idx] = flat
-    family, why = _family([e for e in entries.values() if "state1" in e], raw_groups)
+    family, candidates, why = _family([e for e in entries.values() if "state1" in e], raw_groups)
     params: list[ParamState] = []
     groups: list[ParamGroup] = []
     seen: set[int] = set()
@@ -228,7 +252,7 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
             p = ParamState(key=str(idx), index=idx, group=g, family=family)
             entry = entries.get(idx, entries.get(str(idx)))
             if entry is not None:
-                _read_param(p, entry, family, f"state[{idx}]", path, step_value)
+                _read_param(p, entry, family, f"state[{idx}]", path, step_value, bool(candidates))
             p.extra.update(opaque.get(idx, {}))
             if p.shape is not None:
                 p.rank = len(p.shape)
@@ -246,15 +270,21 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
     notes = [f"bitsandbytes optimizer state, {layout} layout"
              + (f", 8-bit blocks of {' and '.join(map(str, blocks_seen))}" if blocks_seen else "")
              + (f": {CLASSES[family]}" if family else "")]
-    if family in ("lion", "sgd", "rmsprop", "adagrad"):
-        notes.append("bitsandbytes stores no optimizer name: one-state optimizers are told apart by their param "
-                     "group (Adagrad betas (0, 0); RMSprop eps > 0; SGD eps 0 and betas[1] 0; Lion eps 0 and betas[1] > 0)")
-    return OptimizerState(family=family, candidates=(family,) if family else (), params=params, groups=groups,
-                          hyperparams_stored=True, framework="torch", notes=notes,
-                          family_detail=None if family else f"unknown ({why})", library=LIBRARY)
+    if family in ONE_STATE or candidates:
+        notes.append("bitsandbytes stores no optimizer name: its one-state optimizers are told apart by how they "
+                     f"pack the param group ({PACKING})"
+                     + (f"; this one fits {', '.join(candidates)}: until --optimizer says which, its state1 is "
+                        "kept under bitsandbytes' own name" if candidates else ""))
+    label = (f"unknown ({why}; one of {', '.join(candidates)}: say which with --optimizer)" if candidates
+             else None if family else f"unknown ({why})")
+    return OptimizerState(family=family, candidates=candidates or ((family,) if family else ()), params=params,
+                          groups=groups, hyperparams_stored=True, framework="torch", notes=notes,
+                          family_detail=label, library=LIBRARY,
+                          slot_renames={f: {"state1": SLOTS[f][0]} for f in candidates})
 
 
-def _read_param(p: ParamState, entry: dict, family: str | None, where: str, path: str, step_value) -> None:
+def _read_param(p: ParamState, entry: dict, family: str | None, where: str, path: str, step_value,
+                ambiguous: bool = False) -> None:
     odd = next((k for k in entry if not isinstance(k, str)), None)
     if odd is not None:  # bitsandbytes names every state field by a string
         raise FormatError(f"{where} has a key that is not a string: {limits.short(odd)}", path)
@@ -263,16 +293,18 @@ def _read_param(p: ParamState, entry: dict, family: str | None, where: str, path
             p.step, p.extra["__step_dtype"] = step_value(value, where, path)
         elif name not in STATE_KEYS:
             p.extra[name] = value
-    if family is None:  # unread: keep the tensors as they are, under their own names
+    if family is None and not ambiguous:  # unread: keep the tensors as they are, under their own names
         for name in STATE_KEYS:
             if isinstance(entry.get(name), TensorRef):
                 p.slots[name] = entry[name]
         return
-    for k, slot in enumerate(SLOTS[family], start=1):
+    # a one-state optimizer the group does not tell: state1's values, under bitsandbytes' own name
+    # until --optimizer settles the family (OptimizerState.settle gives it that family's name)
+    for k, slot in enumerate(SLOTS[family] if family else ("state1",), start=1):
         field = f"state{k}"
         ref = entry.get(field)
         if ref is None:
-            raise FormatError(f"{where}: bitsandbytes {family} state without {field}", path)
+            raise FormatError(f"{where}: bitsandbytes {family or 'one-state'} state without {field}", path)
         if not isinstance(ref, TensorRef):
             raise FormatError(f"{where}: {field} is {type(ref).__name__}, not a tensor", path)
         parts = slot if isinstance(slot, tuple) else (slot,)

@@ -50,8 +50,9 @@ def _chosen_family(state: OptimizerState, opts: Options, crossing: bool) -> str:
                            "optimizer that continues it")
     family = state.family
     wanted = opts.optimizer.lower() if opts.optimizer else None
-    if family is None and wanted and wanted in state.candidates:
-        return wanted  # the user settles what the file cannot tell (an older torch's Adam or AdamW)
+    if family is None and wanted and state.candidates:  # a name that is not a candidate is refused, naming them
+        state.settle(wanted)  # the user settles what the file cannot tell (an older torch's Adam or AdamW,
+        return wanted  # a bitsandbytes one-state optimizer: its state1 gets that family's name)
     if family == "mixed" and any(g.family for g in state.groups):
         if wanted:
             state = resolve_families(state, wanted)
@@ -144,6 +145,11 @@ def _library_notes(state: OptimizerState, family: str, target_format: str, plan:
         plan.warnings.append("bitsandbytes 8-bit moments (blocks of " + " and ".join(map(str, eight)) + ") become "
                              "float32 exactly as bitsandbytes' dequantize_blockwise gives them (the file's own "
                              "qmap and absmax)")
+    if state.library == bnb.LIBRARY and family == "sgd":
+        damp = sorted({b[1] for g in state.groups if len(b := tuple(g.hyperparams.get("betas") or ())) == 2 and b[1]})
+        if damp:  # its kernels step s = momentum·s + g whatever the dampening
+            plan.warnings.append(f"bitsandbytes' SGD stores dampening {', '.join(f'{d:g}' for d in damp)} but its "
+                                 "kernels ignore it: continued with dampening 0, as bitsandbytes stepped")
     if target_format in BNB_FORMATS:
         for h in plan.hyperparams:
             bnb.bnb_group(family, h, target_format == "bnb-2048")  # refused now, before any byte is written

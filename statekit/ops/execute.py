@@ -59,6 +59,8 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
 
 def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
     """The target state the plan describes (tensors still lazy)."""
+    if state.family is None and plan.family in state.candidates:  # a saved plan settles what the file cannot tell
+        state.settle(plan.family)
     by_key = _check(plan, state)
     target_fw = registry.framework_of(plan.target_format)
     if target_fw == "neutral":  # statekit's generic layout keeps the source framework's state as it is

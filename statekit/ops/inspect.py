@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
+from itertools import chain
+from operator import attrgetter
 
 from statekit import dtypes, naming
 from statekit.errors import StatekitError
 from statekit.lazy import numpy as np
-from statekit.state import Checkpoint, OptimizerState, ParamState, describe_opaque, matches
+from statekit.state import Checkpoint, ModelParam, OptimizerState, ParamState, describe_opaque, matches
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
@@ -72,7 +75,11 @@ def _one_value_stats(ref: TensorRef, block: int) -> dict:
     values = [float(v) for piece in ref.pieces(block) for v in piece.astype(np.float64).reshape(-1)]
     if len(values) != 1:  # (a reader that disagrees with the shape: the general path says how)
         return _streamed_stats(ref, block)
-    v = values[0]
+    return _value_stats(values[0])
+
+
+def _value_stats(v: float) -> dict:
+    """:func:`tensor_stats` of a tensor holding the one value ``v`` (a float64)."""
     if not math.isfinite(v):  # only floats can be: NaN or ±Inf, and no finite value left
         return {"min": None, "max": None, "mean": None, "rms": None, "nan": int(v != v), "inf": int(v == v)}
     scale, top = 1.0, abs(v)
@@ -131,7 +138,7 @@ def describe_param(state: OptimizerState, p: ParamState, stats: bool = False,
     for slot, ref in p.slots.items():
         enc = p.encoding.get(slot)
         if enc is not None:  # a library's own storage (bitsandbytes): the field as stored, and its meaning
-            _encoded_fields(fields, slot, ref, enc, stats, stats_of)
+            _encoded_fields(fields, slot, ref, enc, stats, stats_of, _meaning(state, slot))
             continue
         item = {"shape": list(ref.shape), "dtype": ref.dtype, "slot": slot}
         if type(ref.info) is dict and "stored_as" in ref.info:  # a value decoded from another form (torchao codes)
@@ -175,13 +182,21 @@ MEANING = {"exp_avg": "first moment (m)", "exp_avg_sq": "second moment (v)",
            "square_avg": "running average of squared gradients", "sum": "sum of squared gradients"}
 
 
-def _encoded_fields(fields: dict, slot: str, ref: TensorRef, enc, stats: bool, stats_of) -> None:
+def _meaning(state: OptimizerState, slot: str) -> str:
+    """What a slot holds; one whose family is still open (bitsandbytes' state1), what it is in each."""
+    named = {f: names[slot] for f, names in state.slot_renames.items() if slot in names}
+    if slot in MEANING or not named:
+        return MEANING.get(slot, slot)
+    return " or ".join(f"{f}'s {n} ({MEANING.get(n, n)})" for f, n in named.items()) + ": say which with --optimizer"
+
+
+def _encoded_fields(fields: dict, slot: str, ref: TensorRef, enc, stats: bool, stats_of, meaning: str) -> None:
     """A slot a library stores its own way (``enc``: :class:`statekit.frameworks.bnb.Encoded`):
     the stored field (codes or float32 state) with its meaning, and the stored map and scales;
     ``stats`` are of the values the slot holds (dequantized)."""
     name = enc.field if enc.part is None else f"{enc.field}[{enc.part}]"
     item = {"shape": list(enc.codes.shape) if enc.part is None else list(ref.shape), "dtype": enc.codes.dtype,
-            "slot": slot, "meaning": MEANING.get(slot, slot), "encoding": enc.describe()}
+            "slot": slot, "meaning": meaning, "encoding": enc.describe()}
     if stats:
         item["stats"] = stats_of(ref)
     fields[name] = item
@@ -285,12 +300,20 @@ def _prefetched_stats(ckpt: Checkpoint, chosen) -> Callable[[TensorRef], dict]:
 class Rows(Sequence):
     """The parameters' descriptions, each made when it is read and not kept (``inspect(stream=True)``):
     10^6 descriptions held at once took ~0.35 GB beside the loaded state. Reading it twice makes
-    them twice, the same each time (statistics are computed once, kept as numbers: :class:`_Stats`)."""
+    them twice, the same each time (statistics are computed once, kept as numbers: :class:`_Stats`).
+
+    What the renderers ask of it besides (each optional; without it, a Rows is just its rows):
+    ``bare`` makes row ``k`` without its statistics (the parameters table shows none),
+    ``stat_values`` gives each row's own statistics without the rows (:meth:`stat_values`), and
+    ``plain`` says at no row's cost that every row holds JSON's types alone (:meth:`json_check`)."""
 
     json_list = True  # statekit.output writes it as a JSON list
 
-    def __init__(self, make: Callable[[int], dict], n: int) -> None:
+    def __init__(self, make: Callable[[int], dict], n: int, *, bare: Callable[[int], dict] | None = None,
+                 stat_values: Callable[[], Iterator[tuple]] | None = None,
+                 plain: Callable[[], bool] | None = None) -> None:
         self._make, self._n = make, n
+        self._bare, self._stat_values, self._plain = bare, stat_values, plain
 
     def __len__(self) -> int:
         return self._n
@@ -310,37 +333,179 @@ class Rows(Sequence):
 
     __hash__ = None
 
+    def without_stats(self) -> Rows:
+        """The same rows without their ``"stats"`` entries (cheaper to make: no statistics dicts)."""
+        if self._bare is None:
+            return self
+        return Rows(self._bare, self._n)
 
-_STAT_KEYS = ("min", "max", "mean", "rms", "nan", "inf")
+    def stat_values(self) -> Iterator[tuple] | None:
+        """``(path, id, values)`` for each row that holds statistics of its own (a model tensor's):
+        ``values`` are the row's ``stats`` as a tuple in :data:`STAT_KEYS` order (:meth:`_Stats.each`),
+        or None where they are ``{}``; a row without statistics is left out. None when the rows hold them by field
+        (an optimizer's): read the rows."""
+        return None if self._stat_values is None else self._stat_values()
+
+    def json_check(self) -> Sequence:
+        """What :func:`statekit.output.write_chunks`'s first walk needs to walk instead of the rows
+        to know that only its fast writer is needed: ``()`` when every row is known to hold only
+        ``str``/``int``/``float``/``bool``/None values under ``str`` keys (found from the loaded
+        state, no row made); else the rows without statistics (the statistics are floats, ints and
+        None by construction: :class:`_Stats`); else the rows themselves."""
+        if self._plain is not None and self._plain():
+            return ()
+        return self.without_stats()
+
+
+STAT_KEYS = ("min", "max", "mean", "rms", "nan", "inf")
 
 
 class _Stats:
     """:func:`tensor_stats` of many tensors as one float64 table (6 numbers a tensor, exact: Python's
-    floats are float64; None as NaN, which no finite min/max/mean/rms is; ``{}`` as a NaN count)."""
+    floats are float64; None as NaN, which no finite min/max/mean/rms is; ``{}`` as a NaN count):
+    :func:`_stat_table`'s."""
 
-    def __init__(self, results) -> None:
-        from array import array
+    def __init__(self, table) -> None:
+        self.table = table
+        self._lo, self._rows = 0, []  # a piece of the table as Python floats, read in order
 
-        values = array("d")
-        for st in results:
-            values.extend([st[k] if st[k] is not None else math.nan for k in _STAT_KEYS] if st else _EMPTY)
-        self.table = np.frombuffer(values, dtype=np.float64).reshape(-1, 6)
+    def row(self, i: int) -> list[float]:
+        """Row ``i`` of the table as floats (read in order, :data:`PIECE_ROWS` rows at a time)."""
+        at = i - self._lo
+        if not 0 <= at < len(self._rows):
+            if at != len(self._rows) and i % PIECE_ROWS:  # (not read in order: this row alone)
+                return self.table[i].tolist()
+            self._lo = i - i % PIECE_ROWS
+            self._rows = self.table[self._lo : self._lo + PIECE_ROWS].tolist()
+            at = i - self._lo
+        return self._rows[at]
+
+    def each(self) -> Iterator[tuple | None]:
+        """The statistics of each row in order, in :data:`STAT_KEYS` order (min, max, mean and rms
+        all floats or all None), or None for ``{}``."""
+        for lo in range(0, len(self.table), PIECE_ROWS):
+            for low, high, mean, rms, nan, inf in self.table[lo : lo + PIECE_ROWS].tolist():
+                if nan != nan:
+                    yield None
+                elif low != low:
+                    yield None, None, None, None, int(nan), int(inf)
+                else:
+                    yield low, high, mean, rms, int(nan), int(inf)
+
+    def stats(self, i: int) -> dict:
+        """Row ``i`` as the :func:`tensor_stats` dict it was."""
+        lo, hi, mean, rms, nan, inf = self.row(i)
+        if nan != nan:
+            return {}
+        if lo != lo:
+            return {"min": None, "max": None, "mean": None, "rms": None, "nan": int(nan), "inf": int(inf)}
+        return {"min": lo, "max": hi, "mean": mean, "rms": rms, "nan": int(nan), "inf": int(inf)}
 
     def reader(self, start: int) -> Callable[[TensorRef], dict]:
         """The statistics asked for from row ``start`` on, in the order they were computed."""
         at = iter(range(start, len(self.table)))
-
-        def stats_of(_ref: TensorRef) -> dict:
-            lo, hi, mean, rms, nan, inf = self.table[next(at)].tolist()
-            if nan != nan:
-                return {}
-            none = lo != lo
-            return {"min": None if none else lo, "max": None if none else hi, "mean": None if none else mean,
-                    "rms": None if none else rms, "nan": int(nan), "inf": int(inf)}
-        return stats_of
+        return lambda _ref: self.stats(next(at))
 
 
+PIECE_ROWS = 4096
 _EMPTY = (math.nan,) * 6
+
+
+def _encoded(st: dict) -> tuple | list:
+    """A :func:`tensor_stats` dict as :class:`_Stats` keeps it."""
+    return [st[k] if st[k] is not None else math.nan for k in STAT_KEYS] if st else _EMPTY
+
+
+ONE_BATCH = 4096  # tensors whose statistics are computed together (their one-element ones read at once)
+ONE_READ = 1 << 20  # the most bytes one read of a batch's one-element tensors may span
+
+
+def _stat_table(refs: list[TensorRef], done: Callable[[int], None]) -> np.ndarray:
+    """:func:`tensor_stats` of each of ``refs`` as a (len(refs), 6) float64 table (:class:`_Stats`),
+    computed in order, the tensors of more than one element ``--jobs`` at a time; ``done(n)`` once
+    the first ``n`` are. A batch's one-element tensors that lie close together in one file are read
+    with one ``pread`` and computed as one array (10^6 views of a storage: ~8 µs each one by one),
+    the same numbers as :func:`_value_stats`; any other, one by one in its turn."""
+    from statekit import stream
+
+    table = np.empty((len(refs), 6))
+    results = stream.parallel_map(tensor_stats, [r for r in refs if r.numel != 1])
+    for lo in range(0, len(refs), ONE_BATCH):
+        batch = refs[lo : lo + ONE_BATCH]
+        part = table[lo : lo + len(batch)]
+        read = _read_ones(batch)
+        if read is not None:
+            at, values = read
+            part[at] = _one_rows(values)
+        if read is None or len(read[0]) < len(batch):
+            skip = set(read[0]) if read is not None else ()
+            for k, r in enumerate(batch):
+                if k not in skip:
+                    part[k] = _encoded(next(results) if r.numel != 1 else tensor_stats(r))
+        done(lo + len(batch))
+    return table
+
+
+_ONE_DTYPES = dtypes.DTYPE_NAMES - {"QFloat"}
+
+
+def _read_ones(batch: list[TensorRef]):
+    """(positions, float64 values) of the one-element tensors of ``batch`` that read their bytes
+    from one file's span (as :meth:`TensorRef.pieces` does), of the first such one's file and
+    dtype, aligned to their item size within :data:`ONE_READ` bytes, read with one ``pread``;
+    None when there are none, or the read fails or comes short (each is then read alone: its
+    error in its turn)."""
+    at, offsets = [], []
+    source = dtype = None
+    size = 0
+    for k, r in enumerate(batch):
+        span = r.span
+        if span is None or type(r) is not TensorRef or r.array_loader is not None or r.numel != 1:
+            continue
+        if source is None:
+            if r.dtype not in _ONE_DTYPES:
+                continue
+            source, dtype, size = span.file, r.dtype, dtypes.itemsize(r.dtype)
+        elif span.file is not source or r.dtype != dtype:
+            continue
+        if span.length != size:
+            continue
+        at.append(k)
+        offsets.append(span.offset)
+    if not at:
+        return None
+    offs = np.array(offsets, dtype=np.int64)
+    first = int(offs.min())
+    length = int(offs.max()) + size - first
+    rel = offs - first
+    if length > ONE_READ or (rel % size).any():
+        return None
+    try:
+        data = source.pread(first, length)
+    except (StatekitError, OSError):
+        return None
+    if len(data) != length:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = np.frombuffer(data, dtype=dtypes.numpy_dtype(dtype))[rel // size].astype(np.float64)
+    return at, values
+
+
+def _one_rows(x: np.ndarray) -> np.ndarray:
+    """:func:`_value_stats` of each of the values ``x`` as :class:`_Stats` rows: for a finite value
+    within :data:`LARGE`, ``v, v, 0.0 + v, sqrt(v * v), 0, 0`` (IEEE operations, the same in numpy as
+    in Python, square root included); any other value through :func:`_value_stats` itself."""
+    rows = np.empty((len(x), 6))
+    with np.errstate(all="ignore"):
+        rows[:, 0] = x
+        rows[:, 1] = x
+        rows[:, 2] = x + 0.0
+        rows[:, 3] = np.sqrt(x * x)
+        rows[:, 4:] = 0.0
+        other = np.flatnonzero(~(np.isfinite(x) & (np.abs(x) <= LARGE)))
+    for k in other.tolist():
+        rows[k] = _encoded(_value_stats(float(x[k])))
+    return rows
 
 
 def _stat_refs(state: OptimizerState | None, x) -> list[TensorRef]:
@@ -356,39 +521,68 @@ def _streamed(ckpt: Checkpoint, chosen, stats: bool, on_param) -> Rows:
 
     state = ckpt.optimizer
     items = state.params if state is not None else ckpt.model.params
-    picked = [x for i, x in enumerate(items) if chosen is None or i in chosen]
+    picked = items if chosen is None else [x for i, x in enumerate(items) if i in chosen]
     table, starts = None, array("q")
     if stats:
-        from statekit import stream
-
         refs: list[TensorRef] = []
         for x in picked:
             starts.append(len(refs))
             refs += _stat_refs(state, x)
+        row = 0
 
-        def computed():
-            results = stream.parallel_map(tensor_stats, [r for r in refs if r.numel != 1])
-            row = 0
-            for j, r in enumerate(refs):
-                while on_param and row + 1 < len(starts) and starts[row + 1] <= j:  # rows done: progress
-                    on_param()
-                    row += 1
-                yield tensor_stats(r) if r.numel == 1 else next(results)
-            for _ in range(len(items) - row):
-                if on_param:
-                    on_param()
-        table = _Stats(computed())
+        def done(n: int) -> None:  # progress: once for each row whose tensors are all done
+            nonlocal row
+            upto = bisect_right(starts, n) - 1
+            while on_param and row < upto:
+                on_param()
+                row += 1
+        table = _Stats(_stat_table(refs, done))
         del refs
+        for _ in range(len(items) - row):
+            if on_param:
+                on_param()
     elif on_param:
         for _ in items:
             on_param()
     if state is not None:
         def make(k: int) -> dict:
             return describe_param(state, picked[k], stats, table.reader(starts[k]) if stats else tensor_stats)
-    else:
-        def make(k: int) -> dict:
-            return _model_row(picked[k], stats, table.reader(starts[k]) if stats else None)
-    return Rows(make, len(picked))
+
+        def bare(k: int) -> dict:
+            return describe_param(state, picked[k])
+        return Rows(make, len(picked), bare=bare if stats else None)
+
+    def model_row(k: int) -> dict:
+        m = picked[k]
+        item = _model_row(m, False, None)
+        if stats and m.tensor is not None:  # (its one tensor's, as _model_row adds them: last)
+            item["stats"] = table.stats(starts[k])
+        return item
+
+    def bare_model_row(k: int) -> dict:
+        return _model_row(picked[k], False, None)
+
+    def stat_values() -> Iterator[tuple]:  # (each model tensor has one row of the table, in order)
+        values = table.each()
+        for m in picked:
+            if m.tensor is not None:
+                yield m.path, None if m.id is None else str(m.id), next(values)
+
+    return Rows(model_row, len(picked), bare=bare_model_row if stats else None,
+                stat_values=stat_values if stats else None, plain=lambda: _plain_models(picked))
+
+
+def _plain_models(params: list[ModelParam]) -> bool:
+    """Whether every model row holds only ``str``, ``int`` and None (and literals, and statistics:
+    floats), from the types of what they are made of (paths, dtypes, ids, shapes), no row made."""
+    kinds = set(map(type, params))
+    if not kinds <= {ModelParam}:  # (a subclass could describe itself otherwise)
+        return False
+    kinds = set(map(type, map(attrgetter("path"), params)))
+    kinds.update(map(type, map(attrgetter("dtype"), params)))
+    kinds.update(map(type, map(attrgetter("id"), params)))
+    kinds.update(map(type, chain.from_iterable(map(attrgetter("shape"), params))))
+    return kinds <= {str, int, type(None)}
 
 
 def _model_row(m, stats: bool, stats_of) -> dict:

@@ -149,6 +149,9 @@ def _check_one_family(paths: list[str], states: list[OptimizerState]) -> None:
     for path, state in zip(paths, states, strict=True):
         if not state.params:
             continue
+        if state.family is None and state.slot_renames:  # its slots' names wait for the family (bitsandbytes)
+            raise MappingError(f"{state.family_label}; merge does not settle it: convert each input with "
+                               "--optimizer first", path)
         fams = _families(state)
         if reference is None:
             reference = (path, state, fams)

@@ -17,6 +17,7 @@ import numpy as np
 from statekit import dtypes, hyper, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry as formats
+from statekit.frameworks import bnb
 from statekit.ops.pairing import pair
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
@@ -66,10 +67,25 @@ def default_flavor(state: OptimizerState | None, algorithm: str | None = None) -
 def state_hp(state: OptimizerState | None) -> dict:
     if state is None or not state.groups:
         return {}
+    if state.library == bnb.LIBRARY and state.family:  # bitsandbytes packs its hyperparameters its own way
+        return bnb.torch_hyperparams(state.family, state.groups[0].hyperparams)
     return dict(state.groups[0].hyperparams)
 
 
-def pick_algorithm(*states: OptimizerState | None, given: str | None) -> str:
+def pick_algorithm(*states: OptimizerState | None, given: str | None, paths: tuple = ()) -> str:
+    """The optimizer to step: ``given`` (``--optimizer``), else the one the states agree on. A state
+    whose file cannot tell its family (one of several, :meth:`OptimizerState.settle`) is refused
+    until ``given`` names one of them, and then settled as it (its slots renamed for that family)."""
+    for i, state in enumerate(states):
+        if state is not None and state.family is None and len(state.candidates) > 1:
+            where = paths[i] if i < len(paths) else None
+            if not given:
+                raise UsageError(f"say which optimizer with --optimizer (the state holds {state.family_label})", where)
+            try:
+                state.settle(given)
+            except UsageError as exc:
+                exc.path = exc.path or where
+                raise
     if given:
         return given.lower()
     for state in states:
@@ -104,6 +120,7 @@ class Lane:
     last_digest: bytes = field(init=False, default=b"")
     keep_final: bool = field(init=False, default=False)  # keep the final state (one parameter's) in last_slots
     last_slots: dict = field(init=False, default_factory=dict)
+    new_slots: dict = field(init=False, default_factory=dict)  # a resized state's final per-element slots
 
     def __post_init__(self):
         self.chosen = registry.choose_kernel(self.algorithm, self.flavor, xp=self.xp, kernel=self.kernel)
@@ -247,7 +264,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
             raise UsageError(f"{state}: holds no optimizer state")
         refuse_opaque(st, state, "replay")
         _refuse_foreign(st, state)
-        algorithm = pick_algorithm(st, given=optimizer)
+        algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
         flav = flavor or default_flavor(st, algorithm)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
         grad_sets = [read_tensors(g) for g in grads]
@@ -302,8 +319,10 @@ def _region(ref: np.ndarray, other: np.ndarray, kept: tuple[int, ...] | None) ->
 
 def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np.ndarray:
     """Step one parameter of one lane through the seeded steps; its final value in the original's
-    layout. ``fresh`` is the migrated state with zeroed slots (what a resized state's new
-    elements must behave like); ``cold`` has no state at all."""
+    layout. ``fresh`` is the migrated state with its per-element slots zeroed (what a resized
+    state's new elements must behave like); its 0-dim slots (ASGD's ``eta`` and ``mu``, NAdam's
+    ``mu_product``) are the tensor's own schedule, which new elements share in the one tensor torch
+    steps: they stay as migrated. ``cold`` has no state at all."""
     shape_a, shape_m = tuple(pr.original.shape or ()), pr.migrated_shape
     full = tuple(max(x, y) for x, y in zip(shape_a, shape_m, strict=True)) if pr.kept else shape_a
     shape = shape_a if which == "original" else shape_m
@@ -319,7 +338,9 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
     src = pr.original if which == "original" else pr.migrated if which in ("migrated", "fresh") else None
     if src is not None and src.slots:
         slots = slots_of(src, transpose=False)
-        ln.slots[pr.path] = {k: np.zeros_like(v) for k, v in slots.items()} if which == "fresh" else slots
+        if which == "fresh":  # per-element slots zeroed; the tensor's 0-dim ones (as the file keeps them) kept
+            slots = {k: np.zeros_like(v) if src.slots[k].shape else v for k, v in slots.items()}
+        ln.slots[pr.path] = slots
     if src is not None and src.step is not None:
         ln.steps[pr.path] = int(src.step)
     for k in range(steps):
@@ -330,7 +351,10 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
         ln.last_digest = _digest(final_slots)  # for the bit-exact state comparison (no copy kept)
         if ln.keep_final:  # for the tolerance one, after a lossy migration
             ln.last_slots = final_slots
-    return _layout(ln.params.pop(pr.path), t)
+    final = ln.params.pop(pr.path)
+    if pr.kept and which in ("migrated", "fresh"):  # the new elements of the state too (ASGD's ax moves no parameter)
+        ln.new_slots = {k: _layout(v, t) for k, v in final_slots.items() if v.shape == final.shape}
+    return _layout(final, t)
 
 
 def _digest(slots: dict) -> bytes:
@@ -410,7 +434,10 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
             if pr.reset:  # a state the remap restarted on purpose must step like a cold start
                 seen["migrated"] = _compare(*_region(final, kept_final, pr.kept), lr, steps)
         else:
-            seen["fresh"] = _new_elements_equal(final, kept_final, pr.kept)
+            fresh_s, migrated_s = lanes["fresh"].new_slots, lanes["migrated"].new_slots
+            seen["fresh"] = _new_elements_equal(final, kept_final, pr.kept) and sorted(fresh_s) == sorted(migrated_s) \
+                and all(_new_elements_equal(fresh_s[k], migrated_s[k], pr.kept) for k in fresh_s)
+            lanes["fresh"].new_slots, lanes["migrated"].new_slots = {}, {}
         del final
         if tick:
             tick(len(run))
@@ -505,7 +532,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         return _verify_mixed(original, migrated, a_state, b_state, steps=steps, seed=seed, optimizer=optimizer,
                              given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,
                              progress=progress, kernel=kernel, plan=plan, adapted=adapted)
-    algorithm = pick_algorithm(b_state, a_state, given=optimizer)
+    algorithm = pick_algorithm(b_state, a_state, given=optimizer, paths=(migrated.path, original.path))
     flav_a = flavor_original or flavor_a or default_flavor(a_state, algorithm)
     flav_b = flavor_migrated or flavor_b or default_flavor(b_state, algorithm)
     known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()

@@ -132,7 +132,7 @@ def _field_text(name: str, f: dict) -> str:
     if "encoding" in f:  # a library's own storage: what it holds, and how
         enc = f["encoding"]
         how = f"8-bit/{enc['block']}" if enc["bits"] == 8 else "32-bit"
-        return f"{name}={f['slot']} ({how})"
+        return f"{name}={f['slot']} ({how})" if f["slot"] != name else f"{name} ({how})"  # family open: no name yet
     if "stored_label" in f:  # decoded from codes as it was read (torchao): how the file stores it
         return f"{name} ({f['stored_label']})"
     if "role" in f:
@@ -211,7 +211,7 @@ def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
     groups: dict[str, list[int]] = {}  # positions: the rows are read again by position (they may be made on reading)
     widths = {c: len(c) for c in names}
     rows = 0
-    params = d["params"]
+    params = _without_stats(d["params"])
     for p in params:
         groups.setdefault(_prefix(p["path"]), []).append(rows)
         cells = _cells(p, optimizer, family)
@@ -234,6 +234,12 @@ def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
             total[last] = f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}"
             table.add_row([total[c] for c in cols], style="dim", end_section=True)
     return table
+
+
+def _without_stats(params):
+    """The rows as the parameters table reads them: a streamed description's without statistics
+    (:meth:`statekit.ops.inspect.Rows.without_stats`: the table shows none, and they cost)."""
+    return params.without_stats() if hasattr(params, "without_stats") else params
 
 
 def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimizer: bool, widths: dict[str, int],
@@ -269,7 +275,9 @@ def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimize
         else:
             for i in positions:
                 add(line(_cells(params[i], optimizer, family)))
-            elements, nbytes = _totals(map(params.__getitem__, positions), optimizer)
+            # (a group of one has no total line: its row is not made a third time)
+            elements, nbytes = _totals(map(params.__getitem__, positions), optimizer) if len(positions) > 1 \
+                else (0, 0)
         if len(positions) > 1:
             add(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
     if out:
@@ -286,7 +294,8 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
         table = params_table(d, width)
         out += table if isinstance(table, list) else [table]
     if stats:
-        out.append(stats_table(d))
+        table = stats_table(d)
+        out += table if isinstance(table, list) else [table]
     if d.get("global"):
         out += global_view(d["global"], width)
     if d.get("scalar_values"):
@@ -337,18 +346,32 @@ def global_view(g: dict, width: int | None = None) -> list:
     return out
 
 
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
 def _stats_rows(d: dict):
     """(cells, has NaN/Inf) of each field with statistics, in table order."""
-    def fmt(v) -> str:
-        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    for p in d["params"]:
+    params = d["params"]
+    values = params.stat_values() if hasattr(params, "stat_values") else None
+    if values is not None:  # (a streamed model's: each tensor's numbers, its row not made)
+        for path, ident, s in values:
+            if s is None:
+                continue
+            lo, hi, mean, rms, nan, inf = s
+            if lo is None:  # (then all four are: no finite value)
+                yield [path or ident or "-", "(value)", "-", "-", "-", "-", str(nan), str(inf)], bool(nan or inf)
+            else:
+                yield ([path or ident or "-", "(value)", f"{lo:.4g}", f"{hi:.4g}", f"{mean:.4g}", f"{rms:.4g}",
+                        str(nan), str(inf)], bool(nan or inf))
+        return
+    for p in params:
         items = p.get("fields", {}).items() if "fields" in p else [("(value)", p)]
         for name, f in items:
             s = f.get("stats") or {}
             if not s:
                 continue
-            yield ([p["path"] or p["id"] or "-", name, *(fmt(s[k]) for k in ("min", "max", "mean", "rms")),
+            yield ([p["path"] or p["id"] or "-", name, *(_fmt(s[k]) for k in ("min", "max", "mean", "rms")),
                     str(s["nan"]), str(s["inf"])], bool(s.get("nan") or s.get("inf")))
 
 
@@ -357,20 +380,41 @@ STATS_COLUMNS = ("path", "field", "min", "max", "mean", "rms", "nan", "inf")
 
 def stats_table(d: dict):
     """A rich table (statistics read the tensors: rich's import is small beside that); above
-    :data:`PLAIN_ROWS` rows aligned text (rich took ~1 ms a row: 10^6 rows, a quarter of an hour)."""
+    :data:`PLAIN_ROWS` rows aligned text (rich took ~1 ms a row: 10^6 rows, a quarter of an hour),
+    in pieces of :data:`CHUNK_LINES` lines. The cells are made twice (widths, then lines), not kept."""
     widths = [len(c) for c in STATS_COLUMNS]
     count = 0
+    batch: list[list[str]] = []
+
+    def measure() -> None:  # each column's widest cell in the batch, column by column
+        for i, column in enumerate(zip(*batch, strict=True)):
+            widths[i] = max(widths[i], *map(len, column))
+        batch.clear()
+
     for cells, _ in _stats_rows(d):
-        widths = [max(w, len(c)) for w, c in zip(widths, cells, strict=True)]
+        batch.append(cells)
         count += 1
+        if len(batch) >= CHUNK_LINES:
+            measure()
+    if batch:
+        measure()
     if count > PLAIN_ROWS:
+        # the first two columns left-justified, the others right-justified; no trailing spaces
+        template = " ".join(f"{{:{'<' if i < 2 else '>'}{w}}}" for i, w in enumerate(widths))
+
         def line(cells: list[str]) -> str:
-            return " ".join(c.ljust(w) if i < 2 else c.rjust(w)
-                            for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+            return template.format(*cells).rstrip()
 
         out = ["field statistics", line(list(STATS_COLUMNS)), " ".join("-" * w for w in widths)]
-        out += [line(cells) for cells, _ in _stats_rows(d)]
-        return PlainLines("\n".join(out) + "\n")
+        chunks: list[PlainLines] = []
+        for cells, _ in _stats_rows(d):
+            out.append(line(cells))
+            if len(out) >= CHUNK_LINES:
+                chunks.append(PlainLines("\n".join(out) + "\n"))
+                out.clear()
+        if out:
+            chunks.append(PlainLines("\n".join(out) + "\n"))
+        return chunks
     from rich.table import Table
 
     table = Table(header_style="bold", title="field statistics")
@@ -386,5 +430,5 @@ def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    rows = (list(_cells(p, optimizer, family).values()) for p in d["params"])  # in ``names`` order, as written
+    rows = (list(_cells(p, optimizer, family).values()) for p in _without_stats(d["params"]))  # in ``names`` order
     return [n.replace(" ", "_") for n in names], rows
