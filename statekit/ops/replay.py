@@ -64,6 +64,28 @@ def default_flavor(state: OptimizerState | None, algorithm: str | None = None) -
     return FLAVOR_OF_FRAMEWORK.get(state.framework, "torch")
 
 
+# torch group flags whose arithmetic statekit does not replay (torch 2.13, torch/optim/*.py). capturable:
+# torch refuses it on a CPU for every optimizer that has it, and elsewhere steps on tensors (Adam's bias
+# corrections in float32, …): not modelled. differentiable: Adam, AdamW and NAdam then take that tensor
+# path too ("if capturable or differentiable"), which rounds otherwise; SGD, RMSprop, Adagrad, RAdam,
+# Adamax, Adadelta, ASGD and Rprop only clone or go out of place, the same values (tests/test_replay_flags.py).
+DIFFERENTIABLE_DIFFERS = frozenset({"adam", "adamw", "nadam"})
+
+
+def refuse_unmodelled_flags(state: OptimizerState | None, algorithm: str, flavor: str, path: str | None) -> None:
+    """A torch param group whose flags make torch step in arithmetic statekit does not replay is
+    refused, naming the group and the flag (never replayed as if the flag were off)."""
+    if state is None or state.framework != "torch" or not flavor.startswith("torch"):
+        return
+    for i, g in enumerate(state.groups):
+        if g.hyperparams.get("capturable"):
+            raise MappingError(f"param group {i} has capturable=True: torch's capturable step (on an accelerator, "
+                               "on tensors) rounds otherwise, and statekit does not replay it", path)
+        if g.hyperparams.get("differentiable") and algorithm in DIFFERENTIABLE_DIFFERS:
+            raise MappingError(f"param group {i} has differentiable=True: torch's {algorithm} then steps on tensors "
+                               "and rounds otherwise, and statekit does not replay it", path)
+
+
 def state_hp(state: OptimizerState | None) -> dict:
     if state is None or not state.groups:
         return {}
@@ -266,6 +288,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         _refuse_foreign(st, state)
         algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
         flav = flavor or default_flavor(st, algorithm)
+        refuse_unmodelled_flags(st, algorithm, flav, state)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
@@ -540,6 +563,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         if known and flav not in known:  # e.g. a torch file's Lion (bitsandbytes, lion-pytorch): burn's arithmetic only
             raise UsageError(f"{side.path}: statekit has no {flav} arithmetic for {algorithm} (it has "
                              f"{', '.join(known)}); say which to run with {flag} {known[0]}")
+    refuse_unmodelled_flags(a_state, algorithm, flav_a, original.path)
+    refuse_unmodelled_flags(b_state, algorithm, flav_b, migrated.path)
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
