@@ -573,6 +573,19 @@ def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | N
     return sides[0], sides[1], notes, flavors
 
 
+def _lanes(algorithm: str, flavors: tuple[str, str], hps_a: list[dict], hps_b: list[dict], pairs,
+           kernel: str) -> dict[str, Lane]:
+    """verify-resume's lanes; each side's parameter steps with its own group's hyperparameters."""
+    lanes = {name: Lane(algorithm, flavors[name != "original"], (hps_b if name != "original" else hps_a)[0], {},
+                        kernel=kernel) for name in ("original", "migrated", "cold", "fresh")}
+    for pr in pairs:  # under the pair's path
+        lanes["original"].hp_of[pr.path] = hps_a[min(pr.original.group, len(hps_a) - 1)]
+        if pr.migrated is not None:
+            for name in ("migrated", "cold", "fresh"):
+                lanes[name].hp_of[pr.path] = hps_b[min(pr.migrated.group, len(hps_b) - 1)]
+    return lanes
+
+
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
                   flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
@@ -611,15 +624,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     hps_b = group_hps(b_state, algorithm, flav_b, given, fallback_lr)
     hp_a, hp_b = hps_a[0], hps_b[0]
     pairs, pair_notes = pair(original, migrated, transpose or [], plan)
-    lanes = {"original": Lane(algorithm, flav_a, hp_a, {}, kernel=kernel),
-             "migrated": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
-             "cold": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
-             "fresh": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel)}
-    for pr in pairs:  # each side's parameter steps with its own group's hyperparameters, under the pair's path
-        lanes["original"].hp_of[pr.path] = hps_a[min(pr.original.group, len(hps_a) - 1)]
-        if pr.migrated is not None:
-            for name in ("migrated", "cold", "fresh"):
-                lanes[name].hp_of[pr.path] = hps_b[min(pr.migrated.group, len(hps_b) - 1)]
+    lanes = _lanes(algorithm, (flav_a, flav_b), hps_a, hps_b, pairs, kernel)
     exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
     if algorithm == "adafactor" and any(pr.transpose for pr in pairs):
         exact = False  # a transposed weight swaps the factors: the same update, rounded in another order
