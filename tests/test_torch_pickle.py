@@ -985,3 +985,22 @@ def test_filespan_at_is_the_frozen_dataclass(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.offset = 3
     source.close()
+
+
+def test_a_run_is_found_after_many_calls_that_differ(monkeypatch):
+    """600 views whose size changes every call (each look for a run finds none: the looks back
+    off), then 2,000 alike: the run is still found, and the tensors are the opcode loop's."""
+    entries = [{"size": (1 + i % 2,)} for i in range(600)] + [{} for _ in range(2000)]
+    pkl = memo_less_views(entries)
+    in_runs = []
+    real = torch_pickle.fastpath.inline_run
+
+    def counted(*args):
+        pos, ops = real(*args)
+        in_runs.append(ops // torch_pickle.fastpath._INLINE_RUN_OPS)
+        return pos, ops
+
+    monkeypatch.setattr(torch_pickle.fastpath, "inline_run", counted)
+    fast, slow, _ = load_both(pkl, views_storages(), monkeypatch)
+    assert fast == slow and len(dict(fast[1])) == 2600
+    assert sum(in_runs) >= 1500

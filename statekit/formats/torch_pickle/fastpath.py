@@ -362,14 +362,17 @@ def keyed_template(u, data, match, after: int, ref: object) -> tuple | None:
         else:
             seg += data[match.start(get) : match.end(get)] if groups[get - 1] is not None else b")"
     segments += [seg + data[match.start(21) : match.end(22)] + b")R", b"t", b"R"]
+    k = after + 5 + _U32.unpack_from(data, after + 1)[0]
+    o = k + 5 + len(s1) + 6
+    if not (data.startswith(s1, k + 5) and o < len(data)
+            and data.startswith(segments[0], o + 1 + _INTS.get(data[o], len(data)))):
+        return None  # (the next pair is not this call again: a first look, before building the checks)
     pre_length, pre = _puts_after([b"", s1])
     post_length, post = _puts_after(segments)
     n = len(u.memo)
-    k = after + 5 + _U32.unpack_from(data, after + 1)[0]
-    o = k + pre_length + 1
-    if not (data.startswith(pre(n), k) and data[o - 1] == _BINPERSID_CODE and o < len(data)
+    if not (data.startswith(pre(n), k) and data[o - 1] == _BINPERSID_CODE
             and data.startswith(post(n + 2), o + 1 + _INTS.get(data[o], len(data)))):
-        return None  # (the next pair is not this call again)
+        return None
     memo = u.memo
     func, od_func = _get(memo, groups[1]), _get(memo, groups[21])
     storage, pid = u.last_call[3], u.last_call[2]

@@ -109,6 +109,7 @@ class _Unpickler:
         self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
         self.last_inline: tuple = ((), None)  # inline_call: (the bytes of its storage id, the storage)
         self.globals: dict[tuple[bytes, bytes], object] = {}  # GLOBAL lines looked up so far (cached_global)
+        self.run_misses = self.run_wait = 0  # looks for a run of calls that found none; calls to skip (try_run)
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -297,9 +298,9 @@ class _Unpickler:
         func, last = stack[-1], self.last_inline
         if (match := _INLINE_CALL.match(data, start)) and self.inline_call(match.groups(), stack):
             after, ops = match.end(), _INLINE_CALL_OPS
-            if self.last_inline is last and last[1] is not None:  # the same storage as the call before
+            if self.last_inline is last and last[1] is not None and self.try_run():  # the same storage as before
                 run = fastpath.inline_template(self, data, match, after, func, stack[-1])
-                if run is not None:  # and the next pair repeats it: as many as do, at once
+                if self.ran(run):  # and the next pair repeats it: as many as do, at once
                     after, more = fastpath.inline_run(self, run, data, after, stack)
                     ops += more
             return after, ops
@@ -313,12 +314,30 @@ class _Unpickler:
         if not ((match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack)):
             return None
         after, ops = match.end(), _TENSOR_CALL_OPS + 3
-        if self.last_call is last:  # the same storage as the call before, no memo entry overwritten
+        if self.last_call is last and self.try_run():  # the same storage as before, no memo entry overwritten
             run = fastpath.keyed_template(self, data, match, after, stack[-1])
-            if run is not None:  # and the next pair repeats it: as many as do, at once
+            if self.ran(run):  # and the next pair repeats it: as many as do, at once
                 after, more = fastpath.keyed_run(self, run, data, after, stack)
                 ops += more
         return after, ops
+
+    def try_run(self) -> bool:
+        """Whether to look for a run after this call: not for a while after looks that found
+        none (1, 3, 7, … up to 255 calls), so that views of one storage that each differ from
+        the one before (shapes changing every call) pay almost nothing for the look."""
+        if self.run_wait:
+            self.run_wait -= 1
+            return False
+        return True
+
+    def ran(self, run: tuple | None) -> bool:
+        """Counts a look's outcome for :meth:`try_run`: True when it found a run."""
+        if run is None:
+            self.run_misses = min(2 * self.run_misses + 1, 255)
+            self.run_wait = self.run_misses
+            return False
+        self.run_misses = 0
+        return True
 
     def global_at(self, data, pos: int, stack: list) -> int:
         """GLOBAL's two lines from ``pos`` looked up (once per pickle) and pushed: the offset after
