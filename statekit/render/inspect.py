@@ -156,14 +156,23 @@ def _totals(params, optimizer: bool) -> tuple[int, int]:
     """Elements and bytes of a group of parameters (their state fields, for optimizer files)."""
     elements = nbytes = 0
     for p in params:
-        items = [(f["shape"], f["dtype"]) for f in p["fields"].values() if "shape" in f] if optimizer \
-            else [(p["shape"] or [], p["dtype"])]
-        for dims, dtype in items:
-            n = 1
-            for s in dims:
-                n *= s
-            elements += n
-            nbytes += n * _itemsize(dtype)
+        n, b = _row_totals(p, optimizer)
+        elements += n
+        nbytes += b
+    return elements, nbytes
+
+
+def _row_totals(p: dict, optimizer: bool) -> tuple[int, int]:
+    """Elements and bytes of one parameter (its state fields, for optimizer files)."""
+    elements = nbytes = 0
+    items = [(f["shape"], f["dtype"]) for f in p["fields"].values() if "shape" in f] if optimizer \
+        else [(p["shape"] or [], p["dtype"])]
+    for dims, dtype in items:
+        n = 1
+        for s in dims:
+            n *= s
+        elements += n
+        nbytes += n * _itemsize(dtype)
     return elements, nbytes
 
 
@@ -208,23 +217,43 @@ def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    groups: dict[str, list[int]] = {}  # positions: the rows are read again by position (they may be made on reading)
+    # positions: the rows are read again by position (they may be made on reading); a group of one
+    # as its position alone (10^6 paths without a dot: a list each took ~90 MB)
+    groups: dict[str, int | list[int]] = {}
     widths = {c: len(c) for c in names}
+    batch: list[dict[str, str]] = []
+
+    def measure() -> None:  # each column's widest cell in the batch, column by column
+        for c in names:
+            w = max(map(len, map(itemgetter(c), batch)))
+            if w > widths[c]:
+                widths[c] = w
+        batch.clear()
+
     rows = 0
     params = _without_stats(d["params"])
     for p in params:
-        groups.setdefault(_prefix(p["path"]), []).append(rows)
-        cells = _cells(p, optimizer, family)
-        for c in names:
-            if len(cells[c]) > widths[c]:
-                widths[c] = len(cells[c])
+        key = _prefix(p["path"])
+        at = groups.get(key)
+        if at is None:
+            groups[key] = rows
+        elif type(at) is int:
+            groups[key] = [at, rows]
+        else:
+            at.append(rows)
+        batch.append(_cells(p, optimizer, family))
+        if len(batch) >= CHUNK_LINES:
+            measure()
         rows += 1
+    if batch:
+        measure()
     cols = _columns([], names, width, widths)
     if rows > PLAIN_ROWS:
         return _plain_table(params, groups, cols, optimizer, widths, family)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
-    for prefix, positions in groups.items():
+    for prefix, at in groups.items():
+        positions = [at] if type(at) is int else at
         for i in positions:
             cells = _cells(params[i], optimizer, family)
             table.add_row([cells[c] for c in cols])
@@ -242,7 +271,7 @@ def _without_stats(params):
     return params.without_stats() if hasattr(params, "without_stats") else params
 
 
-def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimizer: bool, widths: dict[str, int],
+def _plain_table(params, groups: dict[str, int | list[int]], cols: list[str], optimizer: bool, widths: dict[str, int],
                  family) -> list[PlainLines]:
     """The table as aligned text: a header, a rule, the rows, a total line under each group
     (in pieces of :data:`CHUNK_LINES` lines, written one after the other)."""
@@ -267,17 +296,17 @@ def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimize
             out.clear()
 
     indent = sum(widths[c] + 1 for c in cols[:-1])
-    for prefix, positions in groups.items():
-        if len(positions) == len(params):  # one group: the rows in order (made once more, not by position)
-            for p in params:
-                add(line(_cells(p, optimizer, family)))
-            elements, nbytes = _totals(params, optimizer) if len(positions) > 1 else (0, 0)
-        else:
-            for i in positions:
-                add(line(_cells(params[i], optimizer, family)))
-            # (a group of one has no total line: its row is not made a third time)
-            elements, nbytes = _totals(map(params.__getitem__, positions), optimizer) if len(positions) > 1 \
-                else (0, 0)
+    for prefix, at in groups.items():
+        positions = [at] if type(at) is int else at
+        # the rows in order when there is one group (made once more, not by position); the group's
+        # total from the same rows (a group of one has none)
+        elements = nbytes = 0
+        for p in params if len(positions) == len(params) else map(params.__getitem__, positions):
+            add(line(_cells(p, optimizer, family)))
+            if len(positions) > 1:
+                n, b = _row_totals(p, optimizer)
+                elements += n
+                nbytes += b
         if len(positions) > 1:
             add(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
     if out:
