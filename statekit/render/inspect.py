@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import islice
 from operator import itemgetter
 
 from statekit.render import human_bytes
@@ -116,14 +117,23 @@ def _ident(p: dict) -> str:
 
 
 def _cells(p: dict, optimizer: bool, family: bool = False) -> dict[str, str]:
-    cells = {"path": p["path"] or "-", "id": _ident(p), "display id": p["display_id"] or "-",
-             "rank": str(p["rank"]) if p["rank"] is not None else "-", "shape": format_shape(p["shape"]),
-             "dtype": p["dtype"] or "-"}
+    names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["family"] if family else []) \
+        + (["step", "fields"] if optimizer else [])
+    return dict(zip(names, _cell_values(p, optimizer, family), strict=True))
+
+
+def _cell_values(p: dict, optimizer: bool, family: bool = False) -> tuple[str, ...]:
+    """A row's cells in :func:`_names` order (path, id, display id, rank, shape, dtype, family,
+    step, fields)."""
+    shape = p["shape"]
+    cells = (p["path"] or "-", _ident(p), p["display_id"] or "-", str(p["rank"]) if p["rank"] is not None else "-",
+             str(shape[0]) if shape is not None and len(shape) == 1 else format_shape(shape),  # (the same text)
+             p["dtype"] or "-")
     if family:
-        cells["family"] = _family_label(p)
+        cells += (_family_label(p),)
     if optimizer:
-        cells["step"] = "-" if p["step"] is None else f"{p['step']:g}"
-        cells["fields"] = ", ".join(_field_text(n, f) for n, f in p["fields"].items()) or "(no state)"
+        cells += ("-" if p["step"] is None else f"{p['step']:g}",
+                  ", ".join(_field_text(n, f) for n, f in p["fields"].items()) or "(no state)")
     return cells
 
 
@@ -221,27 +231,32 @@ def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
     # as its position alone (10^6 paths without a dot: a list each took ~90 MB)
     groups: dict[str, int | list[int]] = {}
     widths = {c: len(c) for c in names}
-    batch: list[dict[str, str]] = []
+    batch: list[tuple[str, ...]] = []
 
     def measure() -> None:  # each column's widest cell in the batch, column by column
-        for c in names:
-            w = max(map(len, map(itemgetter(c), batch)))
+        for c, column in zip(names, zip(*batch, strict=True), strict=True):
+            w = max(map(len, column))
             if w > widths[c]:
                 widths[c] = w
         batch.clear()
 
     rows = 0
+    in_order = True  # each group's rows together, the groups in order: the rows can be read again in order
+    last = None
     params = _without_stats(d["params"])
     for p in params:
         key = _prefix(p["path"])
         at = groups.get(key)
         if at is None:
             groups[key] = rows
-        elif type(at) is int:
-            groups[key] = [at, rows]
         else:
-            at.append(rows)
-        batch.append(_cells(p, optimizer, family))
+            in_order = in_order and key == last
+            if type(at) is int:
+                groups[key] = [at, rows]
+            else:
+                at.append(rows)
+        last = key
+        batch.append(_cell_values(p, optimizer, family))
         if len(batch) >= CHUNK_LINES:
             measure()
         rows += 1
@@ -249,7 +264,7 @@ def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
         measure()
     cols = _columns([], names, width, widths)
     if rows > PLAIN_ROWS:
-        return _plain_table(params, groups, cols, optimizer, widths, family)
+        return _plain_table(params, groups, names, cols, optimizer, widths, family, in_order)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
     for prefix, at in groups.items():
@@ -271,23 +286,28 @@ def _without_stats(params):
     return params.without_stats() if hasattr(params, "without_stats") else params
 
 
-def _plain_table(params, groups: dict[str, int | list[int]], cols: list[str], optimizer: bool, widths: dict[str, int],
-                 family) -> list[PlainLines]:
+def _plain_table(params, groups: dict[str, int | list[int]], names: list[str], cols: list[str], optimizer: bool,
+                 widths: dict[str, int], family, in_order: bool = False) -> list[PlainLines]:
     """The table as aligned text: a header, a rule, the rows, a total line under each group
-    (in pieces of :data:`CHUNK_LINES` lines, written one after the other)."""
+    (in pieces of :data:`CHUNK_LINES` lines, written one after the other). ``in_order``: the
+    groups' rows are the rows in order (read again in order, not by position)."""
     right = {"rank", "step"}
-    last = cols[-1]
 
     # each column padded to its width (right-justified: rank, step), the last one not padded
     template = " ".join([f"{{{i}:{'>' if c in right else '<'}{widths[c]}}}" for i, c in enumerate(cols[:-1])]
-                        + [f"{{{len(cols) - 1}}}"])
-    values = itemgetter(*cols) if len(cols) > 1 else (lambda cells: (cells[last],))
+                        + [f"{{{len(cols) - 1}}}"]).format
+    if cols == names:
+        def line(cells: tuple[str, ...]) -> str:
+            return template(*cells).rstrip()
+    else:
+        at = [names.index(c) for c in cols]
+        pick = itemgetter(*at) if len(at) > 1 else (lambda cells: (cells[at[0]],))
 
-    def line(cells: dict[str, str]) -> str:
-        return template.format(*values(cells)).rstrip()
+        def line(cells: tuple[str, ...]) -> str:
+            return template(*pick(cells)).rstrip()
 
     chunks: list[PlainLines] = []
-    out = [line({c: c for c in cols}), " ".join("-" * widths[c] for c in cols)]
+    out = [template(*cols).rstrip(), " ".join("-" * widths[c] for c in cols)]
 
     def add(text: str) -> None:  # (joined every CHUNK_LINES lines: 10^6 line objects held took ~0.1 GB)
         out.append(text)
@@ -296,13 +316,13 @@ def _plain_table(params, groups: dict[str, int | list[int]], cols: list[str], op
             out.clear()
 
     indent = sum(widths[c] + 1 for c in cols[:-1])
+    rows = iter(params) if in_order else None
     for prefix, at in groups.items():
         positions = [at] if type(at) is int else at
-        # the rows in order when there is one group (made once more, not by position); the group's
-        # total from the same rows (a group of one has none)
+        # the group's total from the same rows (a group of one has none)
         elements = nbytes = 0
-        for p in params if len(positions) == len(params) else map(params.__getitem__, positions):
-            add(line(_cells(p, optimizer, family)))
+        for p in islice(rows, len(positions)) if in_order else map(params.__getitem__, positions):
+            add(line(_cell_values(p, optimizer, family)))
             if len(positions) > 1:
                 n, b = _row_totals(p, optimizer)
                 elements += n
@@ -459,5 +479,5 @@ def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    rows = (list(_cells(p, optimizer, family).values()) for p in _without_stats(d["params"]))  # in ``names`` order
+    rows = (_cell_values(p, optimizer, family) for p in _without_stats(d["params"]))  # in ``names`` order
     return [n.replace(" ", "_") for n in names], rows
