@@ -615,26 +615,56 @@ def views_and_state() -> object:
             "many": {f"v{i}": base[i % 40 : i % 40 + 1] for i in range(300)}}
 
 
-def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> tuple[object, object, int]:
-    """The outcome through the fast path and through the opcode loop alone, and fast calls run."""
+def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch, files=None,
+              messages: bool = False) -> tuple[object, object, int]:
+    """The outcome through the fast path and through the opcode loop alone, and fast calls run.
+    ``files``: a folder where each storage is written to a file its tensors read (FileSpan), as
+    a .pt's are; ``messages``: an error is its class and message (else its class alone)."""
     import re
+
+    from statekit.tensor import FileSpan, SourceFile
+
+    cache: dict[str, Storage] = {}
 
     def loader(sid: StorageId) -> Storage:
         data = memoryview(storages[sid.key])
         if len(data) != sid.nbytes:
             raise FormatError("storage size")
-        return Storage(sid, lambda: data)
+        if files is None:
+            return Storage(sid, lambda: data)
+        if sid.key not in cache:  # one Storage a key, as torch_pt's loader keeps them
+            path = files / f"storage-{sid.key}"
+            path.write_bytes(data)
+            cache[sid.key] = storage = Storage(sid, lambda: data)
+            storage.span = FileSpan(SourceFile.open(str(path)), 0, len(data))
+        return cache[sid.key]
 
     def outcome() -> object:
         try:
             return normalized(torch_pickle.loads(pkl, storage_loader=loader)[0])
         except FormatError as exc:
-            return type(exc)
+            return (type(exc), str(exc)) if messages else type(exc)
 
     calls = []
     for name in ("tensor_call", "inline_call"):
         real = getattr(torch_pickle._Unpickler, name)
         monkeypatch.setattr(torch_pickle._Unpickler, name, lambda *a, real=real: calls.append(1) or real(*a))
+    real_run = torch_pickle.fastpath.inline_run
+
+    real_keyed_run = torch_pickle.fastpath.keyed_run
+
+    def run(*args):  # a run of repeated memo-less calls: one fast call per tensor it pushed
+        pos, ops = real_run(*args)
+        calls.extend([1] * (ops // torch_pickle.fastpath._INLINE_RUN_OPS))
+        return pos, ops
+
+    def keyed_run(*args):  # a run of torch.save's repeated calls, likewise
+        pos, ops = real_keyed_run(*args)
+        calls.extend([1] * (ops // torch_pickle.fastpath._KEYED_RUN_OPS))
+        return pos, ops
+
+    monkeypatch.setattr(torch_pickle.fastpath, "inline_run", run)
+    monkeypatch.setattr(torch_pickle.fastpath, "keyed_run", keyed_run)
     fast = outcome()
     monkeypatch.setattr(torch_pickle.interpreter, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
     monkeypatch.setattr(torch_pickle.interpreter, "_INLINE_CALL", re.compile(rb"(?!)"))
@@ -643,7 +673,8 @@ def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> tuple[obje
 
 def normalized(value: object) -> object:
     if isinstance(value, TensorRef):
-        return ("tensor", value.dtype, value.shape, dict(value.info), bytes(value.raw()))
+        span = value.span and (value.span.offset, value.span.length)
+        return ("tensor", value.dtype, value.shape, dict(value.info), bytes(value.raw()), span)
     if isinstance(value, dict):
         return ("dict", [(k, normalized(v)) for k, v in value.items()])
     if isinstance(value, list | tuple):
@@ -728,4 +759,211 @@ def test_inline_fast_path_agrees_on_damaged_pickles(monkeypatch):
             damaged[rng.randrange(len(pkl) // 2, len(pkl))] = rng.choice([rng.randrange(256), *damaged[:40]])
         with monkeypatch.context() as patch:
             fast, slow, _ = load_both(bytes(damaged), storages, patch)
+        assert fast == slow
+
+
+# runs of memo-less calls viewing one storage (fastpath.inline_run): hand-written in
+# Pickler.fast's bytes, so that single bytes can differ from one call to the next
+
+
+def memo_less_views(entries: list[dict], numel: int = 70_000) -> bytes:
+    """``OrderedDict(name -> _rebuild_tensor_v2(...))`` as CPython's pickler writes torch.save's
+    objects without a memo (protocol 2, ``Pickler.fast``), SETITEMS every 1000 pairs. Each entry
+    may set ``name`` (raw UTF-8 bytes), ``offset`` (int, or an int opcode's bytes), ``size`` and
+    ``stride`` (tuples), ``grad`` (bool), ``key`` (the storage's)."""
+    def small(values: tuple) -> bytes:
+        return b"".join(op_small(v) for v in values) + bytes([pickle.TUPLE1[0] + len(values) - 1]) if values else b")"
+
+    def op_small(v: int) -> bytes:
+        return (pickle.BININT1 + bytes([v]) if v < 256 else pickle.BININT2 + struct.pack("<H", v) if v < 65536
+                else pickle.BININT + struct.pack("<i", v))
+
+    pairs = []
+    for i, e in enumerate(entries):
+        name = e.get("name", f"t{i}".encode())
+        offset = e.get("offset", i)
+        pid = (b"((" + op_str("storage") + op_global("torch", "FloatStorage") + op_str(e.get("key", "0"))
+               + op_str("cpu") + pickle.BININT + struct.pack("<i", numel) + b"tQ")
+        pairs.append(pickle.BINUNICODE + struct.pack("<I", len(name)) + name + op_global("torch._utils", "_rebuild_tensor_v2")
+                     + pid + (offset if isinstance(offset, bytes) else op_small(offset))
+                     + small(e.get("size", (1,))) + small(e.get("stride", (1,)))
+                     + (pickle.NEWTRUE if e.get("grad") else pickle.NEWFALSE)
+                     + op_global("collections", "OrderedDict") + b")RtR")
+    body = op_global("collections", "OrderedDict") + b")R"
+    for k in range(0, len(pairs), 1000):
+        body += pickle.MARK + b"".join(pairs[k : k + 1000]) + pickle.SETITEMS
+    return wrap(body)
+
+
+def views_storages(numel: int = 70_000) -> dict[str, bytes]:
+    return {k: np.arange(numel, dtype=np.float32).tobytes() for k in ("0", "1")}
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["loader", "file-span"])
+def test_runs_of_memo_less_views_read_what_the_opcode_loop_reads(monkeypatch, tmp_path, spans):
+    """2,500 views of one storage (three SETITEMS) with offsets in all three int opcodes, and
+    calls among them that differ from the one before: another size, stride, rank, empty, grad,
+    storage; the same tensors as opcode by opcode, nearly all run at once."""
+    entries = [{"offset": o} for o in [*range(0, 1000), *range(60_000, 60_700), *range(300, 1100)]]
+    for i, change in [(5, {"size": (2,)}), (6, {"size": (2,)}), (40, {"size": (0,)}), (41, {"size": (), "stride": ()}),
+                      (42, {"size": (2, 3), "stride": (3, 1)}), (43, {"size": (3, 2), "stride": (1, 3)}),
+                      (900, {"grad": True}), (901, {"grad": True}), (1200, {"key": "1"}), (1201, {"key": "1"}),
+                      (1700, {"stride": (5,)}), (2100, {"name": "é∂".encode()})]:
+        entries[i] = entries[i] | change
+    fast, slow, calls = load_both(memo_less_views(entries), views_storages(), monkeypatch,
+                                  files=tmp_path if spans else None)
+    assert fast == slow
+    assert calls >= 2400
+    tensors = dict(fast[1])
+    assert len(tensors) == 2500
+    assert tensors["t1000"][2] == (1,) and tensors["t1000"][3]["storage_offset"] == 60_000
+    assert tensors["t42"][2] == (2, 3) and tensors["t900"][3]["requires_grad"]
+    assert tensors["t1200"][3]["storage_key"] == "1" and "é∂" in tensors
+    assert tensors["t2499"][4] == np.float32(1099).tobytes()
+    if spans:
+        assert tensors["t1000"][5] == (60_000 * 4, 4)
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["loader", "file-span"])
+@pytest.mark.parametrize("change", [
+    {"offset": 69_999 + 1}, {"offset": pickle.BININT + struct.pack("<i", -1)}, {"offset": 2**31 - 1},
+    {"name": b"\xff"}, {"name": b"\xed\xa0\x80"}, {"size": (2,), "offset": 69_999},
+    {"offset": pickle.BINFLOAT + struct.pack(">d", 3.0)}, {"offset": pickle.NONE},
+], ids=["past-the-end", "negative", "huge", "not-utf8", "surrogate", "overhangs", "float", "none"])
+def test_a_run_stops_at_a_bad_call_with_the_opcode_loops_error(monkeypatch, tmp_path, spans, change):
+    """One bad call in the middle of a run of views (its 1,500th): the error message is the opcode
+    loop's, word for word."""
+    entries = [{} for _ in range(3000)]
+    entries[1500] = change
+    fast, slow, calls = load_both(memo_less_views(entries), views_storages(), monkeypatch,
+                                  files=tmp_path if spans else None, messages=True)
+    assert fast == slow
+    assert isinstance(fast, tuple) and fast[0] in (FormatError, UnsafePickleError), fast
+
+
+def test_a_truncated_run_is_the_opcode_loops_error(monkeypatch):
+    pkl = memo_less_views([{} for _ in range(1200)])
+    for cut in (len(pkl) // 3, len(pkl) // 3 + 7, len(pkl) // 2 + 1, len(pkl) - 40):
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(pkl[:cut], views_storages(), patch, messages=True)
+        assert fast == slow and fast[0] is FormatError and "truncated" in fast[1]
+
+
+def test_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
+    """Random bytes changed inside a run of memo-less views: the fast path gives the opcode
+    loop's result or its error class, never something else."""
+    import random
+
+    pkl = memo_less_views([{"offset": 3 * i} for i in range(400)])
+    rng = random.Random(35)
+    for _ in range(150):
+        damaged = bytearray(pkl)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(200, len(pkl))] = rng.choice([rng.randrange(256), *b"KMJXtQRu(\x85\x86\x88\x89"])
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(bytes(damaged), views_storages(), patch, files=tmp_path)
+        assert fast == slow
+
+
+# runs of torch.save's own calls viewing one storage (fastpath.keyed_run): real torch.save
+# pickles, some with one call's bytes edited (a pickle holds no byte offsets: lengths may change)
+
+
+def saved_views(n: int = 2500, changes: dict | None = None) -> tuple[bytes, dict[str, bytes]]:
+    """torch.save of ``{f"v{i}": base[30 i : 30 i + 1]}`` (offsets in all three int opcodes,
+    SETITEMS every 1000), ``changes`` putting other tensors at some positions."""
+    torch = pytest.importorskip("torch")
+    base = torch.arange(80_000, dtype=torch.float32)
+    views = {f"v{i}": base[30 * i : 30 * i + 1] for i in range(n)}
+    for i, make in (changes or {}).items():
+        views[f"v{i}"] = make(base, torch)
+    return torch_saved(views)
+
+
+def edited(pkl: bytes, name: str, edit) -> bytes:
+    """``pkl`` with the call after the key ``name`` changed: ``edit(op, arg, raw)`` for its
+    storage offset's int opcode returns the bytes to put there instead (or the key's own bytes
+    when ``op`` is the BINUNICODE)."""
+    ops = list(pickletools.genops(pkl))
+    at = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BINUNICODE" and arg == name)
+    persid = next(i for i in range(at, len(ops)) if ops[i][0].name == "BINPERSID")
+    target = at if edit(None, None, None) == "key" else persid + 1
+    op, arg, pos = ops[target]
+    end = ops[target + 1][2]
+    return pkl[:pos] + edit(op.name, arg, pkl[pos:end]) + pkl[end:]
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["loader", "file-span"])
+def test_runs_of_torch_saves_views_read_what_the_opcode_loop_reads(monkeypatch, tmp_path, spans):
+    changes = {5: lambda b, t: b[3:5], 6: lambda b, t: b[3:5], 40: lambda b, t: b[:0], 41: lambda b, t: b[7],
+               42: lambda b, t: b[:6].view(2, 3), 43: lambda b, t: b[:6].view(2, 3).t(),
+               900: lambda b, t: t.ones(1, requires_grad=True), 1200: lambda b, t: t.arange(3.0)[1:2],
+               1201: lambda b, t: t.arange(3.0)[2:3], 1700: lambda b, t: b[::5][:1], 2100: lambda b, t: b.double()[:1]}
+    pkl, storages = saved_views(changes=changes)
+    fast, slow, calls = load_both(pkl, storages, monkeypatch, files=tmp_path if spans else None)
+    assert fast == slow
+    assert calls >= 2400
+    tensors = dict(fast[1])
+    assert len(tensors) == 2500
+    assert tensors["v2499"][3]["storage_offset"] == 30 * 2499 and tensors["v2499"][4] == np.float32(74_970).tobytes()
+    assert tensors["v42"][2] == (2, 3) and tensors["v900"][3]["requires_grad"] and tensors["v41"][2] == ()
+    if spans:
+        assert tensors["v1000"][5] == (30_000 * 4, 4)
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["loader", "file-span"])
+@pytest.mark.parametrize("edit", [
+    lambda op, arg, raw: "offset" if op is None else pickle.BININT + struct.pack("<i", 80_000),
+    lambda op, arg, raw: "offset" if op is None else pickle.BININT + struct.pack("<i", -1),
+    lambda op, arg, raw: "offset" if op is None else pickle.BINFLOAT + struct.pack(">d", 3.0),
+    lambda op, arg, raw: "offset" if op is None else pickle.NONE,
+    lambda op, arg, raw: "key" if op is None else raw.replace(b"v1500", b"v\xff500"),
+    lambda op, arg, raw: "key" if op is None else raw.replace(b"v1500", b"v\xed\xa0\x80"),
+], ids=["past-the-end", "negative", "float", "none", "not-utf8", "surrogate"])
+def test_a_torch_save_run_stops_at_a_bad_call_with_the_opcode_loops_error(monkeypatch, tmp_path, spans, edit):
+    pkl, storages = saved_views()
+    fast, slow, _ = load_both(edited(pkl, "v1500", edit), storages, monkeypatch,
+                              files=tmp_path if spans else None, messages=True)
+    assert fast == slow
+    assert isinstance(fast, tuple) and fast[0] is FormatError, fast
+
+
+def test_a_torch_save_run_with_an_edited_memo_index_or_truncated_is_the_loops(monkeypatch):
+    pkl, storages = saved_views(1200)
+    ops = list(pickletools.genops(pkl))
+    puts = [pos for op, _, pos in ops if op.name == "LONG_BINPUT"]
+    for cut in (len(pkl) // 3, len(pkl) // 3 + 7, len(pkl) // 2 + 1, len(pkl) - 40):
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(pkl[:cut], storages, patch, messages=True)
+        assert fast == slow and fast[0] is FormatError and "truncated" in fast[1]
+    for put in (puts[len(puts) // 2], puts[len(puts) // 2 + 1], puts[-30]):  # an index one off: the memo turns sparse
+        damaged = pkl[: put + 1] + struct.pack("<I", struct.unpack_from("<I", pkl, put + 1)[0] + 1) + pkl[put + 5 :]
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(damaged, storages, patch, messages=True)
+        assert fast == slow
+    # the key of v600 memoized one index off, and a call 100 tensors on reading the index it skipped
+    at = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BINUNICODE" and arg == "v600")
+    index, put = ops[at + 1][1], ops[at + 1][2]
+    later = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BINUNICODE" and arg == "v700")
+    od = next(i for i in range(later, len(ops)) if ops[i][0].name == "EMPTY_TUPLE") - 1
+    od_pos, after_od = ops[od][2], ops[od + 1][2]
+    damaged = (pkl[: put + 1] + struct.pack("<I", index + 1) + pkl[put + 5 : od_pos] + pickle.LONG_BINGET
+               + struct.pack("<I", index) + pkl[after_od:])
+    fast, slow, _ = load_both(damaged, storages, monkeypatch, messages=True)
+    assert fast == slow and "KeyError" in fast[1]
+
+
+def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
+    """Random bytes changed inside a run of torch.save's views: the fast path gives the opcode
+    loop's result or its error class, never something else."""
+    import random
+
+    pkl, storages = saved_views(400)
+    rng = random.Random(36)
+    for _ in range(150):
+        damaged = bytearray(pkl)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(len(pkl) // 4, len(pkl))] = rng.choice([rng.randrange(256), *b"KMJXtQRrhj\x85\x88\x89"])
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(bytes(damaged), storages, patch, files=tmp_path)
         assert fast == slow

@@ -194,3 +194,68 @@ def test_a_state_restarted_by_reset_step_is_checked_against_a_cold_start(cli, tr
     code, report = verify(cli, d / "ckpt.pt", d / "reset.pt", "--plan", d / "reset-plan.json")
     row = next(r for r in report["params"] if r["path"] == "embed.weight")
     assert code == 0 and row["reset"] and row["bit_exact"] and not row["has_state"]
+
+
+ASGD = {"lr": 1e-2, "lambd": 1e-2, "alpha": 0.75, "t0": 1.0}  # eta and mu both move from their start (lr, 1)
+
+
+def _asgd_resized(d, stale: float | None = None):
+    """Real torch ASGD after 3 steps (its ckpt), and the same state for the grown model as a resize
+    makes it: the embedding's ``ax`` zero-padded (``stale``: the new rows filled with that instead),
+    the tensor's own ``eta``, ``mu`` and ``step`` as they are."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.ASGD(net.named_parameters(), **ASGD)
+    for _ in range(3):
+        net(torch.randint(0, V, (4,))).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, d / "asgd.pt")
+    sd = opt.state_dict()
+    ax = sd["state"][0]["ax"]
+    sd["state"][0]["ax"] = torch.cat([ax, torch.full((4, D), 0.0 if stale is None else stale)])
+    sd["param_groups"][0]["param_names"][0] = "tok_embed.weight"
+    out = d / ("asgd-grown.pt" if stale is None else "asgd-stale.pt")
+    torch.save(sd, out)
+    return sd, out
+
+
+def test_a_resized_asgd_state_tracks_its_new_rows_share_the_tensors_eta_and_mu(cli, trained):
+    """ASGD's eta and mu are one 0-dim tensor per parameter: a grown embedding's new rows step with the
+    tensor's eta and mu, in real torch as in verify-resume's zero-state lane (which once zeroed them,
+    so that a correctly grown state read as not tracking). Restarted at torch's initial eta = lr and
+    mu = 1, the new rows would land elsewhere: that is not what torch does with this file."""
+    remapped(cli, trained, "new.pt")  # the plan: embed.weight → tok_embed.weight, grown by 4 rows
+    sd, grown = _asgd_resized(trained)
+    eta, mu = float(sd["state"][0]["eta"]), float(sd["state"][0]["mu"])
+    assert eta != float(torch.tensor(ASGD["lr"])) and mu != 1.0  # both off their start: the case that matters
+    code, report = verify(cli, trained / "asgd.pt", grown, "--plan", trained / "plan.json")
+    row = next(r for r in report["params"] if r["path"] == "embed.weight")
+    assert report["optimizer"] == "asgd" and row["kept"] == [V, D]
+    assert code == 0 and report["tracks"] and row["bit_exact"] and row["new_elements_fresh"], row
+
+    # real torch: the grown tensor's new rows step as a zero ax with the tensor's eta and mu does
+    def run(eta_mu, ax_rows):
+        p = torch.nn.Parameter(torch.full((V + 4, D), 0.25))
+        opt = torch.optim.ASGD([p], **ASGD)
+        state = {"step": sd["state"][0]["step"].clone(), "ax": ax_rows.clone(),
+                 "eta": torch.tensor(eta_mu[0]), "mu": torch.tensor(eta_mu[1])}
+        opt.load_state_dict({"state": {0: state}, "param_groups": [dict(opt.state_dict()["param_groups"][0])]})
+        for k in range(4):
+            p.grad = torch.linspace(-0.1, 0.1 + k, (V + 4) * D).reshape(V + 4, D)
+            opt.step()
+        return p.detach()[V:].clone()
+
+    resumed = run((eta, mu), sd["state"][0]["ax"])
+    zero_state = run((eta, mu), torch.zeros(V + 4, D))
+    restarted = run((float(torch.tensor(ASGD["lr"])), 1.0), torch.zeros(V + 4, D))
+    assert torch.equal(resumed, zero_state) and not torch.equal(resumed, restarted)
+
+
+def test_stale_new_rows_of_a_resized_asgd_state_are_caught(cli, trained):
+    """ASGD's average ax moves no parameter: stale new rows of it are caught in the state itself."""
+    remapped(cli, trained, "new.pt")
+    _, stale = _asgd_resized(trained, stale=0.5)
+    code, report = verify(cli, trained / "asgd.pt", stale, "--plan", trained / "plan.json")
+    row = next(r for r in report["params"] if r["path"] == "embed.weight")
+    assert code == 1 and row["bit_exact"] and not row["new_elements_fresh"]

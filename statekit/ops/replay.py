@@ -64,6 +64,28 @@ def default_flavor(state: OptimizerState | None, algorithm: str | None = None) -
     return FLAVOR_OF_FRAMEWORK.get(state.framework, "torch")
 
 
+# torch group flags whose arithmetic statekit does not replay (torch 2.13, torch/optim/*.py). capturable:
+# torch refuses it on a CPU for every optimizer that has it, and elsewhere steps on tensors (Adam's bias
+# corrections in float32, …): not modelled. differentiable: Adam, AdamW and NAdam then take that tensor
+# path too ("if capturable or differentiable"), which rounds otherwise; SGD, RMSprop, Adagrad, RAdam,
+# Adamax, Adadelta, ASGD and Rprop only clone or go out of place, the same values (tests/test_replay_flags.py).
+DIFFERENTIABLE_DIFFERS = frozenset({"adam", "adamw", "nadam"})
+
+
+def refuse_unmodelled_flags(state: OptimizerState | None, algorithm: str, flavor: str, path: str | None) -> None:
+    """A torch param group whose flags make torch step in arithmetic statekit does not replay is
+    refused, naming the group and the flag (never replayed as if the flag were off)."""
+    if state is None or state.framework != "torch" or not flavor.startswith("torch"):
+        return
+    for i, g in enumerate(state.groups):
+        if g.hyperparams.get("capturable"):
+            raise MappingError(f"param group {i} has capturable=True: torch's capturable step (on an accelerator, "
+                               "on tensors) rounds otherwise, and statekit does not replay it", path)
+        if g.hyperparams.get("differentiable") and algorithm in DIFFERENTIABLE_DIFFERS:
+            raise MappingError(f"param group {i} has differentiable=True: torch's {algorithm} then steps on tensors "
+                               "and rounds otherwise, and statekit does not replay it", path)
+
+
 def state_hp(state: OptimizerState | None) -> dict:
     if state is None or not state.groups:
         return {}
@@ -120,6 +142,7 @@ class Lane:
     last_digest: bytes = field(init=False, default=b"")
     keep_final: bool = field(init=False, default=False)  # keep the final state (one parameter's) in last_slots
     last_slots: dict = field(init=False, default_factory=dict)
+    new_slots: dict = field(init=False, default_factory=dict)  # a resized state's final per-element slots
 
     def __post_init__(self):
         self.chosen = registry.choose_kernel(self.algorithm, self.flavor, xp=self.xp, kernel=self.kernel)
@@ -265,6 +288,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         _refuse_foreign(st, state)
         algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
         flav = flavor or default_flavor(st, algorithm)
+        refuse_unmodelled_flags(st, algorithm, flav, state)
         hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
@@ -318,8 +342,10 @@ def _region(ref: np.ndarray, other: np.ndarray, kept: tuple[int, ...] | None) ->
 
 def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np.ndarray:
     """Step one parameter of one lane through the seeded steps; its final value in the original's
-    layout. ``fresh`` is the migrated state with zeroed slots (what a resized state's new
-    elements must behave like); ``cold`` has no state at all."""
+    layout. ``fresh`` is the migrated state with its per-element slots zeroed (what a resized
+    state's new elements must behave like); its 0-dim slots (ASGD's ``eta`` and ``mu``, NAdam's
+    ``mu_product``) are the tensor's own schedule, which new elements share in the one tensor torch
+    steps: they stay as migrated. ``cold`` has no state at all."""
     shape_a, shape_m = tuple(pr.original.shape or ()), pr.migrated_shape
     full = tuple(max(x, y) for x, y in zip(shape_a, shape_m, strict=True)) if pr.kept else shape_a
     shape = shape_a if which == "original" else shape_m
@@ -335,7 +361,9 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
     src = pr.original if which == "original" else pr.migrated if which in ("migrated", "fresh") else None
     if src is not None and src.slots:
         slots = slots_of(src, transpose=False)
-        ln.slots[pr.path] = {k: np.zeros_like(v) for k, v in slots.items()} if which == "fresh" else slots
+        if which == "fresh":  # per-element slots zeroed; the tensor's 0-dim ones (as the file keeps them) kept
+            slots = {k: np.zeros_like(v) if src.slots[k].shape else v for k, v in slots.items()}
+        ln.slots[pr.path] = slots
     if src is not None and src.step is not None:
         ln.steps[pr.path] = int(src.step)
     for k in range(steps):
@@ -346,7 +374,10 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
         ln.last_digest = _digest(final_slots)  # for the bit-exact state comparison (no copy kept)
         if ln.keep_final:  # for the tolerance one, after a lossy migration
             ln.last_slots = final_slots
-    return _layout(ln.params.pop(pr.path), t)
+    final = ln.params.pop(pr.path)
+    if pr.kept and which in ("migrated", "fresh"):  # the new elements of the state too (ASGD's ax moves no parameter)
+        ln.new_slots = {k: _layout(v, t) for k, v in final_slots.items() if v.shape == final.shape}
+    return _layout(final, t)
 
 
 def _digest(slots: dict) -> bytes:
@@ -426,7 +457,10 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
             if pr.reset:  # a state the remap restarted on purpose must step like a cold start
                 seen["migrated"] = _compare(*_region(final, kept_final, pr.kept), lr, steps)
         else:
-            seen["fresh"] = _new_elements_equal(final, kept_final, pr.kept)
+            fresh_s, migrated_s = lanes["fresh"].new_slots, lanes["migrated"].new_slots
+            seen["fresh"] = _new_elements_equal(final, kept_final, pr.kept) and sorted(fresh_s) == sorted(migrated_s) \
+                and all(_new_elements_equal(fresh_s[k], migrated_s[k], pr.kept) for k in fresh_s)
+            lanes["fresh"].new_slots, lanes["migrated"].new_slots = {}, {}
         del final
         if tick:
             tick(len(run))
@@ -529,6 +563,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         if known and flav not in known:  # e.g. a torch file's Lion (bitsandbytes, lion-pytorch): burn's arithmetic only
             raise UsageError(f"{side.path}: statekit has no {flav} arithmetic for {algorithm} (it has "
                              f"{', '.join(known)}); say which to run with {flag} {known[0]}")
+    refuse_unmodelled_flags(a_state, algorithm, flav_a, original.path)
+    refuse_unmodelled_flags(b_state, algorithm, flav_b, migrated.path)
     given = given or {}
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 
 from statekit.formats.torch_pickle.allowlist import (
     _ORDERED_DICT,
@@ -15,9 +16,21 @@ from statekit.formats.torch_pickle.allowlist import (
     _Callable,
     find_global,
 )
-from statekit.formats.torch_pickle.geometry import _tensor
-from statekit.formats.torch_pickle.opcodes import _BININT1, _INTS, _TUPLE1, _int_op
+from statekit.formats.torch_pickle.geometry import _DTYPE_CACHE, TensorInfo, _geometry, _tensor
+from statekit.formats.torch_pickle.opcodes import (
+    _BININT,
+    _BININT1,
+    _BININT2,
+    _BINUNICODE,
+    _I32,
+    _INTS,
+    _TUPLE1,
+    _U16,
+    _U32,
+    _int_op,
+)
 from statekit.formats.torch_pickle.structure import MAX_DEPTH, _is_container
+from statekit.tensor import FileSpan, TensorRef
 
 
 def _small_tuple(ints: bytes | None, op: bytes | None) -> tuple | bool:
@@ -214,3 +227,216 @@ def inline_call(u, groups: tuple, stack: list) -> bool:
     else:
         stack[-1] = _call(stack[-1], args)
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# runs of memo-less calls viewing one storage
+
+
+_REBUILD_GLOBAL = b"ctorch._utils\n_rebuild_tensor_v2\n"
+_OFFSET_GROUP = 12  # (of _INLINE_CALL: the storage offset's int opcode)
+_INLINE_RUN_OPS = 3 + _INLINE_CALL_OPS  # BINUNICODE, GLOBAL, MARK, then the call
+
+
+def inline_template(u, data, match, after: int, func: object, ref: object) -> tuple | None:
+    """What :func:`inline_run` needs to repeat the call ``match`` just ran (``func`` called, ``ref``
+    built), or None when the next pair does not repeat it or it cannot be repeated byte for byte:
+    every argument written inline (no memo read), the callable torch.save's ``_rebuild_tensor_v2``
+    named by a GLOBAL, and a plain view of a storage (what :func:`_tensor` builds first)."""
+    if type(data) is not bytes or data[after : after + 1] != b"X" or after + 5 > len(data):
+        return None
+    head = _REBUILD_GLOBAL + data[match.start() : match.start(_OFFSET_GROUP)]
+    tail = data[match.end(_OFFSET_GROUP) : match.end()]
+    k = after + 5 + _U32.unpack_from(data, after + 1)[0]
+    o = k + len(head)
+    if not (data.startswith(head, k) and data.startswith(tail, o + 1 + _INTS.get(data[o] if o < len(data) else 0, 0))):
+        return None  # (the next pair is not this call again: nothing more is done for it)
+    groups = match.groups()
+    if (func is not _REBUILD_TENSOR_V2 or type(ref) is not TensorRef or type(ref.info) is not TensorInfo
+            or ref.info.own is not None or ref.array_loader is not None
+            or any(groups[i] is not None for i in (0, 3, 6, 9, 12, 15, 19))
+            or cached_global(u, b"torch._utils", b"_rebuild_tensor_v2") is not _REBUILD_TENSOR_V2
+            or cached_global(u, b"collections", b"OrderedDict") is not _ORDERED_DICT):
+        return None
+    storage = u.last_inline[1]
+    name, _, itemsize = _DTYPE_CACHE[storage.dtype]
+    size, stride = ref.shape, ref.info.stride
+    numel, extent, _ = _geometry(size, stride, itemsize, storage.key)
+    span = storage.span
+    if name != ref.dtype or (span is None) != (ref.span is None):
+        return None
+    return (head, tail, storage, size, stride, name, ref.info.shared, itemsize, numel, extent,
+            storage.nbytes // itemsize, span)
+
+
+def inline_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, int]:
+    """The (dict key, tensor) pairs from ``pos`` that repeat the ``run`` (:func:`inline_template`) call byte for byte but
+    for the key and the storage offset — a BINUNICODE, the GLOBAL, the call — pushed as their
+    opcodes would push them: (the offset after the last, opcodes run). It stops (and leaves the
+    rest to the loop) at anything else: another opcode, other bytes, an offset that is negative
+    or past the storage's end, a key that is not UTF-8."""
+    (head, tail, storage, size, stride, name, shared, itemsize, numel, extent, capacity, span) = run
+    skey, length, end, steps = storage.key, numel * itemsize, len(data), 0
+    lh, lt = len(head), len(tail)
+    if len(u.metastack) + 2 > MAX_DEPTH:
+        return pos, 0
+    u32, u16, i32, append = _U32.unpack_from, _U16.unpack_from, _I32.unpack_from, stack.append
+    while pos + 5 <= end and data[pos] == _BINUNICODE:
+        k = pos + 5 + u32(data, pos + 1)[0]
+        if not data.startswith(head, k):
+            break
+        o = k + lh
+        code = data[o] if o < end else -1
+        if code == _BININT1 and o + 2 <= end:
+            offset, q = data[o + 1], o + 2
+        elif code == _BININT2 and o + 3 <= end:
+            offset, q = u16(data, o + 1)[0], o + 3
+        elif code == _BININT and o + 5 <= end:
+            offset, q = i32(data, o + 1)[0], o + 5
+        else:
+            break
+        if offset < 0 or (numel and offset + extent >= capacity) or not data.startswith(tail, q):
+            break
+        try:
+            key = data[pos + 5 : k].decode()
+        except UnicodeDecodeError:
+            break
+        info = TensorInfo(shared, skey, offset, stride)
+        if span is not None:
+            ref = TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + offset * itemsize, length))
+        else:
+            start = offset * itemsize
+            ref = TensorRef(name, size, loader=lambda start=start: storage.resolve()[start : start + length], info=info)
+        append(key)
+        append(ref)
+        steps += _INLINE_RUN_OPS
+        pos = q + lt
+    return pos, steps
+
+
+# runs of torch.save's calls viewing one storage
+
+
+_KEYED_RUN_OPS = 1 + _TENSOR_CALL_OPS + 3  # BINUNICODE, then what keyed_call counts
+_BINPERSID_CODE = 0x51
+
+
+def _puts_after(segments: list[bytes]) -> tuple[int, Callable[[int], bytes]]:
+    """The length of ``segments`` each followed by a LONG_BINPUT, and a function of the first
+    put's memo index giving those bytes (the following puts' indices one more each)."""
+    segments = [seg + b"r" for seg in segments]
+    fmt = struct.Struct("<" + "".join(f"{len(seg)}sI" for seg in segments))
+    pack = fmt.pack
+    if len(segments) == 2:
+        a, b = segments
+        return fmt.size, lambda n: pack(a, n, b, n + 1)
+    if len(segments) == 3:
+        a, b, c = segments
+        return fmt.size, lambda n: pack(a, n, b, n + 1, c, n + 2)
+    if len(segments) == 4:
+        a, b, c, d = segments
+        return fmt.size, lambda n: pack(a, n, b, n + 1, c, n + 2, d, n + 3)
+    a, b, c, d, e = segments
+    return fmt.size, lambda n: pack(a, n, b, n + 1, c, n + 2, d, n + 3, e, n + 4)
+
+
+def keyed_template(u, data, match, after: int, ref: object) -> tuple | None:
+    """What :func:`keyed_run` needs to repeat the keyed call ``match`` just ran in its reuse case
+    (the persistent id's memo reads those of the call before, no entry overwritten since) — or
+    None when the next pair does not repeat it or it cannot be repeated: the storage's key read
+    from the memo, the callable ``_rebuild_tensor_v2``, a plain view (what :func:`_tensor`
+    builds first)."""
+    if type(data) is not bytes or data[after : after + 1] != b"X" or after + 5 > len(data):
+        return None
+    groups = match.groups()
+    if groups[4] is None:  # (the storage's key written out: not a repeat)
+        return None
+    s1 = data[match.start(2) : match.start(11)]  # the callable's read to the persistent id's TUPLE
+    segments, seg, inline = [], b"", []  # after the offset: the bytes between LONG_BINPUTs
+    for get, ints_op in ((13, 15), (17, 19)):  # size, stride: a memo read, (), or built and memoized
+        inline.append(groups[ints_op - 2] is not None)
+        if inline[-1]:
+            segments.append(seg + data[match.start(ints_op - 1) : match.end(ints_op)])
+            seg = b""
+        else:
+            seg += data[match.start(get) : match.end(get)] if groups[get - 1] is not None else b")"
+    segments += [seg + data[match.start(21) : match.end(22)] + b")R", b"t", b"R"]
+    pre_length, pre = _puts_after([b"", s1])
+    post_length, post = _puts_after(segments)
+    n = len(u.memo)
+    k = after + 5 + _U32.unpack_from(data, after + 1)[0]
+    o = k + pre_length + 1
+    if not (data.startswith(pre(n), k) and data[o - 1] == _BINPERSID_CODE and o < len(data)
+            and data.startswith(post(n + 2), o + 1 + _INTS.get(data[o], len(data)))):
+        return None  # (the next pair is not this call again)
+    memo = u.memo
+    func, od_func = _get(memo, groups[1]), _get(memo, groups[21])
+    storage, pid = u.last_call[3], u.last_call[2]
+    if (type(memo) is not list or func is not _REBUILD_TENSOR_V2 or od_func is not _ORDERED_DICT
+            or type(ref) is not TensorRef or type(ref.info) is not TensorInfo or ref.info.own is not None
+            or ref.array_loader is not None):
+        return None
+    size, stride = ref.shape, ref.info.stride
+    if (type(size) is not tuple or type(stride) is not tuple or id(size) in u.depths or id(stride) in u.depths
+            or (groups[12] is not None and _get(memo, groups[12]) is not size)
+            or (groups[16] is not None and _get(memo, groups[16]) is not stride)):
+        return None
+    name, _, itemsize = _DTYPE_CACHE[storage.dtype]
+    numel, extent, _ = _geometry(size, stride, itemsize, storage.key)
+    span = storage.span
+    if name != ref.dtype or (span is None) != (ref.span is None):
+        return None
+    built = ((size,) if inline[0] else ()) + ((stride,) if inline[1] else ())
+    return (pre, pre_length, post, post_length, storage, pid, built, size, stride, groups[20] == b"\x88", name,
+            ref.info.shared, itemsize, numel, extent, storage.nbytes // itemsize, span)
+
+
+def keyed_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, int]:
+    """The (dict key, tensor) pairs from ``pos`` that repeat the ``run`` (:func:`keyed_template`)
+    call of torch.save's form byte for byte but for the key, the storage offset and the memo
+    indices its LONG_BINPUTs append (in order), pushed and memoized as their opcodes would
+    do (a size or stride built inline: the same tuple for the whole run): (the offset after
+    the last, opcodes run). It stops — and leaves the rest to the loop — at anything else, an
+    offset that is negative or past the storage's end, a key that is not UTF-8."""
+    (pre, pre_length, post, post_length, storage, pid, built, size, stride, grad, name, shared, itemsize, numel,
+     extent, capacity, span) = run
+    memo = u.memo
+    if type(memo) is not list or len(u.metastack) + 2 > MAX_DEPTH:
+        return pos, 0
+    skey, length, end, steps, n = storage.key, numel * itemsize, len(data), 0, len(memo)
+    count = 5 + len(built)  # memo entries a call appends
+    u32, u16, i32, append, extend = _U32.unpack_from, _U16.unpack_from, _I32.unpack_from, stack.append, memo.extend
+    while pos + 5 <= end and data[pos] == _BINUNICODE:
+        k = pos + 5 + u32(data, pos + 1)[0]
+        o = k + pre_length + 1
+        if o >= end or not data.startswith(pre(n), k) or data[o - 1] != _BINPERSID_CODE:
+            break
+        code = data[o]
+        if code == _BININT1 and o + 2 <= end:
+            offset, q = data[o + 1], o + 2
+        elif code == _BININT2 and o + 3 <= end:
+            offset, q = u16(data, o + 1)[0], o + 3
+        elif code == _BININT and o + 5 <= end:
+            offset, q = i32(data, o + 1)[0], o + 5
+        else:
+            break
+        if offset < 0 or (numel and offset + extent >= capacity) or not data.startswith(post(n + 2), q):
+            break
+        try:
+            key = data[pos + 5 : k].decode()
+        except UnicodeDecodeError:
+            break
+        info = TensorInfo(shared, skey, offset, stride)
+        if span is not None:
+            ref = TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + offset * itemsize, length))
+        else:
+            start = offset * itemsize
+            ref = TensorRef(name, size, loader=lambda start=start: storage.resolve()[start : start + length], info=info)
+        hooks = {}
+        extend((key, pid, *built, hooks, (storage, offset, size, stride, grad, hooks), ref))
+        append(key)
+        append(ref)
+        n += count
+        steps += _KEYED_RUN_OPS
+        pos = q + post_length
+    return pos, steps

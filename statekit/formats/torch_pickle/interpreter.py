@@ -270,8 +270,8 @@ class _Unpickler:
                     stack.append(_text(data[pos + 4 : pos + 4 + n]))
                     pos += 4 + n
                     fast = data[pos : pos + 1] in _PUTS  # a name, then its tensor?
-                    if fast and (match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack):
-                        pos, steps, memo = match.end(), steps + _TENSOR_CALL_OPS + 3, self.memo
+                    if fast and (done := self.keyed_at(data, pos, stack)):
+                        pos, steps, memo = done[0], steps + done[1], self.memo
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
                 elif code == _GLOBAL and (after := self.global_at(data, pos, stack)) >= 0:
@@ -294,9 +294,31 @@ class _Unpickler:
         if data[pos + 1 : pos + 2] != b"X":  # (a string: not torch.save's memo reads)
             if (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
                 return match.end(), _TENSOR_CALL_OPS
+        func, last = stack[-1], self.last_inline
         if (match := _INLINE_CALL.match(data, start)) and self.inline_call(match.groups(), stack):
-            return match.end(), _INLINE_CALL_OPS
+            after, ops = match.end(), _INLINE_CALL_OPS
+            if self.last_inline is last and last[1] is not None:  # the same storage as the call before
+                run = fastpath.inline_template(self, data, match, after, func, stack[-1])
+                if run is not None:  # and the next pair repeats it: as many as do, at once
+                    after, more = fastpath.inline_run(self, run, data, after, stack)
+                    ops += more
+            return after, ops
         return None
+
+    def keyed_at(self, data, pos: int, stack: list) -> tuple[int, int] | None:
+        """A dict key's BINPUT and its tensor call from ``pos`` in torch.save's opcodes, run at
+        once (:meth:`keyed_call`), and the pairs after it that repeat it (:func:`fastpath.keyed_run`):
+        (the offset after them, opcodes they stand for), else None."""
+        last = self.last_call
+        if not ((match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack)):
+            return None
+        after, ops = match.end(), _TENSOR_CALL_OPS + 3
+        if self.last_call is last:  # the same storage as the call before, no memo entry overwritten
+            run = fastpath.keyed_template(self, data, match, after, stack[-1])
+            if run is not None:  # and the next pair repeats it: as many as do, at once
+                after, more = fastpath.keyed_run(self, run, data, after, stack)
+                ops += more
+        return after, ops
 
     def global_at(self, data, pos: int, stack: list) -> int:
         """GLOBAL's two lines from ``pos`` looked up (once per pickle) and pushed: the offset after
