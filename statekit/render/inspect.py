@@ -431,6 +431,11 @@ def stats_table(d: dict):
     """A rich table (statistics read the tensors: rich's import is small beside that); above
     :data:`PLAIN_ROWS` rows aligned text (rich took ~1 ms a row: 10^6 rows, a quarter of an hour),
     in pieces of :data:`CHUNK_LINES` lines. The cells are made twice (widths, then lines), not kept."""
+    params = d["params"]
+    if hasattr(params, "stat_chunks") and params.stat_chunks() is not None:
+        text = _plain_model_stats(params)  # (a streamed model's numbers: no cell made for the widths)
+        if text is not None:
+            return text
     widths = [len(c) for c in STATS_COLUMNS]
     count = 0
     batch: list[list[str]] = []
@@ -472,6 +477,51 @@ def stats_table(d: dict):
     for cells, bad in _stats_rows(d):
         table.add_row(*cells, style="red" if bad else None)
     return table
+
+
+def _plain_model_stats(params) -> list[PlainLines] | None:
+    """:func:`stats_table`'s plain text for a streamed model (``params.stat_chunks()``), the same
+    text, or None when it has no more than :data:`PLAIN_ROWS` rows. The widths come from the
+    numbers: ``{:.4g}`` of each (a NaN, shown ``-``, measures 3: no wider than any header) and the
+    largest count; each line is one ``format`` of the numbers themselves."""
+    widths = [len(c) for c in STATS_COLUMNS]
+    count = 0
+    for paths, ids, values in params.stat_chunks():
+        if not paths:
+            continue
+        count += len(paths)
+        widths[0] = max(widths[0], *(len(p or i or "-") for p, i in zip(paths, ids, strict=True)))
+        widths[1] = max(widths[1], len("(value)"))
+        for c in range(4):
+            widths[2 + c] = max(widths[2 + c], *map(len, map("{:.4g}".format, values[:, c].tolist())))
+        for c in (4, 5):
+            widths[2 + c] = max(widths[2 + c], len(str(int(values[:, c].max()))))
+    if count <= PLAIN_ROWS:
+        return None
+    w = widths
+    shown = f"{{:<{w[0]}}} {{:<{w[1]}}} {{:>{w[2]}.4g}} {{:>{w[3]}.4g}} {{:>{w[4]}.4g}} {{:>{w[5]}.4g}} " \
+            f"{{:>{w[6]}}} {{:>{w[7]}}}"
+    shown = shown.format
+    blank = f"{{:<{w[0]}}} {{:<{w[1]}}} {'-':>{w[2]}} {'-':>{w[3]}} {'-':>{w[4]}} {'-':>{w[5]}} " \
+            f"{{:>{w[6]}}} {{:>{w[7]}}}"
+    blank = blank.format
+    out = ["field statistics",
+           " ".join(c.ljust(n) if i < 2 else c.rjust(n) for i, (c, n) in enumerate(zip(STATS_COLUMNS, w, strict=True))).rstrip(),
+           " ".join("-" * n for n in w)]
+    chunks: list[PlainLines] = []
+    for paths, ids, values in params.stat_chunks():
+        numbers = values[:, :4].tolist()
+        counts = values[:, 4:].astype("int64").tolist()
+        for p, i, (lo, hi, mean, rms), (nan, inf) in zip(paths, ids, numbers, counts, strict=True):
+            label = p or i or "-"
+            out.append((blank(label, "(value)", nan, inf) if lo != lo else
+                        shown(label, "(value)", lo, hi, mean, rms, nan, inf)).rstrip())
+        if len(out) >= CHUNK_LINES:
+            chunks.append(PlainLines("\n".join(out) + "\n"))
+            out.clear()
+    if out:
+        chunks.append(PlainLines("\n".join(out) + "\n"))
+    return chunks
 
 
 def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
