@@ -144,6 +144,17 @@ class FileSpan:
     offset: int
     length: int
 
+    @classmethod
+    def at(cls, file: SourceFile, offset: int, length: int) -> FileSpan:
+        """``FileSpan(file, offset, length)``, the same object built in a third of the time: the
+        slots set through their descriptors, not the frozen ``__init__``'s ``object.__setattr__``
+        per field (a .pt of 10^6 views makes one a view)."""
+        span = _new_object(cls)
+        _SET_FILE(span, file)
+        _SET_OFFSET(span, offset)
+        _SET_LENGTH(span, length)
+        return span
+
     def read(self, lo: int = 0, n: int | None = None) -> bytes:
         n = self.length - lo if n is None else n
         data = self.file.pread(self.offset + lo, n)
@@ -168,6 +179,10 @@ class FileSpan:
             view = buffers[k % ring][: min(size, self.length - lo)]
             self.file.pread_into(view, self.offset + lo)
             yield view
+
+
+_new_object = object.__new__
+_SET_FILE, _SET_OFFSET, _SET_LENGTH = (getattr(FileSpan, name).__set__ for name in ("file", "offset", "length"))
 
 
 @dataclass(slots=True)  # no per-object __dict__: a .pt may hold 10^6 of them

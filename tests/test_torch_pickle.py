@@ -967,3 +967,21 @@ def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
         with monkeypatch.context() as patch:
             fast, slow, _ = load_both(bytes(damaged), storages, patch, files=tmp_path)
         assert fast == slow
+
+
+def test_filespan_at_is_the_frozen_dataclass(tmp_path):
+    """FileSpan.at (the runs' constructor) builds what FileSpan(...) builds: equal, same hash,
+    still frozen, reading the same bytes."""
+    import dataclasses
+
+    from statekit.tensor import FileSpan, SourceFile
+
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(range(100)))
+    source = SourceFile.open(str(path))
+    fast, plain = FileSpan.at(source, 10, 5), FileSpan(source, 10, 5)
+    assert type(fast) is FileSpan and fast == plain and hash(fast) == hash(plain) and repr(fast) == repr(plain)
+    assert fast.read() == bytes(range(10, 15)) and fast != FileSpan(source, 10, 6)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.offset = 3
+    source.close()

@@ -247,7 +247,11 @@ def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.
         storages[sid.key] = storage
         return storage
 
-    obj, _ = torch_pickle.loads(_entry_bytes(buffer, records["data.pkl"]).tobytes(), 0, load_storage, extra_globals)
+    info = records["data.pkl"]
+    _entry_bytes(buffer, info, source, base)  # (its checks; the map's pages are not touched)
+    # read, not copied from the map: its pages would stay resident beside the copy while the pickle is read
+    pkl = FileSpan(source, base + _entry_start(buffer, info, source, base), info.file_size).read()
+    obj, _ = torch_pickle.loads(pkl, 0, load_storage, extra_globals)
     return obj
 
 

@@ -86,12 +86,42 @@ def refuse_unmodelled_flags(state: OptimizerState | None, algorithm: str, flavor
                                "and rounds otherwise, and statekit does not replay it", path)
 
 
-def state_hp(state: OptimizerState | None) -> dict:
+def state_hp(state: OptimizerState | None, group: int = 0) -> dict:
+    """The stored hyperparameters of param group ``group`` (torch's words)."""
     if state is None or not state.groups:
         return {}
+    hp = state.groups[min(group, len(state.groups) - 1)].hyperparams
     if state.library == bnb.LIBRARY and state.family:  # bitsandbytes packs its hyperparameters its own way
-        return bnb.torch_hyperparams(state.family, state.groups[0].hyperparams)
-    return dict(state.groups[0].hyperparams)
+        return bnb.torch_hyperparams(state.family, hp)
+    return dict(hp)
+
+
+def group_hps(state: OptimizerState | None, algorithm: str, flavor: str, given: dict,
+              fallback_lr: float | None = None) -> list[dict]:
+    """The compute core's hyperparameters of each param group (one set when the state has none):
+    each group steps with its own (a no-decay group's weight_decay 0, a head's larger lr)."""
+    out = []
+    for i in range(max(len(state.groups) if state is not None else 0, 1)):
+        stored = state_hp(state, i)
+        if fallback_lr is not None:
+            stored.setdefault("lr", fallback_lr)
+        out.append(registry_hp(algorithm, flavor, stored, given))
+    return out
+
+
+def set_group_hps(lane: Lane, state: OptimizerState | None, hps: list[dict], paths=None) -> None:
+    """Each parameter of ``state`` steps in ``lane`` with its group's hyperparameters (``paths``: the
+    lane's path for each parameter, where it is not the parameter's own)."""
+    if state is None or len(hps) < 2:
+        return
+    for p in state.params:
+        path = paths.get(p.key, p.path) if paths is not None else p.path
+        if path is not None:
+            lane.hp_of[path] = hps[min(p.group, len(hps) - 1)]
+
+
+def _differing(hps: list[dict]) -> list[dict] | None:
+    return hps if any(h != hps[0] for h in hps[1:]) else None
 
 
 def pick_algorithm(*states: OptimizerState | None, given: str | None, paths: tuple = ()) -> str:
@@ -142,6 +172,7 @@ class Lane:
     last_digest: bytes = field(init=False, default=b"")
     keep_final: bool = field(init=False, default=False)  # keep the final state (one parameter's) in last_slots
     last_slots: dict = field(init=False, default_factory=dict)
+    hp_of: dict[str, dict] = field(default_factory=dict)  # a path's own hyperparameters (its param group's)
     new_slots: dict = field(init=False, default_factory=dict)  # a resized state's final per-element slots
 
     def __post_init__(self):
@@ -154,7 +185,8 @@ class Lane:
     def step_one(self, path: str, g) -> None:
         """One step of one parameter, in place on the lane's arrays."""
         slots = self.slots.get(path, {})
-        p, slots, t = registry.step(self.algorithm, self.params[path], g, slots, self.steps.get(path, 0), self.hp,
+        hp = self.hp_of.get(path, self.hp)
+        p, slots, t = registry.step(self.algorithm, self.params[path], g, slots, self.steps.get(path, 0), hp,
                                     self.flavor, self.xp, inplace=_owned(self.params[path], slots),
                                     kernel=self.chosen)
         self.params[path], self.slots[path], self.steps[path] = p, slots, t
@@ -192,7 +224,7 @@ def _device_namespace(device: str, backend: str | None):
 
 def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: list[dict[str, TensorRef]], *,
            algorithm: str, flavor: str, hp: dict, device: str = "cpu", backend: str | None = None,
-           progress=None, kernel: str = "auto") -> Lane:
+           progress=None, kernel: str = "auto", group_hp: list[dict] | None = None) -> Lane:
     """Apply each gradient set in turn; returns the final lane (params, slots, steps by path;
     ``lane.chosen`` is the kernel that ran).
 
@@ -203,6 +235,8 @@ def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: li
     xp, to_dev, to_host = _device_namespace(device, backend)
     lane = Lane(algorithm, flavor, hp, {n: to_dev(np.array(r.numpy(), dtype=np.float32)) for n, r in params.items()},
                 xp=xp, kernel=kernel)
+    if group_hp is not None:  # ``group_hp``: each param group's hyperparameters (group_hps), by the state's groups
+        set_group_hps(lane, state, group_hp)
     if state is not None:
         for p in state.params:
             if p.path is None:
@@ -289,17 +323,21 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
         flav = flavor or default_flavor(st, algorithm)
         refuse_unmodelled_flags(st, algorithm, flav, state)
-        hp = registry_hp(algorithm, flav, state_hp(st), hyperparams or {})
+        hps = group_hps(st, algorithm, flav, hyperparams or {})
+        hp = hps[0]
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
             lane = replay(st, read_tensors(params), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
-                          device=device, backend=backend, progress=advance, kernel=kernel)
+                          device=device, backend=backend, progress=advance, kernel=kernel, group_hp=hps)
         write_tensors(out_params, lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
         if out_state:
             write_state(lane_state(lane, st, algorithm), out_state, fmt, algorithm, ckpt)
-    return {"optimizer": algorithm, "flavor": flav, "kernel": lane.chosen, "hyperparams": hp, "steps": len(grad_sets),
+    out = {"optimizer": algorithm, "flavor": flav, "kernel": lane.chosen, "hyperparams": hp, "steps": len(grad_sets),
             "exactness": registry.exactness(flav, algorithm=algorithm), "out_params": out_params,
             "out_state": out_state, "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
+    if _differing(hps):  # groups of their own: each parameter stepped with its group's
+        out["group_hyperparams"] = hps
+    return out
 
 
 # ------------------------------------------------------------------ verify-resume
@@ -325,10 +363,18 @@ def _compare(ref: np.ndarray, other: np.ndarray, lr: float, steps: int, block: i
     max_diff, ratio, identical = 0.0, 0.0, True
     for lo in range(0, a.shape[0], block):
         x, y = a[lo:lo + block], b[lo:lo + block]
-        identical &= bool(np.array_equal(x.view(np.uint32), y.view(np.uint32)))
+        same = x.view(np.uint32) == y.view(np.uint32)
+        identical &= bool(same.all())
         diff = np.abs(y.astype(np.float64) - x)
+        # a NaN on one side only is as far off as can be (max() would pass over it: max(0.0, nan) is 0.0)
+        diff[np.isnan(diff) & ~same] = np.inf
+        diff[same] = 0.0
+        with np.errstate(invalid="ignore"):
+            share = diff / param_bound(x, lr, steps)  # NaN where the original is NaN: as far off, unless the same bits
+        share[np.isnan(share)] = np.inf
+        share[same] = 0.0
         max_diff = max(max_diff, float(diff.max()))
-        ratio = max(ratio, float((diff / param_bound(x, lr, steps)).max()))
+        ratio = max(ratio, float(share.max()))
     return max_diff, ratio, identical
 
 
@@ -535,6 +581,19 @@ def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | N
     return sides[0], sides[1], notes, flavors
 
 
+def _lanes(algorithm: str, flavors: tuple[str, str], hps_a: list[dict], hps_b: list[dict], pairs,
+           kernel: str) -> dict[str, Lane]:
+    """verify-resume's lanes; each side's parameter steps with its own group's hyperparameters."""
+    lanes = {name: Lane(algorithm, flavors[name != "original"], (hps_b if name != "original" else hps_a)[0], {},
+                        kernel=kernel) for name in ("original", "migrated", "cold", "fresh")}
+    for pr in pairs:  # under the pair's path
+        lanes["original"].hp_of[pr.path] = hps_a[min(pr.original.group, len(hps_a) - 1)]
+        if pr.migrated is not None:
+            for name in ("migrated", "cold", "fresh"):
+                lanes[name].hp_of[pr.path] = hps_b[min(pr.migrated.group, len(hps_b) - 1)]
+    return lanes
+
+
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
                   flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
@@ -569,21 +628,18 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     stored_a, stored_b = state_hp(a_state), state_hp(b_state)
     # burn files keep no learning rate: a side without one runs at the other's (or 1e-3)
     fallback_lr = given.get("lr") or stored_b.get("lr") or stored_a.get("lr") or 1e-3
-    for stored in (stored_a, stored_b):
-        stored.setdefault("lr", fallback_lr)
-    hp_a = registry_hp(algorithm, flav_a, stored_a, given)
-    hp_b = registry_hp(algorithm, flav_b, stored_b, given)
+    hps_a = group_hps(a_state, algorithm, flav_a, given, fallback_lr)
+    hps_b = group_hps(b_state, algorithm, flav_b, given, fallback_lr)
+    hp_a, hp_b = hps_a[0], hps_b[0]
     pairs, pair_notes = pair(original, migrated, transpose or [], plan)
-    lanes = {"original": Lane(algorithm, flav_a, hp_a, {}, kernel=kernel),
-             "migrated": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
-             "cold": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel),
-             "fresh": Lane(algorithm, flav_b, hp_b, {}, kernel=kernel)}
+    lanes = _lanes(algorithm, (flav_a, flav_b), hps_a, hps_b, pairs, kernel)
     exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
     if algorithm == "adafactor" and any(pr.transpose for pr in pairs):
         exact = False  # a transposed weight swaps the factors: the same update, rounded in another order
     quantized = _quantized(a_state, b_state)
     low_precision = algorithm in LOW_PRECISION_UPDATE and flav_a != flav_b
-    lr = float(hp_a.get("lr", 1e-3))
+    lrs = sorted({float(h.get("lr", 1e-3)) for h in hps_a})
+    lr_text = f"lr={lrs[0]:g}" if len(lrs) == 1 else "lr of each parameter's group"
     rows, ok = [], True
     # One parameter at a time, one lane after the other; each step's gradient is generated when
     # it is used (the same numbers for every lane: one seeded stream per parameter and step).
@@ -591,6 +647,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     # and (for a resized or restarted state) the migrated one's, whatever the number of steps and
     # parameters.
     for index, pr in enumerate(pairs):
+        lr = float(lanes["original"].hp_of.get(pr.path, hp_a).get("lr", 1e-3))  # the tolerance: its group's lr
         row = _verify_param(pr, index, lanes, seed, steps, lr, exact, quantized=quantized,
                             low_precision_update=low_precision, tick=
                             (lambda n: progress(steps / (n * len(pairs)))) if progress else None)
@@ -605,7 +662,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     return {"original": original.path, "migrated": migrated.path, "optimizer": algorithm, "notes": notes,
             "flavors": {"original": flav_a, "migrated": flav_b},
             "kernels": {"original": lanes["original"].chosen, "migrated": lanes["migrated"].chosen},
-            "criterion": ("bit-exact" if exact else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n (lr={lr:g}, n={steps})")
+            "criterion": ("bit-exact" if exact else f"|Δp| ≤ 4·ulp(p) + 2e-5·lr·n ({lr_text}, n={steps})")
             + (f"; where 8-bit moments were re-quantized: max |Δp| ≤ {QUANTIZED_SHARE:g} × a cold start's"
                if quantized else "")
             + (f"; {LOW_PRECISION_UPDATE[algorithm]}: max |Δp| ≤ {QUANTIZED_SHARE:g} × a cold start's"
@@ -614,7 +671,9 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
                "|Δp| ≤ 4·ulp(p) + 2e-5·lr·n and each state tensor within 1e-5·max|s| + 4·ulp(s)"
                if any(r.get("lossy_start") for r in rows) else ""),
             "hyperparams": {"original": hp_a, "migrated": hp_b}, "steps": steps, "seed": seed,
-            "tracks": ok, "params": rows}
+            "tracks": ok, "params": rows,
+            **({"group_hyperparams": {"original": hps_a, "migrated": hps_b}}
+               if _differing(hps_a) or _differing(hps_b) else {})}
 
 
 def _families(state: OptimizerState, optimizer: str | None, path: str) -> dict[str, str]:

@@ -277,6 +277,7 @@ def inline_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, 
     or past the storage's end, a key that is not UTF-8."""
     (head, tail, storage, size, stride, name, shared, itemsize, numel, extent, capacity, span) = run
     skey, length, end, steps = storage.key, numel * itemsize, len(data), 0
+    span_at, file, base = FileSpan.at, span and span.file, span and span.offset
     lh, lt = len(head), len(tail)
     if len(u.metastack) + 2 > MAX_DEPTH:
         return pos, 0
@@ -303,7 +304,7 @@ def inline_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, 
             break
         info = TensorInfo(shared, skey, offset, stride)
         if span is not None:
-            ref = TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + offset * itemsize, length))
+            ref = TensorRef(name, size, info=info, span=span_at(file, base + offset * itemsize, length))
         else:
             start = offset * itemsize
             ref = TensorRef(name, size, loader=lambda start=start: storage.resolve()[start : start + length], info=info)
@@ -404,6 +405,7 @@ def keyed_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, i
     if type(memo) is not list or len(u.metastack) + 2 > MAX_DEPTH:
         return pos, 0
     skey, length, end, steps, n = storage.key, numel * itemsize, len(data), 0, len(memo)
+    span_at, file, base = FileSpan.at, span and span.file, span and span.offset
     count = 5 + len(built)  # memo entries a call appends
     u32, u16, i32, append, extend = _U32.unpack_from, _U16.unpack_from, _I32.unpack_from, stack.append, memo.extend
     while pos + 5 <= end and data[pos] == _BINUNICODE:
@@ -428,7 +430,7 @@ def keyed_run(u, run: tuple, data: bytes, pos: int, stack: list) -> tuple[int, i
             break
         info = TensorInfo(shared, skey, offset, stride)
         if span is not None:
-            ref = TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + offset * itemsize, length))
+            ref = TensorRef(name, size, info=info, span=span_at(file, base + offset * itemsize, length))
         else:
             start = offset * itemsize
             ref = TensorRef(name, size, loader=lambda start=start: storage.resolve()[start : start + length], info=info)
