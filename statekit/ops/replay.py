@@ -363,10 +363,18 @@ def _compare(ref: np.ndarray, other: np.ndarray, lr: float, steps: int, block: i
     max_diff, ratio, identical = 0.0, 0.0, True
     for lo in range(0, a.shape[0], block):
         x, y = a[lo:lo + block], b[lo:lo + block]
-        identical &= bool(np.array_equal(x.view(np.uint32), y.view(np.uint32)))
+        same = x.view(np.uint32) == y.view(np.uint32)
+        identical &= bool(same.all())
         diff = np.abs(y.astype(np.float64) - x)
+        # a NaN on one side only is as far off as can be (max() would pass over it: max(0.0, nan) is 0.0)
+        diff[np.isnan(diff) & ~same] = np.inf
+        diff[same] = 0.0
+        with np.errstate(invalid="ignore"):
+            share = diff / param_bound(x, lr, steps)  # NaN where the original is NaN: as far off, unless the same bits
+        share[np.isnan(share)] = np.inf
+        share[same] = 0.0
         max_diff = max(max_diff, float(diff.max()))
-        ratio = max(ratio, float((diff / param_bound(x, lr, steps)).max()))
+        ratio = max(ratio, float(share.max()))
     return max_diff, ratio, identical
 
 
