@@ -148,42 +148,44 @@ print(json.dumps({"seconds": seconds, "cpu": cpu, "rss": int(hwm) >> 10, "outcom
 """
 
 
-_ENV: dict = {}
+_ENV: dict[Path, dict] = {}
 
 
-def _env() -> dict:
-    """The children's environment: statekit from this checkout, its bytecode compiled once and
-    kept, as an install has it (``optional.installed_env``)."""
-    if not _ENV:
+def _env(root: Path = ROOT) -> dict:
+    """The children's environment: statekit from ``root`` (this checkout, or ``--against``'s), its
+    bytecode compiled once and kept, as an install has it (``optional.installed_env``)."""
+    if root not in _ENV:
         sys.path.insert(0, str(ROOT / "bench"))
         import optional
 
-        _ENV.update(optional.installed_env(ROOT, PYTHONPATH=str(ROOT)))
-    return _ENV
+        _ENV[root] = optional.installed_env(root, PYTHONPATH=str(root))
+    return _ENV[root]
 
 
-def probe(path: Path) -> dict:
+def probe(path: Path, root: Path = ROOT) -> dict:
+    # (run in root: ``-c`` and ``-m`` put the working directory first on sys.path)
     out = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=600,
-                         env=_env())
+                         env=_env(root), cwd=root)
     if out.returncode:
         return {"seconds": float("nan"), "cpu": float("nan"), "rss": 0, "outcome": "CRASH " + out.stderr.strip().splitlines()[-1][:60]}
     return json.loads(out.stdout)
 
 
-def command(args: list[str]) -> dict:
+def command(args: list[str], root: Path = ROOT) -> dict:
     """Wall seconds, CPU seconds and peak RSS (MiB, from ``/usr/bin/time``: the child's own) of one
-    ``statekit`` command in a fresh process, its output thrown away."""
+    ``statekit`` command in a fresh process (statekit from ``root``), its output thrown away."""
     import resource
     import shutil
 
-    env = {**_env(), "COLUMNS": "100"}
+    env = {**_env(root), "COLUMNS": "100"}
     cmd = [sys.executable, "-m", "statekit", *args]
     timer = shutil.which("time") or "/usr/bin/time"
     with tempfile.NamedTemporaryFile("w+") as report:
         wrapped = [timer, "-f", "%M", "-o", report.name, *cmd] if os.path.exists(timer) else cmd
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        done = subprocess.run(wrapped, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(wrapped, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              cwd=root)
         seconds = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         peak = [ln for ln in report.read().split() if ln.isdigit()]
@@ -198,13 +200,17 @@ VIEW_GOALS = {"open": (10, 1024), "inspect": (30, 1024), "inspect --format tsv":
               "inspect --json": (30, 1024), "inspect --stats": (45, 1024)}
 
 
-def views_table(tmp: Path, n: int, stats: bool) -> None:
+def views_table(tmp: Path, n: int, stats: bool, against: Path | None = None) -> None:
     """The n-view file in torch.save's own form and without a memo (another writer's opcodes):
-    open, inspect (table, TSV, JSON) and inspect --stats, each against issue 21's goals."""
+    open, inspect (table, TSV, JSON) and inspect --stats, each against issue 21's goals; with
+    ``against`` (another checkout, e.g. main's), each command run by it too, just before, and the
+    ratios of seconds and CPU seconds to it ("x base")."""
     print(f"\n{n:,} views of one storage: torch.save's opcodes against the same pickled without a memo "
-          "(protocol 2, Pickler.fast)")
-    print(f"{'form':<12}{'command':<24}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'x goal s':>10}{'x 1 GiB':>9}"
-          "  outcome")
+          "(protocol 2, Pickler.fast)" + (f"; base = {against}" if against else ""))
+    head = f"{'form':<12}{'command':<24}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'x goal s':>10}{'x 1 GiB':>9}"
+    if against:
+        head += f"{'base s':>9}{'base CPU':>9}{'base MiB':>9}{'x base s':>9}{'x b CPU':>8}"
+    print(head + "  outcome")
     for form, memo in (("torch.save", True), ("no memo", False)):
         path = tmp / f"views-{form.replace(' ', '')}.pt"
         shared_storage_pt(path, n, memo)
@@ -213,10 +219,17 @@ def views_table(tmp: Path, n: int, stats: bool) -> None:
         if stats:
             rows.append(("inspect --stats", ["inspect", str(path), "--stats"]))
         for label, args in rows:
+            b = None if not against else probe(path, against) if args is None else command(args, against)
             r = probe(path) if args is None else command(args)
             goal_s, goal_mib = VIEW_GOALS[label.strip()]
-            print(f"{form:<12}{label:<24}{r['seconds']:>9.2f}{r['cpu']:>8.2f}{r['rss']:>10}"
-                  f"{r['seconds'] / goal_s:>10.2f}{r['rss'] / goal_mib:>9.2f}  {r['outcome']}")
+            line = (f"{form:<12}{label:<24}{r['seconds']:>9.2f}{r['cpu']:>8.2f}{r['rss']:>10}"
+                    f"{r['seconds'] / goal_s:>10.2f}{r['rss'] / goal_mib:>9.2f}")
+            if b is not None:
+                line += (f"{b['seconds']:>9.2f}{b['cpu']:>9.2f}{b['rss']:>9}{r['seconds'] / b['seconds']:>9.2f}"
+                         f"{r['cpu'] / b['cpu']:>8.2f}")
+                if b["outcome"] != r["outcome"]:
+                    line += f"  base: {b['outcome']}"
+            print(f"{line}  {r['outcome']}")
         path.unlink()
 
 
@@ -237,6 +250,8 @@ def main() -> None:
                         help="views of the open/inspect table, both pickle forms (0: skip it)")
     parser.add_argument("--no-stats", action="store_true", help="leave inspect --stats out of that table")
     parser.add_argument("--only-views", action="store_true", help="that table alone")
+    parser.add_argument("--against", type=Path, help="that table also for another checkout's statekit (e.g. "
+                        "`git worktree add /tmp/base main`), each command just before this one's: x base")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
@@ -246,7 +261,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs at start")
     if args.only_views:
         with tempfile.TemporaryDirectory() as tmp:
-            views_table(Path(tmp), args.views, not args.no_stats)
+            views_table(Path(tmp), args.views, not args.no_stats, args.against and args.against.resolve())
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -288,7 +303,7 @@ def main() -> None:
             path.unlink()
             n *= 10
         if args.views:
-            views_table(tmp, args.views, not args.no_stats)
+            views_table(tmp, args.views, not args.no_stats, args.against and args.against.resolve())
 
     print(f"\n{'norm-preset rename of a path of':<44}{'seconds':>9}{'x 8k':>10}")
     first = None

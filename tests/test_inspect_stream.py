@@ -183,7 +183,10 @@ def _model_checkpoint(tmp_path, n: int, odd_path: object = None):
     values[::97] = np.nan
     values[5::101] = -np.inf
     path = tmp_path / "model.bin"
-    path.write_bytes(values.tobytes() + np.arange(12, dtype=np.float32).tobytes())
+    wide = np.full(1200, np.nan, dtype=np.float64)  # 1,100 NaN and 100 -Inf: counts wider than their headers
+    wide[:100] = -np.inf
+    wide[-1] = -1.234e-300  # the widest number .4g writes
+    path.write_bytes(values.tobytes() + np.arange(12, dtype=np.float32).tobytes() + wide.tobytes())
     source = SourceFile.open(str(path))
     params = [ModelParam(path=f"blocks.{k // 10}.w{k}" if k % 13 else f"top{k}", shape=(1,), dtype="F32",
                          tensor=TensorRef(dtype="F32", shape=(1,), span=FileSpan(source, 4 * k, 4)),
@@ -194,6 +197,8 @@ def _model_checkpoint(tmp_path, n: int, odd_path: object = None):
     params.insert(8, ModelParam(path="empty.weight", shape=(2,), dtype="F32"))  # no tensor: no statistics
     params.insert(9, ModelParam(path="", shape=(1,), dtype="QFloat", id=5,
                                 tensor=TensorRef(dtype="QFloat", shape=(1,), span=FileSpan(source, 0, 1))))
+    params.append(ModelParam(path="wide.weight", shape=(1200,), dtype="F64",
+                             tensor=TensorRef(dtype="F64", shape=(1200,), span=FileSpan(source, 4 * n + 48, 9600))))
     if odd_path is not None:
         params[20].path = odd_path
     ckpt = Checkpoint(path=str(path), format="torch", kind="model", model=ModelInfo(params=params),
@@ -227,7 +232,8 @@ def test_model_stats_table_json_and_tsv_streamed_are_the_listed_ones(tmp_path, n
             return console.export_text()
         assert text(view.stats_table(streamed)) == text(view.stats_table(listed))
         assert text(view.params_table(streamed, 120)) == text(view.params_table(listed, 120))
-        assert "(value)" in text(view.stats_table(streamed)) and "top0" in text(view.stats_table(streamed))
+        shown = text(view.stats_table(streamed))
+        assert "(value)" in shown and "top0" in shown and " 1099 " in shown and "-1.234e-300" in shown
         chunks: list[str] = []
         output.write_chunks(streamed, chunks.append)
         assert "".join(chunks) == output.dumps(listed)

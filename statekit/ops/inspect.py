@@ -304,16 +304,17 @@ class Rows(Sequence):
 
     What the renderers ask of it besides (each optional; without it, a Rows is just its rows):
     ``bare`` makes row ``k`` without its statistics (the parameters table shows none),
-    ``stat_values`` gives each row's own statistics without the rows (:meth:`stat_values`), and
+    ``stat_values`` and ``stat_chunks`` give each row's own statistics without the rows, and
     ``plain`` says at no row's cost that every row holds JSON's types alone (:meth:`json_check`)."""
 
     json_list = True  # statekit.output writes it as a JSON list
 
     def __init__(self, make: Callable[[int], dict], n: int, *, bare: Callable[[int], dict] | None = None,
                  stat_values: Callable[[], Iterator[tuple]] | None = None,
+                 stat_chunks: Callable[[], Iterator[tuple]] | None = None,
                  plain: Callable[[], bool] | None = None) -> None:
         self._make, self._n = make, n
-        self._bare, self._stat_values, self._plain = bare, stat_values, plain
+        self._bare, self._stat_values, self._stat_chunks, self._plain = bare, stat_values, stat_chunks, plain
 
     def __len__(self) -> int:
         return self._n
@@ -345,6 +346,13 @@ class Rows(Sequence):
         or None where they are ``{}``; a row without statistics is left out. None when the rows hold them by field
         (an optimizer's): read the rows."""
         return None if self._stat_values is None else self._stat_values()
+
+    def stat_chunks(self) -> Iterator[tuple[list, list, np.ndarray]] | None:
+        """:meth:`stat_values` a piece at a time, as numbers: ``(paths, ids, values)`` of up to
+        :data:`PIECE_ROWS` rows, ``values`` a (rows, 6) float64 array in :data:`STAT_KEYS` order
+        whose min, max, mean and rms are NaN where they are None (all four together); the rows
+        whose statistics are ``{}`` left out. None as for :meth:`stat_values`."""
+        return None if self._stat_chunks is None else self._stat_chunks()
 
     def json_check(self) -> Sequence:
         """What :func:`statekit.output.write_chunks`'s first walk needs to walk instead of the rows
@@ -568,8 +576,33 @@ def _streamed(ckpt: Checkpoint, chosen, stats: bool, on_param) -> Rows:
             if m.tensor is not None:
                 yield m.path, None if m.id is None else str(m.id), next(values)
 
+    def stat_chunks() -> Iterator[tuple[list, list, np.ndarray]]:
+        paths: list = []
+        ids: list = []
+        done = 0
+        for m in picked:
+            if m.tensor is not None:
+                paths.append(m.path)
+                ids.append(None if m.id is None else str(m.id))
+                if len(paths) == PIECE_ROWS:
+                    yield _stat_chunk(paths, ids, table.table[done : done + len(paths)])
+                    done += len(paths)
+                    paths, ids = [], []
+        if paths:
+            yield _stat_chunk(paths, ids, table.table[done : done + len(paths)])
+
     return Rows(model_row, len(picked), bare=bare_model_row if stats else None,
-                stat_values=stat_values if stats else None, plain=lambda: _plain_models(picked))
+                stat_values=stat_values if stats else None, stat_chunks=stat_chunks if stats else None,
+                plain=lambda: _plain_models(picked))
+
+
+def _stat_chunk(paths: list, ids: list, values: np.ndarray) -> tuple[list, list, np.ndarray]:
+    """A piece of :meth:`Rows.stat_chunks`: the rows whose statistics are ``{}`` left out."""
+    kept = values[:, 4] == values[:, 4]  # (a NaN count: {})
+    if kept.all():
+        return paths, ids, values
+    at = np.flatnonzero(kept).tolist()
+    return [paths[i] for i in at], [ids[i] for i in at], values[at]
 
 
 def _plain_models(params: list[ModelParam]) -> bool:

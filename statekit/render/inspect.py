@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import islice
 from operator import itemgetter
 
 from statekit.render import human_bytes
@@ -116,14 +117,23 @@ def _ident(p: dict) -> str:
 
 
 def _cells(p: dict, optimizer: bool, family: bool = False) -> dict[str, str]:
-    cells = {"path": p["path"] or "-", "id": _ident(p), "display id": p["display_id"] or "-",
-             "rank": str(p["rank"]) if p["rank"] is not None else "-", "shape": format_shape(p["shape"]),
-             "dtype": p["dtype"] or "-"}
+    names = ["path", "id", "display id", "rank", "shape", "dtype"] + (["family"] if family else []) \
+        + (["step", "fields"] if optimizer else [])
+    return dict(zip(names, _cell_values(p, optimizer, family), strict=True))
+
+
+def _cell_values(p: dict, optimizer: bool, family: bool = False) -> tuple[str, ...]:
+    """A row's cells in :func:`_names` order (path, id, display id, rank, shape, dtype, family,
+    step, fields)."""
+    shape = p["shape"]
+    cells = (p["path"] or "-", _ident(p), p["display_id"] or "-", str(p["rank"]) if p["rank"] is not None else "-",
+             str(shape[0]) if shape is not None and len(shape) == 1 else format_shape(shape),  # (the same text)
+             p["dtype"] or "-")
     if family:
-        cells["family"] = _family_label(p)
+        cells += (_family_label(p),)
     if optimizer:
-        cells["step"] = "-" if p["step"] is None else f"{p['step']:g}"
-        cells["fields"] = ", ".join(_field_text(n, f) for n, f in p["fields"].items()) or "(no state)"
+        cells += ("-" if p["step"] is None else f"{p['step']:g}",
+                  ", ".join(_field_text(n, f) for n, f in p["fields"].items()) or "(no state)")
     return cells
 
 
@@ -156,14 +166,23 @@ def _totals(params, optimizer: bool) -> tuple[int, int]:
     """Elements and bytes of a group of parameters (their state fields, for optimizer files)."""
     elements = nbytes = 0
     for p in params:
-        items = [(f["shape"], f["dtype"]) for f in p["fields"].values() if "shape" in f] if optimizer \
-            else [(p["shape"] or [], p["dtype"])]
-        for dims, dtype in items:
-            n = 1
-            for s in dims:
-                n *= s
-            elements += n
-            nbytes += n * _itemsize(dtype)
+        n, b = _row_totals(p, optimizer)
+        elements += n
+        nbytes += b
+    return elements, nbytes
+
+
+def _row_totals(p: dict, optimizer: bool) -> tuple[int, int]:
+    """Elements and bytes of one parameter (its state fields, for optimizer files)."""
+    elements = nbytes = 0
+    items = [(f["shape"], f["dtype"]) for f in p["fields"].values() if "shape" in f] if optimizer \
+        else [(p["shape"] or [], p["dtype"])]
+    for dims, dtype in items:
+        n = 1
+        for s in dims:
+            n *= s
+        elements += n
+        nbytes += n * _itemsize(dtype)
     return elements, nbytes
 
 
@@ -208,23 +227,48 @@ def params_table(d: dict, width: int | None = None) -> Grid | list[PlainLines]:
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    groups: dict[str, list[int]] = {}  # positions: the rows are read again by position (they may be made on reading)
+    # positions: the rows are read again by position (they may be made on reading); a group of one
+    # as its position alone (10^6 paths without a dot: a list each took ~90 MB)
+    groups: dict[str, int | list[int]] = {}
     widths = {c: len(c) for c in names}
+    batch: list[tuple[str, ...]] = []
+
+    def measure() -> None:  # each column's widest cell in the batch, column by column
+        for c, column in zip(names, zip(*batch, strict=True), strict=True):
+            w = max(map(len, column))
+            if w > widths[c]:
+                widths[c] = w
+        batch.clear()
+
     rows = 0
+    in_order = True  # each group's rows together, the groups in order: the rows can be read again in order
+    last = None
     params = _without_stats(d["params"])
     for p in params:
-        groups.setdefault(_prefix(p["path"]), []).append(rows)
-        cells = _cells(p, optimizer, family)
-        for c in names:
-            if len(cells[c]) > widths[c]:
-                widths[c] = len(cells[c])
+        key = _prefix(p["path"])
+        at = groups.get(key)
+        if at is None:
+            groups[key] = rows
+        else:
+            in_order = in_order and key == last
+            if type(at) is int:
+                groups[key] = [at, rows]
+            else:
+                at.append(rows)
+        last = key
+        batch.append(_cell_values(p, optimizer, family))
+        if len(batch) >= CHUNK_LINES:
+            measure()
         rows += 1
+    if batch:
+        measure()
     cols = _columns([], names, width, widths)
     if rows > PLAIN_ROWS:
-        return _plain_table(params, groups, cols, optimizer, widths, family)
+        return _plain_table(params, groups, names, cols, optimizer, widths, family, in_order)
     table = Grid([Column(c, "right" if c in ("rank", "step") else "left", c in ("fields", "path")) for c in cols])
     last = cols[-1]
-    for prefix, positions in groups.items():
+    for prefix, at in groups.items():
+        positions = [at] if type(at) is int else at
         for i in positions:
             cells = _cells(params[i], optimizer, family)
             table.add_row([cells[c] for c in cols])
@@ -242,23 +286,28 @@ def _without_stats(params):
     return params.without_stats() if hasattr(params, "without_stats") else params
 
 
-def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimizer: bool, widths: dict[str, int],
-                 family) -> list[PlainLines]:
+def _plain_table(params, groups: dict[str, int | list[int]], names: list[str], cols: list[str], optimizer: bool,
+                 widths: dict[str, int], family, in_order: bool = False) -> list[PlainLines]:
     """The table as aligned text: a header, a rule, the rows, a total line under each group
-    (in pieces of :data:`CHUNK_LINES` lines, written one after the other)."""
+    (in pieces of :data:`CHUNK_LINES` lines, written one after the other). ``in_order``: the
+    groups' rows are the rows in order (read again in order, not by position)."""
     right = {"rank", "step"}
-    last = cols[-1]
 
     # each column padded to its width (right-justified: rank, step), the last one not padded
     template = " ".join([f"{{{i}:{'>' if c in right else '<'}{widths[c]}}}" for i, c in enumerate(cols[:-1])]
-                        + [f"{{{len(cols) - 1}}}"])
-    values = itemgetter(*cols) if len(cols) > 1 else (lambda cells: (cells[last],))
+                        + [f"{{{len(cols) - 1}}}"]).format
+    if cols == names:
+        def line(cells: tuple[str, ...]) -> str:
+            return template(*cells).rstrip()
+    else:
+        at = [names.index(c) for c in cols]
+        pick = itemgetter(*at) if len(at) > 1 else (lambda cells: (cells[at[0]],))
 
-    def line(cells: dict[str, str]) -> str:
-        return template.format(*values(cells)).rstrip()
+        def line(cells: tuple[str, ...]) -> str:
+            return template(*pick(cells)).rstrip()
 
     chunks: list[PlainLines] = []
-    out = [line({c: c for c in cols}), " ".join("-" * widths[c] for c in cols)]
+    out = [template(*cols).rstrip(), " ".join("-" * widths[c] for c in cols)]
 
     def add(text: str) -> None:  # (joined every CHUNK_LINES lines: 10^6 line objects held took ~0.1 GB)
         out.append(text)
@@ -267,17 +316,17 @@ def _plain_table(params, groups: dict[str, list[int]], cols: list[str], optimize
             out.clear()
 
     indent = sum(widths[c] + 1 for c in cols[:-1])
-    for prefix, positions in groups.items():
-        if len(positions) == len(params):  # one group: the rows in order (made once more, not by position)
-            for p in params:
-                add(line(_cells(p, optimizer, family)))
-            elements, nbytes = _totals(params, optimizer) if len(positions) > 1 else (0, 0)
-        else:
-            for i in positions:
-                add(line(_cells(params[i], optimizer, family)))
-            # (a group of one has no total line: its row is not made a third time)
-            elements, nbytes = _totals(map(params.__getitem__, positions), optimizer) if len(positions) > 1 \
-                else (0, 0)
+    rows = iter(params) if in_order else None
+    for prefix, at in groups.items():
+        positions = [at] if type(at) is int else at
+        # the group's total from the same rows (a group of one has none)
+        elements = nbytes = 0
+        for p in islice(rows, len(positions)) if in_order else map(params.__getitem__, positions):
+            add(line(_cell_values(p, optimizer, family)))
+            if len(positions) > 1:
+                n, b = _row_totals(p, optimizer)
+                elements += n
+                nbytes += b
         if len(positions) > 1:
             add(" " * indent + f"{prefix}: {elements:,} elements, {human_bytes(nbytes)}")
     if out:
@@ -382,6 +431,11 @@ def stats_table(d: dict):
     """A rich table (statistics read the tensors: rich's import is small beside that); above
     :data:`PLAIN_ROWS` rows aligned text (rich took ~1 ms a row: 10^6 rows, a quarter of an hour),
     in pieces of :data:`CHUNK_LINES` lines. The cells are made twice (widths, then lines), not kept."""
+    params = d["params"]
+    if hasattr(params, "stat_chunks") and params.stat_chunks() is not None:
+        text = _plain_model_stats(params)  # (a streamed model's numbers: no cell made for the widths)
+        if text is not None:
+            return text
     widths = [len(c) for c in STATS_COLUMNS]
     count = 0
     batch: list[list[str]] = []
@@ -425,10 +479,55 @@ def stats_table(d: dict):
     return table
 
 
+def _plain_model_stats(params) -> list[PlainLines] | None:
+    """:func:`stats_table`'s plain text for a streamed model (``params.stat_chunks()``), the same
+    text, or None when it has no more than :data:`PLAIN_ROWS` rows. The widths come from the
+    numbers: ``{:.4g}`` of each (a NaN, shown ``-``, measures 3: no wider than any header) and the
+    largest count; each line is one ``format`` of the numbers themselves."""
+    widths = [len(c) for c in STATS_COLUMNS]
+    count = 0
+    for paths, ids, values in params.stat_chunks():
+        if not paths:
+            continue
+        count += len(paths)
+        widths[0] = max(widths[0], *(len(p or i or "-") for p, i in zip(paths, ids, strict=True)))
+        widths[1] = max(widths[1], len("(value)"))
+        for c in range(4):
+            widths[2 + c] = max(widths[2 + c], *map(len, map("{:.4g}".format, values[:, c].tolist())))
+        for c in (4, 5):
+            widths[2 + c] = max(widths[2 + c], len(str(int(values[:, c].max()))))
+    if count <= PLAIN_ROWS:
+        return None
+    w = widths
+    shown = f"{{:<{w[0]}}} {{:<{w[1]}}} {{:>{w[2]}.4g}} {{:>{w[3]}.4g}} {{:>{w[4]}.4g}} {{:>{w[5]}.4g}} " \
+            f"{{:>{w[6]}}} {{:>{w[7]}}}"
+    shown = shown.format
+    blank = f"{{:<{w[0]}}} {{:<{w[1]}}} {'-':>{w[2]}} {'-':>{w[3]}} {'-':>{w[4]}} {'-':>{w[5]}} " \
+            f"{{:>{w[6]}}} {{:>{w[7]}}}"
+    blank = blank.format
+    out = ["field statistics",
+           " ".join(c.ljust(n) if i < 2 else c.rjust(n) for i, (c, n) in enumerate(zip(STATS_COLUMNS, w, strict=True))).rstrip(),
+           " ".join("-" * n for n in w)]
+    chunks: list[PlainLines] = []
+    for paths, ids, values in params.stat_chunks():
+        numbers = values[:, :4].tolist()
+        counts = values[:, 4:].astype("int64").tolist()
+        for p, i, (lo, hi, mean, rms), (nan, inf) in zip(paths, ids, numbers, counts, strict=True):
+            label = p or i or "-"
+            out.append((blank(label, "(value)", nan, inf) if lo != lo else
+                        shown(label, "(value)", lo, hi, mean, rms, nan, inf)).rstrip())
+        if len(out) >= CHUNK_LINES:
+            chunks.append(PlainLines("\n".join(out) + "\n"))
+            out.clear()
+    if out:
+        chunks.append(PlainLines("\n".join(out) + "\n"))
+    return chunks
+
+
 def inspect_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
     """One header and one line per parameter."""
     optimizer = d["kind"] == "optimizer"
     family = _per_row_family(d)
     names = _names(d)
-    rows = (list(_cells(p, optimizer, family).values()) for p in _without_stats(d["params"]))  # in ``names`` order
+    rows = (_cell_values(p, optimizer, family) for p in _without_stats(d["params"]))  # in ``names`` order
     return [n.replace(" ", "_") for n in names], rows
