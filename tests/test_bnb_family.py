@@ -235,9 +235,11 @@ def test_verify_resume_of_a_settled_conversion_is_bit_exact(cli, tmp_path):
     assert d["hyperparams"]["original"]["dampening"] == 0.0 and d["hyperparams"]["original"]["momentum"] == 0.9
 
 
-def test_merge_refuses_a_state_whose_family_is_open(cli, tmp_path):
+@pytest.mark.parametrize("name", ["sgd8bit.pt", "adamw8bit.pt"])
+def test_merge_refuses_bitsandbytes_states(cli, tmp_path, name):
+    """merge writes torch's layout: from bitsandbytes inputs that was a file of no known family (float32
+    moments under bitsandbytes' group), or, with the family open, one named by a guess."""
     out = tmp_path / "m.pt"
-    r = cli("merge", "fixtures/bnb/sgd8bit.pt", "fixtures/bnb/sgd8bit-dampening.pt", "-o", str(out),
-            "--on-conflict", "first")
-    assert r.returncode != 0 and "one of lion, rmsprop, sgd" in r.stderr and "Traceback" not in r.stderr
-    assert not out.exists()
+    r = cli("merge", f"fixtures/bnb/{name}", f"fixtures/bnb/{name}", "-o", str(out), "--on-conflict", "first")
+    assert r.returncode != 0 and "bitsandbytes state" in r.stderr and "--to bnb" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()

@@ -21,7 +21,7 @@ import numpy as np
 from statekit import dtypes, io, stream
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
-from statekit.frameworks import torch_thirdparty
+from statekit.frameworks import bnb, torch_thirdparty
 from statekit.ops.diff import METHOD_WORDS, match_key, match_method
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
@@ -91,6 +91,10 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
         if torch_thirdparty.is_foreign(state):
             raise MappingError(f"{state.family_label} state: merge joins torch's, burn's and candle's own states; "
                                "convert it first where an optimizer continues it (statekit convert)", path)
+        if state.library == bnb.LIBRARY and state.params:  # its 8-bit codes and packed group are no torch state
+            raise MappingError("bitsandbytes state: merge writes torch's own layout, which is neither bitsandbytes' "
+                               "nor, with bitsandbytes' param group, torch's; convert each input to torch first "
+                               "(statekit convert … --names), merge those, and convert back with --to bnb", path)
     _check_one_family(paths, states)
     _check_one_framework(paths, states)
     method = match_method(*[s.params for s in states])
@@ -149,9 +153,6 @@ def _check_one_family(paths: list[str], states: list[OptimizerState]) -> None:
     for path, state in zip(paths, states, strict=True):
         if not state.params:
             continue
-        if state.family is None and state.slot_renames:  # its slots' names wait for the family (bitsandbytes)
-            raise MappingError(f"{state.family_label}; merge does not settle it: convert each input with "
-                               "--optimizer first", path)
         fams = _families(state)
         if reference is None:
             reference = (path, state, fams)
