@@ -667,6 +667,7 @@ def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch, files=None,
     monkeypatch.setattr(torch_pickle.fastpath, "keyed_run", keyed_run)
     fast = outcome()
     monkeypatch.setattr(torch_pickle.interpreter, "_TENSOR_CALL", re.compile(rb"(?!)"))  # matches nothing
+    monkeypatch.setattr(torch_pickle.interpreter, "_KEYED_CALL", re.compile(rb"(?!)"))
     monkeypatch.setattr(torch_pickle.interpreter, "_INLINE_CALL", re.compile(rb"(?!)"))
     return fast, outcome(), len(calls)
 
