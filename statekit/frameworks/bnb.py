@@ -29,9 +29,16 @@ from dataclasses import dataclass
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits, torch_pt
 from statekit.lazy import numpy as np
-from statekit.optim import blockwise
 from statekit.state import OptimizerState, ParamGroup, ParamState
 from statekit.tensor import Elements, TensorRef
+
+
+def _blockwise():
+    """:mod:`statekit.optim.blockwise`, imported when a block is (de)quantized: reading which
+    library wrote a torch file must not import the compute core (``statekit.optim``)."""
+    from statekit.optim import blockwise
+
+    return blockwise
 
 FORMAT = "bnb"  # the registry's entry (also "bnb-flat", "bnb-2048": the older layouts)
 LIBRARY = "bitsandbytes"
@@ -133,14 +140,14 @@ def dequantized(codes: TensorRef, absmax: TensorRef, qmap: TensorRef, block: int
                 part: int = 0) -> TensorRef:
     """The float32 values of codes (``part``: AdEMAMix's half of a (2, …) state), lazily."""
     n = int(np.prod(shape)) if shape else 1
-    nblocks = blockwise.blocks(n, block)
+    nblocks = _blockwise().blocks(n, block)
 
     def pieces(elements: int) -> Iterator[np.ndarray]:
         k = max(1, elements // block)
         table = qmap.numpy().reshape(-1).astype(np.float32)
         scales = _range(absmax, part * nblocks, nblocks, k)
         for c in _range(codes, part * n, n, k * block):
-            yield blockwise.dequantize(c, next(scales), table, block)
+            yield _blockwise().dequantize(c, next(scales), table, block)
 
     return TensorRef(dtype="F32", shape=tuple(shape), piece_source=pieces)
 
@@ -213,10 +220,10 @@ def _check_8bit(codes, absmax, qmap, where: str, n: int, path: str) -> int:
     if qmap.numel != 256:
         raise FormatError(f"{where}: its qmap has {qmap.numel} entries, not 256", path)
     rows = absmax.shape[0] if len(absmax.shape) == 2 else 1
-    block = blockwise.block_size(n, absmax.numel // rows)
+    block = _blockwise().block_size(n, absmax.numel // rows)
     if block is None or absmax.numel % rows:
         raise FormatError(f"{where}: {absmax.numel} absmax values for {n} elements fit no bitsandbytes block size "
-                          f"({' or '.join(map(str, blockwise.BLOCK_SIZES))})", path)
+                          f"({' or '.join(map(str, _blockwise().BLOCK_SIZES))})", path)
     return block
 
 
@@ -395,12 +402,12 @@ def quantized(ref: TensorRef, qmap: np.ndarray, block: int, what: str) -> Tensor
     """Lazily, the uint8 codes (``what="codes"``) or float32 scales (``"absmax"``) of ``ref``'s
     values by bitsandbytes' CPU quantizer, a bounded number of blocks at a time."""
     n = ref.numel
-    shape = tuple(ref.shape) if what == "codes" else (blockwise.blocks(n, block),)
+    shape = tuple(ref.shape) if what == "codes" else (_blockwise().blocks(n, block),)
 
     def pieces(elements: int) -> Iterator[np.ndarray]:
         k = max(1, (elements if what == "codes" else elements * block) // block)
         for piece in ref.pieces(k * block):
-            codes, absmax = blockwise.quantize(piece.astype(np.float32), qmap, block, "cpu")
+            codes, absmax = _blockwise().quantize(piece.astype(np.float32), qmap, block, "cpu")
             yield codes if what == "codes" else absmax
 
     return TensorRef(dtype="U8" if what == "codes" else "F32", shape=shape, piece_source=pieces)
@@ -416,8 +423,8 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, blo
         raise MappingError(f"statekit writes bitsandbytes Adam/AdamW, Lion, SGD, RMSprop and Adagrad state, not {family}")
     old = block == 2048
     out_groups = [dict(bnb_group(family, g, old), params=[]) for g in groups]
-    maps = {"state1": TensorRef.from_array(blockwise.dynamic_map(True)),
-            "state2": TensorRef.from_array(blockwise.dynamic_map(False))}
+    maps = {"state1": TensorRef.from_array(_blockwise().dynamic_map(True)),
+            "state2": TensorRef.from_array(_blockwise().dynamic_map(False))}
     tables = {k: v.numpy() for k, v in maps.items()}
     out_state: dict[int, dict] = {}
     for idx, p in enumerate(state.params):
