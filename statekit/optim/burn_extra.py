@@ -62,7 +62,7 @@ import numpy as np
 from statekit.errors import UsageError
 from statekit.optim import kernels
 from statekit.optim.backend import get_backend
-from statekit.optim.common import BURN
+from statekit.optim.common import BURN, write_back
 from statekit.optim.fp import powi
 
 F = np.float32
@@ -263,12 +263,7 @@ def _step_of(run, names, algorithm: str, check=None):
             new = run(p, g, s, int(step), hp)
         new = {k: np.ascontiguousarray(v, dtype=F) for k, v in new.items()}
         if inplace:
-            param[...] = p
-            for k, v in new.items():
-                if k in slots and slots[k].shape == v.shape:
-                    slots[k][...] = v
-                    new[k] = slots[k]
-            p = param
+            p = write_back(param, p, slots, new)
         return p, new, int(step) + 1
 
     step.__name__ = f"burn_{algorithm}_step"

@@ -137,3 +137,15 @@ def lerp(b: Backend, start, end, weight: float, like, out=None, scratch=None):
     if abs(w) < 0.5:
         return b.fma32(b.const(w, like), diff, start, out=out)
     return b.fma32(b.const(f32(w - 1.0), like), diff, end, out=out)
+
+
+def write_back(param, p, slots: Mapping, new: dict):
+    """The step's results ``p`` and ``new`` written into the caller's ``param`` and the slots it
+    gave (where the shape is unchanged), ``new`` pointing at them: the ``inplace=True`` contract of
+    the steps that compute on float32 copies. Returns ``param``."""
+    param[...] = p
+    for k, v in new.items():
+        if k in slots and slots[k].shape == v.shape:
+            slots[k][...] = v
+            new[k] = slots[k]
+    return param

@@ -32,7 +32,22 @@ import numpy as np
 from statekit.errors import UsageError
 from statekit.optim import driver, kernels
 from statekit.optim.backend import get_backend, torch_available
+from statekit.optim.common import write_back
 
+
+def _prepared(algorithm: str, flavors: Mapping, slot_names: Callable, param, slots: Mapping, hp, flavor: str, xp,
+              kernel, name: str, vector_width):
+    """What every step built here checks first: the flavor exists, the kernel is one it has, and
+    the caller gave no slot it does not keep. (backend, slot names)."""
+    if flavor not in flavors:
+        raise UsageError(f"{algorithm} has no flavor {flavor!r} (has {', '.join(flavors)})")
+    b = get_backend(xp, like=param)
+    kernels.choose(name, flavor, b, kernel, vector_width)
+    names = slot_names(hp, flavor)
+    unknown = sorted(set(slots) - set(names))
+    if unknown:
+        raise UsageError(f"unexpected optimizer state slots {unknown}; expected {list(names)}")
+    return b, names
 
 def _host(b, array) -> np.ndarray:
     """``array`` as a numpy array (a torch tensor or CuPy array is copied to the host)."""
@@ -70,14 +85,7 @@ def make_scalar_step(builders: Mapping[str, Callable], slot_names: Callable, sca
 
     def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None,
              kernel=kernels.REFERENCE, name=algorithm):
-        if flavor not in builders:
-            raise UsageError(f"{algorithm} has no flavor {flavor!r} (has {', '.join(builders)})")
-        b = get_backend(xp, like=param)
-        kernels.choose(name, flavor, b, kernel, vector_width)
-        names = slot_names(hp, flavor)
-        unknown = sorted(set(slots) - set(names))
-        if unknown:
-            raise UsageError(f"unexpected optimizer state slots {unknown}; expected {list(names)}")
+        b, names = _prepared(algorithm, builders, slot_names, param, slots, hp, flavor, xp, kernel, name, vector_width)
         scalars = {}
         for n in scalar_slots:
             if n in slots:
@@ -121,14 +129,7 @@ def make_tensor_step(runs: Mapping[str, Callable], slot_names: Callable, algorit
 
     def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None,
              kernel=kernels.REFERENCE, name=algorithm):
-        if flavor not in runs:
-            raise UsageError(f"{algorithm} has no flavor {flavor!r} (has {', '.join(runs)})")
-        b = get_backend(xp, like=param)
-        kernels.choose(name, flavor, b, kernel, vector_width)
-        names = slot_names(hp, flavor)
-        unknown = sorted(set(slots) - set(names))
-        if unknown:
-            raise UsageError(f"unexpected optimizer state slots {unknown}; expected {list(names)}")
+        b, _ = _prepared(algorithm, runs, slot_names, param, slots, hp, flavor, xp, kernel, name, vector_width)
         shape = tuple(param.shape)
         if tuple(grad.shape) != shape:
             raise UsageError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {shape}")
@@ -139,12 +140,7 @@ def make_tensor_step(runs: Mapping[str, Callable], slot_names: Callable, algorit
         s = {k: np.array(_host(b, v), dtype=np.float32, order="C", copy=True) for k, v in slots.items()}
         new = runs[flavor](p, g, s, int(step), hp, TorchOps())
         if inplace and b.name == "numpy":
-            param[...] = p
-            for k, v in new.items():
-                if k in slots and slots[k].shape == v.shape:
-                    slots[k][...] = v
-                    new[k] = slots[k]
-            p = param
+            p = write_back(param, p, slots, new)
         elif b.name != "numpy":
             p = _back(b, p, param)
             new = {k: _back(b, v, param) for k, v in new.items()}
