@@ -1,8 +1,9 @@
 """Atomic output files: write to a sibling temporary file, fsync, then rename over the target.
 
 What is written goes through :class:`OutputFile`: small files are written as usual; large ones
-leave through reused, aligned staging blocks written to the disk directly (``O_DIRECT``) by a
-background thread, overlapped with the producer — see its docstring for why.
+leave through reused staging blocks that a background thread writes into the page cache in
+pieces of at most 1 MiB and starts writing out at once (``sync_file_range``), overlapped with the
+producer — see its docstring for why.
 
 A failure (an exception, Ctrl-C, SIGTERM in the CLI) removes the temporary file, so a target is
 either the complete new file or untouched. The temporary file's name records the host and
@@ -21,6 +22,7 @@ import queue
 import re
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -108,14 +110,42 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
 
 BLOCK = 8 << 20  # bytes per staging block (a multiple of ALIGN)
 DEPTH = 5  # staging blocks per output: one filled, the others on their way to the disk
-BATCH = 4  # blocks written by one call when they are waiting: larger writes keep more of the disk busy
+BATCH = 4  # direct I/O: blocks written by one call when they are waiting (more of the disk kept busy)
+PIECE = 256 << 10  # the largest write into the page cache (see OutputFile: 1 MiB ones cost 4x here)
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and memory (the page size covers every device)
+WRITE_OUT = 2  # SYNC_FILE_RANGE_WRITE: start writing the range's dirty pages, do not wait
+SLOW_CACHE_RATE = 512 << 20  # bytes per CPU second below which a copy into the page cache is slow (2-4 GB/s when not)
+SLOW_BLOCKS = 2  # slow blocks in a row that switch an output to direct writes
+_CACHE_SLOW = False  # a copy into the page cache was slow: this process's later outputs go direct
 _POOL: dict[int, list[mmap.mmap]] = {}  # staging blocks of finished outputs by size, reused by the next one
 _POOL_LOCK = threading.Lock()
 
 
 def _direct_wanted() -> bool:
-    return os.environ.get("STATEKIT_DIRECT_IO", "1") != "0" and hasattr(os, "O_DIRECT")
+    """``STATEKIT_DIRECT_IO=1``: blocks go to the disk with ``O_DIRECT`` (nothing of the output in
+    the page cache, at the disk's speed for one request at a time); ``0``: always through the page
+    cache; unset: through the page cache until copying into it is slow (:class:`OutputFile`)."""
+    return os.environ.get("STATEKIT_DIRECT_IO") == "1" and hasattr(os, "O_DIRECT")
+
+
+def _auto_direct() -> bool:
+    return os.environ.get("STATEKIT_DIRECT_IO") != "0" and hasattr(os, "O_DIRECT")
+
+
+def _write_out_function():
+    """``sync_file_range`` from the C library (Linux), or None: where there is none, the pages are
+    written out by the kernel's own writeback and the final fsync."""
+    if not hasattr(os, "O_DIRECT"):  # not Linux (the call is Linux's alone)
+        return None
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class OutputFile:
@@ -124,16 +154,25 @@ class OutputFile:
     Bytes are copied into staging blocks of :data:`BLOCK` bytes (anonymous maps, so aligned; at
     most :data:`DEPTH` per file, taken from and returned to a process-wide pool, so their memory is
     touched once). A file that ends within its first block is written with one ordinary
-    ``write`` at the end. Larger files: each full block is handed to a writer thread that writes it
-    at its (aligned) offset with ``O_DIRECT`` — the bytes go from the block to the disk, never
-    through the page cache — while the producer fills the next block; the last partial block is
-    written through the page cache. Why: a buffered ``write`` of a large file spends most of its
-    time allocating and filling fresh page-cache pages (on a VM whose free memory the host
-    reclaims, each first touch of a page is a fault in the host as well; measured 2–7 × ``cp``),
-    then the fsync writes them out again; here the copy is once into a warm block, the disk
-    write overlaps the producer, and the fsync finds nothing left to do. A file system that
-    refuses ``O_DIRECT`` (tmpfs, some network file systems) gets the same blocks written through
-    the page cache. ``STATEKIT_DIRECT_IO=0`` asks for that everywhere.
+    ``write`` at the end. Larger files: each full block is handed to a writer thread while the
+    producer fills the next one. The thread writes the block into the page cache in pieces of at
+    most :data:`PIECE` (256 KiB) and at once asks the kernel to start writing it out
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so the disk works while the
+    producer does and the final fsync finds little left: a 1 GiB convert took 0.78-1.01 s where
+    ``cp`` + ``sync`` took 1.16-1.61 s (docs/streaming.md has the tables).
+
+    Copying into the page cache is fast only while the kernel has memory at hand that the machine
+    has already supplied: on this VM a fresh page costs a fault in the host, and then the copy runs
+    at a tenth of its speed (an 8 MiB block in 35-50 ms of CPU instead of 2-4 ms; a 4 GiB convert
+    11-23 s). Larger writes get larger page-cache folios, which meet such memory sooner, hence the
+    small pieces (1 MiB pieces made a 1 GiB convert 3.2-3.9 s where 256 KiB made it 0.8). So the
+    thread measures the CPU time of each block's copy: after :data:`SLOW_BLOCKS` blocks in a row
+    slower than :data:`SLOW_CACHE_RATE`, the rest of the file, and every later output of the
+    process, is written with ``O_DIRECT`` from the reused blocks (no fresh memory at all; the disk
+    at one request at a time: 4 GiB in 3.0-3.1 s there). ``STATEKIT_DIRECT_IO=1`` asks for
+    ``O_DIRECT`` from the first block (blocks waiting are then written together, up to
+    :data:`BATCH` in one ``pwritev``), ``STATEKIT_DIRECT_IO=0`` never. A file system that refuses
+    ``O_DIRECT`` (tmpfs, some network file systems) gets the same blocks through the page cache.
     """
 
     def __init__(self, fd: int):
@@ -150,6 +189,9 @@ class OutputFile:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._direct = False
+        self._write_out = None  # sync_file_range, once the writer thread runs (a file past one block)
+        self._slow = 0  # blocks in a row copied into the page cache slower than SLOW_CACHE_RATE
+        self._direct_refused = False  # the file system answered O_DIRECT writes with EINVAL
         self._closed = False
 
     # -- the file-object surface writers use
@@ -223,7 +265,8 @@ class OutputFile:
     def _submit(self) -> None:
         if self._thread is None:
             self._free, self._todo = queue.Queue(), queue.Queue()
-            self._direct = _direct_wanted() and self._set_direct(True)
+            self._direct = (_direct_wanted() or _CACHE_SLOW and _auto_direct()) and self._set_direct(True)
+            self._write_out = _write_out_function()
             self._thread = threading.Thread(target=self._drain, name="statekit-output", daemon=True)
             self._thread.start()
         self._raise_failure()
@@ -243,14 +286,14 @@ class OutputFile:
             return False
 
     def _drain(self) -> None:
-        """The writer thread: blocks in file order, those already waiting written together (a 32 MiB
-        direct write measured 1.5 × the throughput of 8 MiB ones on this VM's disk)."""
+        """The writer thread: blocks in file order; with direct I/O those already waiting are
+        written together (a 32 MiB direct write measured 1.5 × the throughput of 8 MiB ones)."""
         while True:
             item = self._todo.get()
             if item is None:
                 return
             batch, stop = [item], False
-            while len(batch) < BATCH:
+            while self._direct and len(batch) < BATCH:
                 try:
                     more = self._todo.get_nowait()
                 except queue.Empty:
@@ -270,22 +313,46 @@ class OutputFile:
                 return
 
     def _pwrite(self, blocks: list[mmap.mmap], length: int, offset: int) -> None:
-        """The first ``length`` bytes of each block, back to back from ``offset`` (``pwritev``)."""
+        """The first ``length`` bytes of each block, back to back from ``offset``: with direct I/O
+        in one ``pwritev``; else into the page cache :data:`PIECE` at a time, then the range's
+        writeback started."""
         views = [memoryview(block)[:length] for block in blocks]
         try:
             done, total = 0, length * len(views)
-            while done < total:
+            while done < total and self._direct:
                 k, r = divmod(done, length)
                 try:
                     done += os.pwritev(self._fd, [views[k][r:], *views[k + 1 :]], offset + done)
                 except OSError as exc:
-                    if not (self._direct and exc.errno == errno.EINVAL):
+                    if exc.errno != errno.EINVAL:
                         raise
                     self._direct = False  # this file system takes no direct writes: through the cache
+                    self._direct_refused = True
                     self._set_direct(False)
+            if done == total:
+                return
+            cpu = time.thread_time()
+            while done < total:
+                k, r = divmod(done, length)
+                done += os.pwrite(self._fd, views[k][r : r + PIECE], offset + done)
+            copied = time.thread_time() - cpu
+            if self._write_out is not None:
+                self._write_out(self._fd, offset, total, WRITE_OUT)  # a hint: its failure changes nothing
+            if total >= self._bs:  # whole blocks only: a short tail's CPU time is mostly the calls'
+                self._judge_cache(total, copied)
         finally:
             for view in views:
                 view.release()
+
+    def _judge_cache(self, nbytes: int, cpu_seconds: float) -> None:
+        """After a block was copied into the page cache: :data:`SLOW_BLOCKS` blocks in a row copied
+        slower than :data:`SLOW_CACHE_RATE` (CPU time: waiting for the disk does not count) switch
+        this file, and the process's later outputs, to direct writes (see :class:`OutputFile`)."""
+        global _CACHE_SLOW
+
+        self._slow = self._slow + 1 if cpu_seconds * SLOW_CACHE_RATE > nbytes else 0
+        if self._slow >= SLOW_BLOCKS and not self._direct_refused and _auto_direct() and self._set_direct(True):
+            self._direct = _CACHE_SLOW = True
 
     def _raise_failure(self) -> None:
         if self._error is not None:

@@ -19,6 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 8192
 
 
+@pytest.fixture(autouse=True)
+def cache_judged_fast(monkeypatch):
+    """No copy into the page cache counts as slow (tiny test blocks cost more CPU per byte than
+    8 MiB ones), and no earlier test's verdict carries over; the tests of the switch set their own."""
+    monkeypatch.setattr(atomic, "SLOW_CACHE_RATE", 1)
+    monkeypatch.setattr(atomic, "_CACHE_SLOW", False)
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Staging blocks of 8 KiB: every output of a few KiB crosses blocks and goes to the disk in
@@ -75,6 +83,7 @@ def test_numpy_pieces_of_any_dtype_are_written_as_their_bytes(tmp_path, small_bl
 def test_a_file_system_that_refuses_direct_io_gets_the_same_bytes(tmp_path, monkeypatch, small_blocks):
     """O_DIRECT accepted when set but refused at the first write (EINVAL): the block is written
     again through the page cache, and so is every later one."""
+    monkeypatch.setenv("STATEKIT_DIRECT_IO", "1")
     real = os.pwritev
     refused = []
 
@@ -94,11 +103,10 @@ def test_a_file_system_that_refuses_direct_io_gets_the_same_bytes(tmp_path, monk
     assert refused == [0]
 
 
-@pytest.mark.parametrize("direct", ["1", "0"])
-def test_short_and_batched_writes_land_where_they_belong(tmp_path, monkeypatch, small_blocks, direct):
-    """The writer thread writes the blocks waiting for it with one pwritev, and goes on where a
-    short write stopped (mid-block, at any byte)."""
-    monkeypatch.setenv("STATEKIT_DIRECT_IO", direct)
+def test_short_and_batched_writes_land_where_they_belong(tmp_path, monkeypatch, small_blocks):
+    """With direct I/O the writer thread writes the blocks waiting for it with one pwritev, and
+    goes on where a short write stopped (mid-block, at any byte)."""
+    monkeypatch.setenv("STATEKIT_DIRECT_IO", "1")
     real = os.pwritev
     sizes = []
 
@@ -114,6 +122,127 @@ def test_short_and_batched_writes_land_where_they_belong(tmp_path, monkeypatch, 
     assert max(sizes) > BLOCK
 
 
+def test_cached_writes_are_small_and_their_writeback_starts_block_by_block(tmp_path, monkeypatch):
+    """Through the page cache (the default), no write is larger than atomic.PIECE, a short write
+    goes on where it stopped, and the writeback of each block is asked for once it is written:
+    the ranges asked for cover the file's full blocks exactly, in order."""
+    monkeypatch.delenv("STATEKIT_DIRECT_IO", raising=False)
+    monkeypatch.setattr(atomic, "BLOCK", 8 * 4096)
+    monkeypatch.setattr(atomic, "PIECE", 3 * 4096)
+    real = os.pwrite
+    sizes, offsets, ranges = [], [], []
+
+    def pwrite(fd, data, offset):
+        sizes.append(len(data))
+        offsets.append(offset)
+        return real(fd, data, offset) if len(sizes) % 4 else real(fd, bytes(data)[:1001], offset)
+
+    class WriteOut:
+        def __call__(self, fd, offset, nbytes, flags):
+            ranges.append((offset, nbytes, flags))
+            return 0
+
+    monkeypatch.setattr(atomic.os, "pwrite", pwrite)
+    monkeypatch.setattr(atomic, "_write_out_function", WriteOut)
+    data = np.random.default_rng(11).bytes(20 * 8 * 4096 + 5000)
+    with atomic.atomic_write(tmp_path / "out") as fh:
+        fh.write(data)
+    assert (tmp_path / "out").read_bytes() == data
+    assert max(sizes) == 3 * 4096 and 1001 in [o % 4096 for o in offsets]  # went on after 1001 bytes
+    full = [r for r in ranges if r[1] == 8 * 4096]
+    assert full == [(i * 8 * 4096, 8 * 4096, 2) for i in range(20)]
+
+
+def direct_writes(monkeypatch) -> list[int]:
+    """The offsets of the writes made while the file was open with O_DIRECT (os.pwritev watched)."""
+    import fcntl
+
+    real = os.pwritev
+    seen = []
+
+    def pwritev(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            seen.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(atomic.os, "pwritev", pwritev)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_a_slow_copy_into_the_page_cache_sends_the_rest_direct(tmp_path, monkeypatch):
+    """Two blocks in a row copied slower than SLOW_CACHE_RATE (here: any copy is) switch the file
+    to O_DIRECT from the third block on; the bytes are the same, and the process's next output
+    is direct from its first block. A fast copy never switches."""
+    monkeypatch.delenv("STATEKIT_DIRECT_IO", raising=False)
+    monkeypatch.setattr(atomic, "BLOCK", 8 * 4096)
+    block = 8 * 4096
+    data = np.random.default_rng(12).bytes(30 * block + 777)
+    seen = direct_writes(monkeypatch)
+
+    with atomic.atomic_write(tmp_path / "fast") as fh:
+        fh.write(data)
+    assert (tmp_path / "fast").read_bytes() == data and seen == [] and not atomic._CACHE_SLOW
+
+    monkeypatch.setattr(atomic, "SLOW_CACHE_RATE", 1 << 62)  # every copy is slower than that
+    with atomic.atomic_write(tmp_path / "slow") as fh:
+        fh.write(data)
+    assert (tmp_path / "slow").read_bytes() == data
+    assert seen and min(seen) == 2 * block and atomic._CACHE_SLOW
+    seen.clear()
+    with atomic.atomic_write(tmp_path / "next") as fh:
+        fh.write(data)
+    assert (tmp_path / "next").read_bytes() == data and min(seen) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+def test_no_switch_when_direct_io_is_refused_or_asked_against(tmp_path, monkeypatch):
+    """STATEKIT_DIRECT_IO=0 keeps every block in the page cache however slow the copy; so does a
+    file system that answered O_DIRECT with EINVAL."""
+    monkeypatch.setattr(atomic, "BLOCK", 8 * 4096)
+    monkeypatch.setattr(atomic, "SLOW_CACHE_RATE", 1 << 62)
+    data = np.random.default_rng(13).bytes(20 * 8 * 4096)
+    seen = direct_writes(monkeypatch)
+    monkeypatch.setenv("STATEKIT_DIRECT_IO", "0")
+    with atomic.atomic_write(tmp_path / "a") as fh:
+        fh.write(data)
+    assert (tmp_path / "a").read_bytes() == data and seen == [] and not atomic._CACHE_SLOW
+
+    monkeypatch.setenv("STATEKIT_DIRECT_IO", "1")
+    real = atomic.os.pwritev
+    import fcntl
+
+    def refusing(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(atomic.os, "pwritev", refusing)
+    calls = []
+    monkeypatch.setattr(atomic.OutputFile, "_set_direct",
+                        lambda self, on, real_set=atomic.OutputFile._set_direct: calls.append(on) or real_set(self, on))
+    with atomic.atomic_write(tmp_path / "b") as fh:
+        fh.write(data)
+    assert (tmp_path / "b").read_bytes() == data
+    assert calls.count(True) == 1  # asked once at the start, refused, never asked again
+
+
+def test_writeback_is_linux_sync_file_range():
+    """The writeback call is the C library's sync_file_range where the system has it (Linux);
+    asked for a range of a real file, it succeeds."""
+    fn = atomic._write_out_function()
+    if not hasattr(os, "O_DIRECT"):
+        assert fn is None
+        return
+    assert fn is not None
+    import tempfile
+
+    with tempfile.TemporaryFile() as fh:
+        fh.write(b"z" * 65536)
+        fh.flush()
+        assert fn(fh.fileno(), 0, 65536, atomic.WRITE_OUT) == 0
+
+
 def test_a_failure_mid_file_leaves_no_file_and_no_thread(tmp_path, small_blocks):
     dst = tmp_path / "out.pt"
     dst.write_bytes(b"old")
@@ -123,15 +252,18 @@ def test_a_failure_mid_file_leaves_no_file_and_no_thread(tmp_path, small_blocks)
     assert dst.read_bytes() == b"old" and leftovers(dst) == [] and threads() == []
 
 
-def test_a_failed_disk_write_reaches_the_writer(tmp_path, monkeypatch, small_blocks):
-    real = os.pwritev
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_failed_disk_write_reaches_the_writer(tmp_path, monkeypatch, small_blocks, direct):
+    monkeypatch.setenv("STATEKIT_DIRECT_IO", direct)
+    name = "pwritev" if direct == "1" else "pwrite"
+    real = getattr(os, name)
 
-    def pwritev(fd, buffers, offset):
+    def failing(fd, data, offset):
         if offset >= 3 * BLOCK:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, buffers, offset)
+        return real(fd, data, offset)
 
-    monkeypatch.setattr(atomic.os, "pwritev", pwritev)
+    monkeypatch.setattr(atomic.os, name, failing)
     dst = tmp_path / "out.bpk"
     with pytest.raises(OSError, match="No space left"), atomic.atomic_write(dst) as fh:
         for _ in range(100):
