@@ -131,3 +131,27 @@ def test_capturable_groups_are_refused_by_group(cli, tmp_path, cls):
     assert "param group 1 has capturable=True" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = cli("verify-resume", tmp_path / "state.pt", tmp_path / "capturable.pt")
     assert r.returncode != 0 and "param group 1 has capturable=True" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_state_stepped_as_another_optimizer_names_its_file_and_parameter(cli, tmp_path):
+    """--optimizer sgd on an RMSprop state: refused by the step's own check of the slots, in one
+    line that names the state file, the parameter and the flag to look at; nothing written."""
+    _, _, _, files = _state_file(tmp_path, "RMSprop", SAME["RMSprop"], {})
+    out = tmp_path / "out.safetensors"
+    r = cli("replay", "--state", tmp_path / "state.pt", "--params", tmp_path / "p3.safetensors", "--grads", *files,
+            "--out-params", out, "--optimizer", "sgd")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists()
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert f"{tmp_path / 'state.pt'}: w: unexpected optimizer state slots" in line or \
+        f"{tmp_path / 'state.pt'}: b: unexpected optimizer state slots" in line
+    assert "square_avg" in line and "check --optimizer" in line
+
+
+def test_verify_resume_as_another_optimizer_names_the_side(cli):
+    r = cli("verify-resume", "fixtures/hand-optim-rmsprop.bpk", "fixtures/hand-optim-rmsprop.bpk", "--optimizer", "sgd",
+            "--steps", "2")
+    line = r.stderr.strip()
+    assert r.returncode == 2 and len(line.splitlines()) == 1 and "Traceback" not in line
+    assert line.startswith("statekit: error: fixtures/hand-optim-rmsprop.bpk: l")  # the first parameter: l1.*/l2.*
+    assert "square_avg" in line and "check --optimizer" in line

@@ -174,6 +174,7 @@ class Lane:
     last_slots: dict = field(init=False, default_factory=dict)
     hp_of: dict[str, dict] = field(default_factory=dict)  # a path's own hyperparameters (its param group's)
     new_slots: dict = field(init=False, default_factory=dict)  # a resized state's final per-element slots
+    source: str | None = None  # the file the lane's state came from, named by its errors
 
     def __post_init__(self):
         self.chosen = registry.choose_kernel(self.algorithm, self.flavor, xp=self.xp, kernel=self.kernel)
@@ -186,9 +187,15 @@ class Lane:
         """One step of one parameter, in place on the lane's arrays."""
         slots = self.slots.get(path, {})
         hp = self.hp_of.get(path, self.hp)
-        p, slots, t = registry.step(self.algorithm, self.params[path], g, slots, self.steps.get(path, 0), hp,
-                                    self.flavor, self.xp, inplace=_owned(self.params[path], slots),
-                                    kernel=self.chosen)
+        try:
+            p, slots, t = registry.step(self.algorithm, self.params[path], g, slots, self.steps.get(path, 0), hp,
+                                        self.flavor, self.xp, inplace=_owned(self.params[path], slots),
+                                        kernel=self.chosen)
+        except UsageError as exc:  # the step's own check: name the parameter and the file
+            if exc.path is not None:
+                raise
+            hint = f" (it is not {self.algorithm}'s state: check --optimizer)" if "state slots" in exc.message else ""
+            raise UsageError(f"{path}: {exc.message}{hint}", self.source) from None
         self.params[path], self.slots[path], self.steps[path] = p, slots, t
 
 
@@ -224,7 +231,7 @@ def _device_namespace(device: str, backend: str | None):
 
 def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: list[dict[str, TensorRef]], *,
            algorithm: str, flavor: str, hp: dict, device: str = "cpu", backend: str | None = None,
-           progress=None, kernel: str = "auto", group_hp: list[dict] | None = None) -> Lane:
+           progress=None, kernel: str = "auto", group_hp: list[dict] | None = None, source: str | None = None) -> Lane:
     """Apply each gradient set in turn; returns the final lane (params, slots, steps by path;
     ``lane.chosen`` is the kernel that ran).
 
@@ -234,7 +241,7 @@ def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: li
     """
     xp, to_dev, to_host = _device_namespace(device, backend)
     lane = Lane(algorithm, flavor, hp, {n: to_dev(np.array(r.numpy(), dtype=np.float32)) for n, r in params.items()},
-                xp=xp, kernel=kernel)
+                xp=xp, kernel=kernel, source=source)
     if group_hp is not None:  # ``group_hp``: each param group's hyperparameters (group_hps), by the state's groups
         set_group_hps(lane, state, group_hp)
     if state is not None:
@@ -328,7 +335,8 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
             lane = replay(st, read_tensors(params), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
-                          device=device, backend=backend, progress=advance, kernel=kernel, group_hp=hps)
+                          device=device, backend=backend, progress=advance, kernel=kernel, group_hp=hps,
+                          source=state)
         write_tensors(out_params, lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
         if out_state:
             write_state(lane_state(lane, st, algorithm), out_state, fmt, algorithm, ckpt)
@@ -582,10 +590,11 @@ def _as_continued(original: Checkpoint, migrated: Checkpoint, optimizer: str | N
 
 
 def _lanes(algorithm: str, flavors: tuple[str, str], hps_a: list[dict], hps_b: list[dict], pairs,
-           kernel: str) -> dict[str, Lane]:
+           kernel: str, sources: tuple[str | None, str | None] = (None, None)) -> dict[str, Lane]:
     """verify-resume's lanes; each side's parameter steps with its own group's hyperparameters."""
     lanes = {name: Lane(algorithm, flavors[name != "original"], (hps_b if name != "original" else hps_a)[0], {},
-                        kernel=kernel) for name in ("original", "migrated", "cold", "fresh")}
+                        kernel=kernel, source=sources[name != "original"])
+             for name in ("original", "migrated", "cold", "fresh")}
     for pr in pairs:  # under the pair's path
         lanes["original"].hp_of[pr.path] = hps_a[min(pr.original.group, len(hps_a) - 1)]
         if pr.migrated is not None:
@@ -632,7 +641,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     hps_b = group_hps(b_state, algorithm, flav_b, given, fallback_lr)
     hp_a, hp_b = hps_a[0], hps_b[0]
     pairs, pair_notes = pair(original, migrated, transpose or [], plan)
-    lanes = _lanes(algorithm, (flav_a, flav_b), hps_a, hps_b, pairs, kernel)
+    lanes = _lanes(algorithm, (flav_a, flav_b), hps_a, hps_b, pairs, kernel, (original.path, migrated.path))
     exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
     if algorithm == "adafactor" and any(pr.transpose for pr in pairs):
         exact = False  # a transposed weight swaps the factors: the same update, rounded in another order
@@ -714,10 +723,10 @@ def _verify_mixed(original, migrated, a_state, b_state, *, steps, seed, optimize
             hp_a = registry_hp(family, flav_a, {"lr": lr}, given)
             hp_b = registry_hp(family, flav_b, {"lr": lr}, given)
             hps[family] = {"original": hp_a, "migrated": hp_b, "flavors": {"original": flav_a, "migrated": flav_b}}
-            sets[family] = {"original": Lane(family, flav_a, hp_a, {}, kernel=kernel),
-                            "migrated": Lane(family, flav_b, hp_b, {}, kernel=kernel),
-                            "cold": Lane(family, flav_b, hp_b, {}, kernel=kernel),
-                            "fresh": Lane(family, flav_b, hp_b, {}, kernel=kernel)}
+            sets[family] = {"original": Lane(family, flav_a, hp_a, {}, kernel=kernel, source=original.path),
+                            "migrated": Lane(family, flav_b, hp_b, {}, kernel=kernel, source=migrated.path),
+                            "cold": Lane(family, flav_b, hp_b, {}, kernel=kernel, source=migrated.path),
+                            "fresh": Lane(family, flav_b, hp_b, {}, kernel=kernel, source=migrated.path)}
         flav = hps[family]["flavors"]
         exact = flav["original"] == flav["migrated"] and registry.exactness(
             flav["original"], algorithm=family) == registry.BIT_EXACT
