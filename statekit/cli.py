@@ -418,7 +418,7 @@ def verify_resume_cmd(
     path. The migrated run must match bit for bit when both use the same arithmetic, else stay
     within |Δp| ≤ 4·ulp(p) + 2e-5·lr·n; the cold run shows how far a silent no-op restore would
     drift. A resized state is compared on the region both hold, and its new elements must step
-    exactly like a zero state.
+    exactly like a new parameter's state (zero; Adagrad's sum its initial accumulator).
 
     \b
       statekit verify-resume checkpoint-500/ optim.bpk

@@ -55,6 +55,23 @@ TORCH_GROUPS: dict[str, dict[str, object]] = {
 }
 EXECUTION_FLAGS = frozenset({"foreach", "capturable", "differentiable", "fused"})
 
+# Slots whose fresh value is a hyperparameter, not zero: torch creates Adagrad's ``sum`` filled with
+# ``initial_accumulator_value`` and Rprop's ``step_size`` with ``lr`` (torch/optim/adagrad.py,
+# rprop.py). A resized parameter's new elements start there, as a new parameter's state would.
+FRESH_FROM: dict[str, dict[str, str]] = {"adagrad": {"sum": "initial_accumulator_value"},
+                                         "rprop": {"step_size": "lr"}}
+
+
+def fresh_value(family: str | None, slot: str, group: dict[str, object]) -> float | None:
+    """The value ``slot`` of ``family`` starts at for a new element under param group ``group``:
+    0.0 for most, the group's hyperparameter (:data:`FRESH_FROM`) for the others, None where the
+    group lacks it."""
+    key = FRESH_FROM.get(family or "", {}).get(slot)
+    if key is None:
+        return 0.0
+    value = group.get(key)
+    return None if value is None else float(value)
+
 _NO_MAXIMIZE = frozenset({"maximize"})
 
 # burn 0.22's optimizer configs (burn-formats.md §2.5; crates/burn-optim/src/optim/*.rs).

@@ -150,8 +150,9 @@ def transpose(ref: TensorRef) -> TensorRef:
     return out
 
 
-def resize(ref: TensorRef, shape: tuple) -> TensorRef:
-    """``ref`` zero-padded or truncated on each axis to ``shape`` (same rank), row band by row band."""
+def resize(ref: TensorRef, shape: tuple, fill: float = 0.0) -> TensorRef:
+    """``ref`` padded with ``fill`` (zero unless said) or truncated on each axis to ``shape`` (same
+    rank), row band by row band."""
     shape = tuple(shape)
     old = tuple(ref.shape)
     if len(old) != len(shape):
@@ -167,7 +168,7 @@ def resize(ref: TensorRef, shape: tuple) -> TensorRef:
         keep = tuple(slice(0, min(a, b)) for a, b in zip(old[1:], shape[1:], strict=True))
         for r in range(0, shape[0], band):
             rows = min(band, shape[0] - r)
-            out = np.zeros((rows, *shape[1:]), dtype=want)
+            out = np.full((rows, *shape[1:]), fill, dtype=want) if fill else np.zeros((rows, *shape[1:]), dtype=want)
             have = max(0, min(rows, old[0] - r))
             if have:
                 block = values.take(have * row_in).reshape(have, *old[1:])

@@ -7,7 +7,7 @@ saved for another file is refused rather than half-applied.
 
 from __future__ import annotations
 
-from statekit import naming, stream
+from statekit import hyper, naming, stream
 from statekit.errors import MappingError
 from statekit.formats import registry
 from statekit.frameworks import burn
@@ -16,14 +16,15 @@ from statekit.state import OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
 
-def transformed(ref: TensorRef, transpose: bool = False, shape: tuple | None = None, cast: str | None = None) -> TensorRef:
-    """A lazy view of ``ref`` transposed, zero-padded/truncated to ``shape``, and cast — produced
-    piece by piece when a writer asks (:mod:`statekit.stream`)."""
+def transformed(ref: TensorRef, transpose: bool = False, shape: tuple | None = None, cast: str | None = None,
+                fill: float = 0.0) -> TensorRef:
+    """A lazy view of ``ref`` transposed, padded (with ``fill``) or truncated to ``shape``, and cast —
+    produced piece by piece when a writer asks (:mod:`statekit.stream`)."""
     if not (transpose or cast or (shape is not None and tuple(shape) != _after_t(ref.shape, transpose))):
         return ref
     out = stream.transpose(ref) if transpose else ref
     if shape is not None and tuple(shape) != tuple(out.shape):
-        out = stream.resize(out, tuple(shape))
+        out = stream.resize(out, tuple(shape), fill)
     if cast:
         out = stream.cast(out, cast)
     return out
@@ -94,6 +95,21 @@ FACTORS = {"row_var": "col_var", "col_var": "row_var", "second_moment": "column_
            "column_second_moment": "second_moment"}
 
 
+def _fill(a: ParamAction, family: str | None, slot: str, plan: Plan, target_fw: str) -> float:
+    """What a resized slot's new elements hold: the value a new parameter's state starts at under
+    the target group (Adagrad's ``sum``: initial_accumulator_value; where the group does not hold it,
+    the target framework's default), zero for most."""
+    group = plan.hyperparams[a.group] if a.group < len(plan.hyperparams) else {}
+    value = hyper.fresh_value(family, slot, group)
+    if value is None and family in hyper.CONFIGS.get(target_fw, {}):  # the target framework's own default
+        value = hyper.fresh_value(family, slot, hyper.core_defaults(target_fw, family))
+    if value is None:
+        key = hyper.FRESH_FROM[family][slot]
+        raise MappingError(f"{a.label()}: the new elements of {slot} start at {key}, which the target param group "
+                           f"does not hold; give it (e.g. --lr)", plan.source)
+    return value
+
+
 def group_family(plan: Plan, group: int) -> str | None:
     """The optimizer of a target group: its own where groups hold different ones (Muon + AdamW)."""
     if plan.group_families and group < len(plan.group_families):
@@ -117,7 +133,8 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
             else:
                 slots[name] = transformed(ref, cast=a.cast)
         else:
-            slots[name] = transformed(ref, a.transpose, shape, a.cast)
+            fill = _fill(a, family, name, plan, target_fw) if a.resize else 0.0
+            slots[name] = transformed(ref, a.transpose, shape, a.cast, fill)
     if a.transpose:  # the row factor first again
         rows = [k for k in ("row_var", "second_moment") if k in slots]
         slots = {k: slots[k] for k in rows} | {k: v for k, v in slots.items() if k not in rows}

@@ -396,8 +396,9 @@ def _region(ref: np.ndarray, other: np.ndarray, kept: tuple[int, ...] | None) ->
 
 def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np.ndarray:
     """Step one parameter of one lane through the seeded steps; its final value in the original's
-    layout. ``fresh`` is the migrated state with its per-element slots zeroed (what a resized
-    state's new elements must behave like); its 0-dim slots (ASGD's ``eta`` and ``mu``, NAdam's
+    layout. ``fresh`` is the migrated state with its per-element slots at a new parameter's values
+    (zero; Adagrad's ``sum`` its initial accumulator: :func:`statekit.hyper.fresh_value`), what a
+    resized state's new elements must behave like; its 0-dim slots (ASGD's ``eta`` and ``mu``, NAdam's
     ``mu_product``) are the tensor's own schedule, which new elements share in the one tensor torch
     steps: they stay as migrated. ``cold`` has no state at all."""
     shape_a, shape_m = tuple(pr.original.shape or ()), pr.migrated_shape
@@ -415,8 +416,11 @@ def _run_lane(ln: Lane, which: str, pr, index: int, seed: int, steps: int) -> np
     src = pr.original if which == "original" else pr.migrated if which in ("migrated", "fresh") else None
     if src is not None and src.slots:
         slots = slots_of(src, transpose=False)
-        if which == "fresh":  # per-element slots zeroed; the tensor's 0-dim ones (as the file keeps them) kept
-            slots = {k: np.zeros_like(v) if src.slots[k].shape else v for k, v in slots.items()}
+        if which == "fresh":  # per-element slots fresh (zero; Adagrad's sum its initial accumulator …);
+            # the tensor's 0-dim ones (as the file keeps them) kept
+            hp = ln.hp_of.get(pr.path, ln.hp)
+            slots = {k: np.full_like(v, hyper.fresh_value(ln.algorithm, k, hp) or 0.0) if src.slots[k].shape else v
+                     for k, v in slots.items()}
         ln.slots[pr.path] = slots
     if src is not None and src.step is not None:
         ln.steps[pr.path] = int(src.step)
@@ -449,7 +453,7 @@ def _digest(slots: dict) -> bytes:
 
 
 def _new_elements_equal(fresh: np.ndarray, migrated: np.ndarray, kept: tuple[int, ...]) -> bool:
-    """Whether a resized state's new elements (outside ``kept``) stepped exactly like a zero state."""
+    """Whether a resized state's new elements (outside ``kept``) stepped exactly like a fresh state."""
     mask = np.ones(fresh.shape, dtype=bool)
     mask[tuple(slice(0, n) for n in kept)] = False
     return bool(np.array_equal(fresh[mask].view(np.uint32), migrated[mask].view(np.uint32)))
@@ -610,7 +614,7 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     """Run ``steps`` seeded steps from the original state, the migrated one and a cold start, and
     compare; returns a JSON-able report. Pairs come from ``plan``, the migrated file's record of
     its sources, or equal paths (:mod:`statekit.ops.pairing`). A resized state is compared on
-    the region both hold; its new elements must step like a zero state at the migrated step."""
+    the region both hold; its new elements must step like a fresh state (hyper.fresh_value) at the migrated step."""
     original, migrated, adapted, (flavor_a, flavor_b) = _as_continued(original, migrated, optimizer)
     a_state, b_state = original.optimizer, migrated.optimizer
     if a_state is None:
