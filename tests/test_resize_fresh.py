@@ -96,3 +96,44 @@ def test_adam_new_rows_stay_zero(cli, tmp_path):
 def test_fresh_values_come_from_torchs_initialisation(family, slot, group, want):
     assert hyper.fresh_value(family, slot, group) == want
     assert np.float32(0.1) == np.float32(hyper.fresh_value("adagrad", "sum", {"initial_accumulator_value": 0.1}))
+
+
+def test_the_padded_rows_warning_speaks_of_the_family(cli, tmp_path):
+    """Adam's bias correction (3.16×), SGD's dampened first update, Adagrad's step count: each
+    family's own warning, and none for SGD without dampening, whose padded rows are new ones."""
+    def warnings(cls, **kw):
+        _trained(tmp_path, cls, **kw)
+        r = cli("remap", tmp_path / "state.pt", "--model", tmp_path / "model2.pt", "--names", tmp_path / "names.txt",
+                "--resize", "-o", tmp_path / "out.pt")
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stderr.splitlines() if "padded rows" in line]
+
+    adam = warnings(torch.optim.Adam, lr=0.01)
+    assert len(adam) == 1 and "3.16" in adam[0]
+    adagrad = warnings(torch.optim.Adagrad, lr=0.01, lr_decay=0.01)
+    assert len(adagrad) == 1 and "step count" in adagrad[0] and "3.16" not in adagrad[0]
+    sgd = warnings(torch.optim.SGD, lr=0.01, momentum=0.9, dampening=0.1)
+    assert len(sgd) == 1 and "dampening 0.1" in sgd[0] and "0.9×" in sgd[0]
+    assert warnings(torch.optim.SGD, lr=0.01, momentum=0.9) == []
+
+
+def test_sgd_padded_rows_first_update_is_one_minus_dampening_of_a_new_parameters(cli, tmp_path):
+    """What the SGD warning says, in real torch: loaded and stepped once, a padded row moves
+    (1 - dampening)× as far as a new parameter under a fresh SGD with the same gradient; with no
+    dampening, exactly as far."""
+    for damp in (0.1, 0.0):
+        _trained(tmp_path, torch.optim.SGD, lr=0.01, momentum=0.9, dampening=damp)
+        out = _remap(cli, tmp_path)
+        new = torch.nn.Sequential(torch.nn.Linear(4, 5))
+        opt = torch.optim.SGD(new.parameters(), lr=0.01, momentum=0.9, dampening=damp)
+        opt.load_state_dict(out)
+        fresh_param = torch.nn.Parameter(new[0].weight.detach()[3:].clone())
+        fresh = torch.optim.SGD([fresh_param], lr=0.01, momentum=0.9, dampening=damp)
+        start = new[0].weight.detach()[3:].clone()
+        g = torch.randn(5, 4)
+        new[0].weight.grad, new[0].bias.grad = g.clone(), torch.zeros(5)
+        fresh_param.grad = g[3:].clone()
+        opt.step()
+        fresh.step()
+        moved, moved_fresh = new[0].weight.detach()[3:] - start, fresh_param.detach() - start
+        assert torch.allclose(moved, (1 - damp) * moved_fresh, rtol=1e-4, atol=1e-9)

@@ -186,6 +186,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         raise MappingError("; ".join(problems), source)
     plan.params = actions
     _hyperparams(state, family, src_fw, dst_fw, opts, plan)
+    _resize_warning(plan)
     _library_notes(state, family, target_format, plan)
     _training_args(state, plan, dst_fw)
     flips = [a for a in actions if any(n.endswith("(module class)") for n in a.notes)]
@@ -333,12 +334,30 @@ def _layout(state, actions, opts, cross_layout: bool, dst_fw: str, plan, problem
             f"torch and candle [out, in]): {', '.join(undecided)}; give --transpose GLOB for Linear weights "
             "and --no-transpose GLOB for the others (embeddings), or --model with the target shapes"
         )
-    if any(a.resize for a in actions):
-        plan.warnings.append(
-            "padded rows of resized parameters inherit the parameter's step: their first Adam update is about "
-            "(1-β1)/√(1-β2) ≈ 3.16× a fresh parameter's with default betas; --reset-step GLOB restarts "
-            "those parameters' state from step 0"
-        )
+
+
+ADAM_LIKE = frozenset({"adam", "adamw", "nadam", "radam", "adamax"})  # bias-corrected moments
+
+
+def _resize_warning(plan: Plan) -> None:
+    """What the padded rows of resized parameters do differently from a new parameter's, by family
+    (their values are a new parameter's, hyper.FRESH_FROM; their step count is the tensor's)."""
+    if not any(a.resize and not a.reset_step for a in plan.params):
+        return
+    restart = "--reset-step GLOB restarts those parameters' state from step 0"
+    if plan.family in ADAM_LIKE:
+        plan.warnings.append("padded rows of resized parameters inherit the parameter's step: their first Adam update "
+                             "is about (1-β1)/√(1-β2) ≈ 3.16× a fresh parameter's with default betas; " + restart)
+    elif plan.family == "sgd":  # a new parameter's buffer starts at its first gradient, a padded row's at 0
+        damp = sorted({float(h.get("dampening") or 0) for h in plan.hyperparams} - {0.0})
+        if damp:
+            plan.warnings.append(
+                "padded rows of resized parameters start with a zero momentum buffer where a new parameter's starts "
+                f"at its first gradient: with dampening {', '.join(f'{d:g}' for d in damp)} their first update is "
+                f"{', '.join(f'{1 - d:g}' for d in damp)}× a new parameter's; " + restart)
+    elif plan.family != "muon":  # torch's Muon starts its buffer at zero too: a padded row is a new one
+        plan.warnings.append("padded rows of resized parameters inherit the parameter's step count (its decays and "
+                             "schedules); " + restart)
 
 
 def _target_shape(a: ParamAction, out_shape: tuple, want: tuple | None, opts: Options, misfit: list[str]) -> None:
