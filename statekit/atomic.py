@@ -2,7 +2,7 @@
 
 What is written goes through :class:`OutputFile`: small files are written as usual; large ones
 leave through reused staging blocks that a background thread writes into the page cache in
-pieces of at most 1 MiB and starts writing out at once (``sync_file_range``), overlapped with the
+pieces of at most 256 KiB and starts writing out at once (``sync_file_range``), overlapped with the
 producer — see its docstring for why.
 
 A failure (an exception, Ctrl-C, SIGTERM in the CLI) removes the temporary file, so a target is
@@ -153,8 +153,8 @@ class OutputFile:
 
     Bytes are copied into staging blocks of :data:`BLOCK` bytes (anonymous maps, so aligned; at
     most :data:`DEPTH` per file, taken from and returned to a process-wide pool, so their memory is
-    touched once). A file that ends within its first block is written with one ordinary
-    ``write`` at the end. Larger files: each full block is handed to a writer thread while the
+    touched once). A file that ends within its first block is written at the end, through the
+    page cache like every block. Larger files: each full block is handed to a writer thread while the
     producer fills the next one. The thread writes the block into the page cache in pieces of at
     most :data:`PIECE` (256 KiB) and at once asks the kernel to start writing it out
     (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so the disk works while the
