@@ -16,15 +16,17 @@ def _changes(a) -> str:
         changes.append("resize")
     if a.cast:
         changes.append(f"cast {a.cast}")
-    changes += [n for n in a.notes if not n.startswith(("transposed", "resized"))]
-    return ", ".join(changes)
+    changes += [n for n in a.notes if not n.startswith(("transposed", "resized")) or a.structure]
+    return ("; " if a.structure else ", ").join(changes)
 
 
 def _row(a) -> list[str]:
     ident = a.dst_id if a.dst_id is not None else (f"#{a.dst_index}" if a.dst_index is not None else "-")
     dims = shape(a.dst_shape) if a.dst_shape is not None else shape(a.src_shape) if a.src_shape else "-"
-    return [a.action, a.src_path or (f"#{a.src_key}" if a.src_key else "-"), a.dst_path or "-", ident, dims,
-            _changes(a)]
+    source = a.src_path or (f"#{a.src_key}" if a.src_key else "-")
+    if a.sources:
+        source = ", ".join(s.get("path") or f"#{s.get('key')}" for s in a.sources)
+    return [a.action, source, a.dst_path or "-", ident, dims, _changes(a)]
 
 
 #: A plan of more rows than this shows its first and last rows and every drop and new parameter
@@ -66,12 +68,19 @@ def plan_view(plan, full: bool = False) -> list:
         items.append(Line.of(plan.names_from, "dim"))
     if getattr(plan, "layouts_from", None):
         items.append(Line.of(plan.layouts_from, "dim"))
+    structure = getattr(plan, "structure", None)
+    if structure:
+        how = ("learned from the old and new weights and proved on them, bit for bit"
+               if structure.get("origin") == "weights" else "by rule (" + ", ".join(structure.get("notes", [])) + ")")
+        items.append(Line.of(f"structure: {how}", "dim"))
+        if structure.get("origin") == "weights":
+            items += [Line.of(f"settled by name: {n}", "dim") for n in structure.get("notes", [])]
     if getattr(plan, "training_args", None):
         items.append(Line.of("hyperparameters from the param groups; training_args.bin: " + ", ".join(
             f"{k}={v}" for k, v in plan.training_args.items()), "dim"))
     table = Grid([Column(col, wrap=col not in ("source", "target"))
                   for col in ("action", "source", "target", "id / index", "shape", "changes")])
-    styles = {"drop": "red", "new": "green", "rename": "cyan"}
+    styles = {"drop": "red", "new": "green", "rename": "cyan", "assemble": "magenta", "into": "dim"}
     left_out = 0
     for i in shown_rows(plan.params, full):
         if isinstance(i, tuple):
