@@ -57,7 +57,8 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
                                f"{list(p.shape)}", plan.source)
         for s in a.sources or ():
             q = by_key.get(s.get("key"))
-            if q is None or q.path != s.get("path") or (q.shape is not None and list(q.shape) != s.get("shape")):
+            if q is None or (q.path is not None and q.path != s.get("path")) \
+                    or (q.shape is not None and list(q.shape) != s.get("shape")):
                 raise MappingError(f"the plan builds {a.dst_path} from {s.get('path')} {s.get('shape')}, which the "
                                    "input does not have", plan.source)
     return by_key
@@ -138,7 +139,9 @@ def _moved_slots(a: ParamAction, p: ParamState, plan: Plan, target_fw: str, fami
     shape = tuple(a.dst_shape) if a.dst_shape is not None else None
     slots = {}
     for name, ref in p.slots.items():
-        if p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
+        if ref.shape == () and p.shape != ():  # a per-parameter scalar (NAdam's mu_product) moves as it is
+            slots[name] = transformed(ref, cast=a.cast)
+        elif p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
             if a.resize or (a.transpose and (name not in FACTORS or FACTORS[name] not in p.slots)):
                 raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
                                    "it cannot be transposed or resized", plan.source)

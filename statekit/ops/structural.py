@@ -32,7 +32,7 @@ from statekit.structure import coverage
 from statekit.structure import infer as inference
 from statekit.structure import rules as structure_rules
 from statekit.structure.access import Weight
-from statekit.structure.pieces import Piece, StructureMap, TargetMap, compress
+from statekit.structure.pieces import Piece, StructureMap, TargetMap, compress, describe
 
 # families whose per-parameter scalar state (0-dim slots) must agree across fused pieces
 SCALAR_NOTE = "per-parameter scalars"
@@ -194,7 +194,7 @@ def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, probl
     a = ParamAction(action="assemble", **base,
                     sources=[{"key": s.key, "path": s.path, "shape": _shape(s)} for s in srcs],
                     pieces=[p.to_json() for p in t.pieces], new_elements=t.new,
-                    notes=[_by(plan, t.kind)] + _describe(t) + _family_notes(t, srcs, family, problems))
+                    notes=[_by(plan, t.kind)] + _describe(t, srcs) + _family_notes(t, srcs, family, problems))
     return a
 
 
@@ -268,25 +268,15 @@ def _family_notes(t: TargetMap, srcs: list[ParamState], family: str, problems: l
     return notes
 
 
-def _describe(t: TargetMap) -> list[str]:
+def _describe(t: TargetMap, srcs: list[ParamState]) -> list[str]:
     """Each piece for people: what part of the target, from what part of which source."""
-    return [describe_piece(p, t.shape) for p in t.pieces[:6]] + (
-        [f"… {len(t.pieces) - 6} more pieces"] if len(t.pieces) > 6 else []) + (
-        [f"{t.new} new elements (fresh state)"] if t.new else [])
-
-
-def describe_piece(p: Piece, shape: tuple) -> str:
-    lo, hi = p.dst_span()
-    where = f"[{_index(lo, shape)}..{_index(hi, shape)}]"
-    form = "×".join(map(str, p.shape))
-    order = "in order" if list(p.src_strides) == sorted(p.src_strides, reverse=True) else "reordered"
-    return f"{where} ← {p.source} ({form}, {order}, strides {list(p.src_strides)})"
-
-
-def _index(flat: int, shape: tuple) -> str:
-    from statekit.structure.pieces import unravel
-
-    return ",".join(map(str, unravel(flat, shape)))
+    shapes = {s.path: tuple(s.shape) for s in srcs}
+    out = [describe(p, t.shape, shapes.get(p.source)) for p in t.pieces[:6]]
+    if len(t.pieces) > 6:
+        out.append(f"… {len(t.pieces) - 6} more pieces")
+    if t.new:
+        out.append(f"{t.new} new elements (fresh state)")
+    return out
 
 
 # ----------------------------------------------------------------------------- carrying it out
@@ -298,11 +288,13 @@ def target_map(a: ParamAction) -> TargetMap:
 
 def assembled_slots(a: ParamAction, sources: list[ParamState], fill) -> dict[str, object]:
     """The new parameter's slots: elementwise slots assembled, 0-dim scalars taken once (they agree),
-    Adafactor's factors through the line map."""
+    Adafactor's factors through the line map. Sources are named as the plan names them (a state
+    reapplying a saved plan may have no paths of its own)."""
     t = target_map(a)
-    first = sources[0]
-    shapes = {s.path: tuple(s.shape) for s in sources}
+    named = {s["path"]: p for s, p in zip(a.sources, sources, strict=True)}
+    shapes = {path: tuple(p.shape) for path, p in named.items()}
     coverage.check(t, {path: math.prod(shape) for path, shape in shapes.items()})  # a saved plan, too
+    first = sources[0]
     out = {}
     factored = [n for n in first.slots if n in naming.FACTORED_SLOTS]
     for name, ref in first.slots.items():
@@ -311,14 +303,14 @@ def assembled_slots(a: ParamAction, sources: list[ParamState], fill) -> dict[str
         if ref.shape == ():
             out[name] = ref
             continue
-        refs = {s.path: s.slots[name] for s in sources}
+        refs = {path: p.slots[name] for path, p in named.items()}
         out[name] = moving.assembled(t, refs, ref.dtype, fill(name) if t.new else 0.0, label=f"{a.dst_path}.{name}")
     if factored:
-        out.update(_factored(t, sources, shapes))
+        out.update(_factored(t, named, shapes))
     return out
 
 
-def _factored(t: TargetMap, sources: list[ParamState], shapes) -> dict[str, object]:
+def _factored(t: TargetMap, named: dict[str, ParamState], shapes) -> dict[str, object]:
     from statekit.tensor import TensorRef
 
     lines = moving.line_map(t, shapes)
@@ -326,10 +318,10 @@ def _factored(t: TargetMap, sources: list[ParamState], shapes) -> dict[str, obje
         raise MappingError(f"{t.path}: Adafactor's factored second moment cannot follow this map")
     rows = lines.orient == "rows"
     along_name, across_name = ("row_var", "col_var") if rows else ("col_var", "row_var")
-    along = {s.path: s.slots[along_name].numpy() for s in sources}
-    across = {s.path: s.slots[across_name].numpy() for s in sources}
+    along = {path: s.slots[along_name].numpy() for path, s in named.items()}
+    across = {path: s.slots[across_name].numpy() for path, s in named.items()}
     a, b, _ = moving.factors(lines, along, across, t.shape, shapes)
-    dtype = sources[0].slots["row_var"].numpy().dtype
+    dtype = next(iter(named.values())).slots["row_var"].numpy().dtype
     lead = tuple(t.shape[:-2])
     row_shape, col_shape = (*lead, t.shape[-2], 1), (*lead, 1, t.shape[-1])
     row, col = (a, b) if rows else (b, a)

@@ -177,7 +177,7 @@ class _Inferrer:
     def _lines_of(self, w: Weight, index: LineIndex) -> bool:
         if not w.numel:
             return False
-        best = None
+        best = partial = None
         modes = (COL, ROW) if len(w.shape) >= 2 else (ROW,)  # columns first: only a few rows are read
         for orient in modes:
             lines = Lines(w.shape, orient)
@@ -194,6 +194,11 @@ class _Inferrer:
                 break
             if covered and uncovered_tail(picked, lines) and (best is None or covered > int(best[1].covered.sum())):
                 best = (lines, picked)
+            elif covered and (partial is None or covered > int(partial[1].covered.sum())):
+                partial = (lines, picked)
+        if best is None and partial is not None and not self._declared(w.path):
+            self.problems.append(_partly(w, *partial, index))
+            return True
         if best is None:
             return False
         lines, picked = best
@@ -254,9 +259,12 @@ class _Inferrer:
         return True
 
     # ------------------------------------------------------------------ what is left
+    def _declared(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, g) for g in self.declared_new)
+
     def _unproduced(self, w: Weight) -> None:
         o = self._same_name(w.path)
-        if any(fnmatch.fnmatchcase(w.path, g) for g in self.declared_new) or o is None:
+        if self._declared(w.path) or o is None:
             self.targets[w.path] = TargetMap(w.path, w.shape, [], new=w.numel, kind="new")
             return
         if o.shape == w.shape and o.dtype == w.dtype and o.comparable:
@@ -295,6 +303,24 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         out.append(acc)
         acc *= n
     return tuple(reversed(out))
+
+
+def _partly(w: Weight, lines: Lines, picked: Picked, index: LineIndex) -> str:
+    """A new tensor some of whose lines come from the old weights and some from nowhere."""
+    word = "row" if lines.orient == ROW else "column"
+    missing = int(np.flatnonzero(~picked.covered)[0])
+    sources = sorted({index.weights[int(t)].path for t in np.unique(picked.tensor[picked.covered])})
+    first = w.read(lines.offset(missing), 1)[0] if lines.orient == ROW else w.read(lines.offset(missing), 1)[0]
+    value = np.array([first], dtype=w.bits).view(_numpy_dtype(w))[0].item()
+    return (f"{w.path}: {word} {missing} (its first element {value!r}) is in none of the old weights, though "
+            f"{int(picked.covered.sum())} of its {lines.count} {word}s come from {_listed(sources)}: the conversion "
+            f"changed values; give it as --new GLOB only if it is meant to start fresh")
+
+
+def _numpy_dtype(w: Weight):
+    from statekit import dtypes
+
+    return dtypes.numpy_dtype(w.dtype)
 
 
 def _listed(names: list[str]) -> str:

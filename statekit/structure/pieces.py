@@ -210,3 +210,32 @@ def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         out.append(flat % n if n else 0)
         flat = flat // n if n else 0
     return tuple(reversed(out))
+
+
+def describe(p: Piece, target_shape: tuple[int, ...], source_shape: tuple[int, ...] | None) -> str:
+    """A piece for people: ``[0:32, :] ← q_proj.weight, rows permuted (4×2×4×32)``."""
+    text = f"{_region(p.dst_offset, p.dst_strides, p.shape, target_shape)} ← {p.source}"
+    if source_shape is not None:
+        text += _region(p.src_offset, p.src_strides, p.shape, source_shape, whole="")
+    order = sorted(range(len(p.shape)), key=lambda k: -abs(p.dst_strides[k]))
+    src = [p.src_strides[k] for k in order]
+    if src == sorted(src, key=abs, reverse=True) and all(s > 0 for s in src):
+        return text
+    if len(p.shape) == 2 and src == sorted(src):
+        return text + ", transposed"
+    return text + f", reordered ({'×'.join(str(p.shape[k]) for k in order)} read with strides {src})"
+
+
+def _region(offset: int, strides, shape, full: tuple[int, ...], whole: str = "[all]") -> str:
+    lo, hi = _span(offset, tuple(strides), tuple(shape))
+    first, last = unravel(lo, full), unravel(hi, full)
+    axes = [":" if a == 0 and b == n - 1 else (str(a) if a == b else f"{a}:{b + 1}")
+            for a, b, n in zip(first, last, full, strict=True)]
+    boxed = math.prod(b - a + 1 for a, b in zip(first, last, strict=True))
+    if all(a == ":" for a in axes):
+        text = whole
+    else:
+        text = "[" + ", ".join(axes) + "]"
+    if boxed != math.prod(shape) and text:
+        text += " (strided)"
+    return text
