@@ -81,7 +81,7 @@ def convert(old: dict, pad, rope: bool = True) -> dict:
     """The user's own conversion of old tensors (weights, or moments shaped like them) to the new model's;
     ``pad(n, like)``: the grown embedding's new rows; ``rope``: q's rows interleaved per head."""
     new = {"norm": old["norm"], "embed.weight": torch.cat([old["embed.weight"], pad(GROW, old["embed.weight"])])
-           if GROW else old["embed.weight"]}
+           if pad is not None else old["embed.weight"]}
     q = rope_permute(old["q.weight"], NH) if rope else old["q.weight"]
     new["qkv.weight"] = torch.cat([q, old["k.weight"], old["v.weight"]])
     new["gate_up.weight"] = torch.cat([old["gate.weight"], old["up.weight"]])
@@ -300,3 +300,40 @@ def test_value_identical_tensors_under_new_names_are_refused(tmp_path, cli):
     assert out["param_groups"][0]["param_names"] == ["lin.weight", "lin.bias", "n1.weight", "n1.bias", "n2.weight",
                                                      "n2.bias"]
     assert torch.equal(out["state"][4]["exp_avg"], opt.state_dict()["state"][4]["exp_avg"])
+
+
+def test_adafactor_row_factors_move_exactly_and_the_fused_column_factor_is_their_weighted_mean(tmp_path, cli):
+    make = lambda p: torch.optim.Adafactor(p, lr=1e-2)  # noqa: E731
+    old, opt, weights, new_weights = trained(tmp_path, make, grow=0)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt")
+    assert r.returncode == 0, r.stderr
+    assert "tracks, not bit-exact" in r.stdout
+    old_state = by_name(opt.state_dict(), list(weights))
+    new_state = by_name(torch.load(tmp_path / "out.pt", weights_only=True), list(new_weights))
+    q, k, v = (old_state[f"{n}.weight"] for n in "qkv")
+    rows = torch.cat([rope_permute(q["row_var"], NH), k["row_var"], v["row_var"]])
+    assert torch.equal(new_state["qkv.weight"]["row_var"], rows)  # each row's mean over its columns: exact
+    nq, nk = NH * HD, NKV * HD
+    cols = (nq * q["col_var"].double() + nk * k["col_var"].double() + nk * v["col_var"].double()) / (nq + 2 * nk)
+    assert torch.equal(new_state["qkv.weight"]["col_var"], cols.float())
+    for slot in ("row_var", "col_var"):  # one source matrix per expert: exact
+        assert torch.equal(new_state["experts_w"][slot],
+                           torch.stack([old_state[f"experts.{e}.weight"][slot] for e in range(EXPERTS)]))
+    assert torch.equal(new_state["gate_up.bias"]["variance"],
+                       torch.cat([old_state["gate.bias"]["variance"], old_state["up.bias"]["variance"]]))
+    model = new_model(new_weights, grow=0)
+    resumed = make(model.parameters())
+    resumed.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
+    cold_model = new_model(new_weights, grow=0)
+    cold = make(cold_model.parameters())
+    data = batches(3, 2)
+    for m, o in ((old, opt), (model, resumed), (cold_model, cold)):
+        train(m, o, data)
+    expect = convert({k: v.detach() for k, v in old.state_dict().items()}, None)
+    expect["embed.weight"] = old.state_dict()["embed.weight"]
+    drift = max((model.state_dict()[k] - expect[k]).abs().max().item() for k in expect)
+    cold_drift = max((cold_model.state_dict()[k] - expect[k]).abs().max().item() for k in expect)
+    # a fused matrix factored is another preconditioner than three (each row's scale is now divided by the
+    # fused rows' mean): it tracks, not exactly — 11 % of a cold start's deviation here, against 100 %
+    assert cold_drift > 0 and drift <= 0.2 * cold_drift, (drift, cold_drift)

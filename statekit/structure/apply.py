@@ -88,8 +88,9 @@ def _piece_lines(p: Piece, shape: tuple, src_shape: tuple, orient: str):
     length, step, src_length, src_step = (m, 1, sm, 1) if orient == "rows" else (n, m, sn, sm)
     if length != src_length:
         return None
-    axes = [k for k, d in enumerate(p.dst_strides) if d == step and p.shape[k] == length]
-    axes = [k for k in axes if p.src_strides[k] == src_step]
+    p = _lines_split(p, step, src_step, length)
+    axes = [k for k, d in enumerate(p.dst_strides)
+            if d == step and p.shape[k] == length and p.src_strides[k] == src_step]
     if not axes:
         return None
     k = axes[0]
@@ -99,7 +100,25 @@ def _piece_lines(p: Piece, shape: tuple, src_shape: tuple, orient: str):
         if j != k:
             dst = (dst[:, None] + np.arange(size, dtype=np.int64) * p.dst_strides[j]).reshape(-1)
             src = (src[:, None] + np.arange(size, dtype=np.int64) * p.src_strides[j]).reshape(-1)
+    if not (_starts(dst, shape, orient) and _starts(src, src_shape, orient)):
+        return None
     return _line_numbers(dst, shape, orient), _line_numbers(src, src_shape, orient)
+
+
+def _lines_split(p: Piece, step: int, src_step: int, length: int) -> Piece:
+    """A compressed piece whose run along the lines covers several whole lines, cut back into lines."""
+    for k, (size, d, s) in enumerate(zip(p.shape, p.dst_strides, p.src_strides, strict=True)):
+        if d == step and s == src_step and size > length and size % length == 0:
+            return Piece(p.source, (*p.shape[:k], size // length, length, *p.shape[k + 1 :]), p.src_offset,
+                         (*p.src_strides[:k], s * length, s, *p.src_strides[k + 1 :]), p.dst_offset,
+                         (*p.dst_strides[:k], d * length, d, *p.dst_strides[k + 1 :]))
+    return p
+
+
+def _starts(first: np.ndarray, shape: tuple, orient: str) -> bool:
+    """Whether every offset is where a line of ``shape`` begins."""
+    n, m = shape[-2], shape[-1]
+    return bool((first % m == 0).all()) if orient == "rows" else bool((first % (n * m) < m).all())
 
 
 def _line_numbers(first: np.ndarray, shape: tuple, orient: str) -> np.ndarray:
