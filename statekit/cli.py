@@ -257,8 +257,8 @@ def convert(
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
-    The plan (every rename, transpose, cast and assumed hyperparameter) is printed before
-    anything is written; --dry-run stops there. The output is written atomically.
+    The plan (every rename, transpose, cast and assumed hyperparameter) is printed before anything
+    is written; --dry-run stops there. The output is written atomically.
 
     \b
     burn → PyTorch:
@@ -268,11 +268,8 @@ def convert(
     A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
       statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
       statekit convert optim.bpk muon.pt --also-out adamw.pt
-    A torch state's positions are named by solving, never by assuming an order: each param group
-    is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
-    --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
-      python -c "m = ...; print(*[f'{n} {list(p.shape)}' for n, p in m.named_parameters()], sep='\\n')"
-    is enough; an ambiguous or impossible naming is refused, naming the positions.
+    A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
+    state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
     _jobs(jobs)
     from statekit.ops.convert import convert as run_convert

@@ -180,13 +180,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            if opts.fuse or opts.split or opts.stack or opts.unstack:
-                from dataclasses import replace
-
-                from statekit.ops import structural
-
-                opts = replace(opts, structure=structural.rules_map(opts, state, src))
-            plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
@@ -200,6 +194,17 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                                  on_plan=on_plan)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+def _with_rules(opts: Options, state, src: str) -> Options:
+    """``opts`` with the structural map its --fuse/--split/--stack/--unstack rules describe."""
+    if not (opts.fuse or opts.split or opts.stack or opts.unstack):
+        return opts
+    from dataclasses import replace
+
+    from statekit.ops import structural
+
+    return replace(opts, structure=structural.rules_map(opts, state, src))
 
 
 @contextlib.contextmanager

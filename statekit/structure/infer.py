@@ -197,7 +197,7 @@ class _Inferrer:
             elif covered and (partial is None or covered > int(partial[1].covered.sum())):
                 partial = (lines, picked)
         if best is None and partial is not None and not self._declared(w.path):
-            self.problems.append(_partly(w, *partial, index))
+            self.problems.append(self._same_name_difference(w) or _partly(w, *partial, index))
             return True
         if best is None:
             return False
@@ -205,7 +205,7 @@ class _Inferrer:
         cut = runs(picked)
         t = TargetMap(w.path, w.shape, pieces_of(cut, lines, index.weights),
                       new=(lines.count - int(picked.covered.sum())) * lines.length)
-        t.kind = _kind(t, self.old, lines)
+        t.kind = _kind(t, self.old, picked)
         problem = proof.disagreement(t, w, self.old, self.advance)
         if problem:
             self.problems.append(problem)
@@ -267,14 +267,20 @@ class _Inferrer:
         if self._declared(w.path) or o is None:
             self.targets[w.path] = TargetMap(w.path, w.shape, [], new=w.numel, kind="new")
             return
-        if o.shape == w.shape and o.dtype == w.dtype and o.comparable:
-            t = TargetMap(w.path, w.shape, [whole(o.path, o.shape)])
-            problem = proof.disagreement(t, w, self.old, None)
-            self.problems.append(f"{problem} (same path; no part of the old weights produces it)" if problem else
-                                 f"{w.path}: cannot be produced from the old weights")
+        problem = self._same_name_difference(w)
+        if problem:
+            self.problems.append(problem)
         else:
             self.problems.append(f"{w.path} {list(w.shape)}: no part of the old weights produces it (the old "
                                  f"{o.path} is {o.dtype} {list(o.shape)}); give it as --new GLOB to start it fresh")
+
+    def _same_name_difference(self, w: Weight) -> str | None:
+        """Where a new tensor first differs from the old one of its name and shape (None: no such one)."""
+        o = self._same_name(w.path)
+        if o is None or o.shape != w.shape or o.dtype != w.dtype or not o.comparable:
+            return None
+        problem = proof.disagreement(TargetMap(w.path, w.shape, [whole(o.path, o.shape)]), w, self.old, None)
+        return f"{problem} (no part of the old weights produces it)" if problem else None
 
     def _same_name(self, path: str) -> Weight | None:
         if path in self.old:
@@ -327,16 +333,18 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
 
-def _kind(t: TargetMap, old: dict[str, Weight], lines: Lines) -> str:
+def _kind(t: TargetMap, old: dict[str, Weight], picked: Picked) -> str:
     """What a line-built target is, in the words the plan shows."""
     sources = t.sources
+    chosen = picked.tensor[picked.covered]
+    stretches = 1 + int((chosen[1:] != chosen[:-1]).sum()) if chosen.size else 0
     if t.new and len(sources) == 1:
         return "grown"
     if len(sources) > 1:
         ranks = {len(old[s].shape) for s in sources}
         if ranks == {len(t.shape) - 1}:
             return "stacked"
-        return "interleaved" if len(t.pieces) > len(sources) else "fused"
+        return "interleaved" if stretches > len(sources) else "fused"
     src = old[sources[0]]
     if len(src.shape) == len(t.shape) + 1:
         return "unstacked"

@@ -159,24 +159,28 @@ def compress(pieces: list[Piece]) -> list[Piece]:
 
 
 def _fold_once(pieces: list[Piece]) -> list[Piece]:
+    """Pieces of one form (source, shape, strides), in order, whose offsets step evenly, as one piece
+    each run; pieces of other sources may lie between them (an interleave: q, k, v, q, k, v)."""
+    groups: dict[tuple, list[Piece]] = {}
+    for p in pieces:
+        groups.setdefault((p.source, p.shape, p.src_strides, p.dst_strides), []).append(p)
     out: list[Piece] = []
-    i = 0
-    while i < len(pieces):
-        p = pieces[i]
-        j = i + 1
-        if j < len(pieces) and _same_form(p, pieces[j]):
-            ds, dd = pieces[j].src_offset - p.src_offset, pieces[j].dst_offset - p.dst_offset
-            while j + 1 < len(pieces) and _same_form(p, pieces[j + 1]) \
-                    and pieces[j + 1].src_offset - pieces[j].src_offset == ds \
-                    and pieces[j + 1].dst_offset - pieces[j].dst_offset == dd:
-                j += 1
-            out.append(Piece(p.source, (j - i + 1, *p.shape), p.src_offset, (ds, *p.src_strides), p.dst_offset,
-                             (dd, *p.dst_strides)))
-            i = j + 1
-        else:
-            out.append(p)
-            i += 1
-    return out
+    for group in groups.values():
+        i = 0
+        while i < len(group):
+            p, j = group[i], i + 1
+            if j < len(group):
+                ds, dd = group[j].src_offset - p.src_offset, group[j].dst_offset - p.dst_offset
+                while j + 1 < len(group) and group[j + 1].src_offset - group[j].src_offset == ds \
+                        and group[j + 1].dst_offset - group[j].dst_offset == dd:
+                    j += 1
+                out.append(Piece(p.source, (j - i + 1, *p.shape), p.src_offset, (ds, *p.src_strides), p.dst_offset,
+                                 (dd, *p.dst_strides)))
+                i = j + 1
+            else:
+                out.append(p)
+                i += 1
+    return sorted(out, key=lambda p: p.dst_offset)
 
 
 def _same_form(a: Piece, b: Piece) -> bool:
