@@ -200,7 +200,7 @@ def test_what_the_old_weights_cannot_produce_is_refused_or_new(tmp_path):
 
 
 def test_settle_uses_the_path_the_rules_and_the_siblings():
-    assert settle("a.w", ["a.w", "b.w"], None, {}) == ("a.w", "the same path")
+    assert settle("a.w", ["a.w", "b.w"], None, {}) == ("a.w", "their own paths")
     assert settle("x.w", ["a.w", "b.w"], lambda p: {p.replace("b.", "x.")}, {})[0] == "b.w"
     known = {"blk.3.attn.qkv": ["layers.3.attn.q"], "blk.3.attn.o": ["layers.3.attn.o"]}
     assert settle("blk.3.attn.norm", ["layers.2.attn.norm", "layers.3.attn.norm"], None, known)[0] == \

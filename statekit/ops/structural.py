@@ -88,7 +88,12 @@ def weights_map(opts: Options, state: OptimizerState, where: str, progress=None)
                 raise
     if opts.match == "auto" and not any(t.pieces for t in found.map.targets.values()):
         return None, [_unrelated(sources)]
-    found.map.notes += [f"{t}: {how}" for t, how in found.settled.items()]
+    by_how: dict[str, list[str]] = {}
+    for target, how in found.settled.items():
+        by_how.setdefault(how, []).append(target)
+    found.map.notes += [f"{len(ts)} value-identical tensor{'s' if len(ts) > 1 else ''} settled by {how}: "
+                        f"{', '.join(ts[:3])}{f' (+{len(ts) - 3} more)' if len(ts) > 3 else ''}"
+                        for how, ts in by_how.items()]
     return found.map, []
 
 

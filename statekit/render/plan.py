@@ -74,7 +74,7 @@ def plan_view(plan, full: bool = False) -> list:
                if structure.get("origin") == "weights" else "by rule (" + ", ".join(structure.get("notes", [])) + ")")
         items.append(Line.of(f"structure: {how}", "dim"))
         if structure.get("origin") == "weights":
-            items += [Line.of(f"settled by name: {n}", "dim") for n in structure.get("notes", [])]
+            items += [Line.of(n, "dim") for n in structure.get("notes", [])]
     if getattr(plan, "training_args", None):
         items.append(Line.of("hyperparameters from the param groups; training_args.bin: " + ", ".join(
             f"{k}={v}" for k, v in plan.training_args.items()), "dim"))

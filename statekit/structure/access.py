@@ -25,7 +25,7 @@ from statekit.tensor import TensorRef
 
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
-ROWS_PER_READ = 8 << 20  # bytes of rows read at once for row keys
+ROWS_PER_READ = 8 << 20  # bytes of rows hashed at once for row keys
 RELEASE_EVERY = 64 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _M = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -63,17 +63,17 @@ class Weight:
         return self.flat()[lo : lo + n]
 
     def flat(self) -> np.ndarray:
-        """All elements as bits (the whole tensor in memory; kept for the tensors that have no file span)."""
+        """All elements as bits (the whole tensor in memory; kept for the tensors that have no file span).
+        Read as bytes: a bf16 tensor's bits need no bf16 type (importing ml_dtypes costs a second)."""
         if self._whole is None:
-            arr = np.ascontiguousarray(self.ref.numpy()).reshape(-1)
-            self._whole = arr.view(self.bits)
+            self._whole = np.frombuffer(self.ref.raw(), self.bits)
         return self._whole
 
     def chunks(self, elements: int):
         """``(first element, bits)`` in consecutive pieces of ``elements`` (the last shorter)."""
         lo = 0
-        for piece in self.ref.pieces(max(1, elements)):
-            bits = np.ascontiguousarray(piece).view(self.bits).reshape(-1)
+        for raw in self.ref.iter_bytes(max(1, elements) * self.itemsize):
+            bits = np.frombuffer(raw, self.bits)
             yield lo, bits
             lo += bits.size
 
@@ -151,17 +151,20 @@ def col_count(shape: tuple[int, ...]) -> int:
 
 
 def row_keys(w: Weight) -> np.ndarray:
-    """A key per row (line along the last axis), read in pieces of whole rows."""
+    """A key per row (line along the last axis): the sampled columns of every row, read where the
+    file lies (mapped; the pages are let go as the rows are left behind)."""
     length = w.shape[-1] if w.shape else 1
     if not length or not w.numel:
         return np.zeros(0, np.uint64)
     where = positions(length)
     per = max(1, ROWS_PER_READ // max(1, length * w.itemsize))
     out = np.empty(row_count(w.shape), np.uint64)
-    for lo, bits in w.chunks(per * length):
-        rows = bits.reshape(-1, length)
-        first = lo // length
-        out[first : first + rows.shape[0]] = mix(rows[:, where], length)
+    with w.mapped() as m:
+        rows = m.array.reshape(-1, length)
+        for first in range(0, rows.shape[0], per):
+            part = rows[first : first + per]
+            out[first : first + part.shape[0]] = mix(part[:, where], length)
+            m.touched(part.nbytes)
     return out
 
 
@@ -171,11 +174,9 @@ def col_keys(w: Weight) -> np.ndarray:
         return np.zeros(0, np.uint64)
     rows, cols = w.shape[-2], w.shape[-1]
     where = positions(rows)
-    out = np.empty(col_count(w.shape), np.uint64)
-    for b in range(math.prod(w.shape[:-2])):
-        sampled = np.stack([w.read((b * rows + int(r)) * cols, cols) for r in where])  # k × cols
-        out[b * cols : (b + 1) * cols] = mix(sampled.T, rows)
-    return out
+    with w.mapped() as m:
+        sampled = m.array.reshape(-1, rows, cols)[:, where, :]  # batches × k × cols
+    return mix(sampled.transpose(0, 2, 1).reshape(-1, where.size), rows)
 
 
 def whole_key(w: Weight, order: np.ndarray | None = None) -> int:
@@ -184,10 +185,8 @@ def whole_key(w: Weight, order: np.ndarray | None = None) -> int:
     transposed candidate)."""
     where = positions(w.numel, WHOLE_SAMPLES)
     at = where if order is None else order
-    if w.numel <= 4 * WHOLE_SAMPLES or w.ref.span is None:
-        values = w.flat()[at] if w.numel else np.zeros(0, w.bits)
-    else:
-        values = np.array([w.read(int(i), 1)[0] for i in at], dtype=w.bits)
+    with w.mapped() as m:
+        values = m.array[at] if w.numel else np.zeros(0, w.bits)
     return int(mix(values.reshape(1, -1), w.numel)[0])
 
 

@@ -118,7 +118,7 @@ class _Inferrer:
                 self.problems.append(f"{w.path}: value-identical old tensors {_listed(names)} could each be it; "
                                      "settle it with --rename (or give it as --new)")
                 return True
-            self.settled[w.path] = f"{pick_} ({how}; also equal: {', '.join(n for n in names if n != pick_)})"
+            self.settled[w.path] = how
             chosen = next(f for f in found if f[0].path == pick_)
         o, how = chosen
         if how == "transposed":

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 
-from statekit import dtypes
+from statekit import dtypes, stream
 from statekit.lazy import numpy as np
 from statekit.structure.access import Weight
 from statekit.structure.pieces import Piece, TargetMap, unravel
 
-BLOCK = 4 << 20  # elements compared at once
+BLOCK = 16 << 20  # elements compared at once
 
 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
@@ -28,13 +28,22 @@ def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None
                         continue
                     for block in blocks(piece, BLOCK):
                         a, b = block.dst_view(target.array), block.src_view(src.array)
-                        if not np.array_equal(a, b):
+                        if not _same(a, b):
                             return _first_difference(t, new, source, block, a, b)
                         target.touched(a.nbytes)
                         src.touched(b.nbytes)
                         if advance is not None:
                             advance(a.nbytes + b.nbytes)
     return None
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equality: ``memcmp`` where both lie contiguous (no temporary), else numpy's."""
+    if a.flags.c_contiguous and b.flags.c_contiguous and a.dtype == b.dtype:
+        memcmp = stream._memcmp()
+        if memcmp is not None:
+            return not a.nbytes or memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0
+    return bool(np.array_equal(a, b))
 
 
 def blocks(p: Piece, limit: int):

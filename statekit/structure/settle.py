@@ -18,11 +18,11 @@ def settle(target: str, candidates: list[str], names: Callable[[str], set[str]] 
     ``names(old path)``: what the rules rename it to (one name per chain of rules)."""
     same = [c for c in candidates if c == target]
     if len(same) == 1:
-        return same[0], "the same path"
+        return same[0], "their own paths"
     if names is not None:
         renamed = [c for c in candidates if target in names(c)]
         if len(renamed) == 1:
-            return renamed[0], "renamed to it by the rules"
+            return renamed[0], "the rename rules"
     module = target.rpartition(".")[0]
     for _ in range(2):  # the target's module, then the one above it
         if not module:
@@ -33,7 +33,7 @@ def settle(target: str, candidates: list[str], names: Callable[[str], set[str]] 
         if home:
             inside = [c for c in candidates if c.startswith(home + ".")]
             if len(inside) == 1:
-                return inside[0], f"its siblings all come from {home}"
+                return inside[0], "the module their siblings came from"
             if inside:
                 break
         module = module.rpartition(".")[0]
