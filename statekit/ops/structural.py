@@ -276,7 +276,7 @@ def _family_notes(t: TargetMap, srcs: list[ParamState], family: str, problems: l
 def _describe(t: TargetMap, srcs: list[ParamState]) -> list[str]:
     """Each piece for people: what part of the target, from what part of which source."""
     shapes = {s.path: tuple(s.shape) for s in srcs}
-    out = [describe(p, t.shape, shapes.get(p.source)) for p in t.pieces[:6]]
+    out = [describe(p, t.shape, shapes.get(p.source), _short(p.source, t.path)) for p in t.pieces[:6]]
     if len(t.pieces) > 6:
         out.append(f"… {len(t.pieces) - 6} more pieces")
     if t.new:
@@ -285,6 +285,16 @@ def _describe(t: TargetMap, srcs: list[ParamState]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- carrying it out
+
+def _short(source: str, target: str) -> str:
+    """A source named after the module path it shares with its target: ``q_proj.weight`` beside qkv_proj."""
+    head = 0
+    for a, b in zip(source.split("."), target.split("."), strict=False):
+        if a != b:
+            break
+        head += len(a) + 1
+    return source[head:] or source
+
 
 def target_map(a: ParamAction) -> TargetMap:
     return TargetMap(a.dst_path, tuple(a.dst_shape), [Piece.from_json(p) for p in a.pieces], a.new_elements,

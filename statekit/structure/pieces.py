@@ -216,9 +216,11 @@ def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def describe(p: Piece, target_shape: tuple[int, ...], source_shape: tuple[int, ...] | None) -> str:
-    """A piece for people: ``[0:32, :] ← q_proj.weight, rows permuted (4×2×4×32)``."""
-    text = f"{_region(p.dst_offset, p.dst_strides, p.shape, target_shape)} ← {p.source}"
+def describe(p: Piece, target_shape: tuple[int, ...], source_shape: tuple[int, ...] | None,
+             name: str | None = None) -> str:
+    """A piece for people: ``[0:32, :] ← q_proj.weight, rows permuted per head (RoPE, 4 heads)``;
+    ``name``: how to call the source (default its path)."""
+    text = f"{_region(p.dst_offset, p.dst_strides, p.shape, target_shape)} ← {name or p.source}"
     if source_shape is not None:
         text += _region(p.src_offset, p.src_strides, p.shape, source_shape, whole="")
     order = sorted(range(len(p.shape)), key=lambda k: -abs(p.dst_strides[k]))
@@ -227,7 +229,18 @@ def describe(p: Piece, target_shape: tuple[int, ...], source_shape: tuple[int, .
         return text
     if len(p.shape) == 2 and src == sorted(src):
         return text + ", transposed"
+    if _rope(p):
+        return text + f", rows permuted per head (RoPE, {p.shape[0]} heads)"
     return text + f", reordered ({'×'.join(str(p.shape[k]) for k in order)} read with strides {src})"
+
+
+def _rope(p: Piece) -> bool:
+    """transformers' Meta → HF ``permute``: [heads, 2, rows/2, cols] read as [heads, rows/2, 2, cols]."""
+    if len(p.shape) != 4 or p.shape[1] != 2:
+        return False
+    heads, two, half, cols = p.shape
+    return p.dst_strides == (2 * half * cols, half * cols, cols, 1) and \
+        p.src_strides == (2 * half * cols, cols, 2 * cols, 1)
 
 
 def _region(offset: int, strides, shape, full: tuple[int, ...], whole: str = "[all]") -> str:
