@@ -185,7 +185,9 @@ def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, probl
         p = t.pieces[0]
         shape = tuple(first.shape)
         if p == Piece(first.path, (math.prod(shape),), 0, (1,), 0, (1,)) and shape == t.shape:
-            return ParamAction(action="keep" if first.path == t.path else "rename", notes=[_by(plan, "whole")], **base)
+            same = first.path == t.path  # the same tensor under the same name: nothing to say
+            return ParamAction(action="keep" if same else "rename", notes=[] if same else [_by(plan, "whole")],
+                               **base)
         if len(shape) == 2 and t.shape == shape[::-1] and t.kind == "transposed":
             return ParamAction(action="keep" if first.path == t.path else "rename", transpose=True,
                                notes=[_by(plan, "transposed")], **base)
@@ -276,9 +278,9 @@ def _family_notes(t: TargetMap, srcs: list[ParamState], family: str, problems: l
 def _describe(t: TargetMap, srcs: list[ParamState]) -> list[str]:
     """Each piece for people: what part of the target, from what part of which source."""
     shapes = {s.path: tuple(s.shape) for s in srcs}
-    out = [describe(p, t.shape, shapes.get(p.source), _short(p.source, t.path)) for p in t.pieces[:6]]
-    if len(t.pieces) > 6:
-        out.append(f"… {len(t.pieces) - 6} more pieces")
+    out = [describe(p, t.shape, shapes.get(p.source), _short(p.source, t.path)) for p in t.pieces[:4]]
+    if len(t.pieces) > 4:
+        out.append(f"… {len(t.pieces) - 4} more pieces (--plan-out lists them)")
     if t.new:
         out.append(f"{t.new} new elements (fresh state)")
     return out

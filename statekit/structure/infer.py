@@ -312,15 +312,54 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _partly(w: Weight, lines: Lines, picked: Picked, index: LineIndex) -> str:
-    """A new tensor some of whose lines come from the old weights and some from nowhere."""
+    """A new tensor some of whose lines come from the old weights and some from nowhere: the first such
+    line compared, element by element, with the old line its neighbours' run leads to."""
     word = "row" if lines.orient == ROW else "column"
     missing = int(np.flatnonzero(~picked.covered)[0])
     sources = sorted({index.weights[int(t)].path for t in np.unique(picked.tensor[picked.covered])})
-    first = w.read(lines.offset(missing), 1)[0] if lines.orient == ROW else w.read(lines.offset(missing), 1)[0]
-    value = np.array([first], dtype=w.bits).view(_numpy_dtype(w))[0].item()
-    return (f"{w.path}: {word} {missing} (its first element {value!r}) is in none of the old weights, though "
-            f"{int(picked.covered.sum())} of its {lines.count} {word}s come from {_listed(sources)}: the conversion "
-            f"changed values; give it as --new GLOB only if it is meant to start fresh")
+    said = (f"{int(picked.covered.sum())} of its {lines.count} {word}s come from {_listed(sources)}, {word} "
+            f"{missing} from none of the old weights")
+    guess = _expected_line(picked, missing)
+    if guess is not None:
+        src = index.weights[guess[0]]
+        src_lines = Lines(src.shape, guess[1])
+        if 0 <= guess[2] < src_lines.count and src_lines.length == lines.length:
+            new_line = _line_bits(w, lines, missing)
+            old_line = _line_bits(src, src_lines, guess[2])
+            at = int(np.flatnonzero(new_line != old_line)[0])
+            where_new = _element(lines, missing, at, w.shape)
+            where_old = _element(src_lines, guess[2], at, src.shape)
+            said = (f"{w.path}{where_new} is {_as_value(w, new_line[at])} in the new weights, but {src.path}"
+                    f"{where_old}, where its neighbours' {word}s lead, holds {_as_value(src, old_line[at])} ({said})")
+            return said + ": the conversion changed values; give it as --new GLOB only if it is meant to start fresh"
+    return f"{w.path}: {said}: the conversion changed values; give it as --new GLOB only if it is meant to start fresh"
+
+
+def _expected_line(p: Picked, i: int) -> tuple[int, int, int] | None:
+    """Where the run of the lines before (or after) line ``i`` would have continued."""
+    for step in (1, -1):
+        j, k = i - step, i - 2 * step
+        if 0 <= j < p.tensor.size and p.tensor[j] >= 0:
+            run = 0 <= k < p.tensor.size and p.tensor[k] == p.tensor[j] and p.orient[k] == p.orient[j]
+            stride = int(p.line[j] - p.line[k]) * step if run else 1
+            return int(p.tensor[j]), int(p.orient[j]), int(p.line[j]) + step * stride
+    return None
+
+
+def _line_bits(w: Weight, lines: Lines, line: int) -> np.ndarray:
+    start, stride = lines.offset(line), lines.elem_stride
+    return np.array([w.read(start + e * stride, 1)[0] for e in range(lines.length)]) if stride != 1 else \
+        w.read(start, lines.length)
+
+
+def _element(lines: Lines, line: int, at: int, shape) -> list[int]:
+    from statekit.structure.pieces import unravel
+
+    return list(unravel(lines.offset(line) + at * lines.elem_stride, shape))
+
+
+def _as_value(w: Weight, bits) -> str:
+    return repr(np.array([bits], dtype=w.bits).view(_numpy_dtype(w))[0].item())
 
 
 def _numpy_dtype(w: Weight):
