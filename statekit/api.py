@@ -44,7 +44,9 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
 
     Options: ``optimizer``, ``names`` (list or file), ``model`` (path or ModelInfo), ``transpose`` /
     ``no_transpose`` (globs), ``rename`` (``"REGEX=REPLACEMENT"`` rules), ``preset``, ``dtype``,
-    ``step_policy``, and hyperparameters ``lr betas eps weight_decay amsgrad momentum dampening nesterov``.
+    ``step_policy``, structural rules ``fuse``, ``split``, ``stack``, ``unstack`` (lists of the CLI's
+    rule strings, :mod:`statekit.structure.rules`), and hyperparameters ``lr betas eps weight_decay
+    amsgrad momentum dampening nesterov``.
     """
     from statekit.ops.convert import convert as run
 
@@ -56,7 +58,10 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
 def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = False, plan: PathLike | None = None,
           plan_out: PathLike | None = None, to: str | None = None, **options) -> Plan:
     """``statekit remap``: state onto a new model; returns the plan (options as for :func:`convert`,
-    plus ``old_model``, ``resize`` and ``reset_step``)."""
+    plus ``old_model``, ``resize``, ``reset_step``, ``new`` (globs of tensors that start fresh) and
+    ``match`` (``"auto"``, ``"values"``, ``"paths"``)). With ``old_model`` and ``model`` holding weights,
+    the structural map is learned from them and proved (:mod:`statekit.structure`); each assembled
+    target's pieces are in ``plan.params[i].pieces``."""
     from statekit.ops.remap import remap as run
 
     result = run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
