@@ -337,3 +337,38 @@ def test_adafactor_row_factors_move_exactly_and_the_fused_column_factor_is_their
     # a fused matrix factored is another preconditioner than three (each row's scale is now divided by the
     # fused rows' mean): it tracks, not exactly — 11 % of a cold start's deviation here, against 100 %
     assert cold_drift > 0 and drift <= 0.2 * cold_drift, (drift, cold_drift)
+
+
+def test_unrelated_weights_fall_back_to_paths_unless_values_are_required(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0, rope=False)
+    torch.manual_seed(5)  # a new model saved before its weights were loaded: nothing in common
+    torch.save({k: torch.randn_like(v) for k, v in torch.load(tmp_path / "old.pt", weights_only=True).items()},
+               tmp_path / "random.pt")
+    args = [tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "random.pt", "-o",
+            tmp_path / "out.pt"]
+    r = cli("remap", *args)
+    assert r.returncode == 0, r.stderr
+    assert "share no values: the state is moved by path" in r.stderr
+    r = cli("remap", *args, "--match", "values")
+    assert r.returncode == 1 and "cannot be produced from the old ones" in r.stderr
+
+
+def test_new_declares_a_tensor_fresh_and_lbfgs_is_refused_by_name(tmp_path, cli):
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"], grow=0)
+    new_weights["head.weight"] = torch.randn_like(new_weights["head.weight"])  # a re-initialised head
+    torch.save(new_weights, tmp_path / "new.pt")
+    args = [tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt"]
+    r = cli("remap", *args, "-o", tmp_path / "out.pt")
+    assert r.returncode == 1 and "head.weight" in r.stderr and not (tmp_path / "out.pt").exists()
+    r = cli("remap", *args, "-o", tmp_path / "out.pt", "--new", "head.*")
+    assert r.returncode == 0, r.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    names = out["param_groups"][0]["param_names"]
+    assert names.index("head.weight") not in out["state"] and "dropped" in r.stderr
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.LBFGS(model.parameters())
+    opt.step(lambda: model(torch.ones(1, 2)).sum().backward() or model(torch.ones(1, 2)).sum())
+    torch.save(opt.state_dict(), tmp_path / "lbfgs.pt")
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    r = cli("remap", tmp_path / "lbfgs.pt", "--model", tmp_path / "m.pt", "-o", tmp_path / "x.pt")
+    assert r.returncode == 1 and "L-BFGS keeps one history" in r.stderr

@@ -134,7 +134,7 @@ class PerExpert(nn.ModuleList):
         self.__dict__["act_fn"] = experts.act_fn  # a function here, not one of the list's modules
         self.config = getattr(experts, "config", None)
         hidden, inter = experts.hidden_dim, experts.intermediate_dim
-        for e in range(self.num_experts):
+        for _ in range(self.num_experts):
             m = nn.Module()
             m.w1 = nn.Linear(hidden, inter, bias=False)
             m.w3 = nn.Linear(hidden, inter, bias=False)

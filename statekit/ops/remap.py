@@ -36,6 +36,9 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
     with io.open_checkpoint(state_path) as ckpt:
         if ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state", state_path)
+        if ckpt.optimizer.family == "lbfgs":
+            raise MappingError("L-BFGS keeps one history of flat vectors over every parameter: remap does not re-cut "
+                               "it onto another model (convert moves it between frameworks)", state_path)
         fmt = output_format(out_path, to) if (to or os.path.splitext(out_path)[1]) else ckpt.format
         opts.allow_drop = True
         name_source_params(ckpt.optimizer, opts, state_path, model_names_source=False)
