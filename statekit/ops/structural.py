@@ -166,8 +166,9 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
         for s in srcs:
             readers.setdefault(s.key, []).append(t.path)
     into = []
+    moved_whole = {a.src_key for a in out if a.action != "assemble"}
     for p in state.params:
-        if p.key in readers and not any(a.src_key == p.key and a.action != "assemble" for a in out):
+        if p.key in readers and p.key not in moved_whole:
             into.append(ParamAction(action="into", src_key=p.key, src_path=p.path, src_shape=_shape(p),
                                     group=p.group, notes=[f"into {', '.join(readers[p.key])}"]))
     return out, into, set(readers)

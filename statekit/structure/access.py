@@ -26,7 +26,7 @@ from statekit.tensor import TensorRef
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
 ROWS_PER_READ = 8 << 20  # bytes of rows hashed at once for row keys
-RELEASE_EVERY = 64 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
+RELEASE_EVERY = 16 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _M = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
@@ -78,9 +78,10 @@ class Weight:
             lo += bits.size
 
     @contextlib.contextmanager
-    def mapped(self):
+    def mapped(self, sequential: bool = False):
         """The bits as a read-only flat array over the file's pages (no copy) where the tensor is a
-        file span, else in memory. :func:`Mapped.touched` lets pages go as they are left behind."""
+        file span, else in memory. :func:`Mapped.touched` lets pages go as they are left behind;
+        ``sequential``: the reader goes through all of it in order (the kernel reads ahead)."""
         span = self.ref.span
         if span is None or self.ref.array_loader is not None or not self.numel:
             yield Mapped(self.flat(), None)
@@ -91,6 +92,9 @@ class Weight:
             raise FormatError(f"{self.path}: the file ends inside this tensor", self.file or span.file.path)
         region = mmap.mmap(fd, span.offset + span.length - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                            offset=start)
+        if sequential and hasattr(region, "madvise"):
+            with contextlib.suppress(OSError, ValueError):
+                region.madvise(mmap.MADV_SEQUENTIAL)
         arr = np.frombuffer(region, dtype=self.bits, count=self.numel, offset=span.offset - start)
         holder = Mapped(arr, region)
         try:
@@ -159,7 +163,7 @@ def row_keys(w: Weight) -> np.ndarray:
     where = positions(length)
     per = max(1, ROWS_PER_READ // max(1, length * w.itemsize))
     out = np.empty(row_count(w.shape), np.uint64)
-    with w.mapped() as m:
+    with w.mapped(sequential=True) as m:
         rows = m.array.reshape(-1, length)
         for first in range(0, rows.shape[0], per):
             part = rows[first : first + per]

@@ -73,6 +73,10 @@ class _Inferrer:
         self.problems: list[str] = []
         self.used: set[str] = set()
         self._keys: dict[tuple, int] = {}
+        self._by_size: dict[tuple, list[Weight]] = {}  # (dtype, numel) → old tensors: candidates by size
+        for o in old:
+            if o.comparable:
+                self._by_size.setdefault((o.dtype, o.numel), []).append(o)
 
     # ------------------------------------------------------------------ the phases
     def run(self, where: str | None) -> Inference:
@@ -129,14 +133,18 @@ class _Inferrer:
         return True
 
     def _whole_candidates(self, w: Weight) -> list[Weight]:
+        same_size = self._by_size.get((w.dtype, w.numel), [])
+        if not same_size:
+            return []
         key = self._key(w, None)
-        return [o for o in self.old.values()
-                if o.dtype == w.dtype and o.numel == w.numel and o.comparable and self._key(o, None) == key]
+        return [o for o in same_size if self._key(o, None) == key]
 
     def _transposed_candidates(self, w: Weight) -> list[Weight]:
+        same_size = [o for o in self._by_size.get((w.dtype, w.numel), []) if o.shape == w.shape[::-1]]
+        if not same_size:
+            return []
         key = self._key(w, None)
-        return [o for o in self.old.values()
-                if o.dtype == w.dtype and o.shape == w.shape[::-1] and self._key(o, w.shape) == key]
+        return [o for o in same_size if self._key(o, w.shape) == key]
 
     def _key(self, w: Weight, transposed_to: tuple | None) -> int:
         k = (id(w), transposed_to)

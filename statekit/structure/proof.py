@@ -14,15 +14,15 @@ from statekit.lazy import numpy as np
 from statekit.structure.access import Weight
 from statekit.structure.pieces import Piece, TargetMap, unravel
 
-BLOCK = 16 << 20  # elements compared at once
+BLOCK = 4 << 20  # elements compared at once
 
 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
     """None when every piece of ``t`` reads from ``old`` exactly what ``new`` holds; else where not."""
-    with new.mapped() as target:
+    with new.mapped(sequential=True) as target:
         for name in t.sources:
             source = old[name]
-            with source.mapped() as src:
+            with source.mapped(sequential=True) as src:
                 for piece in t.pieces:
                     if piece.source != name:
                         continue
@@ -47,9 +47,14 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def blocks(p: Piece, limit: int):
-    """``p`` cut along its leading axes into pieces of at most ``limit`` elements (a line is never cut)."""
-    if p.numel <= limit or len(p.shape) == 1:
+    """``p`` cut along its leading axes into pieces of at most ``limit`` elements."""
+    if p.numel <= limit:
         yield p
+        return
+    if len(p.shape) == 1:
+        for lo in range(0, p.shape[0], limit):
+            yield Piece(p.source, (min(limit, p.shape[0] - lo),), p.src_offset + lo * p.src_strides[0], p.src_strides,
+                        p.dst_offset + lo * p.dst_strides[0], p.dst_strides)
         return
     inner = math.prod(p.shape[1:])
     per = max(1, limit // inner)
