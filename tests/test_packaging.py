@@ -7,10 +7,17 @@ README's test command and ``.ci/run`` both use.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
+from pathlib import Path
 
+import pytest
 from conftest import ROOT
 from packaging.requirements import Requirement
 
@@ -75,3 +82,82 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert len(pip_lines) == 1
     assert [a for a in pip_lines[0][4:] if not a.startswith(("--quiet", "--disable-pip-version-check"))] == readme_args
     assert shlex.split(test) in ci
+
+
+# ----------------------------------------------------------------------------- the wheel, alone
+
+
+def _site_dirs_of(requirements: list[str]) -> list[str]:
+    """The folders the running interpreter holds these distributions (and what they require) in."""
+    from importlib import metadata
+
+    seen: set[str] = set()
+    dirs: list[str] = []
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        if req.name.lower() in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(req.name.lower())
+        dist = metadata.distribution(req.name)
+        folder = str(dist.locate_file(""))
+        if folder not in dirs:
+            dirs.append(folder)
+        todo += [Requirement(r) for r in dist.requires or []]
+    return dirs
+
+
+@pytest.mark.slow
+def test_the_wheel_alone_runs_the_readmes_first_command(tmp_path):
+    """``python -m build`` (sdist, then the wheel from it) prints no deprecation warning; the wheel,
+    installed alone in a fresh venv (``--no-deps``: its dependencies are the ones already installed
+    here, on a path line, so nothing is downloaded), runs README's first command from another folder
+    and prints what the source tree prints."""
+    src = tmp_path / "src"  # what the build reads, copied: the build writes build/ and *.egg-info beside it
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "statekit", src / "statekit", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "build", "--outdir", str(dist), str(src)],
+                           capture_output=True, text=True, timeout=600)
+    log = built.stdout + built.stderr
+    assert built.returncode == 0, log[-3000:]
+    assert "deprecat" not in log.lower(), [line for line in log.splitlines() if "eprecat" in line]
+    (wheel,) = dist.glob("statekit-*.whl")
+    with zipfile.ZipFile(wheel) as zf:  # every module of the package, nothing else of the tree
+        shipped = {n for n in zf.namelist() if not n.startswith("statekit-")}
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert shipped == {p.relative_to(ROOT).as_posix() for p in (ROOT / "statekit").rglob("*.py")}
+    assert "License-Expression: MIT OR Apache-2.0" in meta.splitlines()
+    requires = [Requirement(line.partition(":")[2]) for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    assert requires and not [r for r in requires if any(s.operator in ("==", "===") for s in r.specifier)]
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--quiet", "--no-deps",
+                    "--no-index", "--disable-pip-version-check", str(wheel)], check=True, timeout=300)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    deps = _site_dirs_of([str(r) for r in requires if not (r.marker and "extra" in str(r.marker))])
+    (Path(site) / "statekit-test-deps.pth").write_text("\n".join(deps) + "\n")
+
+    work = tmp_path / "work"  # a folder that is not the source tree, with the shipped fixture
+    (work / "fixtures").mkdir(parents=True)
+    shutil.copy(ROOT / "fixtures" / "hand-optim.bpk", work / "fixtures" / "hand-optim.bpk")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(COLUMNS="80", LC_ALL="C.UTF-8", PYTHONIOENCODING="utf-8")
+    where = subprocess.run([str(py), "-c", "import statekit; print(statekit.__file__)"], cwd=work, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where).is_relative_to(venv), where
+    first = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pip install"))
+    command = shlex.split(first.partition(" && ")[2])
+    assert command == ["statekit", "inspect", "fixtures/hand-optim.bpk"]
+    ran = subprocess.run([str(venv / "bin" / command[0]), *command[1:]], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0 and not ran.stderr, ran.stderr
+    here = subprocess.run([sys.executable, "-m", "statekit", *command[1:]], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert ran.stdout == here.stdout
+    assert ran.stdout.startswith("fixtures/hand-optim.bpk: burnpack v1 · optimizer (adam/adamw) · 4 params")
