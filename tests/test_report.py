@@ -227,3 +227,25 @@ def test_adafactor_factors_rebuild_v(cli):
             v = s["variance"].double().numpy().ravel()
         eff = np.log10(min(group["lr"], 1 / math.sqrt(step)) / np.sqrt(v))
         assert abs(t["eff_lr_log10"]["p50"] - np.percentile(eff, 50, method="inverted_cdf")) < 0.05
+
+
+def test_report_imports_no_plotly_without_a_page():
+    """plotly is imported by ``report -o`` only; the command line's other commands never see it."""
+    from test_startup import run
+
+    r = run("report", "fixtures/hand-optim.bpk", "--json")
+    assert r["code"] == 0 and json.loads(r["out"])["tensors"]
+    assert "plotly" not in {m.split(".")[0] for m in r["modules"]}
+    r = run("inspect", "fixtures/hand-optim.bpk")
+    assert not {"plotly", "statekit.ops.report"} & set(r["modules"])
+
+
+def test_page_is_written_atomically_and_self_contained(tmp_path, cli):
+    pytest.importorskip("plotly")
+    out = tmp_path / "r.html"
+    r = cli("report", REPORT / "b.pt", "-o", out)
+    assert r.returncode == 0 and "wrote" in r.stdout and "1 errors" in r.stdout
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>") and "Plotly.newPlot" in text and "<script src" not in text
+    assert "http://" not in text.split("</head>")[1] and "https://" not in text.split("</head>")[1]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.html"]

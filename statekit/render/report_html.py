@@ -44,6 +44,15 @@ def _layout(title: str, ytitle: str, height: int = 360, **more) -> dict:
     return out
 
 
+def _ticks(tensors: list[dict]) -> dict:
+    """The x axis: tensors by name when they are few, by position along depth otherwise."""
+    axis = {"title": {"text": "tensor, along depth"}, "zeroline": False}
+    if len(tensors) <= 40:
+        axis.update(tickmode="array", tickvals=[t["depth"] for t in tensors],
+                    ticktext=[html.escape(t["path"]) for t in tensors], tickangle=-35, title={"text": ""})
+    return axis
+
+
 def _xs(tensors: list[dict]) -> list[int]:
     return [t["depth"] for t in tensors]
 
@@ -127,6 +136,10 @@ def _hist(ts: list[dict]) -> dict | None:
                   height=max(360, min(900, 14 * len(rows) + 120)))
     lay["xaxis"] = {"title": {"text": "log10 √v̂"}}
     lay["yaxis"] = {"title": {"text": "tensor, along depth"}, "autorange": "reversed"}
+    if len(rows) <= 40:
+        lay["yaxis"].update(tickmode="array", tickvals=_xs(rows), ticktext=[html.escape(t["path"]) for t in rows],
+                            title={"text": ""})
+        lay["margin"] = {**lay["margin"], "l": 130}
     return {"data": [trace], "layout": lay}
 
 
@@ -291,6 +304,9 @@ def page(result) -> str:
     r = result.to_json() if hasattr(result, "to_json") else result
     panels, figs = [], figures(r)
     for key, fig in figs:
+        if key not in ("hist",) and "xaxis" in fig["layout"] and "domain" not in fig["layout"]["xaxis"]:
+            fig["layout"]["xaxis"] = _ticks(r["tensors"])
+            fig["layout"]["margin"]["b"] = 110 if len(r["tensors"]) <= 40 else 50
         div = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=f"panel-{key}", config=CONFIG,
                           validate=False, default_width="100%", default_height=f"{fig['layout']['height']}px")
         panels.append(f"<section class='panel' data-panel='{key}'>{div}</section>")

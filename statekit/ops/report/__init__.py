@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from statekit import io
+from statekit import hyper, io
 from statekit.errors import MappingError
 from statekit.ops.report import findings as checks
 from statekit.ops.report.family_views import family_view
@@ -99,7 +99,8 @@ def _hyper_rows(plans: list[Plan], state: OptimizerState) -> list[dict]:
     rows: dict[str, dict] = {}
     for plan in plans:
         values = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.hyper.items()
-                  if isinstance(v, int | float | bool | str | tuple | list) or v is None}
+                  if (isinstance(v, int | float | bool | str | tuple | list) or v is None)
+                  and k not in hyper.EXECUTION_FLAGS and k != "maximize"}
         key = repr((plan.family, sorted(values.items(), key=lambda kv: kv[0])))
         row = rows.setdefault(key, {"family": plan.family, "values": values, "tensors": 0,
                                     "assumed": [n for n in plan.notes if n.startswith("assumed")]})
