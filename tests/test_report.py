@@ -249,3 +249,16 @@ def test_page_is_written_atomically_and_self_contained(tmp_path, cli):
     assert text.startswith("<!DOCTYPE html>") and "Plotly.newPlot" in text and "<script src" not in text
     assert "http://" not in text.split("</head>")[1] and "https://" not in text.split("</head>")[1]
     assert [p.name for p in tmp_path.iterdir()] == ["r.html"]
+
+
+def test_param_selects_and_refuses(cli):
+    r = _json(cli, REPORT / "b.pt", "--param", "hidden.*.weight")
+    assert [t["path"] for t in r["tensors"]] == [f"hidden.{i}.weight" for i in range(4)]
+    bad = cli("report", REPORT / "b.pt", "--param", "nope.*")
+    assert bad.returncode == 2 and "nope" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_empty_and_global_states(cli):
+    r = _json(cli, FIXTURES / "empty-optim.bpk")
+    assert r["tensors"] == [] and r["findings"] == []
+    assert cli("report", FIXTURES / "empty-optim.bpk", env={"COLUMNS": "80"}).returncode == 0

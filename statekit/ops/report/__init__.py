@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from statekit import hyper, io
-from statekit.errors import MappingError
+from statekit.errors import MappingError, UsageError
 from statekit.ops.report import findings as checks
 from statekit.ops.report.family_views import family_view
 from statekit.ops.report.formulas import Plan, plan_for
@@ -49,6 +49,8 @@ class Report:
 
 
 def _state(ckpt: Checkpoint) -> OptimizerState:
+    if ckpt.kind == "empty":  # an optimizer that never stepped
+        return OptimizerState(family=None)
     if ckpt.kind != "optimizer" or ckpt.optimizer is None:
         raise MappingError(f"holds {ckpt.kind} data, not optimizer state", ckpt.path)
     return ckpt.optimizer
@@ -94,6 +96,15 @@ def _pairs(state: OptimizerState, other: OptimizerState | None) -> dict[int, Par
     return {where[id(a)]: b for a, b in pairs}
 
 
+def _selected(state: OptimizerState, only: list[str], path: str) -> list[ParamState]:
+    """The parameters ``only`` names (paths, globs, ParamIds, #index); a name that selects none is refused."""
+    for name in only:
+        if not state.select([name]):
+            raise UsageError(f"no parameter {name!r} (give a path or a glob, a decimal or 13-character ParamId, "
+                             "or #index)", path)
+    return state.select(only)
+
+
 def _hyper_rows(plans: list[Plan], state: OptimizerState) -> list[dict]:
     """The hyperparameters used, once per distinct set (with the families and how many tensors)."""
     rows: dict[str, dict] = {}
@@ -127,7 +138,7 @@ def report(ckpt: Checkpoint, *, weights: Checkpoint | None = None, against: Chec
             raise MappingError(f"holds {weights.kind} data, not a model (give --weights the model's weights)",
                                weights.path)
         model = weights.model
-    params = state.params if not only else state.select(only)
+    params = state.params if not only else _selected(state, only, ckpt.path)
     index = {id(p): i for i, p in enumerate(state.params)}
     given = dict(given or {})
     plans = [plan_for(state, p, _family(state, p), given) for p in params]
@@ -155,6 +166,10 @@ def report(ckpt: Checkpoint, *, weights: Checkpoint | None = None, against: Chec
     if state.framework == "burn" and not state.hyperparams_stored:
         notes.append("burn optimizer files store no hyperparameters: the defaults were assumed "
                      "(give --lr, --betas, --eps, --weight-decay … for the run's)")
+    if not state.params:
+        notes.append("the state holds no parameters (an optimizer that never stepped)")
+    if state.global_slots:
+        notes.append(f"{state.family_label} keeps one global state: it has no per-tensor health numbers")
     if model is not None:
         missing = sum(1 for j in jobs if j.weight is None)
         if missing:
