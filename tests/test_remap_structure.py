@@ -372,3 +372,15 @@ def test_new_declares_a_tensor_fresh_and_lbfgs_is_refused_by_name(tmp_path, cli)
     torch.save(model.state_dict(), tmp_path / "m.pt")
     r = cli("remap", tmp_path / "lbfgs.pt", "--model", tmp_path / "m.pt", "-o", tmp_path / "x.pt")
     assert r.returncode == 1 and "L-BFGS keeps one history" in r.stderr
+
+
+def test_rules_beside_both_weights_are_proved_on_them(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0)  # q's rows are RoPE-permuted: the plain --fuse is wrong
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt", *RULES)
+    assert r.returncode == 1 and "the rule's map does not make the new weights: qkv.weight[1, 0]" in r.stderr
+    assert not (tmp_path / "out.pt").exists()
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0, rope=False)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt", *RULES)
+    assert r.returncode == 0 and "proved on the --old-model and --model weights" in r.stderr

@@ -321,6 +321,8 @@ def _structural(state, family, opts, plan, problems, actions) -> tuple[list[Para
     if smap.origin == "rules":
         plan.warnings.append("structural rules: the map is not proved on weights (give --old-model and --model "
                              "with values to prove it)")
+    elif smap.origin == "rules, proved":
+        plan.warnings.append("structural rules: proved on the --old-model and --model weights")
     return out, into
 
 

@@ -46,8 +46,31 @@ def structure_for(opts: Options, state: OptimizerState, where: str, progress=Non
     """The map a remap or convert runs with: the rules when given, else (remap) the one the weights prove."""
     ruled = rules_map(opts, state, where)
     if ruled is not None:
+        if opts.old_model is not None and opts.model is not None and opts.match != "paths":
+            _prove_rules(ruled, opts, where)
         return ruled, []
     return weights_map(opts, state, where, progress)
+
+
+def _prove_rules(smap: StructureMap, opts: Options, where: str) -> None:
+    """Rules given beside both models' weights are proved on them like a learned map: a rule that does not
+    make the new weights (q's rows permuted, a wrong order) is refused, naming the first element."""
+    from contextlib import ExitStack
+
+    from statekit.structure import proof
+
+    with ExitStack() as stack:
+        old = {w.path: w for w in _weights(opts.old_model, opts.old_model.source, stack)}
+        new = {w.path: w for w in _weights(opts.model, opts.model.source, stack)}
+        if not old or not new:
+            return
+        for t in smap.targets.values():
+            if t.path not in new or any(s not in old for s in t.sources):
+                continue
+            problem = proof.disagreement(t, new[t.path], old)
+            if problem:
+                raise MappingError(f"the rule's map does not make the new weights: {problem}", where)
+    smap.origin = "rules, proved"
 
 
 def rules_map(opts: Options, state: OptimizerState, where: str) -> StructureMap | None:
@@ -208,7 +231,8 @@ def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, probl
 
 def _by(plan: Plan, kind: str) -> str:
     origin = plan.structure.get("origin") if plan.structure else "weights"
-    return f"{kind} ({'inferred from the weights, proved' if origin == 'weights' else 'by rule'})"
+    how = {"weights": "inferred from the weights, proved", "rules, proved": "by rule, proved on the weights"}
+    return f"{kind} ({how.get(origin, 'by rule')})"
 
 
 def _shape(p: ParamState) -> list[int] | None:

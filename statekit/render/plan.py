@@ -90,8 +90,10 @@ def plan_view(plan, full: bool = False) -> list:
         items.append(Line.of(plan.layouts_from, "dim"))
     structure = getattr(plan, "structure", None)
     if structure:
-        how = ("learned from the old and new weights and proved on them, bit for bit"
-               if structure.get("origin") == "weights" else "by rule (" + ", ".join(structure.get("notes", [])) + ")")
+        origin = structure.get("origin")
+        how = ("learned from the old and new weights and proved on them, bit for bit" if origin == "weights" else
+               ("by rule, proved on the weights (" if origin == "rules, proved" else "by rule (")
+               + ", ".join(structure.get("notes", [])) + ")")
         items.append(Line.of(f"structure: {how}", "dim"))
         if structure.get("origin") == "weights":
             items += [Line.of(n, "dim") for n in structure.get("notes", [])]

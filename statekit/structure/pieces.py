@@ -121,7 +121,8 @@ class StructureMap:
     """Every new tensor's :class:`TargetMap`, and where the map came from."""
 
     targets: dict[str, TargetMap] = field(default_factory=dict)
-    origin: str = "weights"  # "weights" (inferred and proved) or "rules" (--fuse, --split, --stack, --unstack)
+    # "weights" (inferred and proved), "rules" (--fuse, --split, --stack, --unstack) or "rules, proved"
+    origin: str = "weights"
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
