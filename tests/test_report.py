@@ -262,3 +262,13 @@ def test_empty_and_global_states(cli):
     r = _json(cli, FIXTURES / "empty-optim.bpk")
     assert r["tensors"] == [] and r["findings"] == []
     assert cli("report", FIXTURES / "empty-optim.bpk", env={"COLUMNS": "80"}).returncode == 0
+
+
+def test_python_api_is_the_json(full):
+    import statekit
+
+    r = statekit.report(REPORT / "b.pt", weights=REPORT / "model.pt", against=REPORT / "a.pt")
+    assert [t["path"] for t in r["tensors"]] == [t["path"] for t in full["tensors"]]
+    assert r["findings"] == full["findings"]
+    slower = statekit.report(REPORT / "b.pt", lr=1e-4, params=["inp.weight"])
+    assert slower["tensors"][0]["eff_lr_log10"]["p50"] == pytest.approx(full["tensors"][0]["eff_lr_log10"]["p50"] - 1)
