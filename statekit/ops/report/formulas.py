@@ -52,6 +52,7 @@ class Plan:
     factored: tuple[str, str] | None = None  # Adafactor's (row, col) slots: D is rebuilt from them
     factored_eps: float = 0.0  # torch's clamp of mean(R) (eps1) in the rebuilt v
     notes: list[str] = field(default_factory=list)
+    assumed: list[str] = field(default_factory=list)  # hyperparameters taken from the defaults (burn)
     formula: str = ""
 
 
@@ -131,7 +132,7 @@ def plan_for(state: OptimizerState, p: ParamState, family: str | None, given: di
     plan = PLANS[fam](p, values)
     plan.family, plan.hyper = fam, values
     if assumed and state.framework == "burn" and not state.hyperparams_stored:
-        plan.notes.append("assumed " + ", ".join(sorted(assumed)))
+        plan.assumed = sorted(assumed)
     return plan
 
 
