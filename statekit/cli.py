@@ -380,6 +380,8 @@ def replay(
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
                           progress=out.progress, kernel=kernel)
     out.show("replay", result)
+    for w in () if out.json_mode else result.get("warnings", ()):  # JSON: in the result
+        out.warn(w)
 
 
 @app.command("verify-resume")
