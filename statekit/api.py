@@ -101,6 +101,23 @@ def doctor(state: PathLike, model: PathLike | None = None, *, params: Sequence[s
     return doctor_files(state, model, only=list(params) if params else None)
 
 
+def report(state: PathLike, *, weights: PathLike | None = None, against: PathLike | None = None,
+           params: Sequence[str] | None = None, optimizer: str | None = None, html: PathLike | None = None,
+           **hyperparameters) -> dict:
+    """``statekit report --json`` as a dict (``html``: also write the page, as ``-o``; needs plotly);
+    hyperparameters by the names of ``statekit.hyper.FLAGS``, over those the file stores."""
+    from statekit.ops.report import report_files
+
+    result = report_files(state, weights=weights, against=against, given=given_hyperparams(**hyperparameters),
+                          optimizer=optimizer, only=list(params) if params else None)
+    if html is not None:
+        from statekit.render.report_html import check_available, write_page
+
+        check_available()
+        write_page(result, os.fspath(html))
+    return result.to_json()
+
+
 def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, transpose: Sequence[str] = (), kernel: str = "auto",
                   names: Sequence[str] | PathLike | None = None, model=None, plan: PathLike | None = None,
