@@ -97,6 +97,22 @@ def load_both(pkl: bytes, storages: dict[str, bytes], monkeypatch, files=None,
     return templated, outcome(), sum(r.items for r in made)
 
 
+def templated_share(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> float:
+    """The share of the pickle's opcodes that templates ran."""
+    made: list[Repeats] = []
+
+    class Counted(Repeats):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(interpreter, "Repeats", Counted)
+        patch.setattr(interpreter._Unpickler, "templates", True)  # (load_both turns them off)
+        torch_pickle.loads(pkl, storage_loader=lambda sid: Storage(sid, lambda: memoryview(storages[sid.key])))
+    return made[0].ops / sum(1 for _ in pickletools.genops(pkl))
+
+
 def normalized(value: object) -> object:
     if isinstance(value, TensorRef):
         span = value.span and (value.span.offset, value.span.length)
@@ -511,6 +527,7 @@ def test_valid_forms_read_as_torch_load_weights_only_reads_them(tmp_path, monkey
     assert same_as_torch(load_pt(path), theirs)
     fast, slow, items = load_both(pkl, storages, monkeypatch)
     assert fast == slow and items >= 1990
+    assert templated_share(pkl, storages, monkeypatch) > 0.85
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
@@ -532,6 +549,50 @@ def test_protocols_4_and_5_read_what_they_hold(tmp_path, monkeypatch, protocol):
     assert same_as_torch(load_pt(path), torch.load(path, weights_only=False))
     fast, slow, items = load_both(pkl, storages, monkeypatch)
     assert fast == slow and items >= 1990
+    assert templated_share(pkl, storages, monkeypatch) > 0.85
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_protocol_4_without_memo_reads_through_templates(monkeypatch):
+    """Protocol 4 without a memo names every global with STACK_GLOBAL from two strings, in every
+    item: those strings stay fixed in a template (a global is looked up once), and the items
+    still run through templates."""
+    class Fast(pickle.Pickler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fast = True
+
+    _, pkl, storages = torch_saved_with(many_views()["views"], Fast, protocol=4)
+    ops = [op.name for op, _, _ in pickletools.genops(pkl)]
+    assert ops.count("STACK_GLOBAL") > 4000 and "BINPUT" not in ops and "MEMOIZE" not in ops
+    fast, slow, items = load_both(pkl, storages, monkeypatch)
+    assert fast == slow and items >= 1990
+    assert templated_share(pkl, storages, monkeypatch) > 0.95
+
+
+def test_loading_leaves_no_cycle_behind():
+    """Templates hold the unpickler while it reads; once read, nothing of it (its memo: 7 entries
+    a tensor in torch.save's form) waits for the cyclic collector."""
+    import gc
+    import weakref
+
+    pkl = memo_less_views([{} for _ in range(500)])
+    storages = views_storages()
+    seen = []
+    real = interpreter._Unpickler.__init__
+
+    def init(self, *args):
+        real(self, *args)
+        seen.append(weakref.ref(self))
+
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(interpreter._Unpickler, "__init__", init)
+            obj, _ = torch_pickle.loads(pkl, storage_loader=lambda sid: Storage(sid, lambda: storages[sid.key]))
+        assert len(obj) == 500 and seen and seen[0]() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("protocol", [0, 1])
@@ -557,9 +618,9 @@ def test_hand_written_runs_in_both_tuple_forms_read_what_the_loop_reads(monkeypa
     for i, change in [(5, {"size": (2,)}), (42, {"size": (2, 3), "stride": (3, 1)}), (900, {"grad": True}),
                       (1200, {"key": "1"}), (1201, {"key": "1"}), (2100, {"name": "é∂".encode()})]:
         entries[i] = entries[i] | change
-    fast, slow, items = load_both(memo_less_views(entries, mark_tuples=mark_tuples), views_storages(), monkeypatch,
-                                  files=tmp_path)
-    assert fast == slow and items >= 2400
+    pkl = memo_less_views(entries, mark_tuples=mark_tuples)
+    fast, slow, items = load_both(pkl, views_storages(), monkeypatch, files=tmp_path)
+    assert fast == slow and items >= 2400 and templated_share(pkl, views_storages(), monkeypatch) > 0.95
     tensors = dict(fast[1])
     assert tensors["t42"][2] == (2, 3) and tensors["t42"][3]["stride"] == (3, 1)
     assert tensors["t1000"][5] == (60_000 * 4, 4) and tensors["t1200"][3]["storage_key"] == "1"

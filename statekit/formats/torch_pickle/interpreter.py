@@ -323,6 +323,8 @@ def loads(
             obj = unpickler.load()
         except RecursionError:
             raise FormatError("malformed pickle: nesting too deep") from None
+        finally:  # (its templates' steps hold the unpickler: without this, a cycle keeps the memo alive)
+            unpickler.repeats = None
         check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
     return obj, unpickler.pos
 

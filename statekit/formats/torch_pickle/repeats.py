@@ -9,8 +9,10 @@ literals (it fits any item written with the same opcodes), and, where the next i
 it, a *specialised* one whose slots are only the literals that changed between the two (a
 name, an offset): everything else is fixed and computed once.
 
-An item where learning fails returns to the loop, and learning at that first opcode waits until
-the loop has gone a distance on (256 bytes, doubling with each failure in a row up to 1 MiB); so
+An item where learning fails returns to the loop, and learning at that first opcode and MARK
+depth waits until the loop has gone a distance on (256 bytes, doubling with each failure in a
+row up to 1 MiB: a container whose items are too large to learn does not hold back the one
+nested in its first item); so
 does learning that succeeds but whose templates are not used again (more than eight learned at
 one first opcode, running fewer than four items each). A pickle with nothing repeating thus
 pays little for the looks, and one that repeats after a while is still found."""
@@ -48,11 +50,12 @@ class Repeats:
 
     def __init__(self) -> None:
         self.families: dict[int, list[_Family]] = {}
-        # per first opcode: where learning may be tried again, the distance it waited last,
-        # families learned and items their templates ran
-        self.next_try, self.gap = [0] * 256, [0] * 256
+        # per (first opcode, MARK depth): where learning may be tried again, the distance it
+        # waited last; per first opcode: families learned, items their templates ran
+        self.next_try: dict[tuple[int, int], int] = {}
+        self.gap: dict[tuple[int, int], int] = {}
         self.learned, self.ran = [0] * 256, [0] * 256
-        self.items = 0  # items run by templates (the tests count them)
+        self.items = self.ops = 0  # items and opcodes run by templates (the tests count them)
 
     def run(self, u, data, pos: int, stack: list, steps: int) -> tuple[int, int]:
         """Items from ``pos`` (a container's items start or go on there) by templates while
@@ -71,16 +74,17 @@ class Repeats:
                 break
             done = self.known(u, data, pos, stack, steps)
             if done is None:
-                if pos < self.next_try[code]:
+                where = (code, len(u.metastack))
+                if pos < self.next_try.get(where, 0):
                     break
                 done = self.learn(u, data, pos, stack, steps)
                 if done is None or (self.learned[code] > 8 and self.ran[code] < 4 * self.learned[code]):
-                    self.gap[code] = min(2 * self.gap[code] or _FIRST_GAP, _MAX_GAP)
-                    self.next_try[code] = pos + self.gap[code]
+                    self.gap[where] = min(2 * self.gap.get(where, 0) or _FIRST_GAP, _MAX_GAP)
+                    self.next_try[where] = pos + self.gap[where]
                     if done is None:
                         break
                 else:
-                    self.gap[code] = 0
+                    self.gap[where] = 0
             pos, steps = done
         return pos, steps
 
@@ -94,6 +98,7 @@ class Repeats:
             return None
         t.items += count
         self.items += count
+        self.ops += count * t.ops
         self.ran[data[pos]] += count
         return after, steps + count * t.ops
 

@@ -4,11 +4,14 @@ code that runs the item and every later one written alike.
 
 A segment starts where a container's items start (after a MARK, or after the segment before)
 and ends at the first opcode boundary where it has pushed two objects (a dict's key and value,
-or two list items), closed every MARK it opened, and the next opcode is the one it started with.
+or two list items), closed every MARK it opened, the next opcode is the one it started with, and
+what follows does not reach back into it (protocol 4 names a global by two strings, then
+STACK_GLOBAL: a key and a module's name are not an item).
 It may read the memo (entries made before it, or by itself), append to it in order, and build,
 call and mutate only what it made itself; anything else — touching the stack below its start, a
 memo index out of order, an unknown opcode, more than :data:`MAX_OPS` opcodes — and there is no
-segment: the opcode loop reads those bytes as always. Nothing is run here."""
+segment: the opcode loop reads those bytes as always; nor for fewer than :data:`MIN_OPS`. Nothing
+is run here."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from statekit.formats.torch_pickle.opcodes import _F64, _I32, _U16, _U32, _U64
 from statekit.formats.torch_pickle.values import _text
 
 MAX_OPS = 2048  # opcodes in one segment (a tensor call is ~25; an optimizer's per-parameter dict ~100)
+MIN_OPS = 6  # fewer (two memo reads, a small int key and value) run as fast in the loop
 
 # argument layouts
 (NO_ARG, U8, U16, I32, U32, F64, U64, LEN_U8, LEN_U32, LEN_U64, LEN_I32, LONG_I32, LINES) = range(13)
@@ -130,6 +134,10 @@ class _Refused(Exception):
     """No segment here (the loop reads these bytes)."""
 
 
+class _Below(_Refused):
+    """The opcodes take from the stack below where they started."""
+
+
 def read_segment(data, start: int, memo_length: int, max_ops: int = MAX_OPS) -> Segment | None:
     """The segment at ``start`` of ``data`` (memo length ``memo_length`` there), or None."""
     try:
@@ -158,12 +166,12 @@ class _Reader:
     def pop(self) -> int:
         level = self.levels[-1]
         if not level:
-            raise _Refused  # below the segment's start, or an empty MARK (the loop says which)
+            raise _Below if len(self.levels) == 1 else _Refused  # (an empty MARK: the loop says why)
         return level.pop()
 
     def top(self) -> int:
         if not self.levels[-1]:
-            raise _Refused
+            raise _Below if len(self.levels) == 1 else _Refused
         return self.levels[-1][-1]
 
     def pop_mark(self) -> list[int]:
@@ -174,13 +182,15 @@ class _Reader:
     def push(self, node: int) -> None:
         self.levels[-1].append(node)
 
-    def read(self, max_ops: int) -> Segment | None:
+    def read(self, max_ops: int, look: bool = True) -> Segment | None:
+        """The segment; ``look``: whether to check that what follows it does not reach into it."""
         data, pos, end = self.data, self.start, self.end
         first = next_op(data, pos, end)
         if first < 0 or first in _PUTS:
             return None
         for _ in range(max_ops):
-            if self.ops and len(self.levels) == 1 and len(self.levels[0]) == 2 and next_op(data, pos, end) == first:
+            if (len(self.ops) >= (MIN_OPS if look else 1) and len(self.levels) == 1 and len(self.levels[0]) == 2
+                    and next_op(data, pos, end) == first and (not look or self.followed(pos, max_ops))):
                 return Segment(self.start, pos, self.ops, self.program, self.literals, self.puts, self.put_ops,
                                self.own_gets, list(self.levels[0]), self.marks, self.memo_length)
             if pos >= end:
@@ -193,6 +203,17 @@ class _Reader:
             self.step(code, len(self.ops) - 1, bytes(data[pos + 1 : after]))
             pos = after
         return None
+
+    def followed(self, pos: int, max_ops: int) -> bool:
+        """Whether the next item, from ``pos``, leaves this one alone until its own end (or the
+        container's): read it too, without looking further."""
+        try:
+            _Reader(self.data, pos, self.memo_length + len(self.puts)).read(max_ops, look=False)
+        except _Below:
+            return False
+        except (_Refused, IndexError, struct.error, ValueError, FormatError):
+            pass  # (it ends the container, or the loop will say what is wrong with it)
+        return True
 
     def step(self, code: int, index: int, raw: bytes) -> None:  # noqa: C901 (one branch an opcode)
         if code in LITERALS:

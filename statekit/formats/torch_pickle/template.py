@@ -246,7 +246,9 @@ def build(u, data, seg: Segment, var: frozenset[int]) -> Template | None:
 class _Builder:
     def __init__(self, u, data, seg: Segment, var: frozenset[int]):
         self.u, self.data, self.seg = u, data, seg
-        self.var = frozenset(k for k in var if k in seg.literals and seg.ops[k][0] in VARIABLE)
+        named = {x for ins in seg.program if ins[0] == SGLOBAL for x in ins[1:]}  # (a global's name: fixed)
+        self.var = frozenset(k for k in var if k in seg.literals and seg.ops[k][0] in VARIABLE
+                             and seg.literals[k] not in named)
         self.var_nodes = {seg.literals[k] for k in self.var}
         size = len(seg.program)
         self.static: list = [None] * size
@@ -584,6 +586,8 @@ class _Builder:
                 todo += ins[1]
             elif op in (APPEND, SETITEMS, ADDITEMS):
                 todo += [ins[1], *ins[2]]
+            elif op == CALL and not self.is_static[ins[2]] and program[ins[2]][0] == TUPLE:
+                todo += [ins[1], *program[ins[2]][1]]  # (the call reads the tuple's items)
             elif op in (CALL, NEWOBJ, BUILD):
                 todo += [ins[1], ins[2]]
             elif op == PERSID:
