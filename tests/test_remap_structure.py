@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -384,3 +385,56 @@ def test_rules_beside_both_weights_are_proved_on_them(tmp_path, cli):
     r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
             "-o", tmp_path / "out.pt", *RULES)
     assert r.returncode == 0 and "proved on the --old-model and --model weights" in r.stderr
+
+
+def test_bitsandbytes_8bit_moments_split_as_float32_and_requantized(tmp_path, cli):
+    """A real bitsandbytes AdamW8bit state (fixtures/bnb): its 8-bit moments are dequantized exactly as
+    bitsandbytes does, cut by a --split rule, and written as float32 (torch) or quantized again (bnb)."""
+    from statekit import api
+
+    src = "fixtures/bnb/adamw8bit.pt"
+    (tmp_path / "names.txt").write_text("w0 [128, 64]\nb0 [128]\nw2 [70, 60]\nw3 [260, 16]\n")
+    shapes = {"top": (64, 64), "bottom": (64, 64), "b0": (128,), "w2": (70, 60), "w3": (260, 16)}
+    torch.save({k: torch.zeros(v) for k, v in shapes.items()}, tmp_path / "new.pt")
+    args = ["--names", tmp_path / "names.txt", "--model", tmp_path / "new.pt", "--split", "w0=top,bottom"]
+    r = cli("remap", src, *args, "-o", tmp_path / "out.pt", "--plan-out", tmp_path / "plan.json")
+    assert r.returncode == 0, r.stderr
+    assert any("dequantized, moved, re-quantized" in n for a in json.loads((tmp_path / "plan.json").read_text())["params"]
+               for n in a["notes"])
+    with api.open(src) as ckpt:  # the moments as bitsandbytes' dequantize_blockwise gives them
+        moments = {k: ckpt.optimizer.params[0].slots[k].numpy().copy() for k in ("exp_avg", "exp_avg_sq")}
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    names = out["param_groups"][0]["param_names"]
+    for slot, value in moments.items():
+        assert np.array_equal(out["state"][names.index("top")][slot].numpy(), value[:64])
+        assert np.array_equal(out["state"][names.index("bottom")][slot].numpy(), value[64:])
+    r = cli("remap", src, *args, "-o", tmp_path / "out-bnb.pt", "--to", "bnb")
+    assert r.returncode == 0, r.stderr
+    with api.open(tmp_path / "out-bnb.pt") as ckpt:
+        top = ckpt.optimizer.params[0]  # the new model's first parameter
+        assert top.encoding["exp_avg"].bits == 8  # quantized again: close, not bit for bit
+        assert np.abs(top.slots["exp_avg"].numpy() - moments["exp_avg"][:64]).max() <= \
+            0.02 * np.abs(moments["exp_avg"]).max()
+
+
+def test_muon_buffer_moves_exactly_with_a_note(tmp_path, cli):
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False), nn.Linear(8, 6, bias=False))
+    opt = torch.optim.Muon(old.parameters(), lr=1e-2)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        opt.zero_grad()
+        sum(m(x).square().sum() for m in old).backward()
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    w = {k: v.detach() for k, v in old.state_dict().items()}
+    torch.save(w, tmp_path / "old.pt")
+    torch.save({"fused.weight": torch.cat([w["0.weight"], w["1.weight"], w["2.weight"]])}, tmp_path / "new.pt")
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt", "--plan-out", tmp_path / "plan.json")
+    assert r.returncode == 0, r.stderr
+    notes = json.loads((tmp_path / "plan.json").read_text())["params"][0]["notes"]
+    assert any("Newton–Schulz now orthogonalises the new matrix" in n for n in notes), notes
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    want = torch.cat([opt.state_dict()["state"][i]["momentum_buffer"] for i in range(3)])
+    assert torch.equal(out["state"][0]["momentum_buffer"], want)
