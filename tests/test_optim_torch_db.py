@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 import statekit.optim as so
 from statekit import hyper
+from statekit.optim import kernels
 
 torch = pytest.importorskip("torch")
 
@@ -102,10 +103,12 @@ def test_the_database_has_every_optimizer():
     assert len(CONFIGS) >= 80
 
 
+@pytest.mark.parametrize("kernel", ["reference", "torch"])
 @pytest.mark.parametrize(("cls", "kwargs", "foreach"), CONFIGS)
-def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
-    """bit-exact: statekit's reference step == torch.optim.<cls>(**optim_db kwargs), every slot,
-    after each of 20 steps, on 7 shapes (Muon: 4 matrices)."""
+def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach, kernel):
+    """bit-exact: statekit's step (the reference, and the torch kernel: torch's own code on
+    statekit's arrays) == torch.optim.<cls>(**optim_db kwargs), every slot, after each of 20
+    steps, on 7 shapes (Muon: 4 matrices)."""
     name = CLASSES[cls.__name__]
     params, grads = problem(name)
     tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
@@ -116,7 +119,8 @@ def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
         for tp, g in zip(tparams, step_grads, strict=True):
             tp.grad = torch.from_numpy(g.copy())
         opt.step()
-        ours = [so.step(name, p, g, s, k, hp, flavor) for (p, s, k), g in zip(ours, step_grads, strict=True)]
+        ours = [so.step(name, p, g, s, k, hp, flavor, kernel=kernel)
+                for (p, s, k), g in zip(ours, step_grads, strict=True)]
         for (p, slots, k), tp in zip(ours, tparams, strict=True):
             assert np.array_equal(bits(p), bits(tp.detach())), f"param {tuple(tp.shape)} differs after step {step}"
             state = opt.state[tp]
@@ -126,6 +130,52 @@ def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
             if "step" in state:
                 assert state["step"].item() == k
     assert so.exactness(flavor, algorithm=name) == so.BIT_EXACT
+
+
+@pytest.fixture
+def ieee_root(monkeypatch):
+    """torch's float32 square root made the IEEE one (the float64 root rounded once: correctly
+    rounded), the root statekit's numba kernels and its reference take without torch."""
+    sqrt = torch.sqrt
+
+    def ieee(x):
+        return sqrt(x.double()).to(x.dtype)
+
+    monkeypatch.setattr(torch, "sqrt", ieee)
+    monkeypatch.setattr(torch.Tensor, "sqrt", ieee)
+    monkeypatch.setattr(torch.Tensor, "sqrt_", lambda x: x.copy_(ieee(x)))
+    monkeypatch.setattr(torch, "_foreach_sqrt", lambda xs: [ieee(x) for x in xs])
+    monkeypatch.setattr(torch, "_foreach_sqrt_", lambda xs: [x.copy_(ieee(x)) for x in xs])
+
+
+NUMBA_CONFIGS = [c for c in CONFIGS if (CLASSES[c.values[0].__name__], flavor_of(CLASSES[c.values[0].__name__],
+                                        c.values[2])) in kernels.NUMBA_SUPPORTS]
+
+
+@pytest.mark.skipif(not kernels.numba_available(), reason="numba (statekit[fast]) is not installed")
+@pytest.mark.usefixtures("ieee_root")
+@pytest.mark.parametrize(("cls", "kwargs", "foreach"), NUMBA_CONFIGS)
+def test_numba_kernels_match_torch_with_the_ieee_root(cls, kwargs, foreach):
+    """bit-exact: statekit's numba kernel == torch.optim.<cls>(**optim_db kwargs) with torch's
+    square root made the IEEE one (the numba kernels take it: no MKL without torch), every slot
+    after each of 20 steps, on 7 shapes. The optimizers without a root (Adamax, ASGD, Rprop) are
+    thus checked against torch's unchanged arithmetic."""
+    name = CLASSES[cls.__name__]
+    params, grads = problem(name)
+    tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+    opt = cls(tparams, **kwargs, foreach=foreach)
+    hp, flavor = core_hp(kwargs), flavor_of(name, foreach)
+    ours = [(p, {}, 0) for p in params]
+    for step, step_grads in enumerate(grads, 1):
+        for tp, g in zip(tparams, step_grads, strict=True):
+            tp.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours = [so.step(name, p, g, s, k, hp, flavor, kernel="numba")
+                for (p, s, k), g in zip(ours, step_grads, strict=True)]
+        for (p, slots, _), tp in zip(ours, tparams, strict=True):
+            assert np.array_equal(bits(p), bits(tp.detach())), f"param {tuple(tp.shape)} differs after step {step}"
+            for slot, value in slots.items():
+                assert np.array_equal(bits(value), bits(opt.state[tp][slot])), f"{slot} differs after step {step}"
 
 
 @pytest.mark.parametrize("cls", [torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adafactor])

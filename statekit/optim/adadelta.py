@@ -20,10 +20,15 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("square_avg", "acc_delta")
 
 
+def constants(hp, step: int) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once)."""
+    rho = hp["rho"]
+    return {"wd": hp["weight_decay"], "rho": rho, "c": 1 - rho, "eps": hp["eps"], "neg_lr": -hp["lr"]}
+
+
 def _torch(b, hp, step, present, like, vector_width):
-    wd, maximize, rho = hp["weight_decay"], hp["maximize"], hp["rho"]
-    k = {name: b.const(value, like) for name, value in
-         {"wd": wd, "rho": rho, "c": 1 - rho, "eps": hp["eps"], "neg_lr": -hp["lr"]}.items()}
+    wd, maximize = hp["weight_decay"], hp["maximize"]
+    k = {name: b.const(value, like) for name, value in constants(hp, step).items()}
     sqrt, around = b.torch_root()
 
     def kernel(p, g, s, tail):

@@ -98,4 +98,11 @@ def _run(foreach: bool):
 
 RUNS = {TORCH: _run(foreach=False), TORCH_FOREACH: _run(foreach=True)}
 
-step = make_tensor_step(RUNS, slot_names, "adafactor")
+def fresh(shape) -> dict:
+    """The slots a parameter of ``shape`` keeps, with their shapes (torch's ``_init_group``)."""
+    if len(shape) > 1:
+        return {"row_var": shape[:-1] + (1,), "col_var": shape[:-2] + (1,) + shape[-1:]}
+    return {"variance": shape}
+
+
+step = make_tensor_step(RUNS, slot_names, "adafactor", fresh=fresh)

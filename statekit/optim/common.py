@@ -43,7 +43,9 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
         block, init, tail = builders[flavor](b, hp, int(step), present, param, vector_width)
         p, g, s, shape = driver.prepare(b, param, grad, slots, names, init, inplace)
         if chosen == kernels.TORCH_KERNEL:
-            kernels.run_torch(name, flavor, b, p, g, s, int(step), hp, present)
+            from statekit.optim import torch_kernels
+
+            torch_kernels.run(name, flavor, b, p, g, s, int(step), hp, present)
         elif chosen == kernels.NUMBA:
             from statekit.optim import numba_kernels
 

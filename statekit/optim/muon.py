@@ -147,4 +147,4 @@ def _run(p, g, slots, step, hp, ops):
 
 RUNS = {TORCH: _run}
 
-step = make_tensor_step(RUNS, slot_names, "muon", check=_check)
+step = make_tensor_step(RUNS, slot_names, "muon", check=_check, fresh=lambda shape: {"momentum_buffer": shape})

@@ -45,7 +45,7 @@ def _maximum(a, b):
     return b if (b >= a or b != b) else a
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _adam_torch(p, g, m, v, vmax, body, maximize, l2, decoupled, amsgrad, lerp_low,
                 w, decay, wd, beta2, c2, bc2_sqrt, eps, neg_step):
     """torch's element-wise Adam; elements from ``body`` on take the fused kernel's tail rule."""
@@ -76,7 +76,7 @@ def _adam_torch(p, g, m, v, vmax, body, maximize, l2, decoupled, amsgrad, lerp_l
         p[i] = new_p + (neg_step * mi) / (math.sqrt(vi) / bc2_sqrt + eps)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _adam_burn(p, g, m, v, vmax, first, keep_max, l2, decoupled, amsgrad,
                wd, beta1, beta2, c1, c2, bc1, bc2, eps, decay, cf, eps_b2, lr):
     """burn 0.22 Adam/AdamW: one rounding per tensor operation."""
@@ -108,7 +108,7 @@ def _adam_burn(p, g, m, v, vmax, first, keep_max, l2, decoupled, amsgrad,
         p[i] = pi - u * lr
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _adamw_candle(p, g, m, v, beta1, c1, beta2, c2, scale_m, scale_v, decay, eps, lr, one, zero):
     """candle-nn AdamW on the CPU backend: every scalar through ``affine(x, mul, add)``."""
     n = p.shape[0]
@@ -125,19 +125,43 @@ def _adamw_candle(p, g, m, v, beta1, c1, beta2, c2, scale_m, scale_v, decay, eps
 #: below this many elements the serial twin of each kernel runs: waking numba's thread pool
 #: costs more than the loop
 PARALLEL_FROM = 1 << 16
-_SERIAL = {kernel: njit(cache=True)(kernel.py_func) for kernel in (_adam_torch, _adam_burn, _adamw_candle)}
+_SERIAL: dict = {}
 
 
-def _pick(kernel, n: int):
+def serial_twin(kernel):
+    """Register ``kernel``'s serial twin (the same loop without the thread pool), compiled on first use."""
+    _SERIAL[kernel] = njit(cache=True, error_model="numpy")(kernel.py_func)
+    return kernel
+
+
+def pick(kernel, n: int):
+    """``kernel`` for ``n`` elements, or its serial twin below :data:`PARALLEL_FROM`."""
     return kernel if n >= PARALLEL_FROM else _SERIAL[kernel]
+
+
+for _kernel in (_adam_torch, _adam_burn, _adamw_candle):
+    serial_twin(_kernel)
+_pick = pick
 
 
 def _f(value) -> np.float32:
     return np.float32(value)
 
 
-def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present) -> None:
-    """One Adam/AdamW step in place on float32 C-contiguous numpy ``p`` and slots ``s``."""
+def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, scalars=None) -> dict:
+    """One step in place on float32 C-contiguous numpy ``p`` and the full-size slots ``s``;
+    returns the 0-dim slots' new values (:mod:`statekit.optim.numba_more` for the algorithms
+    beyond Adam/AdamW)."""
+    if name not in ("adam", "adamw"):
+        from statekit.optim import numba_more
+
+        return numba_more.run(name, flavor, p, g, s, step, hp, present, scalars)
+    _adam(flavor, p, g, s, step, hp, present)
+    return {}
+
+
+def _adam(flavor: str, p, g, s: dict, step: int, hp, present) -> None:
+    """One Adam/AdamW step in place."""
     pf, gf = p.reshape(-1), g.reshape(-1)
     m, v = s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)
     amsgrad = bool(hp["amsgrad"])

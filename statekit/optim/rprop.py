@@ -22,11 +22,15 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("prev", "step_size")
 
 
-def _torch(b, hp, step, present, like, vector_width):
+def constants(hp, step: int) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once)."""
     (eta_minus, eta_plus), (smin, smax) = hp["etas"], hp["step_sizes"]
+    return {"minus": eta_minus, "plus": eta_plus, "one": 1.0, "zero": 0.0, "min": smin, "max": smax}
+
+
+def _torch(b, hp, step, present, like, vector_width):
     maximize = hp["maximize"]
-    k = {name: b.const(value, like) for name, value in
-         {"minus": eta_minus, "plus": eta_plus, "one": 1.0, "zero": 0.0, "min": smin, "max": smax}.items()}
+    k = {name: b.const(value, like) for name, value in constants(hp, step).items()}
     xp = b.xp
 
     def kernel(p, g, s, tail):
