@@ -28,7 +28,8 @@ def constants(hp, step: int) -> dict:
 
 def _torch(b, hp, step, present, like, vector_width):
     wd, maximize = hp["weight_decay"], hp["maximize"]
-    k = {name: b.const(value, like) for name, value in constants(hp, step).items()}
+    values = constants(hp, step)
+    k = {name: b.const(value, like) for name, value in values.items()}
     sqrt, around = b.torch_root()
 
     def kernel(p, g, s, tail):
@@ -40,6 +41,7 @@ def _torch(b, hp, step, present, like, vector_width):
         p[...] = b.fma32(delta, k["neg_lr"], p)
 
     kernel.around = around
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {}, no_tail
 
 

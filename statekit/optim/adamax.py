@@ -28,7 +28,8 @@ def constants(hp, step: int) -> dict:
 
 def _torch(b, hp, step, present, like, vector_width):
     beta1, wd, maximize = hp["beta1"], hp["weight_decay"], hp["maximize"]
-    k = {name: b.const(value, like) for name, value in constants(hp, step).items()}
+    values = constants(hp, step)
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         g = torch_grad(b, p, g, k["wd"], maximize, wd)
@@ -38,6 +39,7 @@ def _torch(b, hp, step, present, like, vector_width):
         s["exp_inf"][...] = u
         p[...] = p + (k["neg_clr"] * m) / u
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {}, no_tail
 
 

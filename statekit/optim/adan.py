@@ -62,8 +62,8 @@ def constants(hp, step: int) -> dict:
 def _burn(b, hp, step, present, like, vector_width):
     first, no_prox = step == 0, hp["no_prox"]
     values = constants(hp, step)
-    decay = values.pop("decay")
-    k = {name: b.const(value, like) for name, value in values.items()}
+    decay = values["decay"]
+    k = {name: b.const(value, like) for name, value in values.items() if name != "decay"}
 
     def kernel(p, g, s, tail):
         if first:
@@ -89,6 +89,7 @@ def _burn(b, hp, step, present, like, vector_width):
         else:
             p[...] = (p - delta) / k["grow"]
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {}, no_tail
 
 

@@ -91,6 +91,7 @@ def _builder(foreach: bool):
             else:
                 s["ax"][...] = p
 
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
         return kernel, {}, {"eta": values["new_eta"], "mu": values["new_mu"]}
 
     return build

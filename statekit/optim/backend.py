@@ -43,6 +43,30 @@ HOST_BLOCK = 1 << 17
 DEVICE_BLOCK = 1 << 22
 
 
+#: Bytes every array statekit allocates for a step is aligned to: torch's CPU allocator's
+#: alignment, so torch's kernels see statekit's arrays as they see their own tensors.
+ALIGN = 64
+
+
+def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an :data:`ALIGN`-byte boundary
+    (numpy's allocations are 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_copy(array, dtype=np.float32) -> np.ndarray:
+    """``array`` copied into a fresh :func:`aligned_empty` array of ``dtype`` (one pass)."""
+    array = np.asarray(array)
+    out = aligned_empty(array.shape, dtype)
+    np.copyto(out, array, casting="unsafe")
+    return out
+
+
 @cache
 def torch_available() -> bool:
     """Whether torch can be imported (checked without importing it)."""
@@ -73,8 +97,10 @@ class Backend:
 
     # -- allocation and conversion ----------------------------------------------------------
     def to_float32(self, array, copy: bool):
-        """``array`` as a C-contiguous float32 array (a fresh copy when ``copy``)."""
-        return np.array(array, dtype=np.float32, order="C", copy=True if copy else None)
+        """``array`` as a C-contiguous float32 array (a fresh :data:`ALIGN`-aligned copy when ``copy``)."""
+        if copy:
+            return aligned_copy(array)
+        return np.array(array, dtype=np.float32, order="C", copy=None)
 
     def is_float32_contiguous(self, array) -> bool:
         return array.dtype == np.float32 and array.flags.c_contiguous and array.flags.writeable
@@ -87,7 +113,9 @@ class Backend:
         return int(array.size)
 
     def full_like(self, array, value: float):
-        return np.full_like(array, value, dtype=np.float32)
+        out = aligned_empty(array.shape)
+        out.fill(value)
+        return out
 
     def f32(self, array):
         return array.astype(np.float32)

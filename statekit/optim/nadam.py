@@ -75,6 +75,7 @@ def _builder(foreach: bool):
             p[...] = p + (k["c_avg"] * m) / denom
 
         kernel.around = around
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
         return kernel, {}, {"mu_product": values["mu_product"]}
 
     return build

@@ -148,14 +148,14 @@ def _f(value) -> np.float32:
     return np.float32(value)
 
 
-def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, scalars=None) -> dict:
+def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, constants=None) -> dict:
     """One step in place on float32 C-contiguous numpy ``p`` and the full-size slots ``s``;
     returns the 0-dim slots' new values (:mod:`statekit.optim.numba_more` for the algorithms
-    beyond Adam/AdamW)."""
+    beyond Adam/AdamW, which take the step's ``constants`` from the reference's builder)."""
     if name not in ("adam", "adamw"):
         from statekit.optim import numba_more
 
-        return numba_more.run(name, flavor, p, g, s, step, hp, present, scalars)
+        return numba_more.run(name, flavor, p, g, s, step, hp, present, constants)
     _adam(flavor, p, g, s, step, hp, present)
     return {}
 

@@ -19,7 +19,6 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from statekit.optim import adadelta, adamax, adan, asgd, nadam, radam, rprop
 from statekit.optim.fp import f32
 from statekit.optim.numba_kernels import _maximum, fma32, pick, serial_twin
 
@@ -235,14 +234,13 @@ def _flat(array):
     return array.reshape(-1)
 
 
-def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, scalars=None) -> dict:
-    """One step in place on float32 C-contiguous numpy ``p`` and the full-size slots ``s``;
-    returns the 0-dim slots' new values (NAdam, ASGD)."""
+def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, k=None) -> dict:
+    """One step in place on float32 C-contiguous numpy ``p`` and the full-size slots ``s``, with
+    the step's scalars ``k`` (the algorithm module's ``constants``, which its reference builder
+    hands over); returns the 0-dim slots' new values (NAdam, ASGD)."""
     pf, gf = _flat(p), _flat(g)
     n = pf.shape[0]
-    scalars = scalars or {}
     if name in ("nadam", "radam"):
-        k = nadam.constants(hp, step, scalars) if name == "nadam" else radam.constants(hp, step)
         wd, decoupled = hp["weight_decay"], bool(hp["decoupled_weight_decay"])
         w, low = _lerp_args(hp["beta1"])
         common = (pf, gf, _flat(s["exp_avg"]), _flat(s["exp_avg_sq"]), bool(hp["maximize"]), decoupled and wd != 0,
@@ -255,28 +253,23 @@ def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, scalars=N
             "decay", "wd", "beta2", "c2", "eps", "bc1", "lr", "bc2_sqrt", "rect", "one", "unrect", "coef")))
         return {}
     if name == "adamax":
-        k = adamax.constants(hp, step)
         w, low = _lerp_args(hp["beta1"])
         pick(_adamax, n)(pf, gf, _flat(s["exp_avg"]), _flat(s["exp_inf"]), bool(hp["maximize"]), k["wd"] != 0, low,
                          w, F(k["wd"]), F(k["beta2"]), F(k["eps"]), F(k["neg_clr"]))
         return {}
     if name == "adadelta":
-        k = adadelta.constants(hp, step)
         pick(_adadelta, n)(pf, gf, _flat(s["square_avg"]), _flat(s["acc_delta"]), bool(hp["maximize"]), k["wd"] != 0,
                            *(F(k[x]) for x in ("wd", "rho", "c", "eps", "neg_lr")))
         return {}
     if name == "asgd":
-        k = asgd.constants(hp, step, scalars, flavor == "torch-foreach")
         pick(_asgd, n)(pf, gf, _flat(s["ax"]), bool(hp["maximize"]), k["wd"] != 0, flavor == "torch-foreach",
                        k["mu"] != 1, *(F(k[x]) for x in ("wd", "lambd", "eta", "mu", "decay", "neg_eta")))
         return {"eta": k["new_eta"], "mu": k["new_mu"]}
     if name == "rprop":
-        k = rprop.constants(hp, step)
         pick(_rprop, n)(pf, gf, _flat(s["prev"]), _flat(s["step_size"]), bool(hp["maximize"]),
                         *(F(k[x]) for x in ("minus", "plus", "one", "zero", "min", "max")))
         return {}
     if name == "adan":
-        k = adan.constants(hp, step)
         decay = k["decay"]
         mode = 0 if decay == 0 else (1 if hp["no_prox"] else 2)
         pick(_adan, n)(pf, gf, _flat(s["exp_avg"]), _flat(s["exp_avg_sq"]), _flat(s["exp_avg_diff"]),

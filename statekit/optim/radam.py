@@ -60,8 +60,8 @@ def _builder(foreach: bool):
         beta1, wd = hp["beta1"], hp["weight_decay"]
         decoupled, maximize = hp["decoupled_weight_decay"], hp["maximize"]
         values = constants(hp, step)
-        rectified = values.pop("rectified")
-        k = {name: b.const(value, like) for name, value in values.items()}
+        rectified = values["rectified"]
+        k = {name: b.const(value, like) for name, value in values.items() if name != "rectified"}
         sqrt, around = b.torch_root()
 
         def kernel(p, g, s, tail):
@@ -78,6 +78,7 @@ def _builder(foreach: bool):
                 p[...] = p - (m / k["bc1"]) * k["lr"]
 
         kernel.around = around
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
         return kernel, {}, no_tail
 
     return build

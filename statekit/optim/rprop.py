@@ -30,7 +30,8 @@ def constants(hp, step: int) -> dict:
 
 def _torch(b, hp, step, present, like, vector_width):
     maximize = hp["maximize"]
-    k = {name: b.const(value, like) for name, value in constants(hp, step).items()}
+    values = constants(hp, step)
+    k = {name: b.const(value, like) for name, value in values.items()}
     xp = b.xp
 
     def kernel(p, g, s, tail):
@@ -44,6 +45,7 @@ def _torch(b, hp, step, present, like, vector_width):
         p[...] = p - xp.sign(g) * s["step_size"]
         s["prev"][...] = g
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {"step_size": hp["lr"]}, no_tail
 
 

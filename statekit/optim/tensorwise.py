@@ -104,7 +104,7 @@ def make_scalar_step(builders: Mapping[str, Callable], slot_names: Callable, sca
         elif chosen == kernels.NUMBA:
             from statekit.optim import numba_kernels
 
-            new_scalars = numba_kernels.run(name, flavor, p, g, s, int(step), hp, frozenset(slots), scalars)
+            new_scalars = numba_kernels.run(name, flavor, p, g, s, int(step), hp, frozenset(slots), block.constants)
         else:
             driver.run(b, block, p, g, s, 0)
         out = {}
