@@ -22,27 +22,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from statekit.optim.fp import f32, fma64, powi
-
-
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """``a*b + c`` rounded once (``llvm.fma.f32``) for three float32 values."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-
-    return sig, codegen
-
-
-@njit(inline="always")
-def _maximum(a, b):
-    """``np.maximum``: NaN when either is NaN."""
-    return b if (b >= a or b != b) else a
+from statekit.optim.numba_base import _maximum, fma32, pick, serial_twin
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -120,23 +103,6 @@ def _adamw_candle(p, g, m, v, beta1, c1, beta2, c2, scale_m, scale_v, decay, eps
         v[i] = vi
         update = (mi * scale_m + zero) / (math.sqrt(vi * scale_v + zero) * one + eps)
         p[i] = (p[i] * decay + zero) - (update * lr + zero)
-
-
-#: below this many elements the serial twin of each kernel runs: waking numba's thread pool
-#: costs more than the loop
-PARALLEL_FROM = 1 << 16
-_SERIAL: dict = {}
-
-
-def serial_twin(kernel):
-    """Register ``kernel``'s serial twin (the same loop without the thread pool), compiled on first use."""
-    _SERIAL[kernel] = njit(cache=True, error_model="numpy")(kernel.py_func)
-    return kernel
-
-
-def pick(kernel, n: int):
-    """``kernel`` for ``n`` elements, or its serial twin below :data:`PARALLEL_FROM`."""
-    return kernel if n >= PARALLEL_FROM else _SERIAL[kernel]
 
 
 for _kernel in (_adam_torch, _adam_burn, _adamw_candle):

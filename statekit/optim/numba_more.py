@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from statekit.optim.fp import f32
-from statekit.optim.numba_kernels import _maximum, fma32, pick, serial_twin
+from statekit.optim.numba_base import _maximum, fma32, pick, serial_twin
 
 F = np.float32
 OPTIONS = dict(parallel=True, cache=True, error_model="numpy")
