@@ -238,7 +238,7 @@ class Backend:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                return torch.from_numpy(np.ascontiguousarray(x)).sqrt().numpy()
+                return torch.sqrt(torch.from_numpy(_ALIGNED_IN.aligned(x))).numpy()
             finally:
                 torch.set_num_threads(threads)
 
@@ -275,9 +275,13 @@ class Backend:
             if not getattr(pinned, "done", False):
                 torch.set_num_threads(1)
                 pinned.done = True
-            if out is None:
-                return torch.sqrt(torch.from_numpy(np.ascontiguousarray(x))).numpy()
-            torch.sqrt(torch.from_numpy(np.ascontiguousarray(x)), out=torch.from_numpy(out))
+            # torch's root sees 64-byte aligned memory, as its own tensors are (MKL's
+            # vector math may take another path for an unaligned head: ALIGN)
+            source = torch.from_numpy(_ALIGNED_IN.aligned(x))
+            if out is None or out.ctypes.data % ALIGN:
+                root = torch.sqrt(source).numpy()
+                return root if out is None else _into(out, root)
+            torch.sqrt(source, out=torch.from_numpy(out))
             return out
 
         return sqrt, one_torch_thread
@@ -338,6 +342,27 @@ class _Scratch32(threading.local):
 
 
 _SCRATCH32 = _Scratch32()
+
+
+class _AlignedInput(threading.local):
+    """Per-thread :data:`ALIGN`-aligned float32 buffer that an unaligned input of torch's root is
+    copied into, grown on demand."""
+
+    def __init__(self):
+        self.buffer = np.empty(0, np.float32)
+
+    def aligned(self, x) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        if x.ctypes.data % ALIGN == 0 or x.dtype != np.float32:
+            return x
+        if self.buffer.size < x.size:
+            self.buffer = aligned_empty(x.size)
+        out = self.buffer[:x.size].reshape(x.shape)
+        np.copyto(out, x)
+        return out
+
+
+_ALIGNED_IN = _AlignedInput()
 
 
 class TorchBackend(Backend):
