@@ -98,7 +98,9 @@ def run(algorithm: str, flavor: str, b, p, g, s: dict, step: int, hp, present, s
     if flavor == TORCH_FUSED:
         _fused(torch, algorithm, tp, tg, ts, step, hp, present)
         return {}
-    steps = [torch.tensor(float(np.float32(step)), dtype=torch.float32, device=device)]
+    # torch keeps the step count on the CPU (not capturable), ASGD's eta and mu on the
+    # parameter's device, NAdam's mu_product on the CPU
+    steps = [torch.tensor(float(np.float32(step)), dtype=torch.float32)]
     if algorithm in ("adam", "adamw", "sgd", "adagrad", "rmsprop"):
         _first_kernels(torch, algorithm, tp, tg, ts, step, steps, hp, present)
         return {}
@@ -107,7 +109,7 @@ def run(algorithm: str, flavor: str, b, p, g, s: dict, step: int, hp, present, s
         value = (scalars or {}).get(name)
         if value is None:
             value = float(np.float32(hp["lr"])) if fresh == "lr" else fresh
-        zero_dim[name] = torch.tensor(value, dtype=torch.float32, device=device)
+        zero_dim[name] = torch.tensor(value, dtype=torch.float32, device=device if algorithm == "asgd" else "cpu")
     foreach = flavor == TORCH_FOREACH
     written = WRITTEN_OUT.get(algorithm)
     if not foreach and written is not None and _plain_cpu(tp, tg):
