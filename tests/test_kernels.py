@@ -74,6 +74,16 @@ TORCH_TENSOR = [
     ("muon", {}),
     ("muon", {"nesterov": False, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.01, "lr": 1e-2}),
 ]
+BURN_CLASSIC = [
+    ("sgd", {"lr": 1e-2}),
+    ("sgd", {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    ("sgd", {"lr": 1e-2, "momentum": 0.5, "dampening": 0.3}),
+    ("adagrad", {"lr": 1e-2}),
+    ("adagrad", {"lr": 1e-2, "weight_decay": 0.1, "lr_decay": 0.01}),
+    ("rmsprop", {"lr": 1e-3}),
+    ("rmsprop", {"lr": 1e-3, "centered": True, "weight_decay": 0.1}),
+    ("rmsprop", {"lr": 1e-3, "momentum": 0.0}),
+]
 BURN_MORE = [
     ("adan", {"lr": 1e-3}),
     ("adan", {"lr": 1e-2, "weight_decay": 0.1}),
@@ -129,7 +139,7 @@ def test_reference_is_the_default_and_auto_prefers_fast_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "torch_available", lambda: True)
     assert so.choose_kernel("adam", "torch-fused") == "torch"
     assert so.choose_kernel("adamw", "candle") == "numba"  # torch cannot run candle's arithmetic
-    assert so.choose_kernel("sgd", "burn") == "reference"
+    assert so.choose_kernel("sgd", "burn") == "numba"
 
 
 def test_an_impossible_kernel_is_refused_with_the_reason(monkeypatch):
@@ -315,7 +325,9 @@ def ieee_reference(monkeypatch):
     ("flavor", "name", "hp"),
     [("torch-fused", *c) for c in ADAM] + [("torch", *c) for c in ADAM] + [("burn", *c) for c in BURN_ADAM]
     + [("candle", *c) for c in CANDLE_ADAMW] + [("torch", *c) for c in TORCH_MORE]
-    + [("torch-foreach", *c) for c in TORCH_MORE if c[0] in FOREACH] + [("burn", *c) for c in BURN_MORE],
+    + [("torch-foreach", *c) for c in TORCH_MORE if c[0] in FOREACH] + [("burn", *c) for c in BURN_MORE]
+    + [(f, *c) for c in TORCH_ONLY for f in ("torch", "torch-fused") if (c[0], f) in kernels.NUMBA_SUPPORTS]
+    + [("burn", *c) for c in BURN_CLASSIC] + [("candle", "sgd", {"lr": 1e-2})],
 )
 def test_numba_kernels_give_the_reference_bits(flavor, name, hp, ieee_reference):
     assert (name, flavor) in kernels.NUMBA_SUPPORTS

@@ -17,8 +17,9 @@ names the code that carries it out. Every kernel gives the flavor's bits; they d
 ``numba``
     One compiled pass over memory per step (:mod:`statekit.optim.numba_kernels`,
     :mod:`statekit.optim.numba_more`; the optional ``statekit[fast]`` extra): Adam/AdamW in
-    the four flavors, torch's NAdam, RAdam, Adamax, Adadelta, ASGD and Rprop, burn's Adan and
-    Lion, with a hardware FMA exactly where the framework's kernel has one and the IEEE root.
+    the four flavors, SGD, Adagrad and RMSprop in theirs, torch's NAdam, RAdam, Adamax, Adadelta,
+    ASGD and Rprop, burn's Adan and Lion, with a hardware FMA exactly where the framework's kernel
+    has one and the IEEE root.
 ``cupy``
     One CUDA element-wise kernel per step on CuPy arrays (``--device cuda --backend cupy``):
     burn's Adam/AdamW and candle's AdamW (:mod:`statekit.optim.cupy_kernels`; checked on the
@@ -60,6 +61,8 @@ NUMBA_SUPPORTS = frozenset(
     | {(algo, flavor) for algo in ("nadam", "radam", "asgd") for flavor in (TORCH, "torch-foreach")}
     | {(algo, TORCH) for algo in ("adamax", "adadelta", "rprop")}
     | {(algo, BURN) for algo in ("adan", "lion")}
+    | {("sgd", f) for f in (TORCH, TORCH_FUSED, BURN, CANDLE)} | {("adagrad", f) for f in (TORCH, TORCH_FUSED, BURN)}
+    | {("rmsprop", TORCH), ("rmsprop", BURN)}
 )
 
 

@@ -118,6 +118,10 @@ def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, constants
     """One step in place on float32 C-contiguous numpy ``p`` and the full-size slots ``s``;
     returns the 0-dim slots' new values (:mod:`statekit.optim.numba_more` for the algorithms
     beyond Adam/AdamW, which take the step's ``constants`` from the reference's builder)."""
+    if name in ("sgd", "adagrad", "rmsprop"):
+        from statekit.optim import numba_classic
+
+        return numba_classic.run(name, flavor, p, g, s, step, hp, present, constants)
     if name not in ("adam", "adamw"):
         from statekit.optim import numba_more
 
