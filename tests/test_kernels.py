@@ -347,3 +347,22 @@ def test_numba_kernel_on_10m_elements(flavor, hp, ieee_reference):
 def test_registry_step_accepts_every_kernel_name():
     assert set(kernels.CHOICES) == {"auto", "reference", "torch", "numba", "cupy"}
     assert registry.step("adam", np.ones(3, np.float32), np.ones(3, np.float32), kernel="reference")[2] == 1
+
+
+@numba_needed
+@pytest.mark.parametrize("flavor", ["torch", "torch-foreach"])
+@pytest.mark.parametrize("hp", [c[1] for c in TORCH_TENSOR if c[0] == "adafactor"] + [{"eps": (1e-3, 1e-3), "lr": 0.3}])
+def test_numba_adafactor_gives_the_reference_bits(flavor, hp, monkeypatch):
+    """bit-exact: the numba Adafactor == the reference without torch (numpy's float64 reductions
+    in numpy's order, pairwise along a row and over the tensor, in order down the rows), 20 steps
+    on vectors, matrices and a 3-D tensor, and 3 steps on tensors whose whole-tensor sums split
+    over several threads' leaves."""
+    from statekit.optim import tensorwise
+
+    monkeypatch.setattr(backend, "torch_available", lambda: False)
+    monkeypatch.setattr(tensorwise, "torch_available", lambda: False)
+    assert ("adafactor", flavor) in kernels.NUMBA_SUPPORTS
+    for i, shape in enumerate(TENSOR_SHAPES["adafactor"]):
+        same_bits("adafactor", hp, flavor, "numba", shape, seed=i, steps=20)
+    for shape in [(300, 1001), (2, 150, 700), (200_003,)]:
+        same_bits("adafactor", hp, flavor, "numba", shape, seed=7, steps=3, inplace=True)

@@ -25,6 +25,8 @@ else float64 sums rounded once (within tolerance, not bit-exact).
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from statekit.optim.backend import Backend
@@ -105,4 +107,10 @@ def fresh(shape) -> dict:
     return {"variance": shape}
 
 
-step = make_tensor_step(RUNS, slot_names, "adafactor", fresh=fresh)
+def _numba(p, g, slots, step, hp, flavor):
+    """The numba kernel (statekit.optim.numba_adafactor): the reference's bits without torch."""
+    return importlib.import_module("statekit.optim.numba_adafactor").run(p, g, slots, step, hp,
+                                                                         flavor == TORCH_FOREACH)
+
+
+step = make_tensor_step(RUNS, slot_names, "adafactor", fresh=fresh, numba=_numba)

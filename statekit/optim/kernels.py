@@ -62,7 +62,7 @@ NUMBA_SUPPORTS = frozenset(
     | {(algo, TORCH) for algo in ("adamax", "adadelta", "rprop")}
     | {(algo, BURN) for algo in ("adan", "lion")}
     | {("sgd", f) for f in (TORCH, TORCH_FUSED, BURN, CANDLE)} | {("adagrad", f) for f in (TORCH, TORCH_FUSED, BURN)}
-    | {("rmsprop", TORCH), ("rmsprop", BURN)}
+    | {("rmsprop", TORCH), ("rmsprop", BURN)} | {("adafactor", TORCH), ("adafactor", "torch-foreach")}
 )
 
 
