@@ -2,7 +2,12 @@
 (burn's ε₁ inside its second moments), Muon (torch's buffer is (1 − μ) · burn's velocity, and a
 torch Muon run pairs it with AdamW), L-BFGS (one flat global state). The torch states are real
 torch 2.13 runs (``scripts/make_torch_optim_fixtures.py``); each resumed run is checked against
-real torch in the test run, bit for bit where the plan says exact."""
+real torch in the test run, bit for bit where the plan says exact.
+
+"Bit for bit" is against torch resuming the original state on this machine: torch's own kernels
+round differently on another CPU (the fixtures' ``*_next.pt`` runs, made on one with AVX-512 and
+AMX, differ from this machine's AVX2 run by up to 4e-9 for Adafactor, 3e-6 for L-BFGS), so the
+recorded runs are only required to be tracked within such rounding (:data:`RECORDED_ATOL`)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,15 @@ from conftest import FIXTURES  # noqa: E402
 from statekit.formats.burnpack import BurnpackFile  # noqa: E402
 
 TORCH_OPTIM = FIXTURES / "torch_optim"
+# how far torch resuming a fixture here may be from the run recorded with it (another CPU's rounding;
+# a resume from a wrong or cold state is off by 1e-2 and more)
+RECORDED_ATOL = {"adafactor": 1e-6, "lbfgs": 1e-4, "lbfgs_wolfe": 1e-4}
+
+
+def close_to_recorded(params, recorded, atol):
+    """torch's run here tracks the run recorded in the fixture (on the CPU that made it) within ``atol``."""
+    worst = max((params[n].detach() - recorded[n]).abs().max().item() for n in recorded)
+    assert worst < atol, worst
 
 
 def load(path):
@@ -87,20 +101,19 @@ def test_torch_adafactor_to_burn_and_back_resumes_bit_identically(tmp_path, cli)
     ckpt, back = load(src), load(tmp_path / "back.pt")
     assert_same_state(ckpt["optimizer"], back)
 
-    # torch resumes from the state that went to burn and back exactly as from the original, on
-    # this machine (torch's own matmuls sum in a CPU-dependent order: the run the fixture recorded
-    # in adafactor_next.pt's params is another CPU's)
     nxt = load(TORCH_OPTIM / "adafactor_next.pt")
-    runs = []
-    for state in (ckpt["optimizer"], back):
+
+    def resume(sd):
         model = model_from(ckpt, (4, 6, 3))
         opt = torch.optim.Adafactor(model.parameters())
-        opt.load_state_dict(copy.deepcopy(state))  # the steps change the loaded tensors in place
+        opt.load_state_dict(sd)
         train(model, [opt], nxt["batches"])
-        runs.append(dict(model.named_parameters()))
-    for name, p in runs[1].items():
-        assert torch.equal(p.detach(), runs[0][name].detach()), name
-        assert not torch.equal(p.detach(), ckpt["model"][name]), name  # the run moved it
+        return dict(model.named_parameters())
+
+    here, migrated = resume(ckpt["optimizer"]), resume(back)
+    close_to_recorded(here, nxt["params"], RECORDED_ATOL["adafactor"])
+    for name, p in migrated.items():
+        assert torch.equal(p.detach(), here[name].detach()), name
 
 
 def test_adafactor_in_burn_holds_burns_factors_of_the_transposed_weight(tmp_path, cli):
@@ -209,24 +222,24 @@ def test_burn_muon_with_dampening_is_refused(tmp_path, cli):
 
 
 def resume_pair(muon_sd, adamw_sd):
+    """Three steps from the two states (copied: torch steps loaded tensors in place)."""
+    muon_sd, adamw_sd = copy.deepcopy(muon_sd), copy.deepcopy(adamw_sd)
     ckpt = load(TORCH_OPTIM / "muon_adamw.pt")
     model = model_from(ckpt, (4, 8, 3))
     muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2])
-    # deep copies: load_state_dict keeps the given tensors, which the steps then change in place
     if muon_sd is not None:
-        muon.load_state_dict(copy.deepcopy(muon_sd))
+        muon.load_state_dict(muon_sd)
     else:  # a cold start with the run's hyperparameters
         muon.param_groups[0].update({k: v for k, v in ckpt["muon"]["param_groups"][0].items() if k != "params"})
-    adamw.load_state_dict(copy.deepcopy(adamw_sd))
+    adamw.load_state_dict(adamw_sd)
     train(model, [muon, adamw], load(TORCH_OPTIM / "muon_adamw_next.pt")["batches"])
     return dict(model.named_parameters())
 
 
-def max_delta(params, ref):
-    """The largest parameter difference from ``ref``, torch's own run resumed from the original
-    state on this machine (its bfloat16 Newton–Schulz and matmuls sum in a CPU-dependent order:
-    muon_adamw_next.pt's recorded params are another CPU's)."""
+def max_delta(params, ref=None):
+    """The largest parameter difference from ``ref`` (default: the run recorded in the fixture)."""
+    ref = ref if ref is not None else load(TORCH_OPTIM / "muon_adamw_next.pt")["params"]
     return max((params[n].detach() - ref[n].detach()).abs().max().item() for n in ref)
 
 
@@ -247,12 +260,12 @@ def test_torch_muon_to_burn_and_back_tracks_the_run(tmp_path, cli):
     for i, entry in ckpt["muon"]["state"].items():
         a, b = entry["momentum_buffer"], back["state"][i]["momentum_buffer"]
         assert torch.allclose(a, b, rtol=2**-23, atol=0)
-    reference = resume_pair(ckpt["muon"], ckpt["adamw"])
-    exact = max_delta(resume_pair(ckpt["muon"], ckpt["adamw"]), reference)
-    assert exact == 0.0  # the reference run is reproducible here
-    migrated = max_delta(resume_pair(back, ckpt["adamw"]), reference)
-    cold = max_delta(resume_pair(None, ckpt["adamw"]), reference)
+    here = resume_pair(ckpt["muon"], ckpt["adamw"])  # torch resuming the original state on this machine
+    assert max_delta(resume_pair(ckpt["muon"], ckpt["adamw"]), here) == 0.0  # reproducible here
+    migrated = max_delta(resume_pair(back, ckpt["adamw"]), here)
+    cold = max_delta(resume_pair(None, ckpt["adamw"]), here)
     lr, steps = ckpt["muon"]["param_groups"][0]["lr"], 3
+    assert max_delta(here) < 0.25 * lr * steps  # and it tracks the run recorded on the fixtures' CPU
     assert migrated < 0.25 * lr * steps and cold > 10 * migrated, (migrated, cold)
 
 
@@ -283,9 +296,7 @@ def test_torch_muon_and_adamw_pair_to_one_burn_record_and_back(tmp_path, cli):
     assert [g["param_names"] for g in muon["param_groups"]] == [["0.weight", "2.weight"]]
     for i, entry in ckpt["muon"]["state"].items():
         assert torch.allclose(entry["momentum_buffer"], muon["state"][i]["momentum_buffer"], rtol=2**-23, atol=0)
-    reference = resume_pair(ckpt["muon"], ckpt["adamw"])
-    migrated = max_delta(resume_pair(muon, adamw), reference)
-    cold = max_delta(resume_pair(None, ckpt["adamw"]), reference)
+    migrated, cold = max_delta(resume_pair(muon, adamw)), max_delta(resume_pair(None, ckpt["adamw"]))
     assert migrated < 0.25 * 0.02 * 3 and cold > 10 * migrated, (migrated, cold)
 
 
@@ -343,7 +354,7 @@ def resume_lbfgs(name, sd):
     model = lbfgs_model(ckpt)
     group = {k: v for k, v in ckpt["optimizer"]["param_groups"][0].items() if k != "params"}
     opt = torch.optim.LBFGS(model.parameters(), **group)
-    opt.load_state_dict(copy.deepcopy(sd))  # the steps change the loaded tensors in place
+    opt.load_state_dict(sd)
     for x, y in load(TORCH_OPTIM / f"{name}_next.pt")["batches"]:
         def closure(x=x, y=y):
             opt.zero_grad()
@@ -378,12 +389,10 @@ def test_torch_lbfgs_to_burn_and_back_resumes_bit_identically(name, tmp_path, cl
     assert "exact back" in r.stdout
     ckpt, back = load(src), load(tmp_path / "back.pt")
     same_lbfgs_state(ckpt["optimizer"], back)
-    params = resume_lbfgs(name, back)
-    # against torch resumed from the original state on this machine (its matmuls' order is the
-    # CPU's: the recorded params of <name>_next.pt are another CPU's)
-    reference = resume_lbfgs(name, ckpt["optimizer"])
-    for n, p in params.items():
-        assert torch.equal(p.detach(), reference[n].detach()), n
+    here = resume_lbfgs(name, ckpt["optimizer"])  # torch resuming the original state on this machine
+    close_to_recorded(here, load(TORCH_OPTIM / f"{name}_next.pt")["params"], RECORDED_ATOL[name])
+    for n, p in resume_lbfgs(name, back).items():
+        assert torch.equal(p.detach(), here[n].detach()), n
 
 
 def test_lbfgs_in_burn_holds_each_segment_in_burns_layout(tmp_path, cli):
@@ -433,8 +442,8 @@ def test_a_burn_lbfgs_record_gets_ro_and_h_diag_derived(tmp_path, cli):
     assert torch.allclose(got["H_diag"], want["H_diag"], rtol=1e-5, atol=0)
     assert got["func_evals"] == 0 and got["n_iter"] == want["n_iter"]
     params = resume_lbfgs("lbfgs", out)
-    reference = resume_lbfgs("lbfgs", ckpt["optimizer"])  # torch's run from the original, on this machine
-    assert max((params[n].detach() - reference[n].detach()).abs().max().item() for n in reference) < 1e-4
+    reference = load(TORCH_OPTIM / "lbfgs_next.pt")["params"]
+    assert max((params[n].detach() - reference[n]).abs().max().item() for n in reference) < 1e-4
 
 
 def test_lbfgs_without_names_or_shapes_is_refused(tmp_path, cli):

@@ -38,6 +38,9 @@ BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)
 # A block whose fence says ``hf`` (```` ```sh hf ````) builds a model's definition with transformers
 # (the hf extra, which CI installs): it runs where transformers is importable.
 HAVE_HF = importlib.util.find_spec("transformers") is not None
+# A block whose fence says ``report`` draws report's HTML page with plotly (the report extra, which CI
+# installs; the README's test command does not): it runs where plotly is importable.
+HAVE_REPORT = importlib.util.find_spec("plotly") is not None
 # A placeholder the docs use for the reader's own file → the shipped fixture that stands in for it.
 PLACEHOLDERS = {
     "optim-10.bpk": "hand-optim.bpk",
@@ -82,7 +85,8 @@ check = lambda i, ref, stream: None
 def blocks(doc: Path):
     text = doc.read_text(encoding="utf-8")
     for m in BLOCK.finditer(text):
-        if "hf" in m.group(2).split() and not HAVE_HF:
+        tags = m.group(2).split()
+        if ("hf" in tags and not HAVE_HF) or ("report" in tags and not HAVE_REPORT):
             continue
         yield m.group(1), m.group(3), text.count("\n", 0, m.start()) + 1
 

@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from statekit import versions
 from statekit.errors import MappingError
 
 INSTALL = "pip install 'statekit[hf]'"
@@ -99,6 +100,7 @@ class Definition:
     built_with: str  # the transformers that built it here
     source: str  # the config.json it came from
     decays: list[Decay] = field(default_factory=list)  # Trainer's possible splits, the writer's rule first
+    warnings: list[str] = field(default_factory=list)  # the builder's releases outside statekit's tested range
 
     def by_name(self) -> dict[str, DefinedParam]:
         return {p.name: p for p in self.params}
@@ -201,7 +203,19 @@ def build(path: str, *, trust_remote_code: bool = False) -> Definition:
     definition = Definition(arch, params, tied, written if isinstance(written, str) else None,
                             transformers.__version__, path)
     definition.decays = _decays(model, torch, version_tuple(written))
+    definition.warnings = builder_warnings(transformers.__version__, torch.__version__)
     return definition
+
+
+def builder_warnings(transformers_version: str, torch_version: str) -> list[str]:
+    """One line per library that built the definition from a release outside the tested range
+    (:data:`statekit.versions.TESTED`): the definition is used all the same."""
+    out = []
+    for dist, version in (("transformers", transformers_version), ("torch", torch_version)):
+        line = versions.outside(dist, version)
+        if line:
+            out.append(f"{line}; the model's definition was built with it")
+    return out
 
 
 def _quiet(transformers) -> None:

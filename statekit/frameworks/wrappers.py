@@ -190,6 +190,7 @@ def name_from_definition(ckpt: Checkpoint, config: str, trust_remote_code: bool 
         state.unnamed_why = exc.message if isinstance(exc, hf_model.MissingDefinitionError) \
             else f"{os.path.basename(config)}: {exc.message}"
         return False
+    ckpt.warnings.extend(definition.warnings)
     try:
         hf_model.name_state(state, definition, ckpt.path)
     except MappingError as exc:
