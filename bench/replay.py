@@ -321,8 +321,25 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer-numel", type=int, default=None,
                         help="elements per tensor for issue 18's optimizer rows (default: --numel)")
     parser.add_argument("--muon-side", type=int, default=1024, help="Muon's square matrix side")
+    parser.add_argument("--marginal", action="store_true",
+                        help="only issue 29's table: each optimizer's marginal cost of 7 more steps from gradient "
+                             "files, statekit replay against torch's own loops (bench/marginal.py)")
+    parser.add_argument("--marginal-numel", type=int, default=4_000_000, help="elements per vector in --marginal")
+    parser.add_argument("--only", default="", help="--marginal: a comma-separated list of optimizers")
     args = parser.parse_args(argv)
     n, r, threads = args.numel, args.repeat, args.threads
+    if args.marginal:
+        if not have("torch"):
+            print("torch is not installed: no torch rows to compare with")
+            return 0
+        import marginal
+
+        load = os.getloadavg()
+        names = {x.strip().lower() for x in args.only.split(",") if x.strip()} or None
+        rows = marginal.run(args.marginal_numel, args.muon_side, r, threads, names)
+        print(optional.line())
+        marginal.print_rows(rows, load, args.marginal_numel, args.muon_side)
+        return 0
     if args.optimizers_only:
         if not have("torch"):
             print("torch is not installed: no torch rows to compare with")

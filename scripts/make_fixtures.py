@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from statekit.formats import cbor  # noqa: E402
 from statekit.formats.burnpack import PackTensor, Scalar, write_burnpack  # noqa: E402
+from statekit.optim.backend import Backend  # noqa: E402
 from statekit.tensor import TensorRef  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
@@ -35,6 +36,7 @@ IDS = {
     "l2.bias": 2021826497617271949,
 }
 ORDER = ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+_EXACT = Backend(np)
 
 
 def init_model(seed: int = 0) -> dict[str, np.ndarray]:
@@ -52,20 +54,51 @@ def batches(seed: int = 1):
     true_w = rng.normal(size=(4, 1)).astype(F)
     while True:
         x = rng.normal(size=(8, 4)).astype(F)
-        yield x, (np.sin(x) @ true_w).astype(F)
+        # numpy's float32 sin is its FMA build's (AVX2 and up) on the machine that wrote the fixtures
+        yield x, matmul32(np.sin(x), true_w, lanes=8)
+
+
+def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``a*b + c`` element-wise in float32 with one rounding (statekit's exact emulation)."""
+    a, b, c = np.broadcast_arrays(np.asarray(a, F), np.asarray(b, F), np.asarray(c, F))
+    flat = _EXACT.fma32(np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1),
+                        np.ascontiguousarray(c).reshape(-1))
+    return np.asarray(flat, F).reshape(c.shape)
+
+
+def matmul32(a: np.ndarray, b: np.ndarray, lanes: int = 1) -> np.ndarray:
+    """``a @ b`` in float32, summed in the order OpenBLAS summed it on the machine that wrote the
+    fixtures (an AVX-512 Xeon), so that every CPU computes the same gradients: each output one
+    FMA chain over the inner index in order; with ``lanes``, ``lanes`` chains (inner index modulo
+    ``lanes``) folded by halves (lane ``l`` + lane ``l + lanes/2``) down to four, then in pairs
+    (sgemv_t's 8 lanes and ``hadd``). numpy's own ``@`` calls the CPU's BLAS kernel, whose order
+    differs between CPUs (on AVX2, ``x.T @ d_h`` keeps two chains, even and odd): the gradients,
+    hence every trained state, then differed in the last bits (``tests/test_burn_optimizers.py``
+    failed on an AVX2 machine). This model regenerates every committed fixture byte for byte."""
+    a, b = np.asarray(a, F), np.asarray(b, F)
+    chains = [np.zeros((a.shape[0], b.shape[1]), F) for _ in range(min(lanes, a.shape[1]))]
+    for k in range(a.shape[1]):
+        chains[k % len(chains)] = _fma(a[:, k:k + 1], b[k:k + 1, :], chains[k % len(chains)])
+    while len(chains) > 4:
+        half = len(chains) // 2
+        chains = [(chains[i] + chains[i + half]).astype(F) for i in range(half)]
+    while len(chains) > 1:
+        chains = [(chains[2 * i] + chains[2 * i + 1]).astype(F) for i in range(len(chains) // 2)]
+    return chains[0]
 
 
 def gradients(w: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
-    """MSE loss of relu(x·W1 + b1)·W2 + b2 against y; weights are [d_in, d_out] as in burn."""
-    h_pre = x @ w["l1.weight"] + w["l1.bias"]
+    """MSE loss of relu(x·W1 + b1)·W2 + b2 against y; weights are [d_in, d_out] as in burn. Every
+    product in :func:`matmul32`'s fixed order (the same bits on every CPU)."""
+    h_pre = matmul32(x, w["l1.weight"]) + w["l1.bias"]
     h = np.maximum(h_pre, F(0))
-    out = h @ w["l2.weight"] + w["l2.bias"]
+    out = matmul32(h, w["l2.weight"], lanes=8) + w["l2.bias"]
     d_out = (F(2) / F(out.size)) * (out - y)
-    d_h = (d_out @ w["l2.weight"].T) * (h_pre > 0)
+    d_h = matmul32(d_out, w["l2.weight"].T) * (h_pre > 0)
     return {
-        "l1.weight": (x.T @ d_h).astype(F),
+        "l1.weight": matmul32(x.T, d_h),
         "l1.bias": d_h.sum(0).astype(F),
-        "l2.weight": (h.T @ d_out).astype(F),
+        "l2.weight": matmul32(h.T, d_out),
         "l2.bias": d_out.sum(0).astype(F),
     }
 

@@ -280,6 +280,21 @@ class TensorRef:
             return
         yield from rechunk(source, elements)
 
+    @contextlib.contextmanager
+    def mapped(self) -> Iterator[np.ndarray | None]:
+        """The values as a read-only numpy array over the file's own pages (``mmap``: nothing
+        copied, nothing allocated), for the block; None when the tensor is not a plain span of
+        its file (a cast, a transform, an array), or cannot be mapped: then use :meth:`numpy`.
+        The caller drops every reference to the array before the block ends."""
+        if self.span is None or self.array_loader is not None or self.loader is not None or self.dtype == "QFloat":
+            yield None
+            return
+        with self.span.file.mapped(self.span.offset, self.span.length) as view:
+            if view is None:
+                yield None
+                return
+            yield np.frombuffer(view, dtype=dtypes.numpy_dtype(self.dtype)).reshape(self.shape)
+
     def numpy(self) -> np.ndarray:
         """The values as a numpy array of the statekit dtype (the whole tensor in memory)."""
         if self.array_loader is not None:

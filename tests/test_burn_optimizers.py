@@ -424,3 +424,41 @@ def test_adan_fixture_equals_burns_adan_flavor():
         assert set(got[path][0]) == set(slots[path])
         for key, value in slots[path].items():
             assert got[path][0][key].tobytes() == value.tobytes(), (path, key)
+
+
+GRADIENT_SCRIPT = r"""
+import hashlib, importlib.util, sys
+import numpy as np
+spec = importlib.util.spec_from_file_location("make_fixtures", sys.argv[1])
+base = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(base)
+w, data = base.init_model(), base.batches()
+ours, blas = hashlib.sha256(), hashlib.sha256()
+for _ in range(4):
+    x, y = next(data)
+    for g in base.gradients(w, x, y).values():
+        ours.update(g.tobytes())
+    h = np.maximum(x @ w["l1.weight"], np.float32(0))
+    blas.update((x.T @ h).tobytes() + (h @ w["l2.weight"]).tobytes())
+print(ours.hexdigest(), blas.hexdigest())
+"""
+
+
+def test_fixture_gradients_do_not_depend_on_the_blas_kernel():
+    """The training gradients behind every fixture (``scripts/make_fixtures.py``'s ``gradients``,
+    which this file's transcription runs too) are the same bits whichever kernel OpenBLAS runs:
+    numpy's own ``@`` differs between them (the fixtures once failed on an AVX2 machine because of
+    it), the fixed-order products do not. OpenBLAS's kernel is pinned with ``OPENBLAS_CORETYPE``
+    in a subprocess, for the kernels every x86-64 CPU can run."""
+    import os
+    import subprocess
+    import sys
+
+    hashes = {}
+    for core in ("Haswell", "SandyBridge", "Nehalem", "Prescott"):
+        env = dict(os.environ, OPENBLAS_CORETYPE=core, OPENBLAS_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, "-c", GRADIENT_SCRIPT, str(ROOT / "scripts" / "make_fixtures.py")],
+                              env=env, capture_output=True, text=True, check=True)
+        hashes[core] = done.stdout.split()
+    assert len({ours for ours, _ in hashes.values()}) == 1, hashes
+    assert len({blas for _, blas in hashes.values()}) > 1, "the BLAS kernels should round differently"

@@ -45,6 +45,52 @@ BURN_ADAM = [
     ("adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6}),
 ]
 CANDLE_ADAMW = [("adamw", {}), ("adamw", {"lr": 3e-2, "weight_decay": 0.1, "beta2": 0.99})]
+#: torch 2.13's other element-wise optimizers: every branch of their arithmetic (L2 and decoupled
+#: decay, maximize, a lerp weight over 0.5, rectification, ASGD's averaging from t0, Rprop's etas)
+TORCH_MORE = [
+    ("nadam", {}),
+    ("nadam", {"weight_decay": 0.1, "beta1": 0.3}),
+    ("nadam", {"weight_decay": 0.1, "decoupled_weight_decay": True, "maximize": True, "momentum_decay": 0.01}),
+    ("radam", {}),
+    ("radam", {"weight_decay": 0.1, "maximize": True, "beta2": 0.9}),
+    ("radam", {"weight_decay": 0.1, "decoupled_weight_decay": True, "lr": 1e-2}),
+    ("adamax", {}),
+    ("adamax", {"weight_decay": 0.1, "maximize": True, "beta1": 0.2}),
+    ("adadelta", {}),
+    ("adadelta", {"weight_decay": 0.1, "maximize": True, "rho": 0.5, "lr": 0.1}),
+    ("asgd", {}),
+    ("asgd", {"t0": 3}),
+    ("asgd", {"weight_decay": 0.1, "maximize": True, "t0": 10, "lambd": 0.01, "alpha": 0.5}),
+    ("rprop", {}),
+    ("rprop", {"maximize": True, "etas": (0.3, 1.5), "step_sizes": (1e-4, 0.5), "lr": 0.1}),
+]
+FOREACH = {"nadam", "radam", "asgd", "adafactor"}
+#: whole-tensor steps: a shape each, vectors and matrices (Adafactor factors two dimensions or more)
+TENSOR_SHAPES = {"adafactor": [(1,), (7,), (1000,), (16, 4), (3, 5, 7), (37, 53)],
+                 "muon": [(16, 4), (4, 16), (37, 53), (5, 5)]}
+TORCH_TENSOR = [
+    ("adafactor", {}),
+    ("adafactor", {"weight_decay": 0.1, "maximize": True, "lr": 0.05, "d": 0.5}),
+    ("muon", {}),
+    ("muon", {"nesterov": False, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.01, "lr": 1e-2}),
+]
+BURN_CLASSIC = [
+    ("sgd", {"lr": 1e-2}),
+    ("sgd", {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    ("sgd", {"lr": 1e-2, "momentum": 0.5, "dampening": 0.3}),
+    ("adagrad", {"lr": 1e-2}),
+    ("adagrad", {"lr": 1e-2, "weight_decay": 0.1, "lr_decay": 0.01}),
+    ("rmsprop", {"lr": 1e-3}),
+    ("rmsprop", {"lr": 1e-3, "centered": True, "weight_decay": 0.1}),
+    ("rmsprop", {"lr": 1e-3, "momentum": 0.0}),
+]
+BURN_MORE = [
+    ("adan", {"lr": 1e-3}),
+    ("adan", {"lr": 1e-2, "weight_decay": 0.1}),
+    ("adan", {"lr": 1e-2, "weight_decay": 0.1, "no_prox": True}),
+    ("lion", {"lr": 1e-3}),
+    ("lion", {"lr": 1e-2, "weight_decay": 0.1, "beta1": 0.5}),
+]
 
 
 def bits(array) -> np.ndarray:
@@ -61,7 +107,8 @@ def gradients(rng, n: int, steps: int = STEPS):
 
 
 def same_bits(name, hp, flavor, kernel, n, seed=0, steps=STEPS, inplace=False):
-    """Run the reference and ``kernel`` side by side for ``steps`` steps, asserting equal bits."""
+    """Run the reference and ``kernel`` side by side for ``steps`` steps, asserting equal bits
+    (``n``: a size or a shape)."""
     rng = np.random.default_rng(seed)
     p0 = rng.standard_normal(n, dtype=np.float32)
     ref, fast = (p0.copy(), {}, 0), (p0.copy(), {}, 0)
@@ -71,6 +118,7 @@ def same_bits(name, hp, flavor, kernel, n, seed=0, steps=STEPS, inplace=False):
         fast = so.step(name, fast[0], g, fast[1], fast[2], hp, flavor, kernel=kernel, inplace=inplace and k > 0)
         assert np.array_equal(g, before), "the kernel wrote to the gradient"
         assert fast[2] == ref[2]
+        assert type(fast[0]) is type(ref[0]) and fast[0].shape == ref[0].shape
         assert np.array_equal(bits(fast[0]), bits(ref[0])), f"param differs after step {k + 1} (n={n})"
         assert set(fast[1]) == set(ref[1])
         for slot in ref[1]:
@@ -86,11 +134,12 @@ def test_reference_is_the_default_and_auto_prefers_fast_kernels(monkeypatch):
     assert so.choose_kernel("adam", "torch-fused") == "reference"
     monkeypatch.setattr(kernels, "numba_available", lambda: True)
     assert so.choose_kernel("adam", "burn") == "numba"
-    assert so.choose_kernel("adan", "burn") == "reference"  # no numba Adan
+    assert so.choose_kernel("adan", "burn") == "numba"
+    assert so.choose_kernel("lamb", "burn") == "reference"  # whole-tensor: no numba LAMB
     monkeypatch.setattr(kernels, "torch_available", lambda: True)
     assert so.choose_kernel("adam", "torch-fused") == "torch"
     assert so.choose_kernel("adamw", "candle") == "numba"  # torch cannot run candle's arithmetic
-    assert so.choose_kernel("sgd", "burn") == "reference"
+    assert so.choose_kernel("sgd", "burn") == "numba"
 
 
 def test_an_impossible_kernel_is_refused_with_the_reason(monkeypatch):
@@ -123,13 +172,71 @@ def one_torch_thread():
 @torch_needed
 @pytest.mark.torch
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("flavor", ["torch-fused", "torch"])
-@pytest.mark.parametrize(("name", "hp"), ADAM + TORCH_ONLY)
+@pytest.mark.parametrize(("name", "hp", "flavor"), [
+    (name, hp, flavor) for name, hp in ADAM + TORCH_ONLY + TORCH_MORE + TORCH_TENSOR
+    for flavor in ("torch-fused", "torch", "torch-foreach") if (name, flavor) in kernels.TORCH_SUPPORTS])
 def test_torch_kernels_give_the_reference_bits(name, hp, flavor):
-    if (name, flavor) not in kernels.TORCH_SUPPORTS:
-        pytest.skip(f"torch has no {flavor} {name}")
-    for i, n in enumerate(SIZES):
-        same_bits(name, hp, flavor, "torch", n, seed=i, steps=STEPS)
+    for i, n in enumerate(TENSOR_SHAPES.get(name, SIZES)):
+        same_bits(name, hp, flavor, "torch", n, seed=i, steps=STEPS if name not in TENSOR_SHAPES else 20)
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.parametrize(("name", "hp"), TORCH_MORE + TORCH_TENSOR[:2])
+def test_torch_kernel_in_place_and_on_torch_tensors(name, hp):
+    """bit-exact: the torch kernel stepping in place (the caller's arrays, as replay does) and
+    on torch CPU tensors gives the reference's bits; missing 0-dim slots start at torch's values."""
+    import torch
+
+    shape = TENSOR_SHAPES.get(name, [(37, 53)])[-1]
+    same_bits(name, hp, "torch", "torch", shape, seed=5, steps=10, inplace=True)
+    rng = np.random.default_rng(6)
+    p0 = rng.standard_normal(shape, dtype=np.float32)
+    ref, ours = (p0.copy(), {}, 0), (torch.from_numpy(p0.copy()), {}, 0)
+    for g in gradients(rng, shape, 10):
+        ref = so.step(name, ref[0], g, ref[1], ref[2], hp, "torch", kernel="reference")
+        ours = so.step(name, ours[0], torch.from_numpy(g.copy()), ours[1], ours[2], hp, "torch", torch, kernel="torch")
+    assert isinstance(ours[0], torch.Tensor) and np.array_equal(bits(ours[0]), bits(ref[0]))
+    for slot, value in ref[1].items():
+        assert isinstance(ours[1][slot], torch.Tensor) and np.array_equal(bits(ours[1][slot]), bits(value)), slot
+
+
+WRITTEN_CLASSES = {"nadam": "NAdam", "radam": "RAdam", "adamax": "Adamax", "adadelta": "Adadelta", "asgd": "ASGD",
+                   "rprop": "Rprop"}
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.parametrize(("name", "hp"), TORCH_MORE)
+def test_written_out_for_loops_are_torch_optim(name, hp, monkeypatch):
+    """The torch kernel's written-out single-tensor functions (temporaries in reused buffers) step
+    exactly like a real ``torch.optim`` optimizer with ``foreach=False`` at torch's own thread
+    count, every slot after every step, sizes around the vector widths and one over torch's
+    2048-element parallel grain; and they are what ran."""
+    import torch
+
+    from statekit.optim import torch_kernels
+
+    ran = []
+    written = torch_kernels.WRITTEN_OUT[name]
+    monkeypatch.setitem(torch_kernels.WRITTEN_OUT, name, lambda *a: ran.append(1) or written(*a))
+    kwargs = {k: v for k, v in hp.items() if k not in ("beta1", "beta2")}
+    if "beta1" in hp or "beta2" in hp:
+        kwargs["betas"] = (hp.get("beta1", 0.9), hp.get("beta2", 0.999))
+    for i, n in enumerate([1, 17, 4099, 100_003]):
+        rng = np.random.default_rng(20 + i)
+        p = rng.standard_normal(n, dtype=np.float32)
+        param = torch.nn.Parameter(torch.from_numpy(p.copy()))
+        opt = getattr(torch.optim, WRITTEN_CLASSES[name])([param], foreach=False, **kwargs)
+        ours = (p.copy(), {}, 0)
+        for k, g in enumerate(gradients(rng, n, 12)):
+            param.grad = torch.from_numpy(g.copy())
+            opt.step()
+            ours = so.step(name, ours[0], g, ours[1], ours[2], hp, "torch", kernel="torch", inplace=k > 0)
+            assert np.array_equal(bits(ours[0]), bits(param.detach())), f"param differs after step {k + 1} (n={n})"
+            for slot, value in ours[1].items():
+                assert np.array_equal(bits(value), bits(opt.state[param][slot])), (slot, k + 1, n)
+    assert len(ran) == 4 * 12, "the written-out path was not the one that ran"
 
 
 @torch_needed
@@ -167,9 +274,11 @@ def test_torch_flavor_adam_without_temporaries_is_torch_optim(name, hp, monkeypa
     own thread count, on sizes around the vector widths."""
     import torch
 
+    from statekit.optim import torch_kernels
+
     ran = []
-    buffered = kernels._single_tensor_adam
-    monkeypatch.setattr(kernels, "_single_tensor_adam", lambda *a, **k: ran.append(1) or buffered(*a, **k))
+    buffered = torch_kernels.single_tensor_adam
+    monkeypatch.setattr(torch_kernels, "single_tensor_adam", lambda *a, **k: ran.append(1) or buffered(*a, **k))
     kwargs = {TORCH_NAMES[k]: v for k, v in hp.items() if k in TORCH_NAMES}
     if "beta1" in hp:
         kwargs["betas"] = (hp["beta1"], hp["beta2"])
@@ -215,11 +324,16 @@ def ieee_reference(monkeypatch):
 @pytest.mark.parametrize(
     ("flavor", "name", "hp"),
     [("torch-fused", *c) for c in ADAM] + [("torch", *c) for c in ADAM] + [("burn", *c) for c in BURN_ADAM]
-    + [("candle", *c) for c in CANDLE_ADAMW],
+    + [("candle", *c) for c in CANDLE_ADAMW] + [("torch", *c) for c in TORCH_MORE]
+    + [("torch-foreach", *c) for c in TORCH_MORE if c[0] in FOREACH] + [("burn", *c) for c in BURN_MORE]
+    + [(f, *c) for c in TORCH_ONLY for f in ("torch", "torch-fused") if (c[0], f) in kernels.NUMBA_SUPPORTS]
+    + [("burn", *c) for c in BURN_CLASSIC] + [("candle", "sgd", {"lr": 1e-2})],
 )
 def test_numba_kernels_give_the_reference_bits(flavor, name, hp, ieee_reference):
+    assert (name, flavor) in kernels.NUMBA_SUPPORTS
     for i, n in enumerate(SIZES):
         same_bits(name, hp, flavor, "numba", n, seed=i, steps=STEPS)
+    same_bits(name, hp, flavor, "numba", (300, 301), seed=99, steps=3, inplace=True)  # over the parallel threshold
 
 
 @numba_needed
@@ -233,3 +347,22 @@ def test_numba_kernel_on_10m_elements(flavor, hp, ieee_reference):
 def test_registry_step_accepts_every_kernel_name():
     assert set(kernels.CHOICES) == {"auto", "reference", "torch", "numba", "cupy"}
     assert registry.step("adam", np.ones(3, np.float32), np.ones(3, np.float32), kernel="reference")[2] == 1
+
+
+@numba_needed
+@pytest.mark.parametrize("flavor", ["torch", "torch-foreach"])
+@pytest.mark.parametrize("hp", [c[1] for c in TORCH_TENSOR if c[0] == "adafactor"] + [{"eps": (1e-3, 1e-3), "lr": 0.3}])
+def test_numba_adafactor_gives_the_reference_bits(flavor, hp, monkeypatch):
+    """bit-exact: the numba Adafactor == the reference without torch (numpy's float64 reductions
+    in numpy's order, pairwise along a row and over the tensor, in order down the rows), 20 steps
+    on vectors, matrices and a 3-D tensor, and 3 steps on tensors whose whole-tensor sums split
+    over several threads' leaves."""
+    from statekit.optim import tensorwise
+
+    monkeypatch.setattr(backend, "torch_available", lambda: False)
+    monkeypatch.setattr(tensorwise, "torch_available", lambda: False)
+    assert ("adafactor", flavor) in kernels.NUMBA_SUPPORTS
+    for i, shape in enumerate(TENSOR_SHAPES["adafactor"]):
+        same_bits("adafactor", hp, flavor, "numba", shape, seed=i, steps=20)
+    for shape in [(300, 1001), (2, 150, 700), (200_003,)]:
+        same_bits("adafactor", hp, flavor, "numba", shape, seed=7, steps=3, inplace=True)

@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 import statekit.optim as so
 from statekit import hyper
+from statekit.optim import kernels
 
 torch = pytest.importorskip("torch")
 
@@ -102,10 +103,12 @@ def test_the_database_has_every_optimizer():
     assert len(CONFIGS) >= 80
 
 
+@pytest.mark.parametrize("kernel", ["reference", "torch"])
 @pytest.mark.parametrize(("cls", "kwargs", "foreach"), CONFIGS)
-def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
-    """bit-exact: statekit's reference step == torch.optim.<cls>(**optim_db kwargs), every slot,
-    after each of 20 steps, on 7 shapes (Muon: 4 matrices)."""
+def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach, kernel):
+    """bit-exact: statekit's step (the reference, and the torch kernel: torch's own code on
+    statekit's arrays) == torch.optim.<cls>(**optim_db kwargs), every slot, after each of 20
+    steps, on 7 shapes (Muon: 4 matrices)."""
     name = CLASSES[cls.__name__]
     params, grads = problem(name)
     tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
@@ -116,7 +119,8 @@ def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
         for tp, g in zip(tparams, step_grads, strict=True):
             tp.grad = torch.from_numpy(g.copy())
         opt.step()
-        ours = [so.step(name, p, g, s, k, hp, flavor) for (p, s, k), g in zip(ours, step_grads, strict=True)]
+        ours = [so.step(name, p, g, s, k, hp, flavor, kernel=kernel)
+                for (p, s, k), g in zip(ours, step_grads, strict=True)]
         for (p, slots, k), tp in zip(ours, tparams, strict=True):
             assert np.array_equal(bits(p), bits(tp.detach())), f"param {tuple(tp.shape)} differs after step {step}"
             state = opt.state[tp]
@@ -126,6 +130,53 @@ def test_replay_matches_torch_bit_for_bit(cls, kwargs, foreach):
             if "step" in state:
                 assert state["step"].item() == k
     assert so.exactness(flavor, algorithm=name) == so.BIT_EXACT
+
+
+@pytest.fixture
+def ieee_root(monkeypatch):
+    """torch's float32 square root made the IEEE one (the float64 root rounded once: correctly
+    rounded), the root statekit's numba kernels and its reference take without torch."""
+    sqrt = torch.sqrt
+
+    def ieee(x):
+        return sqrt(x.double()).to(x.dtype)
+
+    monkeypatch.setattr(torch, "sqrt", ieee)
+    monkeypatch.setattr(torch.Tensor, "sqrt", ieee)
+    monkeypatch.setattr(torch.Tensor, "sqrt_", lambda x: x.copy_(ieee(x)))
+    monkeypatch.setattr(torch, "_foreach_sqrt", lambda xs: [ieee(x) for x in xs])
+    monkeypatch.setattr(torch, "_foreach_sqrt_", lambda xs: [x.copy_(ieee(x)) for x in xs])
+
+
+# the element-wise ones (numba's Adafactor sums its norms in numpy's float64 order: tolerance, as without torch)
+NUMBA_CONFIGS = [c for c in CONFIGS if CLASSES[c.values[0].__name__] != "adafactor" and (
+    CLASSES[c.values[0].__name__], flavor_of(CLASSES[c.values[0].__name__], c.values[2])) in kernels.NUMBA_SUPPORTS]
+
+
+@pytest.mark.skipif(not kernels.numba_available(), reason="numba (statekit[fast]) is not installed")
+@pytest.mark.usefixtures("ieee_root")
+@pytest.mark.parametrize(("cls", "kwargs", "foreach"), NUMBA_CONFIGS)
+def test_numba_kernels_match_torch_with_the_ieee_root(cls, kwargs, foreach):
+    """bit-exact: statekit's numba kernel == torch.optim.<cls>(**optim_db kwargs) with torch's
+    square root made the IEEE one (the numba kernels take it: no MKL without torch), every slot
+    after each of 20 steps, on 7 shapes. The optimizers without a root (Adamax, ASGD, Rprop) are
+    thus checked against torch's unchanged arithmetic."""
+    name = CLASSES[cls.__name__]
+    params, grads = problem(name)
+    tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
+    opt = cls(tparams, **kwargs, foreach=foreach)
+    hp, flavor = core_hp(kwargs), flavor_of(name, foreach)
+    ours = [(p, {}, 0) for p in params]
+    for step, step_grads in enumerate(grads, 1):
+        for tp, g in zip(tparams, step_grads, strict=True):
+            tp.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours = [so.step(name, p, g, s, k, hp, flavor, kernel="numba")
+                for (p, s, k), g in zip(ours, step_grads, strict=True)]
+        for (p, slots, _), tp in zip(ours, tparams, strict=True):
+            assert np.array_equal(bits(p), bits(tp.detach())), f"param {tuple(tp.shape)} differs after step {step}"
+            for slot, value in slots.items():
+                assert np.array_equal(bits(value), bits(opt.state[tp][slot])), f"{slot} differs after step {step}"
 
 
 @pytest.mark.parametrize("cls", [torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adafactor])
@@ -324,11 +375,11 @@ def test_lbfgs_and_sparseadam_are_refused_by_name(tmp_path, cli, cls, reason):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.Muon, torch.optim.NAdam])
+@pytest.mark.parametrize("cls", [torch.optim.Adafactor, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta])
 def test_without_torch_the_replay_is_within_tolerance(monkeypatch, cls):
-    """tolerance: with torch's kernels hidden (IEEE root, float64 reductions, Muon's ml_dtypes
-    Newton–Schulz), 20 steps stay within |Δp| ≤ 4·ulp(p) + 2e-5·lr·n of real torch, and
-    ``exactness`` says ``tolerance``."""
+    """tolerance: with torch's kernels hidden (IEEE root, float64 reductions), 20 steps of what a
+    torch-free install runs (``kernel=auto``: numba where installed, else the reference) stay
+    within |Δp| ≤ 4·ulp(p) + 2e-5·lr·n of real torch, and ``exactness`` says ``tolerance``."""
     from statekit.optim import backend, registry, tensorwise, tolerance
 
     name = CLASSES[cls.__name__]
@@ -336,33 +387,80 @@ def test_without_torch_the_replay_is_within_tolerance(monkeypatch, cls):
     tparams = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
     opt = cls(tparams)
     lr = opt.param_groups[0]["lr"]
-    for module in (backend, registry, tensorwise):
+    for module in (backend, registry, tensorwise, kernels):
         monkeypatch.setattr(module, "torch_available", lambda: False)
     assert so.exactness("torch", np, name) == so.TOLERANCE
+    assert so.choose_kernel(name, "torch") == ("numba" if kernels.numba_available() else "reference")
     ours = [(p, {}, 0) for p in params]
     for step_grads in grads:
         for tp, g in zip(tparams, step_grads, strict=True):
             tp.grad = torch.from_numpy(g.copy())
         opt.step()
-        ours = [so.step(name, p, g, s, k, {}) for (p, s, k), g in zip(ours, step_grads, strict=True)]
+        ours = [so.step(name, p, g, s, k, {}, kernel="auto") for (p, s, k), g in zip(ours, step_grads, strict=True)]
     for (p, _, n), tp in zip(ours, tparams, strict=True):
         ref = tp.detach().numpy()
         assert tolerance.worst_ratio(p, ref, tolerance.param_bound(ref, lr, n)) <= 1
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_muon_newton_schulz_without_torch_matches_torch_bit_for_bit(seed):
-    """bit-exact: the ml_dtypes bfloat16 Newton–Schulz (torch's matmul accumulation order as
-    measured: pairs, odd position first; addmm as fma(beta, C, alpha·acc)) == torch's own bfloat16
-    CPU kernels, 5 iterations, on wide, tall, square, tiny and odd-sized matrices at several scales."""
-    from statekit.optim import muon
-    from statekit.optim.tensorwise import TorchOps
+def test_without_torch_muon_is_refused(monkeypatch, tmp_path, cli):
+    """Without torch, torch's Muon is refused in one line saying why (its bfloat16 products sum in
+    a CPU- and kernel-dependent order), from the API and from ``replay``, nothing written."""
+    from statekit.errors import UsageError
+    from statekit.optim import backend
 
-    rng = np.random.default_rng(seed)
-    ops = TorchOps()
-    for shape in [(4, 16), (16, 4), (37, 53), (5, 5), (64, 64), (96, 72), (3, 101), (1, 7)]:
-        u = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
-        for coefficients, steps in (((3.4445, -4.775, 2.0315), 5), ((3.4, -4.7, 2.0), 6)):
-            ref = muon.newton_schulz(u, coefficients, steps, 1e-7, ops)
-            got = muon.newton_schulz_bf16(u, coefficients, steps, 1e-7)
-            assert np.array_equal(bits(got), bits(ref)), shape
+    state, params, grads, _, _ = _torch_run("muon", tmp_path)
+    monkeypatch.setattr(backend, "torch_available", lambda: False)
+    with pytest.raises(UsageError, match="Muon is replayed with torch's own bfloat16 matrix products"):
+        so.step("muon", np.ones((4, 3), np.float32), np.ones((4, 3), np.float32), {}, 0, {})
+    r = cli("replay", "--state", state, "--params", params, "--grads", *grads, "--out-params",
+            tmp_path / "out.safetensors")
+    assert r.returncode != 0 and "pip install torch" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+MUON_SCRIPT = r"""
+import hashlib, json, sys
+import numpy as np, torch
+import statekit.optim as so
+rng = np.random.default_rng(0)
+out = {"capability": torch.backends.cpu.get_cpu_capability()}
+torch_bits, same = hashlib.sha256(), True
+for shape in [(64, 48), (37, 53)]:
+    p0 = rng.standard_normal(shape).astype(np.float32)
+    param = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    opt = torch.optim.Muon([param], lr=1e-2)
+    ours = (p0.copy(), {}, 0)
+    for _ in range(3):
+        g = rng.standard_normal(shape).astype(np.float32)
+        param.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours = so.step("muon", ours[0], g, ours[1], ours[2], {"lr": 1e-2}, "torch", kernel="auto")
+        same &= np.array_equal(ours[0].view(np.int32), param.detach().numpy().view(np.int32))
+    torch_bits.update(param.detach().numpy().tobytes())
+out["torch"], out["same"] = torch_bits.hexdigest(), bool(same)
+print(json.dumps(out))
+"""
+
+
+def test_muon_follows_torch_whichever_kernel_torch_picks():
+    """bit-exact whatever the CPU: statekit's Muon is torch's own Newton–Schulz, so it equals
+    torch.optim.Muon under each of torch's kernel choices, pinned in a subprocess (ATen's CPU
+    capability, oneDNN's ISA). torch's own bits differ between those choices, which is why a
+    torch-free emulation cannot promise them (and is refused: the test above)."""
+    import os
+    import subprocess
+
+    runs = []
+    for capability, isa in (("default", "AVX2"), ("avx2", "AVX2"), ("avx2", "SSE41"), (None, None)):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for key, value in (("ATEN_CPU_CAPABILITY", capability), ("ONEDNN_MAX_CPU_ISA", isa)):
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        done = subprocess.run([sys.executable, "-c", MUON_SCRIPT], env=env, capture_output=True, text=True,
+                              check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert all(run["same"] for run in runs), runs
+    assert len({run["torch"] for run in runs}) > 1, "torch's kernel choices should round differently"

@@ -22,6 +22,7 @@ from statekit.ops.pairing import pair
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import kernels, registry
+from statekit.optim.backend import aligned_copy
 from statekit.optim.tolerance import exp_avg_bound, param_bound
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
 from statekit.tensor import TensorRef
@@ -206,14 +207,20 @@ def _owned(param, slots: dict) -> bool:
                for a in (param, *slots.values()))
 
 
-def slots_of(p: ParamState, transpose: bool = False) -> dict[str, np.ndarray]:
-    out = {}
-    for name, ref in p.slots.items():
-        if name == "avg":  # burn RMSProp's derived copy
-            continue
-        arr = np.asarray(ref.numpy(), dtype=np.float32)
-        out[name] = np.ascontiguousarray(arr.T if transpose else arr).copy()
+def owned_float32(ref: TensorRef, transpose: bool = False) -> np.ndarray:
+    """A tensor's values as a fresh float32 C-contiguous array of the caller's own, 64-byte
+    aligned (as torch allocates): one copy, straight from the file's pages where the tensor is a
+    span of its file (nothing read into a buffer first)."""
+    with ref.mapped() as arr:
+        values = arr if arr is not None else ref.numpy()
+        out = aligned_copy(values.T if transpose else values)
+        del values, arr
     return out
+
+
+def slots_of(p: ParamState, transpose: bool = False) -> dict[str, np.ndarray]:
+    return {name: owned_float32(ref, transpose) for name, ref in p.slots.items()
+            if name != "avg"}  # burn RMSProp's derived copy
 
 
 def _device_namespace(device: str, backend: str | None):
@@ -240,7 +247,7 @@ def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: li
     whatever the number of steps.
     """
     xp, to_dev, to_host = _device_namespace(device, backend)
-    lane = Lane(algorithm, flavor, hp, {n: to_dev(np.array(r.numpy(), dtype=np.float32)) for n, r in params.items()},
+    lane = Lane(algorithm, flavor, hp, {n: to_dev(owned_float32(r)) for n, r in params.items()},
                 xp=xp, kernel=kernel, source=source)
     if group_hp is not None:  # ``group_hp``: each param group's hyperparameters (group_hps), by the state's groups
         set_group_hps(lane, state, group_hp)
@@ -261,7 +268,11 @@ def replay(state: OptimizerState | None, params: dict[str, TensorRef], grads: li
         if unknown:
             raise MappingError(f"gradients for parameters that are not in the parameter file: {', '.join(unknown[:5])}")
         for n, r in grad_set.items():
-            lane.step_one(n, to_dev(np.asarray(r.numpy(), dtype=np.float32)))
+            # read once: a float32 span of its file is stepped where the page cache holds it
+            with r.mapped() as mapped:
+                g = mapped if mapped is not None and mapped.dtype == np.float32 else None
+                lane.step_one(n, to_dev(g if g is not None else np.asarray(r.numpy(), dtype=np.float32)))
+                del g, mapped
         if progress:
             progress()
     lane.params = {n: to_host(a) for n, a in lane.params.items()}

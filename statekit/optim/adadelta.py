@@ -20,10 +20,16 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("square_avg", "acc_delta")
 
 
+def constants(hp, step: int) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once)."""
+    rho = hp["rho"]
+    return {"wd": hp["weight_decay"], "rho": rho, "c": 1 - rho, "eps": hp["eps"], "neg_lr": -hp["lr"]}
+
+
 def _torch(b, hp, step, present, like, vector_width):
-    wd, maximize, rho = hp["weight_decay"], hp["maximize"], hp["rho"]
-    k = {name: b.const(value, like) for name, value in
-         {"wd": wd, "rho": rho, "c": 1 - rho, "eps": hp["eps"], "neg_lr": -hp["lr"]}.items()}
+    wd, maximize = hp["weight_decay"], hp["maximize"]
+    values = constants(hp, step)
+    k = {name: b.const(value, like) for name, value in values.items()}
     sqrt, around = b.torch_root()
 
     def kernel(p, g, s, tail):
@@ -35,6 +41,7 @@ def _torch(b, hp, step, present, like, vector_width):
         p[...] = b.fma32(delta, k["neg_lr"], p)
 
     kernel.around = around
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {}, no_tail
 
 

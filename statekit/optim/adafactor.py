@@ -25,6 +25,8 @@ else float64 sums rounded once (within tolerance, not bit-exact).
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from statekit.optim.backend import Backend
@@ -98,4 +100,17 @@ def _run(foreach: bool):
 
 RUNS = {TORCH: _run(foreach=False), TORCH_FOREACH: _run(foreach=True)}
 
-step = make_tensor_step(RUNS, slot_names, "adafactor")
+def fresh(shape) -> dict:
+    """The slots a parameter of ``shape`` keeps, with their shapes (torch's ``_init_group``)."""
+    if len(shape) > 1:
+        return {"row_var": shape[:-1] + (1,), "col_var": shape[:-2] + (1,) + shape[-1:]}
+    return {"variance": shape}
+
+
+def _numba(p, g, slots, step, hp, flavor):
+    """The numba kernel (statekit.optim.numba_adafactor): the reference's bits without torch."""
+    return importlib.import_module("statekit.optim.numba_adafactor").run(p, g, slots, step, hp,
+                                                                         flavor == TORCH_FOREACH)
+
+
+step = make_tensor_step(RUNS, slot_names, "adafactor", fresh=fresh, numba=_numba)

@@ -46,10 +46,8 @@ def _torch_builder(fused: bool):
         lr, lr_decay, wd, maximize = hp["lr"], hp["lr_decay"], hp["weight_decay"], hp["maximize"]
         clr = lr / (fma64(t - 1.0, lr_decay, 1.0) if fused else 1 + (t - 1) * lr_decay)
         sqrt = b.sqrt_ieee if fused else b.sqrt_torch
-        k = {
-            name: b.const(value, like)
-            for name, value in {"wd": wd, "eps": hp["eps"], "neg_clr": -clr}.items()
-        }
+        values = {"wd": wd, "eps": hp["eps"], "neg_clr": -clr}
+        k = {name: b.const(value, like) for name, value in values.items()}
 
         def kernel(p, g, s, tail):
             g = torch_grad(b, p, g, k["wd"], maximize, wd)
@@ -57,6 +55,7 @@ def _torch_builder(fused: bool):
             s["sum"][...] = total
             p[...] = p + (k["neg_clr"] * g) / (sqrt(total) + k["eps"])
 
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_classic)
         return kernel, {"sum": hp["initial_accumulator_value"]}, no_tail
 
     return build
@@ -67,7 +66,8 @@ def _burn(b, hp, step, present, like, vector_width):
     wd = f32(hp["weight_decay"])
     first = step == 0
     new_lr = hp["lr"] / (1.0 + (t - 1.0) * hp["lr_decay"])
-    k = {name: b.const(value, like) for name, value in {"wd": wd, "eps": hp["eps"], "lr": new_lr}.items()}
+    values = {"wd": wd, "eps": hp["eps"], "lr": new_lr}
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         if wd != 0:
@@ -77,6 +77,7 @@ def _burn(b, hp, step, present, like, vector_width):
         s["sum"][...] = total
         p[...] = p - (g / (b.sqrt_ieee(total) + k["eps"])) * k["lr"]
 
+    kernel.constants = values
     return kernel, {}, no_tail
 
 

@@ -20,12 +20,16 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("exp_avg", "exp_inf")
 
 
+def constants(hp, step: int) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once)."""
+    clr = hp["lr"] / (1 - hp["beta1"] ** f32(step + 1))
+    return {"wd": hp["weight_decay"], "beta2": hp["beta2"], "eps": hp["eps"], "neg_clr": -clr}
+
+
 def _torch(b, hp, step, present, like, vector_width):
-    t = f32(step + 1)
     beta1, wd, maximize = hp["beta1"], hp["weight_decay"], hp["maximize"]
-    clr = hp["lr"] / (1 - beta1**t)
-    k = {name: b.const(value, like) for name, value in
-         {"wd": wd, "beta2": hp["beta2"], "eps": hp["eps"], "neg_clr": -clr}.items()}
+    values = constants(hp, step)
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         g = torch_grad(b, p, g, k["wd"], maximize, wd)
@@ -35,6 +39,7 @@ def _torch(b, hp, step, present, like, vector_width):
         s["exp_inf"][...] = u
         p[...] = p + (k["neg_clr"] * m) / u
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {}, no_tail
 
 

@@ -33,31 +33,37 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return SLOTS
 
 
-def _burn(b, hp, step, present, like, vector_width):
+def constants(hp, step: int) -> dict:
+    """The step's scalars as burn rounds them (float32 values, ``lr``, ``shrink`` and ``grow``
+    float64 that each kernel rounds once), and ``decay`` (``lr * weight_decay``, float64)."""
     one = np.float32(1.0)
     beta1, beta2, beta3 = (np.float32(hp[name]) for name in ("beta1", "beta2", "beta3"))
     t = step + 1
-    first, no_prox = step == 0, hp["no_prox"]
     decay = hp["lr"] * float(np.float32(hp["weight_decay"]))
-    k = {
-        name: b.const(float(value), like)
-        for name, value in {
-            "beta1": beta1,
-            "beta2": beta2,
-            "beta3": beta3,
-            "c1": one - beta1,
-            "c2": one - beta2,
-            "c3": one - beta3,
-            "bc1": one - np.float32(powi(beta1, t)),
-            "bc2": one - np.float32(powi(beta2, t)),
-            "bc3_sqrt": np.sqrt(one - np.float32(powi(beta3, t))),
-            "eps": np.float32(hp["eps"]),
-            "lr": hp["lr"],
-            "shrink": 1.0 - decay,
-            "grow": 1.0 + decay,
-            "minus_one": -1.0,
-        }.items()
-    }
+    return {name: float(value) for name, value in {
+        "beta1": beta1,
+        "beta2": beta2,
+        "beta3": beta3,
+        "c1": one - beta1,
+        "c2": one - beta2,
+        "c3": one - beta3,
+        "bc1": one - np.float32(powi(beta1, t)),
+        "bc2": one - np.float32(powi(beta2, t)),
+        "bc3_sqrt": np.sqrt(one - np.float32(powi(beta3, t))),
+        "eps": np.float32(hp["eps"]),
+        "lr": hp["lr"],
+        "shrink": 1.0 - decay,
+        "grow": 1.0 + decay,
+        "minus_one": -1.0,
+        "decay": decay,
+    }.items()}
+
+
+def _burn(b, hp, step, present, like, vector_width):
+    first, no_prox = step == 0, hp["no_prox"]
+    values = constants(hp, step)
+    decay = values["decay"]
+    k = {name: b.const(value, like) for name, value in values.items() if name != "decay"}
 
     def kernel(p, g, s, tail):
         if first:
@@ -83,6 +89,7 @@ def _burn(b, hp, step, present, like, vector_width):
         else:
             p[...] = (p - delta) / k["grow"]
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {}, no_tail
 
 

@@ -43,6 +43,30 @@ HOST_BLOCK = 1 << 17
 DEVICE_BLOCK = 1 << 22
 
 
+#: Bytes every array statekit allocates for a step is aligned to: torch's CPU allocator's
+#: alignment, so torch's kernels see statekit's arrays as they see their own tensors.
+ALIGN = 64
+
+
+def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an :data:`ALIGN`-byte boundary
+    (numpy's allocations are 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def aligned_copy(array, dtype=np.float32) -> np.ndarray:
+    """``array`` copied into a fresh :func:`aligned_empty` array of ``dtype`` (one pass)."""
+    array = np.asarray(array)
+    out = aligned_empty(array.shape, dtype)
+    np.copyto(out, array, casting="unsafe")
+    return out
+
+
 @cache
 def torch_available() -> bool:
     """Whether torch can be imported (checked without importing it)."""
@@ -73,8 +97,10 @@ class Backend:
 
     # -- allocation and conversion ----------------------------------------------------------
     def to_float32(self, array, copy: bool):
-        """``array`` as a C-contiguous float32 array (a fresh copy when ``copy``)."""
-        return np.array(array, dtype=np.float32, order="C", copy=True if copy else None)
+        """``array`` as a C-contiguous float32 array (a fresh :data:`ALIGN`-aligned copy when ``copy``)."""
+        if copy:
+            return aligned_copy(array)
+        return np.array(array, dtype=np.float32, order="C", copy=None)
 
     def is_float32_contiguous(self, array) -> bool:
         return array.dtype == np.float32 and array.flags.c_contiguous and array.flags.writeable
@@ -87,7 +113,9 @@ class Backend:
         return int(array.size)
 
     def full_like(self, array, value: float):
-        return np.full_like(array, value, dtype=np.float32)
+        out = aligned_empty(array.shape)
+        out.fill(value)
+        return out
 
     def f32(self, array):
         return array.astype(np.float32)
@@ -210,7 +238,7 @@ class Backend:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                return torch.from_numpy(np.ascontiguousarray(x)).sqrt().numpy()
+                return torch.sqrt(torch.from_numpy(_ALIGNED_IN.aligned(x))).numpy()
             finally:
                 torch.set_num_threads(threads)
 
@@ -247,9 +275,13 @@ class Backend:
             if not getattr(pinned, "done", False):
                 torch.set_num_threads(1)
                 pinned.done = True
-            if out is None:
-                return torch.sqrt(torch.from_numpy(np.ascontiguousarray(x))).numpy()
-            torch.sqrt(torch.from_numpy(np.ascontiguousarray(x)), out=torch.from_numpy(out))
+            # torch's root sees 64-byte aligned memory, as its own tensors are (MKL's
+            # vector math may take another path for an unaligned head: ALIGN)
+            source = torch.from_numpy(_ALIGNED_IN.aligned(x))
+            if out is None or out.ctypes.data % ALIGN:
+                root = torch.sqrt(source).numpy()
+                return root if out is None else _into(out, root)
+            torch.sqrt(source, out=torch.from_numpy(out))
             return out
 
         return sqrt, one_torch_thread
@@ -310,6 +342,27 @@ class _Scratch32(threading.local):
 
 
 _SCRATCH32 = _Scratch32()
+
+
+class _AlignedInput(threading.local):
+    """Per-thread :data:`ALIGN`-aligned float32 buffer that an unaligned input of torch's root is
+    copied into, grown on demand."""
+
+    def __init__(self):
+        self.buffer = np.empty(0, np.float32)
+
+    def aligned(self, x) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        if x.ctypes.data % ALIGN == 0 or x.dtype != np.float32:
+            return x
+        if self.buffer.size < x.size:
+            self.buffer = aligned_empty(x.size)
+        out = self.buffer[:x.size].reshape(x.shape)
+        np.copyto(out, x)
+        return out
+
+
+_ALIGNED_IN = _AlignedInput()
 
 
 class TorchBackend(Backend):

@@ -241,7 +241,7 @@ def _step_of(run, names, algorithm: str, check=None):
         b = get_backend(xp, like=param)
         if b.name != "numpy":
             raise UsageError(f"burn's {algorithm} replays on numpy arrays (the reference path), not {b.name}")
-        kernels.choose(name, flavor, b, kernel, vector_width)
+        chosen = kernels.choose(name, flavor, b, kernel, vector_width)
         shape = tuple(param.shape)
         if tuple(grad.shape) != shape:
             raise UsageError(f"gradient shape {tuple(grad.shape)} does not match parameter shape {shape}")
@@ -251,14 +251,26 @@ def _step_of(run, names, algorithm: str, check=None):
         unknown = sorted(set(slots) - set(expected))
         if unknown:
             raise UsageError(f"unexpected optimizer state slots {unknown}; expected {list(expected)}")
-        p = np.array(param, dtype=F, order="C", copy=True)
-        g = np.array(grad, dtype=F, order="C", copy=True)
-        s = {k: np.array(v, dtype=F, order="C", copy=True) for k, v in slots.items()}
-        for k, v in s.items():
+        for k, v in slots.items():
             want = _slot_shape(k, shape)
-            if v.shape != want:
-                raise UsageError(f"state {k!r} has shape {v.shape}, burn's {algorithm} keeps {want} for a parameter "
-                                 f"of shape {shape}")
+            if tuple(v.shape) != want:
+                raise UsageError(f"state {k!r} has shape {tuple(v.shape)}, burn's {algorithm} keeps {want} for a "
+                                 f"parameter of shape {shape}")
+
+        def own(array):  # the caller's array stepped in place with ``inplace``, else a copy
+            if inplace and b.is_float32_contiguous(array):
+                return array
+            return np.array(array, dtype=F, order="C", copy=True)
+
+        p = own(param)
+        g = np.ascontiguousarray(grad, dtype=F)  # only read
+        if chosen == kernels.NUMBA:
+            from statekit.optim import numba_more
+
+            s = {k: own(slots[k]) if k in slots else np.zeros(_slot_shape(k, shape), F) for k in expected}
+            numba_more.run(name, flavor, p, g, s, int(step), hp, frozenset(slots))
+            return p, s, int(step) + 1
+        s = {k: np.ascontiguousarray(v, dtype=F) for k, v in slots.items()}  # only read
         with np.errstate(all="ignore"):
             new = run(p, g, s, int(step), hp)
         new = {k: np.ascontiguousarray(v, dtype=F) for k, v in new.items()}

@@ -43,11 +43,13 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
         block, init, tail = builders[flavor](b, hp, int(step), present, param, vector_width)
         p, g, s, shape = driver.prepare(b, param, grad, slots, names, init, inplace)
         if chosen == kernels.TORCH_KERNEL:
-            kernels.run_torch(name, flavor, b, p, g, s, int(step), hp, present)
+            from statekit.optim import torch_kernels
+
+            torch_kernels.run(name, flavor, b, p, g, s, int(step), hp, present)
         elif chosen == kernels.NUMBA:
             from statekit.optim import numba_kernels
 
-            numba_kernels.run(name, flavor, p, g, s, int(step), hp, present)
+            numba_kernels.run(name, flavor, p, g, s, int(step), hp, present, getattr(block, "constants", None))
         elif chosen == kernels.CUPY:
             from statekit.optim import cupy_kernels
 
@@ -143,7 +145,8 @@ def write_back(param, p, slots: Mapping, new: dict):
     """The step's results ``p`` and ``new`` written into the caller's ``param`` and the slots it
     gave (where the shape is unchanged), ``new`` pointing at them: the ``inplace=True`` contract of
     the steps that compute on float32 copies. Returns ``param``."""
-    param[...] = p
+    if p is not param:
+        param[...] = p
     for k, v in new.items():
         if k in slots and slots[k].shape == v.shape:
             slots[k][...] = v

@@ -16,11 +16,12 @@ Newton–Schulz, with torch's bfloat16 tensors (``(a, b, c) = ns_coefficients``)
     ns_steps times: G = X @ X.T;  G' = b*G + c*(G @ G);  X = a*X + G' @ X     (each a bfloat16 tensor)
     transposed back
 
-With torch installed these are torch's own bfloat16 CPU kernels (``addmm``/``mm``/``norm`` on
-zero-copy views): bit-exact. Without torch :func:`newton_schulz_bf16` emulates them with
-``ml_dtypes``, following the accumulation order measured on torch's kernel (oneDNN on x86-64):
-bit-identical on every matrix tried, but a model of one CPU's kernel rather than torch's code,
-so :func:`statekit.optim.exactness` still says ``tolerance`` without torch.
+These are torch's own bfloat16 CPU kernels (``addmm``/``mm``/``norm`` on zero-copy views):
+bit-exact. Without torch the step is refused (:data:`NEEDS_TORCH`): torch's bfloat16 product
+sums in an order that depends on the CPU and on torch's kernel choice (measured on one AVX2
+machine: ATen's ``default`` and ``avx2`` capabilities give different products; an emulation of
+the AVX2 oneDNN order, bit-identical there, missed the stated tolerance 14x on an AVX-512-BF16 /
+AMX CPU), so a torch-free path could promise neither torch's bits nor a tolerance.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import math
 import numpy as np
 
 from statekit.errors import UsageError
+from statekit.optim import backend
 from statekit.optim.backend import Backend
 from statekit.optim.common import TORCH, lerp
 from statekit.optim.tensorwise import make_tensor_step
@@ -42,7 +44,16 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("momentum_buffer",)
 
 
+NEEDS_TORCH = (
+    "torch's Muon is replayed with torch's own bfloat16 matrix products, and torch is not installed: their "
+    "summation order depends on the CPU and on the kernel torch picks there (ATen's or oneDNN's; AVX2, AVX-512-BF16, "
+    "AMX), and Newton–Schulz amplifies one rounding into many, so no torch-free emulation can promise torch's bits "
+    "or a stated tolerance on every CPU (pip install torch)")
+
+
 def _check(shape, hp):
+    if not backend.torch_available():
+        raise UsageError(NEEDS_TORCH)
     if len(shape) != 2:
         raise UsageError(f"Muon steps matrices only; this parameter has shape {list(shape)} (torch refuses it too: "
                          "give it to another optimizer)")
@@ -58,62 +69,11 @@ def adjust_ratio(adjust_lr_fn, shape) -> float:
     return 1.0
 
 
-def _matmul_bf16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` of bfloat16 values (held in float32) as torch's CPU kernel (oneDNN) accumulates
-    it, measured: one float32 accumulator per output, the inner dimension taken two at a time,
-    the odd position of each pair first, each exact product added with one rounding."""
-    acc = np.zeros((a.shape[0], b.shape[1]), np.float32)
-    k = a.shape[1]
-    for q in range(0, k, 2):
-        for r in ((q + 1, q) if q + 1 < k else (q,)):
-            acc += np.multiply.outer(a[:, r], b[r, :])  # a bfloat16 product is exact in float32
-    return acc
-
-
-def _epilogue(acc: np.ndarray, alpha: float, beta: float, c: np.ndarray) -> np.ndarray:
-    """``addmm``'s ``beta*c + alpha*acc``, as measured: ``fma(f32(beta), c, f32(alpha)*acc)``."""
-    scaled = (np.float32(alpha) * acc).astype(np.float32)
-    return np.asarray(_NP.fma32(np.ascontiguousarray(c, np.float32).reshape(-1), np.float32(beta),
-                                scaled.reshape(-1)), dtype=np.float32).reshape(c.shape)
-
-
-def newton_schulz_bf16(u: np.ndarray, coefficients, steps: int, eps: float) -> np.ndarray:
-    """torch's ``_zeropower_via_newtonschulz`` emulated with ml_dtypes bfloat16 (float32 result).
-
-    Every bfloat16 tensor is held as float32 values rounded to bfloat16 (round to nearest even);
-    the products follow :func:`_matmul_bf16`, ``addmm`` :func:`_epilogue`, the norm is a float64
-    sum rounded to float32 then bfloat16. Measured against torch's own kernels on an AMD EPYC
-    (Zen 3, AVX2): bit-identical (docs/numerics.md §10).
-    """
-    import ml_dtypes
-
-    bf16 = ml_dtypes.bfloat16
-
-    def rnd(x):
-        return np.asarray(x, dtype=np.float32).astype(bf16).astype(np.float32)
-
-    a, b, c = coefficients
-    x = rnd(u)
-    transposed = u.shape[0] > u.shape[1]
-    if transposed:
-        x = np.ascontiguousarray(x.T)
-    norm = rnd(np.float32(np.sqrt(np.sum(np.square(x, dtype=np.float64)))))
-    norm = rnd(max(float(norm), float(np.float32(eps))))
-    x = rnd(x / norm)
-    for _ in range(int(steps)):
-        gram = rnd(_matmul_bf16(x, np.ascontiguousarray(x.T)))
-        update = rnd(_epilogue(_matmul_bf16(gram, gram), c, b, gram))
-        x = rnd(_epilogue(_matmul_bf16(update, x), 1.0, a, x))
-    if transposed:
-        x = np.ascontiguousarray(x.T)
-    return x
-
-
 def newton_schulz(u: np.ndarray, coefficients, steps: int, eps: float, ops) -> np.ndarray:
-    """``_zeropower_via_newtonschulz`` as torch computes it (torch's kernels when installed)."""
+    """``_zeropower_via_newtonschulz`` with torch's own bfloat16 kernels."""
     torch = ops.torch
-    if torch is None:
-        return newton_schulz_bf16(u, coefficients, steps, eps)
+    if torch is None:  # pragma: no cover - _check refuses the step first
+        raise UsageError(NEEDS_TORCH)
     a, b, c = coefficients
     x = torch.from_numpy(np.ascontiguousarray(u)).bfloat16()
     transposed = u.shape[0] > u.shape[1]
@@ -147,4 +107,4 @@ def _run(p, g, slots, step, hp, ops):
 
 RUNS = {TORCH: _run}
 
-step = make_tensor_step(RUNS, slot_names, "muon", check=_check)
+step = make_tensor_step(RUNS, slot_names, "muon", check=_check, fresh=lambda shape: {"momentum_buffer": shape})

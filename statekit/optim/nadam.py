@@ -32,30 +32,36 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", "mu_product")
 
 
+def constants(hp, step: int, scalars) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once) and the new
+    ``mu_product``."""
+    t = f32(step + 1)
+    beta1, beta2, lr, wd, psi = hp["beta1"], hp["beta2"], hp["lr"], hp["weight_decay"], hp["momentum_decay"]
+    bc2 = 1 - beta2**t
+    mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * psi)))
+    mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * psi)))
+    mu_product = f32(scalars.get("mu_product", 1.0) * f32(mu))
+    mu_product_next = mu_product * mu_next
+    return {
+        "decay": 1 - lr * wd,
+        "wd": wd,
+        "beta2": beta2,
+        "c2": 1 - beta2,
+        "bc2": bc2,
+        "bc2_sqrt": bc2**0.5,
+        "eps": hp["eps"],
+        "c_grad": -lr * (1.0 - mu) / (1.0 - mu_product),
+        "c_avg": (-lr * mu_next) / (1.0 - mu_product_next),
+        "mu_product": mu_product,
+    }
+
+
 def _builder(foreach: bool):
     def build(b, hp, step, present, like, scalars):
-        t = f32(step + 1)
-        beta1, beta2, lr, wd, psi = hp["beta1"], hp["beta2"], hp["lr"], hp["weight_decay"], hp["momentum_decay"]
+        beta1, wd = hp["beta1"], hp["weight_decay"]
         decoupled, maximize = hp["decoupled_weight_decay"], hp["maximize"]
-        bc2 = 1 - beta2**t
-        mu = beta1 * (1.0 - 0.5 * (0.96 ** (t * psi)))
-        mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * psi)))
-        mu_product = f32(scalars.get("mu_product", 1.0) * f32(mu))
-        mu_product_next = mu_product * mu_next
-        k = {
-            name: b.const(value, like)
-            for name, value in {
-                "decay": 1 - lr * wd,
-                "wd": wd,
-                "beta2": beta2,
-                "c2": 1 - beta2,
-                "bc2": bc2,
-                "bc2_sqrt": bc2**0.5,
-                "eps": hp["eps"],
-                "c_grad": -lr * (1.0 - mu) / (1.0 - mu_product),
-                "c_avg": (-lr * mu_next) / (1.0 - mu_product_next),
-            }.items()
-        }
+        values = constants(hp, step, scalars)
+        k = {name: b.const(value, like) for name, value in values.items()}
         sqrt, around = b.torch_root()
 
         def kernel(p, g, s, tail):
@@ -69,7 +75,8 @@ def _builder(foreach: bool):
             p[...] = p + (k["c_avg"] * m) / denom
 
         kernel.around = around
-        return kernel, {}, {"mu_product": mu_product}
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
+        return kernel, {}, {"mu_product": values["mu_product"]}
 
     return build
 

@@ -22,30 +22,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from statekit.optim.fp import f32, fma64, powi
+from statekit.optim.numba_base import _maximum, fma32, pick, serial_twin
 
 
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """``a*b + c`` rounded once (``llvm.fma.f32``) for three float32 values."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-
-    return sig, codegen
-
-
-@njit(inline="always")
-def _maximum(a, b):
-    """``np.maximum``: NaN when either is NaN."""
-    return b if (b >= a or b != b) else a
-
-
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _adam_torch(p, g, m, v, vmax, body, maximize, l2, decoupled, amsgrad, lerp_low,
                 w, decay, wd, beta2, c2, bc2_sqrt, eps, neg_step):
     """torch's element-wise Adam; elements from ``body`` on take the fused kernel's tail rule."""
@@ -76,7 +59,7 @@ def _adam_torch(p, g, m, v, vmax, body, maximize, l2, decoupled, amsgrad, lerp_l
         p[i] = new_p + (neg_step * mi) / (math.sqrt(vi) / bc2_sqrt + eps)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _adam_burn(p, g, m, v, vmax, first, keep_max, l2, decoupled, amsgrad,
                wd, beta1, beta2, c1, c2, bc1, bc2, eps, decay, cf, eps_b2, lr):
     """burn 0.22 Adam/AdamW: one rounding per tensor operation."""
@@ -108,7 +91,7 @@ def _adam_burn(p, g, m, v, vmax, first, keep_max, l2, decoupled, amsgrad,
         p[i] = pi - u * lr
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _adamw_candle(p, g, m, v, beta1, c1, beta2, c2, scale_m, scale_v, decay, eps, lr, one, zero):
     """candle-nn AdamW on the CPU backend: every scalar through ``affine(x, mul, add)``."""
     n = p.shape[0]
@@ -122,22 +105,33 @@ def _adamw_candle(p, g, m, v, beta1, c1, beta2, c2, scale_m, scale_v, decay, eps
         p[i] = (p[i] * decay + zero) - (update * lr + zero)
 
 
-#: below this many elements the serial twin of each kernel runs: waking numba's thread pool
-#: costs more than the loop
-PARALLEL_FROM = 1 << 16
-_SERIAL = {kernel: njit(cache=True)(kernel.py_func) for kernel in (_adam_torch, _adam_burn, _adamw_candle)}
-
-
-def _pick(kernel, n: int):
-    return kernel if n >= PARALLEL_FROM else _SERIAL[kernel]
+for _kernel in (_adam_torch, _adam_burn, _adamw_candle):
+    serial_twin(_kernel)
+_pick = pick
 
 
 def _f(value) -> np.float32:
     return np.float32(value)
 
 
-def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present) -> None:
-    """One Adam/AdamW step in place on float32 C-contiguous numpy ``p`` and slots ``s``."""
+def run(name: str, flavor: str, p, g, s: dict, step: int, hp, present, constants=None) -> dict:
+    """One step in place on float32 C-contiguous numpy ``p`` and the full-size slots ``s``;
+    returns the 0-dim slots' new values (:mod:`statekit.optim.numba_more` for the algorithms
+    beyond Adam/AdamW, which take the step's ``constants`` from the reference's builder)."""
+    if name in ("sgd", "adagrad", "rmsprop"):
+        from statekit.optim import numba_classic
+
+        return numba_classic.run(name, flavor, p, g, s, step, hp, present, constants)
+    if name not in ("adam", "adamw"):
+        from statekit.optim import numba_more
+
+        return numba_more.run(name, flavor, p, g, s, step, hp, present, constants)
+    _adam(flavor, p, g, s, step, hp, present)
+    return {}
+
+
+def _adam(flavor: str, p, g, s: dict, step: int, hp, present) -> None:
+    """One Adam/AdamW step in place."""
     pf, gf = p.reshape(-1), g.reshape(-1)
     m, v = s["exp_avg"].reshape(-1), s["exp_avg_sq"].reshape(-1)
     amsgrad = bool(hp["amsgrad"])

@@ -36,24 +36,32 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
+def constants(hp, step: int) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once); ``rectified``
+    says which branch the for-loop takes."""
+    t = f32(step + 1)
+    beta1, beta2, lr, wd = hp["beta1"], hp["beta2"], hp["lr"], hp["weight_decay"]
+    bc1 = 1 - beta1**t
+    bc2 = 1 - beta2**t
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * t * (beta2**t) / bc2
+    rectified = rho_t > 5
+    rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5 \
+        if rectified else 0
+    return {"decay": 1 - lr * wd, "wd": wd, "beta2": beta2, "c2": 1 - beta2, "eps": hp["eps"], "bc1": bc1, "lr": lr,
+            "bc2_sqrt": bc2**0.5, "rect": rect or 0.0, "one": 1.0, "rectified": rectified,
+            # torch-foreach's two folded scalars (coef is -0.0 before rectification)
+            "unrect": (lr * (0 if rect > 0 else 1.0) / bc1) * -1,
+            "coef": ((1 - beta2**t) ** 0.5) * (lr * rect / bc1) * -1}
+
+
 def _builder(foreach: bool):
     def build(b, hp, step, present, like, vector_width):
-        t = f32(step + 1)
-        beta1, beta2, lr, wd = hp["beta1"], hp["beta2"], hp["lr"], hp["weight_decay"]
+        beta1, wd = hp["beta1"], hp["weight_decay"]
         decoupled, maximize = hp["decoupled_weight_decay"], hp["maximize"]
-        bc1 = 1 - beta1**t
-        bc2 = 1 - beta2**t
-        rho_inf = 2 / (1 - beta2) - 1
-        rho_t = rho_inf - 2 * t * (beta2**t) / bc2
-        rectified = rho_t > 5
-        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5 \
-            if rectified else 0
-        values = {"decay": 1 - lr * wd, "wd": wd, "beta2": beta2, "c2": 1 - beta2, "eps": hp["eps"],
-                  "bc1": bc1, "lr": lr, "bc2_sqrt": bc2**0.5, "rect": rect or 0.0, "one": 1.0}
-        if foreach:
-            values["unrect"] = (lr * (0 if rect > 0 else 1.0) / bc1) * -1
-            values["coef"] = ((1 - beta2**t) ** 0.5) * (lr * rect / bc1) * -1
-        k = {name: b.const(value, like) for name, value in values.items()}
+        values = constants(hp, step)
+        rectified = values["rectified"]
+        k = {name: b.const(value, like) for name, value in values.items() if name != "rectified"}
         sqrt, around = b.torch_root()
 
         def kernel(p, g, s, tail):
@@ -70,6 +78,7 @@ def _builder(foreach: bool):
                 p[...] = p - (m / k["bc1"]) * k["lr"]
 
         kernel.around = around
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
         return kernel, {}, no_tail
 
     return build

@@ -213,7 +213,8 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
       root (and, for Adafactor and Muon, the reductions and bfloat16 products) are torch's own, i.e. on numpy with torch installed or on torch CPU tensors;
       otherwise (no torch, CUDA, CuPy) the IEEE root differs by 1 ULP on some inputs and the
       result is within the tolerance of :mod:`statekit.optim.tolerance`. SGD has no square
-      root: always bit-exact.
+      root: always bit-exact. torch's Muon is not replayed without torch at all (its step is
+      refused: :data:`statekit.optim.muon.NEEDS_TORCH`).
     * ``burn`` / ``candle``: bit-exact to the modelled reference (burn's ndarray backend,
       candle's CPU backend without ``mkl``: one IEEE rounding per tensor op), which was
       reconstructed from their sources, not run.

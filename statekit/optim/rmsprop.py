@@ -57,17 +57,8 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
 def _torch(b, hp, step, present, like, vector_width):
     wd, momentum, centered, maximize = hp["weight_decay"], hp["momentum"], hp["centered"], hp["maximize"]
     alpha = hp["alpha"]
-    k = {
-        name: b.const(value, like)
-        for name, value in {
-            "wd": wd,
-            "alpha": alpha,
-            "c": 1.0 - alpha,
-            "eps": hp["eps"],
-            "momentum": momentum,
-            "neg_lr": -hp["lr"],
-        }.items()
-    }
+    values = {"wd": wd, "alpha": alpha, "c": 1.0 - alpha, "eps": hp["eps"], "momentum": momentum, "neg_lr": -hp["lr"]}
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         g = torch_grad(b, p, g, k["wd"], maximize, wd)
@@ -85,6 +76,7 @@ def _torch(b, hp, step, present, like, vector_width):
         else:
             p[...] = p + (k["neg_lr"] * g) / avg
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_classic)
     return kernel, {}, no_tail
 
 
@@ -94,17 +86,9 @@ def _burn(b, hp, step, present, like, vector_width):
     first = step == 0
     first_ga = first or "grad_avg" not in present
     first_buf = first or "momentum_buffer" not in present
-    k = {
-        name: b.const(float(value), like)
-        for name, value in {
-            "wd": wd,
-            "alpha": alpha,
-            "c": np.float32(1.0) - alpha,
-            "eps": hp["eps"],
-            "momentum": momentum,
-            "lr": hp["lr"],
-        }.items()
-    }
+    values = {name: float(value) for name, value in {"wd": wd, "alpha": alpha, "c": np.float32(1.0) - alpha,
+                                                     "eps": hp["eps"], "momentum": momentum, "lr": hp["lr"]}.items()}
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         if wd != 0:
@@ -124,6 +108,7 @@ def _burn(b, hp, step, present, like, vector_width):
             s["momentum_buffer"][...] = update
         p[...] = p - update * k["lr"]
 
+    kernel.constants = values
     return kernel, {}, no_tail
 
 

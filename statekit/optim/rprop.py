@@ -22,11 +22,16 @@ def slot_names(hp, flavor: str) -> tuple[str, ...]:
     return ("prev", "step_size")
 
 
-def _torch(b, hp, step, present, like, vector_width):
+def constants(hp, step: int) -> dict:
+    """The step's scalars (Python floats; each kernel rounds them to float32 once)."""
     (eta_minus, eta_plus), (smin, smax) = hp["etas"], hp["step_sizes"]
+    return {"minus": eta_minus, "plus": eta_plus, "one": 1.0, "zero": 0.0, "min": smin, "max": smax}
+
+
+def _torch(b, hp, step, present, like, vector_width):
     maximize = hp["maximize"]
-    k = {name: b.const(value, like) for name, value in
-         {"minus": eta_minus, "plus": eta_plus, "one": 1.0, "zero": 0.0, "min": smin, "max": smax}.items()}
+    values = constants(hp, step)
+    k = {name: b.const(value, like) for name, value in values.items()}
     xp = b.xp
 
     def kernel(p, g, s, tail):
@@ -40,6 +45,7 @@ def _torch(b, hp, step, present, like, vector_width):
         p[...] = p - xp.sign(g) * s["step_size"]
         s["prev"][...] = g
 
+    kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_more)
     return kernel, {"step_size": hp["lr"]}, no_tail
 
 

@@ -61,15 +61,8 @@ def _torch_builder(fused: bool):
     def build(b, hp, step, present, like, vector_width):
         wd, momentum, maximize, nesterov = hp["weight_decay"], hp["momentum"], hp["maximize"], hp["nesterov"]
         first = "momentum_buffer" not in present
-        k = {
-            name: b.const(value, like)
-            for name, value in {
-                "wd": wd,
-                "momentum": momentum,
-                "damp": 1.0 - hp["dampening"],
-                "neg_lr": -hp["lr"],
-            }.items()
-        }
+        values = {"wd": wd, "momentum": momentum, "damp": 1.0 - hp["dampening"], "neg_lr": -hp["lr"]}
+        k = {name: b.const(value, like) for name, value in values.items()}
 
         def kernel(p, g, s, tail):
             g = torch_grad(b, p, g, k["wd"], maximize, wd)
@@ -84,6 +77,7 @@ def _torch_builder(fused: bool):
                 g = b.fma32(buf, k["momentum"], g) if nesterov else buf
             p[...] = b.fma32(g, k["neg_lr"], p)
 
+        kernel.constants = values  # what the numba kernel takes (statekit.optim.numba_classic)
         return kernel, {}, tail_of(fused_vector_width(vector_width)) if fused else no_tail
 
     return build
@@ -92,15 +86,8 @@ def _torch_builder(fused: bool):
 def _burn(b, hp, step, present, like, vector_width):
     wd, momentum, nesterov = hp["weight_decay"], hp["momentum"], hp["nesterov"]
     first = step == 0 or "momentum_buffer" not in present
-    k = {
-        name: b.const(value, like)
-        for name, value in {
-            "wd": wd,
-            "momentum": momentum,
-            "damp": 1.0 - hp["dampening"],
-            "lr": hp["lr"],
-        }.items()
-    }
+    values = {"wd": wd, "momentum": momentum, "damp": 1.0 - hp["dampening"], "lr": hp["lr"]}
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         if wd != 0:
@@ -111,17 +98,20 @@ def _burn(b, hp, step, present, like, vector_width):
             g = v * k["momentum"] + g if nesterov else v
         p[...] = p - g * k["lr"]
 
+    kernel.constants = values
     return kernel, {}, no_tail
 
 
 def _candle(b, hp, step, present, like, vector_width):
-    k = {"lr": b.const(hp["lr"], like), "zero": b.const(0.0, like)}
+    values = {"lr": hp["lr"], "zero": 0.0}
+    k = {name: b.const(value, like) for name, value in values.items()}
 
     def kernel(p, g, s, tail):
         update = g * k["lr"]
         update += k["zero"]
         p -= update
 
+    kernel.constants = values
     return kernel, {}, no_tail
 
 
