@@ -292,9 +292,9 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
 
 def _read_param(p: ParamState, entry: dict, family: str | None, where: str, path: str, step_value,
                 ambiguous: bool = False) -> None:
-    odd = next((k for k in entry if not isinstance(k, str)), None)
-    if odd is not None:  # bitsandbytes names every state field by a string
-        raise FormatError(f"{where} has a key that is not a string: {limits.short(odd)}", path)
+    odd = [k for k in entry if not isinstance(k, str)]  # (a None key is one: no None sentinel)
+    if odd:  # bitsandbytes names every state field by a string
+        raise FormatError(f"{where} has a key that is not a string: {limits.short(odd[0])}", path)
     for name, value in entry.items():
         if name == "step":
             p.step, p.extra["__step_dtype"] = step_value(value, where, path)

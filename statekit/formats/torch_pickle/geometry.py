@@ -188,7 +188,7 @@ def _tensor(
     name, np_dtype, itemsize = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
     if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
         size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
-    if len(size) != len(stride) or type(offset) is not int or offset < 0:
+    if len(size) != len(stride) or type(offset) is not int or not 0 <= offset <= limits.MAX_ELEMENTS:  # int64, as torch
         raise FormatError(f"bad tensor geometry: offset {limits.short(offset)}, size {limits.short(size)}, stride {limits.short(stride)}")
     if len(size) == 1 and type(size[0]) is int and type(stride[0]) is int and 0 <= size[0] <= _SMALL >= stride[0] >= 0:
         numel, step = size[0], stride[0]  # one dimension of a plausible size: nothing can overflow
@@ -212,7 +212,8 @@ def _tensor(
         torch_dtype, requires_grad, storage.location)
     info = TensorInfo(shared, storage.key, offset, stride)
     if numel == 0 or (contiguous and not storage.big_endian):
-        start, stop = offset * itemsize, (offset + numel) * itemsize
+        # an empty tensor reads nothing, wherever its offset points (torch allows any int64 there)
+        start, stop = (offset * itemsize, (offset + numel) * itemsize) if numel else (0, 0)
         span = storage.span
         if span is not None:
             return TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + start, stop - start))
