@@ -27,7 +27,7 @@ from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.burnpack import Scalar
 from statekit.formats.safetensors import SafetensorsFile, write_safetensors
-from statekit.frameworks import candle
+from statekit.frameworks import base, candle
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -214,6 +214,7 @@ def save_state(state: OptimizerState, path: str, *, metadata: dict[str, str] | N
     return write_safetensors(path, enc.tensors, meta, progress)
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:
