@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from statekit.errors import UsageError
+
 
 def _mode_for(path: str) -> int:
     """Keep an existing target's permissions; new files get the usual 0666 & ~umask."""
@@ -83,6 +85,8 @@ def remove_stale(path: str | os.PathLike) -> list[str]:
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path = os.fspath(path)
+    if "\0" in path:  # (only an API string can hold one; os would raise ValueError)
+        raise UsageError(f"{path!r}: a file name cannot hold a NUL byte")
     directory = os.path.dirname(os.path.abspath(path))
     remove_stale(path)
     import tempfile

@@ -20,7 +20,7 @@ import typer.core
 
 from statekit import typer_fast
 from statekit.errors import StatekitError, UsageError
-from statekit.output import Output, error_line
+from statekit.output import Output, error_line, names_as_given
 
 typer_fast.install()  # plain options without typer's pydantic adapters (statekit/typer_fast.py)
 # help shows an argument's metavar (FILE), not its Python type (<path>) beside it
@@ -683,6 +683,7 @@ def _run(args: list[str] | None = None) -> int:
     """Run the CLI: every error becomes one line (JSON with --json) and an exit code, here only."""
     args = sys.argv[1:] if args is None else list(args)
     command = next((a for a in args if not a.startswith("-")), None)
+    names_as_given()
     try:
         # a context of its own: what a command sets (--jobs) ends with it, also when run in-process
         rc = contextvars.copy_context().run(_app_for(args), args=args, standalone_mode=False, prog_name="statekit")

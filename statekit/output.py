@@ -13,6 +13,40 @@ import sys
 from collections.abc import Iterator
 
 
+def _as_given(exc: UnicodeError) -> tuple[bytes, int]:
+    """The codec error handler :func:`names_as_given` installs: a character stdout's encoding cannot
+    hold is written as the byte a file name held (Python reads a name that is not UTF-8 with
+    ``surrogateescape``: byte 0xff is U+DCFF), else as a backslash escape (``\\xb7``)."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    out = bytearray()
+    for char in exc.object[exc.start : exc.end]:
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(code - 0xDC00)
+        else:
+            out += char.encode("ascii", "backslashreplace")
+    return bytes(out), exc.end
+
+
+def names_as_given() -> None:
+    """Let stdout and stderr write any name: file and parameter names are bytes the user chose, and
+    one that is not UTF-8 (or a character a non-UTF-8 terminal's encoding lacks) ended a command in
+    UnicodeEncodeError where the stream's errors were ``strict`` (a UTF-8 locale other than C.UTF-8,
+    ``PYTHONIOENCODING``). Names come out as the bytes given, like ``ls`` writes them to a pipe."""
+    import codecs
+
+    try:
+        codecs.lookup_error("statekit.as_given")
+    except LookupError:
+        codecs.register_error("statekit.as_given", _as_given)
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) in ("strict", "backslashreplace", "surrogateescape") and hasattr(
+                stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="statekit.as_given")
+
+
 def _console(stderr: bool = False, width: int | None = None):
     """A rich console, imported on first use: JSON, TSV and long plain tables never need one.
 

@@ -89,4 +89,11 @@ def generated(path: str) -> int:
     """A stable ParamId for a path that has none (the same path always gets the same id)."""
     import hashlib  # here: 2.5 ms of start-up that only a path's derived id needs
 
-    return int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little")
+    try:
+        raw = path.encode()
+    except UnicodeEncodeError as exc:  # a name from bytes that are no UTF-8 (a command-line argument)
+        from statekit.errors import MappingError
+
+        raise MappingError(f"parameter path {path!r} holds a lone surrogate ({path[exc.start]!r} at {exc.start}) "
+                           "and cannot be written as UTF-8") from None
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from statekit import naming, paramid
 from statekit.errors import MappingError, UsageError
+from statekit.formats import limits
 from statekit.tensor import TensorRef
 
 GLOB_CHARS = frozenset("*?[")
@@ -348,6 +350,45 @@ def refuse_opaque(state: OptimizerState | None, source: str, doing: str) -> None
         listed = "; ".join(f"parameter {p.label()}: {p.opaque_text()}" for p in holders[:3])
         raise MappingError(f"state statekit does not understand: {listed}{more}; refusing to {doing} without it",
                            source)
+
+
+def step_problem(step: object) -> str | None:
+    """Why ``step`` is no step count, or None when it is one (or absent): a parameter's step counts
+    the updates it took, a whole number from 0. NaN, Inf, a negative or a fractional step comes from
+    a damaged file; written out, bias correction turns the parameter into NaN at its next update.
+    The one check behind every writer (:func:`refuse_bad_steps`) and doctor's ``step`` finding."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        return f"step {limits.short(step)} is not a number"
+    whole = isinstance(step, numbers.Integral) or (math.isfinite(step) and step == int(step))
+    if not whole or step < 0:
+        shown = limits.short(int(step)) if isinstance(step, numbers.Integral) else repr(float(step))
+        return f"step {shown} is not a whole count of updates (0, 1, 2, …)"
+    return None
+
+
+def refuse_bad_steps(state: OptimizerState | None, source: str | None = None, writing: str | None = None) -> None:
+    """A parameter whose step is no count (:func:`step_problem`) is refused, named: a MappingError
+    against ``source`` (the file read), or, from a writer, saying that ``writing`` was not written."""
+    params = state.params if state is not None else []
+    try:  # the distinct steps first: a state of 10^6 parameters holds a handful
+        if all(step_problem(step) is None for step in {p.step for p in params}):
+            return
+    except TypeError:  # a step that cannot be hashed (a list): found below
+        pass
+    for p in params:
+        why = step_problem(p.step)
+        if why is not None:
+            refusing = f"refusing to write {writing}: " if writing is not None else ""
+            raise MappingError(f"{refusing}parameter {p.label()}: {why}", source)
+
+
+def refuse_unusable(state: OptimizerState | None, source: str, doing: str) -> None:
+    """What no operation carries on is refused before it starts, named: state statekit does not
+    understand (:func:`refuse_opaque`) and a step that is no count (:func:`refuse_bad_steps`)."""
+    refuse_opaque(state, source, doing)
+    refuse_bad_steps(state, source)
 
 
 @dataclass(slots=True)  # one per model tensor: a state_dict may hold 10^6

@@ -72,7 +72,7 @@ class _Stream(io.TextIOWrapper):
 
     def text(self) -> str:
         self.flush()
-        return self.buffer.getvalue().decode("utf-8")
+        return self.buffer.getvalue().decode("utf-8", "surrogateescape")  # a name that is no UTF-8: as given
 
 
 def _no_terminal(fd: int = 1):

@@ -153,6 +153,8 @@ def test_registry_entries_resolve_to_the_shared_signatures(fmt):
         assert list(params)[:2] == ["state", "path"]
         keywords = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
         assert keywords == list(base.WRITER_KEYWORDS), fmt.write
+        # the checks every writer shares (a step that is no count, issue 29) run before its own
+        assert getattr(registry.resolve(fmt.write), "shared_checks", False), f"{fmt.write}: not @base.optimizer_writer"
     if fmt.write_model:
         params = inspect.signature(registry.resolve(fmt.write_model)).parameters
         assert list(params)[:2] == ["model", "path"]

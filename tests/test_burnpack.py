@@ -252,7 +252,8 @@ def _outcome(path):
         with BurnpackFile(str(path)) as pack:
             return ("ok", pack.canonical, pack.data_order, pack.metadata,
                     {n: (e.name, e.burn_dtype, e.shape, e.start, e.end, e.param_id, e.dtype) for n, e in pack.tensors.items()},
-                    {n: (s.kind, s.value, type(s.value)) for n, s in pack.scalars.items()})
+                    # (a NaN equals nothing, not even the other parse's NaN: compared by name)
+                    {n: (s.kind, s.value if s.value == s.value else "NaN", type(s.value)) for n, s in pack.scalars.items()})
     except FormatError as exc:
         return ("refused", str(exc))
 

@@ -406,3 +406,26 @@ def test_model_info_for_remap_from_candle():
     info = burn_legacy_io.load_model_info(str(CANDLE / "model.safetensors"))
     assert isinstance(info, ModelInfo) and set(info.by_path()) == set(NAMES)
     assert isinstance(info.params[0], ModelParam) and info.by_id() == {}
+
+
+@pytest.mark.parametrize("second", [(1,), (1, 1)])
+def test_weights_named_like_candle_state_are_written_back_as_weights(tmp_path, cli, second):
+    """Weights whose names are all candle AdamW's (first_moment.*, second_moment.*, step_t), tagged
+    as weights (``{"format": "pt"}``), were converted to an untagged file that statekit then read as
+    candle state — refusing it when two shapes differ (fuzz crasher safetensors-126609f3922d:
+    "statekit wrote out.safetensors and refuses to read it back"), silently becoming optimizer state
+    otherwise. They are written tagged, and read back as the weights they are."""
+    names = {"first_moment.l1.bias": np.ones(1, np.float32), "second_moment.l1.bias": np.ones(second, np.float32),
+             "step_t": np.array(3, np.int64)}
+    save_file(names, str(tmp_path / "w.safetensors"), metadata={"format": "pt"})
+    r = cli("convert", tmp_path / "w.safetensors", tmp_path / "out.safetensors")
+    assert r.returncode == 0, r.stderr
+    again = json.loads(cli("inspect", tmp_path / "out.safetensors", "--json").stdout)
+    assert again["kind"] == "model" and sorted(p["path"] for p in again["params"]) == sorted(names)
+    with safe_open(str(tmp_path / "out.safetensors"), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+    plain = {"l1.weight": np.ones((2, 2), np.float32)}  # other weights stay untagged, as candle's VarMap::save
+    save_file(plain, str(tmp_path / "p.safetensors"))
+    assert cli("convert", tmp_path / "p.safetensors", tmp_path / "p2.safetensors").returncode == 0
+    with safe_open(str(tmp_path / "p2.safetensors"), "np") as f:
+        assert not f.metadata()

@@ -76,6 +76,22 @@ def test_rule_that_matches_nothing_is_reported(tmp_path, cli):
     assert r.returncode == 0 and "matched no parameter" in r.stderr and not (tmp_path / "x.bpk").exists()
 
 
+@pytest.mark.parametrize(("rule", "why"), [(r"^ff\.(weight)=x.$2", "invalid group reference 2"),
+                                         (r"^ff\.=\u", "bad escape \\u"), (r"^ff\.=\g<name>", "unknown group name")])
+def test_a_replacement_python_cannot_use_is_a_usage_error(tmp_path, cli, rule, why):
+    """A replacement's bad escape or missing group ended in "internal error: error: bad escape \\u"
+    at the first matching path (found beside issue 29's faults); now refused as the rules are read."""
+    r = cli("remap", OPTIM, "--model", V2, "-o", tmp_path / "x.bpk", "--resize", "--rename", rule)
+    assert r.returncode == 2 and "internal error" not in r.stderr and "replacement" in r.stderr, r.stderr
+    assert why in r.stderr and not (tmp_path / "x.bpk").exists()
+
+
+def test_a_rules_file_that_is_not_utf8_is_a_usage_error(tmp_path, cli):
+    (tmp_path / "rules.txt").write_bytes(b"^ff\\.=blocks.0.\xff\n")
+    r = cli("remap", OPTIM, "--model", V2, "-o", tmp_path / "x.bpk", "--rules", tmp_path / "rules.txt")
+    assert r.returncode == 2 and "rules are not UTF-8 text (byte 0xff at 15)" in r.stderr, r.stderr
+
+
 def test_plan_out_then_plan_in_is_byte_identical(tmp_path, cli):
     args = ["--model", V2, "--rename", RULE, "--resize"]
     assert cli("remap", OPTIM, *args, "-o", tmp_path / "a.bpk", "--plan-out", tmp_path / "plan.json").returncode == 0

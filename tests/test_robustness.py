@@ -456,12 +456,15 @@ def test_a_quantized_tensor_without_its_scheme_is_refused_by_name_before_writing
 # ------------------------------------------------------------------------------ param groups (issue 21)
 
 
-@pytest.mark.parametrize("key", [("a", "b"), 3])
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("key", [("a", "b"), 3, None])
 @pytest.mark.parametrize("family", ["adam", "unknown"])
-def test_param_group_with_a_key_that_is_not_a_string(tmp_path, key, family):
+def test_param_group_with_a_key_that_is_not_a_string(tmp_path, key, family, legacy):
     """A param group key that is no string (torch.save writes what it is given) used to end in
     "internal error: TypeError: '<' not supported between instances of 'tuple' and 'str'" once
-    the family was unknown (and to be written back as a string otherwise): one line naming it."""
+    the family was unknown (and to be written back as a string otherwise): one line naming it.
+    A ``None`` key slipped past the check (None was its "nothing found"): issue 29's fuzz class,
+    a legacy .pt (fixtures/fuzz-corpus/torch-legacy-d25d9498bed5.pt) in inspect, doctor, convert."""
     import subprocess
     import sys
 
@@ -476,15 +479,19 @@ def test_param_group_with_a_key_that_is_not_a_string(tmp_path, key, family):
         sd = {"state": {0: {"foo": torch.ones(3)}}, "param_groups": [{"params": [0], "lr": 0.1}]}
     sd["param_groups"][0][key] = 1
     path = tmp_path / "group.pt"
-    torch.save(sd, path)
+    torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
     for stats in (False, True):
         refuse(path, "param_groups[0]", "not a string", repr(key), stats=stats)
-    done = subprocess.run([sys.executable, "-m", "statekit", "inspect", str(path)], capture_output=True, text=True)
-    assert done.returncode != 0 and not done.stdout
-    assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "internal error" not in done.stderr
+    for command in (["inspect"], ["doctor"], ["convert", "--to", "safetensors"]):
+        args = [*command[:1], str(path), *([str(tmp_path / "out.safetensors")] if command[0] == "convert" else [])]
+        done = subprocess.run([sys.executable, "-m", "statekit", *args, *command[1:]], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode != 0 and not done.stdout
+        assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "internal error" not in done.stderr
+    assert not (tmp_path / "out.safetensors").exists()
 
 
-@pytest.mark.parametrize("key", [(128,), 3])
+@pytest.mark.parametrize("key", [(128,), 3, None])
 @pytest.mark.parametrize("family", ["adam", "bnb"])
 def test_param_state_with_a_key_that_is_not_a_string(tmp_path, key, family):
     """Fuzz crasher torch-zip (fixtures/fuzz-corpus/torch-zip-8a5e87c6c3f4.pt, a bitsandbytes
@@ -527,3 +534,65 @@ def test_statistics_of_values_near_the_float64_limit(tmp_path):
         v = values[0]
         assert (s["min"], s["max"], s["nan"], s["inf"]) == (v, v, 0, 0)
         assert s["mean"] == pytest.approx(v, rel=1e-15) and s["rms"] == pytest.approx(abs(v), rel=1e-15)
+
+
+def test_param_group_whose_params_is_no_list(tmp_path):
+    """A group whose ``params`` is a float ended in "internal error: TypeError: 'float' object is not
+    iterable" while telling names from ids (frameworks/torch_fqn.py; found beside issue 29's fuzz
+    classes, fixtures/fuzz-corpus/torch-zip-c012d79c95f5.pt): one line naming the group."""
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    for value in (0.5, "0", None, {0: 0}):
+        sd = opt.state_dict()
+        sd["param_groups"][0]["params"] = value
+        torch.save(sd, tmp_path / "group.pt")
+        refuse(tmp_path / "group.pt", "param_groups[0] has no 'params' list")
+
+
+def empty_view_at(offset: int) -> bytes:
+    """torch.save's own file of an empty view (``torch.ones(3)[3:]``: storage offset 3), its offset
+    then set to ``offset`` in the pickle."""
+    torch = pytest.importorskip("torch")
+    out = io.BytesIO()
+    torch.save({"w": torch.ones(3)[3:]}, out)
+    with zipfile.ZipFile(io.BytesIO(out.getvalue())) as zf:
+        entries = [(info.filename, zf.read(info)) for info in zf.infolist()]
+    name, pkl = next((n, b) for n, b in entries if n.endswith("/data.pkl"))
+    at = pkl.index(pickle.BINPERSID) + 1
+    assert pkl[at : at + 2] == pickle.BININT1 + b"\x03"
+    raw = pickle.encode_long(offset)
+    pkl = pkl[:at] + pickle.LONG1 + bytes([len(raw)]) + raw + pkl[at + 2 :]
+    new = io.BytesIO()
+    with zipfile.ZipFile(new, "w", zipfile.ZIP_STORED) as zf:
+        for n, body in entries:
+            zf.writestr(n, pkl if n == name else body)
+    return new.getvalue()
+
+
+def test_an_empty_tensor_at_a_storage_offset_past_int64_is_refused(tmp_path):
+    """Reading such a tensor raised OverflowError ("Python int too large to convert to C long")
+    through the Python API (issue 29's fuzz class, fixtures/fuzz-corpus/torch-zip-ed67e17488bd.pt);
+    torch itself refuses the offset ("Overflow when unpacking long long")."""
+    path = write(tmp_path, "e.pt", empty_view_at(2**63))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="Overflow"):
+        torch.load(path, weights_only=True)
+    with pytest.raises(StatekitError) as info:
+        with statekit.open(path) as ckpt:
+            [p.tensor.numpy() for p in ckpt.model.params]
+    assert "offset 9223372036854775808" in one_line(info.value)
+
+
+def test_an_empty_tensor_far_past_its_storage_reads_empty_as_in_torch(tmp_path):
+    """An offset within int64 is an empty tensor's own business: torch loads it, so does statekit,
+    reading nothing (the offset times the item size is past any file position)."""
+    torch = pytest.importorskip("torch")
+    path = write(tmp_path, "e.pt", empty_view_at(2**62))
+    theirs = torch.load(path, weights_only=True)["w"]
+    with statekit.open(path) as ckpt:
+        ours = ckpt.model.params[0].tensor.numpy()
+    assert ours.shape == tuple(theirs.shape) == (0,) and ours.dtype == np.float32
+    assert statekit.inspect(path, stats=True)["params"][0]["shape"] == [0]

@@ -480,7 +480,7 @@ def encode_metadata(
 ) -> bytes:
     """CBOR metadata exactly as burn writes it: sorted maps, tensors/metadata/scalars order."""
     def sort(d: dict) -> dict:
-        return {k: d[k] for k in sorted(d, key=lambda s: s.encode("utf-8"))}
+        return {k: d[k] for k in sorted(d, key=limits.utf8)}  # (a name that is no UTF-8: refused, named)
 
     desc = {}
     for name, e in sort(tensors).items():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import struct
 
+from statekit.formats import limits
+
 MAX_DEPTH = 128
 
 
@@ -75,7 +77,7 @@ def _encode(value: object, out: bytearray) -> None:
     elif isinstance(value, float):
         out += _float(value)
     elif isinstance(value, str):
-        raw = value.encode("utf-8")
+        raw = limits.utf8(value)
         out += _head(3, len(raw)) + raw
     elif isinstance(value, bytes | bytearray):
         out += _head(2, len(value)) + bytes(value)

@@ -47,7 +47,7 @@ import numpy as np
 from statekit import dtypes
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
-from statekit.formats import torch_pickle, torch_pt
+from statekit.formats import limits, torch_pickle, torch_pt
 from statekit.formats.torch_pickle import Record, RecordClass, TorchDtype
 from statekit.tensor import SourceFile, TensorRef
 
@@ -487,6 +487,7 @@ def flatten(state_dict: dict) -> list[Item]:
                 walk(path + (str(k),), v)
         elif terminal(value):
             key = ".".join(map(str, path))
+            limits.utf8_all((key, value))  # refused here, before any part of the directory is written
             if key in seen:
                 raise MappingError(f"two entries flatten to the same DCP key {key!r}")
             seen.add(key)
@@ -692,11 +693,11 @@ def save(directory: str | os.PathLike, state_dict: dict, shards: int | None = No
     ``.metadata``. Alone, the part manifests are removed once ``.metadata`` is written.
     """
     directory = os.fspath(directory)
+    items = flatten(state_dict)  # (refuses what it cannot write before the directory exists)
     os.makedirs(directory, exist_ok=True)
     share = _SHARE.get()
     alone = share is None
     share = share or Share()
-    items = flatten(state_dict)
     groups = split_by_bytes(items, shards or share.count)
     plan = plan_id(items, len(groups))
     order = {it.key: n for n, it in enumerate(items)}

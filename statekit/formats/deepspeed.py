@@ -71,10 +71,11 @@ def tag_dir(path: str) -> str | None:
         return path
     latest = os.path.join(path, "latest")
     if os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as fh:
-            tag = fh.read(256).strip()
+        with open(latest, "rb") as fh:
+            tag = os.fsdecode(fh.read(256).strip())  # a tag folder's name as its bytes are (UTF-8 or not)
         inner = os.path.join(path, tag)
-        if tag and os.sep not in tag and os.path.isdir(inner) and any(OPTIM_FILE.match(n) for n in os.listdir(inner)):
+        if tag and os.sep not in tag and "\0" not in tag and os.path.isdir(inner) and any(
+                OPTIM_FILE.match(n) for n in os.listdir(inner)):
             return inner
     return None
 

@@ -11,6 +11,8 @@ import math
 import os
 import reprlib
 
+from statekit.errors import MappingError
+
 MAX_RANK = 64  # numpy's limit (and far above any framework's tensors)
 MAX_ELEMENTS = (1 << 63) - 1  # bytes or elements of one tensor, zero-size dimensions or not
 MAX_TENSORS = 100_000 * 10  # tensors (or records) in one file; burnpack keeps burn's own 100,000
@@ -54,8 +56,35 @@ def text_problem(text: str) -> str | None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        return f"{_short(text)} holds a lone surrogate ({text[exc.start]!r} at {exc.start}) and cannot be written as UTF-8"
+        shown = _short(text) if len(text) <= 60 else "..." + _short(text[max(0, exc.start - 24) : exc.start + 24])
+        return f"{shown} holds a lone surrogate ({text[exc.start]!r} at {exc.start}) and cannot be written as UTF-8"
     return None
+
+
+def utf8(text: str) -> bytes:
+    """``text`` encoded for an output (every format statekit writes holds UTF-8 text). A lone
+    surrogate — a name from bytes that are no UTF-8, such as a command-line argument or an API
+    string — is refused with a MappingError naming it: statekit writes nothing it would refuse
+    to read back (its readers refuse such text, :func:`text_problem`)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MappingError(text_problem(text)) from None
+
+
+def utf8_all(value: object) -> None:
+    """:func:`utf8` for every string in ``value`` (dict keys and values, lists, tuples), for the
+    writers of several files that refuse before the first one is written."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            utf8(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
 
 
 def depth_problem(value: object, max_depth: int = MAX_DEPTH) -> str | None:

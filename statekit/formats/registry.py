@@ -163,6 +163,8 @@ def _head(path: str) -> bytes:
 def sniff(path: str | os.PathLike) -> str:
     """The name of the format whose sniffer claims ``path``; FormatError when none does."""
     path = os.fspath(path)
+    if "\0" in path:  # (only an API string can hold one; os would raise ValueError)
+        raise UsageError(f"{path!r}: a file name cannot hold a NUL byte")
     head = _head(path)
     is_dir = os.path.isdir(path)
     for fmt in FORMATS:

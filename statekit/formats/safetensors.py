@@ -150,12 +150,13 @@ def write_safetensors(path: str | os.PathLike, tensors: list[tuple[str, TensorRe
         if ref.dtype not in TO_SAFETENSORS:
             raise MappingError(f"tensor {name!r}: dtype {ref.dtype} has no safetensors equivalent")
         items.append((name, TO_SAFETENSORS[ref.dtype], ref))
-    items.sort(key=lambda item: (-_DTYPE_RANK[item[1]], item[0].encode("utf-8")))
+    items.sort(key=lambda item: (-_DTYPE_RANK[item[1]], limits.utf8(item[0])))
     header: dict[str, object] = {}
     if metadata:
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise MappingError(f"safetensors metadata must map strings to strings ({key!r})")
+            limits.utf8(key), limits.utf8(value)  # JSON text holding a lone surrogate: refused, named
         header["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
     offset = 0
     for name, st_dtype, ref in items:

@@ -402,8 +402,12 @@ def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive") -> int:
 
 
 def _archive_name(path: str | os.PathLike) -> str:
-    """torch's folder name: the file name without its last extension ("archive" if empty)."""
-    name = os.path.basename(os.fspath(path))
+    """torch's folder name: the file name without its last extension; "archive" if that is empty or
+    the path is not ASCII (torch.save then writes through a Python stream, which names it so)."""
+    path = os.fspath(path)
+    if not path.isascii():  # a name in UTF-8 or bytes that are none (a lone surrogate here): as torch
+        return "archive"
+    name = os.path.basename(path)
     return (name.rsplit(".", 1)[0] if "." in name else name) or "archive"
 
 

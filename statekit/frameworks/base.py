@@ -13,15 +13,20 @@ talk to. A module provides the functions its formats' entries name:
 
 Call order: a writer is handed a state whose tensors are lazy sources
 (:class:`~statekit.tensor.TensorRef`: ``shape``, ``dtype``, ``nbytes``, ``iter_bytes(chunk)``);
-it checks everything it can refuse *before* it creates the output, then streams the tensors
+it checks everything it can refuse *before* it creates the output (the checks every writer
+shares run first: :func:`optimizer_writer`), then streams the tensors
 one at a time into an atomic temporary file, reports bytes through ``progress(n)`` and
 warnings through ``on_warning(message)`` (never by printing), and returns the file's size.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from statekit.state import refuse_bad_steps
 
 if TYPE_CHECKING:
     from statekit.state import Checkpoint, ModelInfo, OptimizerState
@@ -56,6 +61,21 @@ class Framework(Protocol):
     ``save_model`` :class:`ModelWriter`) are checked against these signatures by the tests."""
 
     FORMAT: str
+
+
+def optimizer_writer(write: Callable) -> Callable:
+    """Every format's optimizer-state writer is declared with this: the checks all writers share run
+    before the format's own, before the output exists (a parameter whose step is no whole count,
+    :func:`statekit.state.refuse_bad_steps`). ``tests/test_architecture.py`` checks that every
+    registry ``write`` entry is one."""
+
+    @functools.wraps(write)
+    def checked(state: OptimizerState, path: str, **options: object) -> int:
+        refuse_bad_steps(state, writing=os.fspath(path))
+        return write(state, path, **options)
+
+    checked.shared_checks = True
+    return checked
 
 
 WRITER_KEYWORDS = ("family", "groups", "metadata", "progress", "step_policy", "on_warning")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits, torch_pt
+from statekit.frameworks import base
 from statekit.lazy import numpy as np
 from statekit.state import OptimizerState, ParamGroup, ParamState
 from statekit.tensor import Elements, TensorRef
@@ -292,9 +293,9 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
 
 def _read_param(p: ParamState, entry: dict, family: str | None, where: str, path: str, step_value,
                 ambiguous: bool = False) -> None:
-    odd = next((k for k in entry if not isinstance(k, str)), None)
-    if odd is not None:  # bitsandbytes names every state field by a string
-        raise FormatError(f"{where} has a key that is not a string: {limits.short(odd)}", path)
+    odd = [k for k in entry if not isinstance(k, str)]  # (a None key is one: no None sentinel)
+    if odd:  # bitsandbytes names every state field by a string
+        raise FormatError(f"{where} has a key that is not a string: {limits.short(odd[0])}", path)
     for name, value in entry.items():
         if name == "step":
             p.step, p.extra["__step_dtype"] = step_value(value, where, path)
@@ -481,6 +482,7 @@ def _save(state, path, family, groups, *, block: int, nested: bool) -> int:
     return os.path.getsize(path)
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:
@@ -488,6 +490,7 @@ def save_optimizer(state: OptimizerState, path: str, *, family: str | None = Non
     return _save(state, path, family, groups, block=256, nested=True)
 
 
+@base.optimizer_writer
 def save_optimizer_flat(state: OptimizerState, path: str, *, family: str | None = None,
                         groups: list[dict] | None = None, metadata: dict[str, str] | None = None, progress=None,
                         step_policy: str | None = None, on_warning=None) -> int:
@@ -495,6 +498,7 @@ def save_optimizer_flat(state: OptimizerState, path: str, *, family: str | None 
     return _save(state, path, family, groups, block=256, nested=False)
 
 
+@base.optimizer_writer
 def save_optimizer_2048(state: OptimizerState, path: str, *, family: str | None = None,
                         groups: list[dict] | None = None, metadata: dict[str, str] | None = None, progress=None,
                         step_policy: str | None = None, on_warning=None) -> int:

@@ -14,6 +14,7 @@ from statekit import dtypes, hyper, naming, paramid
 from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.burnpack import BurnpackFile, PackTensor, Scalar, copy_burnpack, write_burnpack
+from statekit.frameworks import base
 from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState, regroup
 from statekit.tensor import TensorRef
@@ -306,13 +307,11 @@ def to_pack(state: OptimizerState, metadata: dict[str, str] | None = None):
                 if slot not in native:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state has no field for {slot!r}")
                 tensors.append(PackTensor(f"{key}.{native[slot]}", ref, param_id=p.id))
-            if lay.step is None and p.step is not None and float(p.step) == int(p.step) and p.step >= 0:
+            if lay.step is None and p.step is not None:  # a whole count (base.optimizer_writer checked)
                 scalars[f"{key}.{STEP_KEY}"] = Scalar("UInt", int(p.step))
             elif lay.step is not None:
                 if p.step is None:
                     raise MappingError(f"parameter {p.label()}: burn's {family} state needs a step count")
-                if float(p.step) != int(p.step) or p.step < 0:
-                    raise MappingError(f"parameter {p.label()}: step {p.step} is not a whole count")
                 scalars[f"{key}.{lay.step}"] = Scalar(p.extra.get("__step_kind", "UInt"), int(p.step))
         rank = p.rank if p.rank is not None else (len(p.shape) if p.shape is not None else None)
         if rank is None:
@@ -368,6 +367,7 @@ def open_checkpoint(path: str, **options) -> Checkpoint:
     return read(BurnpackFile(path))
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from statekit import hyper
 from statekit.errors import FormatError, MappingError
 from statekit.formats.safetensors import write_safetensors
+from statekit.frameworks import base
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -147,6 +148,7 @@ def _names(params: list[ParamState], limit: int = 3) -> str:
     return ", ".join(labels[:limit]) + (f" and {len(labels) - limit} more" if len(labels) > limit else "")
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning: Callable[[str], None] | None = None) -> int:
@@ -233,10 +235,7 @@ def _global_step(live: list[ParamState], policy: str, warn: Callable[[str], None
     for p in live:
         if p.step is None:
             raise MappingError(f"parameter {p.label()} has no step count; candle AdamW needs step_t")
-        value = float(p.step)
-        if value != int(value) or value < 0:
-            raise MappingError(f"parameter {p.label()}: step {p.step} is not a whole count")
-        steps.setdefault(int(value), []).append(p)
+        steps.setdefault(int(p.step), []).append(p)  # a whole count (base.optimizer_writer checked)
     if not steps:
         return 0
     if len(steps) > 1:

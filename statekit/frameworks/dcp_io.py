@@ -15,7 +15,7 @@ import os
 
 from statekit.errors import MappingError
 from statekit.formats import dcp
-from statekit.frameworks import torch_fqn, torch_io, torch_state
+from statekit.frameworks import base, torch_fqn, torch_io, torch_state
 from statekit.state import Checkpoint, OptimizerState
 
 FORMAT = "dcp"
@@ -42,6 +42,7 @@ def fqn_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> di
     return torch_fqn.from_positional(torch_state.to_state_dict(state, family, groups))
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 
 from statekit import dtypes
 from statekit.errors import FormatError
-from statekit.formats import deepspeed
-from statekit.frameworks import torch_state
+from statekit.formats import deepspeed, limits
+from statekit.frameworks import base, torch_state
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState
 from statekit.tensor import PIECE, TensorRef
 
@@ -238,7 +238,7 @@ def _gathered(flats: list[list[TensorRef]], segs, shape: tuple[int, ...]) -> Ten
 
 # --------------------------------------------------------------------------------- universal
 
-_PARAM_DIR = re.compile(r"^[^/\\]+$")
+_PARAM_DIR = re.compile(r"^[^/\\\0]+$")
 
 
 def _open_universal(path: str) -> Checkpoint:
@@ -331,6 +331,7 @@ def universal_weights(model: ModelInfo | None):
         _WEIGHTS.reset(token)
 
 
+@base.optimizer_writer
 def save_universal(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:
@@ -347,6 +348,7 @@ def save_universal(state: OptimizerState, path: str, *, family: str | None = Non
     path = os.fspath(path).rstrip("/" + os.sep) or os.fspath(path)
     groups = groups if groups is not None else [g.hyperparams for g in state.groups]
     plan = _universal_entries(state, path, family or state.family)
+    limits.utf8_all(([name for name, _, _ in plan], groups))  # refused before the first file is written
     steps = {step for _, _, step in plan}
     written = 0
     zero = os.path.join(path, "zero")
@@ -391,7 +393,7 @@ def save_universal(state: OptimizerState, path: str, *, family: str | None = Non
     written += os.path.getsize(os.path.join(path, "mp_rank_00_model_states.pt"))
     root, folder = os.path.split(os.path.abspath(path))
     with atomic_write(os.path.join(root, "latest_universal")) as fh:
-        fh.write(folder.encode())
+        fh.write(os.fsencode(folder))  # the folder name's bytes, as given (a name need not be UTF-8)
     return written
 
 

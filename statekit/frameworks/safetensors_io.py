@@ -27,7 +27,7 @@ from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.burnpack import Scalar
 from statekit.formats.safetensors import SafetensorsFile, write_safetensors
-from statekit.frameworks import candle
+from statekit.frameworks import base, candle
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
 
@@ -73,12 +73,18 @@ def read_model(sf: SafetensorsFile) -> Checkpoint:
 
 def save_model(model: ModelInfo, path: str, *, dtype: str | None = None, metadata: dict[str, str] | None = None,
                progress=None) -> int:
-    """Write model weights as candle's ``VarMap::save`` does: one tensor per path, no metadata."""
+    """Write model weights as candle's ``VarMap::save`` does: one tensor per path, no metadata —
+    unless every name is one of candle AdamW's (``first_moment.*``, ``second_moment.*``,
+    ``step_t``): a file without a format tag is read as candle state then, so the weights are
+    tagged ``{"format": "pt"}`` (the tag torch's safetensors files carry) and read back as weights."""
     tensors = []
     for p in model.params:
         if p.tensor is None:
             raise MappingError(f"model parameter {p.path} has no tensor data")
         tensors.append((p.path, p.tensor.cast(dtype) if dtype and dtypes.is_float(p.tensor.dtype) else p.tensor))
+    metadata = dict(metadata or {})
+    if "format" not in metadata and candle.looks_like_candle_state([name for name, _ in tensors]):
+        metadata["format"] = "pt"
     return write_safetensors(path, tensors, metadata or None, progress)
 
 
@@ -214,6 +220,7 @@ def save_state(state: OptimizerState, path: str, *, metadata: dict[str, str] | N
     return write_safetensors(path, enc.tensors, meta, progress)
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:

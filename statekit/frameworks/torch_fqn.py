@@ -29,7 +29,7 @@ def is_fqn_optimizer(obj: object) -> bool:
     """An optimizer state_dict whose groups list parameter names instead of integer ids."""
     if not (isinstance(obj, dict) and isinstance(obj.get(STATE), dict) and isinstance(obj.get(GROUPS), list)):
         return False
-    ids = [i for g in obj[GROUPS] if isinstance(g, dict) for i in (g.get(PARAMS) or [])]
+    ids = [i for g in obj[GROUPS] if isinstance(g, dict) and isinstance(g.get(PARAMS), list) for i in g[PARAMS]]
     return bool(ids) and all(isinstance(i, str) for i in ids)
 
 

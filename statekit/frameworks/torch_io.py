@@ -15,7 +15,7 @@ from statekit import dtypes, hyper
 from statekit.errors import FormatError, MappingError, UnsafePickleError
 from statekit.formats import torch_pt
 from statekit.formats.torch_pickle import no_gc
-from statekit.frameworks import torch_state, torch_thirdparty
+from statekit.frameworks import base, torch_state, torch_thirdparty
 from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
 FORMAT = "torch"
@@ -119,6 +119,7 @@ def name_from_model(ckpt: Checkpoint, *, ordered: bool | None = None, source: st
         ckpt.warnings.append(f"{UNNAMED} {exc.message}")
 
 
+@base.optimizer_writer
 def save_optimizer(state: OptimizerState, path: str, *, family: str | None = None, groups: list[dict] | None = None,
                    metadata: dict[str, str] | None = None, progress=None, step_policy: str | None = None,
                    on_warning=None) -> int:

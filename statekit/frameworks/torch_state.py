@@ -125,9 +125,9 @@ def _step_value(value: object, where: str, path: str) -> tuple[float | int, str]
 
 
 def _field_names(entry: dict, idx: int, path: str) -> set[str]:
-    odd = next((k for k in entry if not isinstance(k, str)), None)
-    if odd is not None:  # torch.optim names every state field by a string
-        raise FormatError(f"state[{idx}] has a key that is not a string: {limits.short(odd)}; torch's "
+    odd = [k for k in entry if not isinstance(k, str)]  # (a None key is one: no None sentinel)
+    if odd:  # torch.optim names every state field by a string
+        raise FormatError(f"state[{idx}] has a key that is not a string: {limits.short(odd[0])}; torch's "
                           f"optimizers name state fields by strings", path)
     return set(entry)
 
@@ -152,9 +152,9 @@ def read_optimizer(sd: dict, path: str) -> OptimizerState:
         names = group.get("param_names")
         if names is not None and (not isinstance(names, list) or len(names) != len(ids)):
             raise FormatError(f"param_groups[{g}]: param_names does not match params", path)
-        odd = next((k for k in group if not isinstance(k, str)), None)
-        if odd is not None:  # torch.optim names every hyperparameter by a string
-            raise FormatError(f"param_groups[{g}] has a key that is not a string: {limits.short(odd)}; torch's "
+        odd = [k for k in group if not isinstance(k, str)]  # (a None key is one: no None sentinel)
+        if odd:  # torch.optim names every hyperparameter by a string
+            raise FormatError(f"param_groups[{g}] has a key that is not a string: {limits.short(odd[0])}; torch's "
                               f"optimizers name hyperparameters by strings", path)
         hp = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         keys = []

@@ -18,7 +18,7 @@ from statekit.ops import crossing as cross
 from statekit.ops.options import Options
 from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
-from statekit.state import OptimizerState, ParamState, refuse_opaque
+from statekit.state import OptimizerState, ParamState, refuse_unusable
 
 # burn-store's PyTorchToBurnAdapter renames a norm layer's weight/bias (decided here by the module class)
 NORM_RENAMES = {"weight": "gamma", "bias": "beta"}
@@ -195,7 +195,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
                opts: Options, operation: str = "convert") -> Plan:
     """The plan for moving ``state`` to ``target``: every name, identity, layout and
     hyperparameter decided, or a MappingError listing every conflict at once."""
-    refuse_opaque(state, source, operation)
+    refuse_unusable(state, source, operation)
     src_fw = state.framework
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"

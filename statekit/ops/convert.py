@@ -24,7 +24,7 @@ from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (
 from statekit.ops.pairing import moves_metadata
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
-from statekit.state import Checkpoint
+from statekit.state import Checkpoint, refuse_bad_steps
 
 RECORDS_MOVES = ("burnpack", "safetensors")  # formats with free-form string metadata
 
@@ -155,6 +155,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         result.messages.append(_share_summary(share, dst))
         return result
     with io.open_checkpoint(src, **open_options(opts, key)) as ckpt, _naming(src):
+        refuse_bad_steps(ckpt.optimizer, src)  # before any path that writes, copies included
         if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
             return _copy_container(ckpt, dst, fmt, shards, dry_run, progress or silent)
         if plan_in is None and is_plain_copy(ckpt, fmt, opts):

@@ -1,7 +1,7 @@
 """``doctor``: the problems in an optimizer state that bite when training resumes.
 
-Without a model: NaN / Inf in any field (counts), all-zero moments at step > 1, steps that differ
-between parameters, ranks above 8 (burn panics loading them), ``__rank`` disagreeing with the
+Without a model: NaN / Inf in any field (counts), all-zero moments at step > 1, a step that is no
+whole count (NaN, Inf, negative, fractional), steps that differ between parameters, ranks above 8 (burn panics loading them), ``__rank`` disagreeing with the
 tensors' shape, fields of one parameter with different shapes, unrecognised layouts (burn drops
 them silently), duplicate module paths. With ``model``: state that matches no model parameter
 (orphans), model parameters without state, shape mismatches (a reversed shape is reported as a
@@ -28,7 +28,15 @@ from statekit.errors import MappingError
 from statekit.frameworks import bnb
 from statekit.frameworks.torch_state import BUFFER_SUFFIXES
 from statekit.ops.diff import METHOD_WORDS
-from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamState, matches
+from statekit.state import (
+    Checkpoint,
+    ModelInfo,
+    ModelParam,
+    OptimizerState,
+    ParamState,
+    matches,
+    step_problem,
+)
 from statekit.state import format_shape as _shape
 from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
@@ -43,6 +51,9 @@ WHY = {
     "nan": "a NaN or Inf in a moment reaches the parameter at the first update after resume and spreads",
     "zero-moments": "after more than one step a moment is only all-zero if every gradient was exactly zero; "
                     "more likely the state was reset or badly written, and the step counter no longer matches it",
+    "step": "a step counts the updates a parameter took (a whole number from 0); this one comes from a damaged "
+            "file: bias correction turns the parameter into NaN (or nonsense) at the first update after resume, "
+            "and statekit refuses to write it",
     "steps": "bias correction uses each parameter's own step: state from different runs or a partial load "
              "resumes with inconsistent update sizes (expected only for parameters added later)",
     "rank": "burn panics loading optimizer state of rank above 8 ('Unsupported tensor rank')",
@@ -137,7 +148,14 @@ def _field_label(p: ParamState, slot: str) -> str:
 
 
 def _check_steps(params: list[ParamState], findings: list[dict]) -> None:
-    steps = Counter(p.step for p in params if p.step is not None)
+    counted = []
+    for p in params:
+        why = step_problem(p.step)
+        if why is not None:
+            findings.append(_finding("error", "step", p.label(), why))
+        elif p.step is not None:
+            counted.append(p)
+    steps = Counter(p.step for p in counted)
     if len(steps) < 2:
         return
     top = max(steps.values())
@@ -146,7 +164,7 @@ def _check_steps(params: list[ParamState], findings: list[dict]) -> None:
     for step, count in sorted(steps.items(), key=lambda kv: (kv[0] != common, -kv[1], kv[0])):
         text = f"{step:g} ({count} parameter{'s' if count != 1 else ''}"
         if step != common:
-            names = [p.label() for p in params if p.step == step]
+            names = [p.label() for p in counted if p.step == step]
             more = f", +{len(names) - MAX_NAMED}" if len(names) > MAX_NAMED else ""
             text += f": {', '.join(names[:MAX_NAMED])}{more}"
         parts.append(text + ")")

@@ -12,7 +12,7 @@ from statekit.errors import MappingError
 from statekit.formats import registry
 from statekit.frameworks import burn
 from statekit.ops.plan import ParamAction, Plan
-from statekit.state import OptimizerState, ParamGroup, ParamState
+from statekit.state import OptimizerState, ParamGroup, ParamState, refuse_bad_steps
 from statekit.tensor import TensorRef
 
 
@@ -66,6 +66,7 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
 
 def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
     """The target state the plan describes (tensors still lazy)."""
+    refuse_bad_steps(state, plan.source)
     if state.family is None and plan.family in state.candidates:  # a saved plan settles what the file cannot tell
         state.settle(plan.family)
     by_key = _check(plan, state)
@@ -177,9 +178,7 @@ def _finish(a: ParamAction, p: ParamState, slots: dict, plan: Plan, target_fw: s
     step = p.step
     if a.reset_step:
         step = 0
-    if step is not None and target_fw == "burn":
-        if float(step) != int(step):
-            raise MappingError(f"{a.label()}: step {step} is not a whole number; burn counts steps in integers")
+    if step is not None and target_fw == "burn":  # burn counts steps in integers (apply_plan checked it is one)
         step = int(step)
     dst_id = int(a.dst_id) if a.dst_id is not None else None
     key = str(dst_id) if dst_id is not None else str(a.dst_index if a.dst_index is not None else p.key)

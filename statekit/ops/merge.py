@@ -24,7 +24,7 @@ from statekit.formats import registry
 from statekit.frameworks import bnb, torch_thirdparty
 from statekit.ops.diff import METHOD_WORDS, match_key, match_method
 from statekit.ops.progress import ProgressFactory, silent
-from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
+from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_unusable
 from statekit.tensor import TensorRef
 
 POLICIES = ("error", "first", "last", "mean")
@@ -87,7 +87,7 @@ def merge_states(ckpts: list[Checkpoint], on_conflict: str = "error") -> tuple[O
     states = [_state_of(ckpt) for ckpt in ckpts]
     paths = [c.path for c in ckpts]
     for state, path in zip(states, paths, strict=True):
-        refuse_opaque(state, path, "merge")
+        refuse_unusable(state, path, "merge")
         if torch_thirdparty.is_foreign(state):
             raise MappingError(f"{state.family_label} state: merge joins torch's, burn's and candle's own states; "
                                "convert it first where an optimizer continues it (statekit convert)", path)

@@ -24,7 +24,7 @@ from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import kernels, registry
 from statekit.optim.backend import aligned_copy
 from statekit.optim.tolerance import exp_avg_bound, param_bound
-from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque
+from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_unusable
 from statekit.tensor import TensorRef
 
 FLAVOR_OF_FRAMEWORK = {"burn": "burn", "torch": "torch", "candle": "candle"}
@@ -336,7 +336,7 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         st = ckpt.optimizer if ckpt else None
         if ckpt is not None and st is None:
             raise UsageError(f"{state}: holds no optimizer state")
-        refuse_opaque(st, state, "replay")
+        refuse_unusable(st, state, "replay")
         _refuse_foreign(st, state)
         algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
         flav = flavor or default_flavor(st, algorithm)
@@ -461,7 +461,7 @@ def _digest(slots: dict) -> bytes:
     h = hashlib.blake2b(digest_size=32)
     for name in sorted(slots):
         a = np.ascontiguousarray(np.asarray(slots[name], dtype=np.float32))
-        h.update(f"{name}:{a.shape};".encode())
+        h.update(f"{name}:{a.shape};".encode("utf-8", "surrogatepass"))
         h.update(a.view(np.uint8).reshape(-1).data)
     return h.digest()
 
@@ -635,8 +635,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
         raise UsageError(f"{original.path}: holds no optimizer state")
     if b_state is None:
         raise UsageError(f"{migrated.path}: holds no optimizer state")
-    refuse_opaque(a_state, original.path, "verify a resume")
-    refuse_opaque(b_state, migrated.path, "verify a resume")
+    refuse_unusable(a_state, original.path, "verify a resume")
+    refuse_unusable(b_state, migrated.path, "verify a resume")
     if "mixed" in (a_state.family, b_state.family):
         return _verify_mixed(original, migrated, a_state, b_state, steps=steps, seed=seed, optimizer=optimizer,
                              given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,

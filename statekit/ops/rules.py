@@ -32,6 +32,10 @@ class RenameRule:
         except re.error as exc:
             raise UsageError(f"rename rule {self.pattern!r}: {exc}") from None
         self._python = re.sub(r"\$(\d+)", r"\\g<\1>", self.replacement)
+        try:  # the replacement is compiled now (a bad escape, a group the pattern lacks), not at the first match
+            self.regex.sub(self._python, "")
+        except (re.error, IndexError) as exc:
+            raise UsageError(f"rename rule {self.pattern!r}={self.replacement!r}: replacement: {exc}") from None
 
     @classmethod
     def parse(cls, text: str, origin: str = "user") -> RenameRule:
@@ -68,6 +72,8 @@ def read_rules_file(path: str) -> list[str]:
             return [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
     except OSError as exc:
         raise UsageError(f"{path}: cannot read rules: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: rules are not UTF-8 text (byte {exc.object[exc.start]:#04x} at {exc.start})") from None
 
 
 def rename(path: str | None, rules: list[RenameRule]) -> str | None:

@@ -8,7 +8,9 @@ files under ``fixtures/fuzz-corpus/``).
 
 A case passes when the file goes through the Python API — open and read every tensor, ``inspect``
 with statistics and its text rendering, ``convert`` to one of .pt/.bpk/.safetensors — ending in
-a result or a :class:`~statekit.errors.StatekitError`. Anything else is a crasher.
+a result or a :class:`~statekit.errors.StatekitError`, and what ``convert`` wrote reads back, every
+tensor and a whole step count for every parameter (statekit writes nothing it would refuse, and no
+damage it would pass on silently). Anything else is a crasher.
 """
 
 from __future__ import annotations
@@ -466,14 +468,30 @@ def exercise(path: str | os.PathLike, workdir: str | os.PathLike, choice: int = 
         ext = (".pt", ".bpk", ".safetensors")[choice % 3]
         out = workdir / f"out{ext}"
         statekit.convert(path, out, **({"optimizer": "adam"} if choice % 2 else {}))
-        if out.exists():
-            with statekit.open(out) as again:
-                _touch(again)
-            out.unlink()
     except StatekitError as exc:
         str(exc)  # the message itself must render
         return f"{stage}:{type(exc).__name__}"
+    if out.exists():
+        _read_back(out)
+        out.unlink()
     return "ok"
+
+
+def _read_back(out: Path) -> None:
+    """What statekit wrote reads back: every tensor, and every parameter's step a whole count."""
+    import statekit
+    from statekit.errors import StatekitError
+    from statekit.state import step_problem
+
+    try:
+        with statekit.open(out) as again:
+            _touch(again)
+            for p in again.optimizer.params if again.optimizer is not None else ():
+                problem = step_problem(p.step)
+                if problem is not None:
+                    raise AssertionError(f"statekit wrote {out.name} with parameter {p.label()}: {problem}")
+    except StatekitError as exc:
+        raise AssertionError(f"statekit wrote {out.name} and refuses to read it back: {exc}") from None
 
 
 def _touch(ckpt) -> None:

@@ -183,31 +183,32 @@ def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtyp
     key, capacity, length, span = storage.key, storage.nbytes // itemsize, numel * itemsize, storage.span
 
     def check(offset: object) -> None:
-        if type(offset) is not int or offset < 0:
+        if type(offset) is not int or not 0 <= offset <= limits.MAX_ELEMENTS:  # int64, as torch
             raise FormatError(f"bad tensor geometry: offset {limits.short(offset)}, size {limits.short(size)}, "
                               f"stride {limits.short(stride)}")
         raise FormatError(f"a tensor of size {list(size)} needs {offset + extent + 1} elements of storage "
                           f"'{key}', which holds {capacity}")
 
-    limit = capacity - extent if numel else None  # offsets below it fit
+    limit = capacity - extent if numel else limits.MAX_ELEMENTS + 1  # offsets below it fit
+    scale = itemsize if numel else 0  # an empty tensor reads nothing, wherever its offset points
     if flat and span is not None:
         file, base = span.file, span.offset
 
         def at(offset: object) -> TensorRef:
-            if type(offset) is not int or offset < 0 or (limit is not None and offset >= limit):
+            if type(offset) is not int or offset < 0 or offset >= limit:
                 check(offset)
             return TensorRef(name, size, info=TensorInfo(shared, key, offset, stride),
-                             span=_span_at(file, base + offset * itemsize, length))
+                             span=_span_at(file, base + offset * scale, length))
     elif flat:
         def at(offset: object) -> TensorRef:
-            if type(offset) is not int or offset < 0 or (limit is not None and offset >= limit):
+            if type(offset) is not int or offset < 0 or offset >= limit:
                 check(offset)
-            start = offset * itemsize
+            start = offset * scale
             return TensorRef(name, size, loader=lambda: storage.resolve()[start : start + length],
                              info=TensorInfo(shared, key, offset, stride))
     else:
         def at(offset: object) -> TensorRef:
-            if type(offset) is not int or offset < 0 or (limit is not None and offset >= limit):
+            if type(offset) is not int or offset < 0 or offset >= limit:
                 check(offset)
 
             def strided() -> np.ndarray:
@@ -233,7 +234,7 @@ def view_plan(
     name, np_dtype, itemsize = _DTYPE_CACHE.get(torch_dtype) or _dtype_entry(torch_dtype)
     if type(size) is not tuple or type(stride) is not tuple:  # torch.Size arrives as a tuple already
         size, stride = _int_tuple(size, "size"), _int_tuple(stride, "stride")
-    if len(size) != len(stride) or type(offset) is not int or offset < 0:
+    if len(size) != len(stride) or type(offset) is not int or not 0 <= offset <= limits.MAX_ELEMENTS:  # int64
         raise FormatError(f"bad tensor geometry: offset {limits.short(offset)}, size {limits.short(size)}, stride {limits.short(stride)}")
     if len(size) == 1 and type(size[0]) is int and type(stride[0]) is int and 0 <= size[0] <= _SMALL >= stride[0] >= 0:
         numel, step = size[0], stride[0]  # one dimension of a plausible size: nothing can overflow

@@ -10,6 +10,7 @@ import numpy as np
 
 from statekit import dtypes
 from statekit.errors import MappingError
+from statekit.formats import limits
 from statekit.formats.torch_pickle.dtype_table import _STORAGE_CLASS_FOR, STATEKIT_TO_TORCH, TorchDtype
 from statekit.tensor import TensorRef
 
@@ -81,7 +82,7 @@ class _Pickler:
             self.emit(pickle.LONG1, bytes([len(raw)]), raw)
 
     def save_str(self, text: str) -> None:
-        raw = text.encode("utf-8", "surrogatepass")
+        raw = limits.utf8(text)  # a lone surrogate is refused: the reader would refuse it
         self.emit(pickle.BINUNICODE, struct.pack("<I", len(raw)), raw)
 
     def save_tuple(self, items: tuple, where: str) -> None:
