@@ -62,11 +62,13 @@ def name_checkpoint(ckpt: Checkpoint, opts: Options, path: str, **kw):
     state = ckpt.optimizer
     if opts.model_config and state.framework == "torch" and opts.names is None \
             and not all(p.path for p in state.params):
+        from statekit.frameworks import hf_peft
         from statekit.frameworks.wrappers import name_from_definition
 
         for p in state.params:  # the definition names every position or none
             p.path = None
-        name_from_definition(ckpt, opts.model_config, opts.trust_remote_code)
+        adapter = ckpt.path if hf_peft.adapter_folders(ckpt.path) else None  # --model-config: the base model's
+        name_from_definition(ckpt, opts.model_config, opts.trust_remote_code, adapter=adapter)
         if state.unnamed_why and not all(p.path for p in state.params):
             raise MappingError(state.unnamed_why, opts.model_config)
     resolution = name_source_params(ckpt.optimizer, opts, path, own_model=ckpt.model, **kw)
@@ -165,6 +167,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
         name_checkpoint(ckpt, opts, src)
+        fmt, library_said = _library_layout(state, fmt, to)
         if state.family in ("lbfgs", "mixed"):
             done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan)
             if done is not None:
@@ -184,6 +187,8 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
+            if library_said:
+                plan.warnings.append(library_said)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
         if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
@@ -194,6 +199,17 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                                  on_plan=on_plan)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
+    """Back to a ``.pt`` with no ``--to``: the layout of the optimizer library the state first came
+    from, as the file records it (a bitsandbytes state through burn goes back to bitsandbytes')."""
+    recorded = getattr(state, "library_format", None)
+    if to is not None or fmt != "torch" or state.framework == "torch" or not recorded:
+        return fmt, None
+    return recorded, (f"written in bitsandbytes' layout ({recorded}), the optimizer the state came from (recorded in "
+                      "the file): 8-bit moments get back their own codes and scales where they give the values back "
+                      "bit for bit, parameters it kept in 32 bits stay so; --to torch writes torch's own")
 
 
 @contextlib.contextmanager

@@ -160,7 +160,7 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     return ParamState(key=key, id=dst_id, index=a.dst_index, path=a.dst_path,
                       rank=len(shape) if shape is not None else p.rank, step=step, slots=slots, extra=extra,
                       group=a.group, family=family,
-                      encoding={k: v for k, v in p.encoding.items() if k in slots})
+                      encoding={k: v for k, v in p.encoding.items() if k in slots}, stored_as=p.stored_as)
 
 
 def write(plan: Plan, state: OptimizerState, path: str, progress=None, on_warning=None) -> int:
