@@ -180,3 +180,30 @@ def compare(args: dict, groups: list[dict]) -> list[str]:
             if not _same(group[key], value):
                 out.append(f"param group {g} has {key}={group[key]!r}, TrainingArguments say {value!r}")
     return out
+
+
+def apply(ckpt, args: dict | None, why: str | None) -> None:
+    """A Trainer folder's TrainingArguments on its opened checkpoint: kept with the state, its ``optim``
+    settling what the optimizer file cannot say (bitsandbytes' one-state optimizers), its
+    disagreements reported (warnings: optim; notes: the hyperparameters)."""
+    if args is not None:
+        ckpt.optimizer.training_args = args
+        ckpt.metadata["training_args"] = FILE
+        ckpt.warnings += [f"{FILE}: {d}" for d in settle(ckpt.optimizer, args)]
+        ckpt.optimizer.notes += [f"{FILE}: {d}" for d in compare(args, [g.hyperparams for g in ckpt.optimizer.groups])]
+    elif why:
+        ckpt.warnings.append(why)
+
+
+OPTIMIZER_FILES = ("optimizer.pt",)  # Trainer's optimizer file, which training_args.bin sits beside
+
+
+def beside(ckpt) -> None:
+    """A Trainer folder's optimizer file opened alone: the ``training_args.bin`` beside it still says
+    which optimizer wrote it (kept, and settling a bitsandbytes family, as for the folder)."""
+    if ckpt.optimizer is None or ckpt.optimizer.training_args is not None:
+        return
+    if os.path.basename(ckpt.path) not in OPTIMIZER_FILES:
+        return
+    args, why = read_folder(os.path.dirname(os.path.abspath(ckpt.path)))
+    apply(ckpt, args, why)

@@ -170,10 +170,12 @@ def _import():
     return torch, transformers
 
 
-def build(path: str, *, trust_remote_code: bool = False) -> Definition:
-    """The model that ``config.json`` at ``path`` describes, built on the meta device."""
+def build(path: str, *, trust_remote_code: bool = False, trace: bool = False) -> Definition:
+    """The model that ``config.json`` at ``path`` describes, built on the meta device (``trace``: run
+    the forward even where the class table decides every layout, cross-checking all of them)."""
     built = build_model(path, trust_remote_code=trust_remote_code)
-    return define(built.model, built.architecture, built.written_by, path, built.torch, built.transformers)
+    return define(built.model, built.architecture, built.written_by, path, built.torch, built.transformers,
+                  trace=trace)
 
 
 @dataclass
@@ -232,7 +234,8 @@ def build_model(path: str, *, trust_remote_code: bool = False, wrap=None) -> Bui
     return Built(model, arch, written if isinstance(written, str) else None, torch, transformers)
 
 
-def define(model, arch: str, written_by: str | None, source: str, torch, transformers) -> Definition:
+def define(model, arch: str, written_by: str | None, source: str, torch, transformers, *,
+           trace: bool = False) -> Definition:
     """A built model's :class:`Definition`: its parameters in ``named_parameters()`` order with their
     owning module classes and layouts (the class table first, the forward where it does not say),
     its tied aliases and Trainer's possible decay splits."""
@@ -244,7 +247,7 @@ def define(model, arch: str, written_by: str | None, source: str, torch, transfo
     firsts = {id(p): n for n, p in model.named_parameters()}
     tied = {n: firsts[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if firsts[id(p)] != n}
     definition = Definition(arch, params, tied, written_by, transformers.__version__, source)
-    _forward_layouts(definition, model, torch)
+    _forward_layouts(definition, model, torch, always=trace)
     definition.decays = _decays(model, torch, version_tuple(written_by))
     return definition
 
@@ -254,12 +257,12 @@ def _needs_forward(p: DefinedParam) -> bool:
     return p.trainable and len(p.shape) >= 2 and p.layout in (OTHER, None)
 
 
-def _forward_layouts(definition: Definition, model, torch) -> None:
+def _forward_layouts(definition: Definition, model, torch, always: bool = False) -> None:
     """Layouts the class table leaves open, from how the forward uses each weight (hf_trace); every
-    weight the class table decided is cross-checked on the way. Run only when needed."""
+    weight the class table decided is cross-checked on the way. Run only when needed (``always``: run)."""
     from statekit.frameworks import hf_trace
 
-    if not any(_needs_forward(p) for p in definition.params):
+    if not always and not any(_needs_forward(p) for p in definition.params):
         return
     names = (OUT_IN, IN_OUT, EMBEDDING, NORM, CONV, EXPERTS, EXPERTS_IN_OUT)
     follow = {id(p): (n, p.dim()) for n, p in model.named_parameters()}
@@ -293,8 +296,8 @@ def _forward_layouts(definition: Definition, model, torch) -> None:
             out.append(replace(p, layout_from=BY_BOTH) if traced.layout is not None else p)
     definition.params = out
     agreed = sum(1 for p in out if p.layout_from == BY_BOTH)
-    definition.traced = (f"the forward traced on the meta device ({uses.calls} calls): {decided} layouts decided "
-                         f"by it, {agreed} of the class table's confirmed")
+    definition.traced = (f"the forward traced on the meta device ({uses.calls} calls): {decided} "
+                         f"layout{'s' if decided != 1 else ''} decided by it, {agreed} of the class table's confirmed")
 
 
 _LAYOUT_WORDS = {OUT_IN: "a [out, in] Linear weight", IN_OUT: "a [in, out] weight", EMBEDDING: "an embedding",

@@ -182,15 +182,12 @@ def build(path: str, *, model_config: str | None = None, trust_remote_code: bool
 def _check_files(model, adapters: dict[str, str], peft) -> None:
     """peft's own state dict of the wrapped model must be the adapter file, name for name and shape
     for shape (adapter by adapter); the first difference is refused naming the tensor."""
-    from statekit.frameworks.wrappers import read_model_file
-
     for name, folder in adapters.items():
         weights = next((os.path.join(folder, w) for w in WEIGHTS if os.path.isfile(os.path.join(folder, w))), None)
         if weights is None:
             raise MappingError(f"no adapter weights ({' or '.join(WEIGHTS)}) beside {CONFIG}: the adapter's names "
                                "cannot be checked", folder)
-        saved, _ = read_model_file(weights)
-        have = {m.path: tuple(m.shape) for m in saved.params}
+        have = _saved_shapes(weights)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             want = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(model, adapter_name=name).items()}
@@ -205,3 +202,19 @@ def _check_files(model, adapters: dict[str, str], peft) -> None:
                            f"{list(want[key])}")
                 raise MappingError(f"{why}: the base model is not the one this adapter was trained on, or the "
                                    "config differs (give the right one with --model-config)", weights)
+
+
+def _saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The adapter file's tensor names and shapes (safetensors header, or a torch state_dict)."""
+    if path.endswith(".safetensors"):
+        from statekit.frameworks.safetensors_io import SafetensorsFile
+
+        with SafetensorsFile(path) as sf:
+            return {n: tuple(shape) for n, (_, shape) in sf.entries.items()}
+    from statekit.formats import torch_pt
+    from statekit.frameworks import torch_state
+
+    sd = torch_state.find_model(torch_pt.load_pt(path))
+    if sd is None:
+        raise MappingError("holds no adapter state_dict", path)
+    return {m.path: tuple(m.shape) for m in torch_state.read_model(sd).params}

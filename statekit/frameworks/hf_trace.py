@@ -96,144 +96,18 @@ def trace(model, params: dict[int, tuple[str, int]], make_inputs) -> Uses:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.overrides import TorchFunctionMode
 
-    uses = Uses()
-    links: dict[int, tuple[object, tuple[Link, ...]]] = {}  # id(tensor) -> (tensor, its links)
-    param_objects: dict[int, object] = {}
-    for module_param in model.parameters():
-        if id(module_param) in params:
-            param_objects[id(module_param)] = module_param
-
-    def of(t) -> tuple[Link, ...]:
-        if not isinstance(t, torch.Tensor):
-            return ()
-        known = params.get(id(t))
-        if known is not None and param_objects.get(id(t)) is t:
-            name, rank = known
-            if rank == 0:
-                return ()
-            return (Link(name, rank - 2 if rank >= 2 else None, rank - 1),)
-        entry = links.get(id(t))
-        return entry[1] if entry is not None and entry[0] is t else ()
-
-    def keep(t, found) -> None:
-        if isinstance(t, torch.Tensor) and found:
-            links[id(t)] = (t, tuple(dict.fromkeys(found)))
-
-    def linear_use(link: Link, out: int | None, inp: int | None) -> None:
-        uses.add(link, LINEAR, out, inp)
+    follower = _Follower(model, params, torch)
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             result = func(*args, **kwargs)
-            uses.calls += 1
+            follower.uses.calls += 1
             try:
-                _follow(_name(func), args, kwargs, result)
+                follower.follow(_name(func), args, kwargs, result)
             except Exception:  # noqa: BLE001 - following is best effort: an op it misreads is not followed
                 pass
             return result
-
-    def _follow(name: str, args, kwargs, result) -> None:
-        first = args[0] if args else None
-        if name in ("linear",):
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            for link in of(weight):
-                linear_use(link, link.rows, link.cols)
-            return
-        if name in _MATMUL or name in _ADDMM:
-            a, b = (args[1], args[2]) if name in _ADDMM else (args[0], args[1])
-            if name == "__rmatmul__":
-                a, b = b, a
-            la, lb = of(a), of(b)
-            if la and lb:  # weight × weight (DoRA's B·A): the product's rows are a's, its columns b's
-                if a.dim() >= 2 and b.dim() >= 2:
-                    keep(result, [Link(x.name, x.rows, None) for x in la] + [Link(x.name, None, x.cols) for x in lb])
-                return
-            if lb and b.dim() >= 2:  # x @ W: W's rows are contracted (in), its columns are out
-                for link in lb:
-                    linear_use(link, link.cols, link.rows)
-            if la and a.dim() >= 2:  # W @ x: W's columns are contracted (in), its rows are out
-                for link in la:
-                    linear_use(link, link.rows, link.cols)
-            return
-        if name in _GROUPED:
-            weight = args[1] if len(args) > 1 else kwargs.get("mat2", kwargs.get("weight"))
-            for link in of(weight):  # (S, in) × grouped (E, in, out)
-                linear_use(link, link.cols, link.rows)
-            return
-        if name == "embedding":
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            for link in of(weight):
-                uses.add(link, EMBEDDING, link.rows, link.cols)
-            return
-        if name in _CONV:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            for link in of(weight):
-                uses.add(link, CONV, None, None)
-            return
-        if name in _NORM:
-            for value in list(args[1:]) + list(kwargs.values()):
-                for link in of(value):
-                    uses.add(link, NORM, None, None)
-            return
-        if not isinstance(result, torch.Tensor | tuple | list):
-            return
-        if name in _SAME:
-            keep(result, of(first))
-            return
-        if name in _ELEMENTWISE:
-            found = [x for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)
-                     and isinstance(result, torch.Tensor) and tuple(t.shape) == tuple(result.shape) for x in of(t)]
-            keep(result, found)
-            return
-        if name in ("t", "T", "mT", "H", "mH", "adjoint"):
-            if isinstance(first, torch.Tensor) and (first.dim() == 2 or name in ("mT", "mH", "adjoint")):
-                keep(result, [x.swapped() for x in of(first)])
-            return
-        if name in _SWAP:
-            n = first.dim()
-            d0, d1 = (args[1] % n, args[2] % n) if len(args) >= 3 else (kwargs["dim0"] % n, kwargs["dim1"] % n)
-            if {d0, d1} == {n - 2, n - 1}:
-                keep(result, [x.swapped() for x in of(first)])
-            elif d0 < n - 2 and d1 < n - 2:
-                keep(result, of(first))
-            return
-        if name == "permute":
-            dims = args[1:] if len(args) > 2 or not isinstance(args[1], tuple | list) else tuple(args[1])
-            n = first.dim()
-            dims = [d % n for d in dims]
-            if set(dims[-2:]) <= {n - 2, n - 1}:
-                keep(result, [_permuted(x, dims[-2:], n) for x in of(first)])
-            return
-        if name == "__getitem__":
-            keep(result, _indexed(of(first), first, args[1], torch))
-            return
-        if name in _RESHAPE:
-            if isinstance(result, torch.Tensor):
-                keep(result, _reshaped(of(first), first, result))
-            return
-        if name in _SPLIT:
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-            pieces = result if isinstance(result, tuple | list) else ()
-            for piece in pieces:
-                if name == "unbind" and isinstance(first, torch.Tensor) and dim % first.dim() >= first.dim() - 2:
-                    continue
-                keep(piece, of(first))
-            return
-        if name in _CAT:
-            tensors = first if isinstance(first, tuple | list) else ()
-            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            if name == "stack" and isinstance(result, torch.Tensor) and dim % result.dim() >= result.dim() - 2:
-                return
-            keep(result, [x for t in tensors if isinstance(t, torch.Tensor) and t.dim() == result.dim() - (name == "stack")
-                          for x in of(t)])
-            return
-        if name in _INDEX_INTO:
-            source = args[3] if len(args) > 3 else kwargs.get("source", kwargs.get("src", kwargs.get("values")))
-            found = list(of(first))
-            if isinstance(source, torch.Tensor) and isinstance(first, torch.Tensor) and source.dim() == first.dim():
-                found += list(of(source))
-            keep(result, found)
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), Mode(), torch.no_grad():
@@ -241,7 +115,136 @@ def trace(model, params: dict[int, tuple[str, int]], make_inputs) -> Uses:
     except Exception as exc:  # the model's own code on meta tensors: any failure is reported, never raised
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TraceError(f"{type(exc).__name__}: {text}"[:300]) from None
-    return uses
+    return follower.uses
+
+
+class _Follower:
+    """Each tensor the forward makes from a parameter, with that parameter's dimensions (its links),
+    and the uses of the parameters at the calls that consume them."""
+
+    def __init__(self, model, params: dict[int, tuple[str, int]], torch):
+        self.torch = torch
+        self.params = params
+        self.objects = {id(p): p for p in model.parameters() if id(p) in params}
+        self.links: dict[int, tuple[object, tuple[Link, ...]]] = {}  # id(tensor) -> (tensor, its links)
+        self.uses = Uses()
+
+    def of(self, t) -> tuple[Link, ...]:
+        if not isinstance(t, self.torch.Tensor):
+            return ()
+        known = self.params.get(id(t))
+        if known is not None and self.objects.get(id(t)) is t:
+            name, rank = known
+            return () if rank == 0 else (Link(name, rank - 2 if rank >= 2 else None, rank - 1),)
+        entry = self.links.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else ()
+
+    def keep(self, t, found) -> None:
+        if isinstance(t, self.torch.Tensor) and found:
+            self.links[id(t)] = (t, tuple(dict.fromkeys(found)))
+
+    def follow(self, name: str, args, kwargs, result) -> None:
+        if not self._consumed(name, args, kwargs, result) and isinstance(result, self.torch.Tensor | tuple | list):
+            self._carried(name, args, kwargs, result)
+
+    def _consumed(self, name: str, args, kwargs, result) -> bool:
+        """The calls that use a weight: record how (True when ``name`` is one)."""
+        def arg(i: int, *keys):
+            return args[i] if len(args) > i else next((kwargs[k] for k in keys if k in kwargs), None)
+
+        if name == "linear":
+            for link in self.of(arg(1, "weight")):
+                self.uses.add(link, LINEAR, link.rows, link.cols)
+        elif name in _MATMUL or name in _ADDMM:
+            self._product(name, args, result)
+        elif name in _GROUPED:
+            for link in self.of(arg(1, "mat2", "weight")):  # (S, in) × grouped (E, in, out)
+                self.uses.add(link, LINEAR, link.cols, link.rows)
+        elif name == "embedding":
+            for link in self.of(arg(1, "weight")):
+                self.uses.add(link, EMBEDDING, link.rows, link.cols)
+        elif name in _CONV:
+            for link in self.of(arg(1, "weight")):
+                self.uses.add(link, CONV, None, None)
+        elif name in _NORM:
+            for value in list(args[1:]) + list(kwargs.values()):
+                for link in self.of(value):
+                    self.uses.add(link, NORM, None, None)
+        else:
+            return False
+        return True
+
+    def _product(self, name: str, args, result) -> None:
+        a, b = (args[1], args[2]) if name in _ADDMM else (args[0], args[1])
+        if name == "__rmatmul__":
+            a, b = b, a
+        la, lb = self.of(a), self.of(b)
+        if la and lb:  # weight × weight (DoRA's B·A): the product's rows are a's, its columns b's
+            if a.dim() >= 2 and b.dim() >= 2:
+                self.keep(result, [Link(x.name, x.rows, None) for x in la] + [Link(x.name, None, x.cols) for x in lb])
+            return
+        if lb and b.dim() >= 2:  # x @ W: W's rows are contracted (in), its columns are out
+            for link in lb:
+                self.uses.add(link, LINEAR, link.cols, link.rows)
+        if la and a.dim() >= 2:  # W @ x: W's columns are contracted (in), its rows are out
+            for link in la:
+                self.uses.add(link, LINEAR, link.rows, link.cols)
+
+    def _carried(self, name: str, args, kwargs, result) -> None:
+        """The operations that hand a weight on: the result's links."""
+        torch = self.torch
+        first = args[0] if args else None
+        of, keep = self.of, self.keep
+        if name in _SAME:
+            keep(result, of(first))
+        elif name in _ELEMENTWISE:
+            keep(result, [x for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)
+                          and isinstance(result, torch.Tensor) and tuple(t.shape) == tuple(result.shape) for x in of(t)])
+        elif name in ("t", "T", "mT", "H", "mH", "adjoint"):
+            if isinstance(first, torch.Tensor) and (first.dim() == 2 or name in ("mT", "mH", "adjoint")):
+                keep(result, [x.swapped() for x in of(first)])
+        elif name in _SWAP:
+            n = first.dim()
+            d0, d1 = (args[1] % n, args[2] % n) if len(args) >= 3 else (kwargs["dim0"] % n, kwargs["dim1"] % n)
+            if {d0, d1} == {n - 2, n - 1}:
+                keep(result, [x.swapped() for x in of(first)])
+            elif d0 < n - 2 and d1 < n - 2:
+                keep(result, of(first))
+        elif name == "permute":
+            dims = args[1:] if len(args) > 2 or not isinstance(args[1], tuple | list) else tuple(args[1])
+            n = first.dim()
+            dims = [d % n for d in dims]
+            if set(dims[-2:]) <= {n - 2, n - 1}:
+                keep(result, [_permuted(x, dims[-2:], n) for x in of(first)])
+        elif name == "__getitem__":
+            keep(result, _indexed(of(first), first, args[1], torch))
+        elif name in _RESHAPE and isinstance(result, torch.Tensor):
+            keep(result, _reshaped(of(first), first, result))
+        else:
+            self._gathered(name, args, kwargs, result, first)
+
+    def _gathered(self, name: str, args, kwargs, result, first) -> None:
+        """Pieces and joins of weights: splits, concatenations, rows copied into a weight."""
+        torch = self.torch
+        if name in _SPLIT:
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            for piece in result if isinstance(result, tuple | list) else ():
+                if name == "unbind" and isinstance(first, torch.Tensor) and dim % first.dim() >= first.dim() - 2:
+                    continue
+                self.keep(piece, self.of(first))
+        elif name in _CAT:
+            tensors = first if isinstance(first, tuple | list) else ()
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if name == "stack" and isinstance(result, torch.Tensor) and dim % result.dim() >= result.dim() - 2:
+                return
+            self.keep(result, [x for t in tensors if isinstance(t, torch.Tensor)
+                               and t.dim() == result.dim() - (name == "stack") for x in self.of(t)])
+        elif name in _INDEX_INTO:
+            source = args[3] if len(args) > 3 else kwargs.get("source", kwargs.get("src", kwargs.get("values")))
+            found = list(self.of(first))
+            if isinstance(source, torch.Tensor) and isinstance(first, torch.Tensor) and source.dim() == first.dim():
+                found += list(self.of(source))
+            self.keep(result, found)
 
 
 def _permuted(link: Link, last: list[int], n: int) -> Link:
@@ -356,7 +359,8 @@ def layout_of(rank: int, seen: set, names) -> Traced:
     linear = {(o, i) for kind, o, i in seen if kind == LINEAR}
     kinds = {kind for kind, _, _ in seen}
     if not seen:
-        return Traced(None, "not reached by the forward")
+        return Traced(None, "no F.linear, F.embedding, matrix product, convolution or norm takes it (statekit follows "
+                            "a weight through indexing, transposes, casts and reshapes to those)")
     if kinds == {CONV}:
         return Traced(conv, "a convolution's weight")
     if kinds == {NORM}:

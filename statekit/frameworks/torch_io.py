@@ -40,9 +40,9 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             raise
         ckpt = checkpoint_from_object(obj, path, key, FORMAT)
     if ckpt.optimizer is not None and ckpt.optimizer.training_args is None:
-        from statekit.frameworks import wrappers
+        from statekit.frameworks import hf_args
 
-        wrappers.training_args_beside(ckpt)  # a Trainer folder's optimizer.pt: its training_args.bin says the optimizer
+        hf_args.beside(ckpt)  # a Trainer folder's optimizer.pt: its training_args.bin says which optimizer wrote it
     return ckpt
 
 

@@ -157,7 +157,7 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     _missing_definition(ckpt)
     if ckpt.optimizer.training_args is None:  # else read beside the optimizer file already
         args, why = hf_args.read_folder(path)
-        _training_args(ckpt, args, why)
+        hf_args.apply(ckpt, args, why)
     suffix = os.path.splitext(os.path.basename(opt_file))[0][len("optimizer"):]
     stem, ext = os.path.splitext(lay.scheduler)
     sched_file = os.path.join(path, f"{stem}{suffix}{ext}")
@@ -167,31 +167,6 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     if lay.marker and os.path.isfile(os.path.join(path, lay.marker)):
         ckpt.scalars = _trainer_counters(os.path.join(path, lay.marker))
     return ckpt
-
-
-def _training_args(ckpt: Checkpoint, args: dict | None, why: str | None) -> None:
-    """The folder's TrainingArguments: kept with the state, its ``optim`` settling what the optimizer
-    file cannot say (bitsandbytes' one-state optimizers), its disagreements reported."""
-    if args is not None:
-        ckpt.optimizer.training_args = args
-        ckpt.metadata["training_args"] = hf_args.FILE
-        ckpt.warnings += [f"{hf_args.FILE}: {d}" for d in hf_args.settle(ckpt.optimizer, args)]
-        ckpt.optimizer.notes += [f"{hf_args.FILE}: {d}" for d in hf_args.compare(args, [
-            g.hyperparams for g in ckpt.optimizer.groups])]
-    elif why:
-        ckpt.warnings.append(why)
-
-
-def training_args_beside(ckpt: Checkpoint) -> None:
-    """A Trainer folder's optimizer file opened alone: the ``training_args.bin`` beside it still says
-    which optimizer wrote it (kept, and settling a bitsandbytes family, as for the folder)."""
-    if ckpt.optimizer is None or ckpt.optimizer.training_args is not None:
-        return
-    folder = os.path.dirname(os.path.abspath(ckpt.path))
-    if os.path.basename(ckpt.path) not in [lay.optimizer for lay in LAYOUTS] or layout_of(folder) is None:
-        return
-    args, why = hf_args.read_folder(folder)
-    _training_args(ckpt, args, why)
 
 
 def name_from_definition(ckpt: Checkpoint, config: str | None, trust_remote_code: bool = False,

@@ -124,7 +124,10 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     family = group_family(plan, a.group)
     slots = {}
     for name, ref in p.slots.items():
-        if p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
+        # Adafactor's factored row_var/col_var, told by name (a factor of a [1, n] or [n, 1] weight has the
+        # weight's own shape); any other slot of another shape cannot be transposed or resized either
+        factor = name in FACTORS and FACTORS[name] in p.slots
+        if factor or (p.shape is not None and tuple(ref.shape) != tuple(p.shape)):
             if a.resize or (a.transpose and (name not in FACTORS or FACTORS[name] not in p.slots)):
                 raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
                                    "it cannot be transposed or resized", plan.source)

@@ -484,6 +484,20 @@ def _slots_close(ref: dict, other: dict) -> bool:
     return True
 
 
+def _flavors(a_state, b_state, algorithm: str, chosen: tuple, said_by_user: bool, notes: list[str]):
+    """Each side's arithmetic: what was chosen, else its framework's. A bitsandbytes state of an
+    algorithm statekit has one arithmetic for (Lion: burn's) steps in it on both sides, said in a note."""
+    flav_a = chosen[0] or default_flavor(a_state, algorithm)
+    flav_b = chosen[1] or default_flavor(b_state, algorithm)
+    known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()
+    if len(known) == 1 and not said_by_user and flav_a not in known and flav_b not in known \
+            and bnb.LIBRARY in (a_state.library, b_state.library):
+        notes.append(f"bitsandbytes {algorithm} state stepped on both sides in {known[0]}'s {algorithm} arithmetic, the "
+                     f"one statekit has (it checks that the migrated state continues as the original does)")
+        flav_a = flav_b = known[0]
+    return flav_a, flav_b, known
+
+
 def _quantized(*states: OptimizerState) -> bool:
     """Whether a side keeps 8-bit moments (bitsandbytes): its values cannot be carried exactly."""
     return any(getattr(enc, "bits", None) == 8 for s in states for p in s.params for enc in p.encoding.values())
@@ -632,15 +646,8 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
                              progress=progress, kernel=kernel, plan=plan, adapted=adapted)
     adapted += [] if optimizer else settle_from(a_state, b_state, migrated.path)
     algorithm = pick_algorithm(b_state, a_state, given=optimizer, paths=(migrated.path, original.path))
-    flav_a = flavor_original or flavor_a or default_flavor(a_state, algorithm)
-    flav_b = flavor_migrated or flavor_b or default_flavor(b_state, algorithm)
-    known = registry.ALGORITHMS[algorithm].flavors if algorithm in registry.ALGORITHMS else ()
-    if len(known) == 1 and not (flavor_original or flavor_migrated) and flav_a not in known and flav_b not in known \
-            and bnb.LIBRARY in (a_state.library, b_state.library):
-        # bitsandbytes' Lion: statekit has one Lion arithmetic (burn's); both sides step in it alike
-        adapted.append(f"bitsandbytes {algorithm} state stepped on both sides in {known[0]}'s {algorithm} arithmetic, the "
-                       f"one statekit has (it checks that the migrated state continues as the original does)")
-        flav_a = flav_b = known[0]
+    chosen = (flavor_original or flavor_a, flavor_migrated or flavor_b)
+    flav_a, flav_b, known = _flavors(a_state, b_state, algorithm, chosen, bool(flavor_original or flavor_migrated), adapted)
     for flav, side, flag in ((flav_a, original, "--flavor-original"), (flav_b, migrated, "--flavor-migrated")):
         if known and flav not in known:  # e.g. a torch file's Lion (bitsandbytes, lion-pytorch): burn's arithmetic only
             raise UsageError(f"{side.path}: statekit has no {flav} arithmetic for {algorithm} (it has "
