@@ -380,6 +380,8 @@ def replay(
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
                           progress=out.progress, kernel=kernel)
     out.show("replay", result)
+    for w in () if out.json_mode else result.get("warnings", ()):  # JSON: in the result
+        out.warn(w)
 
 
 @app.command("verify-resume")
@@ -539,6 +541,62 @@ def doctor(
                           names=names, names_order=names_order)
     out.show("doctor", result)
     return 0 if result["clean"] else 1
+
+
+@app.command()
+def report(
+    state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
+    weights: Annotated[Path | None, typer.Option("--weights", metavar="MODEL", help="The model's weights at the same step: adds RMS(w) and the update:weight ratio lr·RMS(u + wd·w)/RMS(w).")] = None,
+    against: Annotated[Path | None, typer.Option("--against", metavar="OTHER", help="An earlier state of the same model: per tensor log2 of RMS(v̂) now over then, the cosine of m, the step's change.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", metavar="PAGE.html", help="Write the report as one self-contained HTML page (needs plotly: pip install 'statekit[report]').")] = None,
+    param: ParamOpt = None,
+    optimizer: OptimizerOpt = None,
+    lr: LrOpt = None,
+    betas: BetasOpt = None,
+    eps: EpsOpt = None,
+    weight_decay: WdOpt = None,
+    amsgrad: AmsOpt = None,
+    momentum: MomOpt = None,
+    dampening: DampOpt = None,
+    nesterov: NestOpt = None,
+    key: KeyOpt = None,
+    fmt: FormatOpt = None,
+    json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
+) -> None:
+    """The health of an optimizer state: per tensor effective step sizes, ε-domination, update RMS,
+    resets, the depth profile of the moments, and findings.
+
+    Streams the state once. The hyperparameters are the file's (burn files store none: the
+    defaults, said so, or the flags). Without -o: findings and per-layer charts that fit the
+    terminal; --json for scripts. Formulas per family: docs/report.md.
+
+    \b
+      statekit report optim.pt --weights model.pt -o report.html
+      statekit report optim-60.bpk --against optim-50.bpk
+    """
+    _jobs(jobs)
+    from statekit.ops.options import given_hyperparams
+    from statekit.ops.report import report_files
+
+    out = _output(fmt, json_out)
+    given = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                              momentum=momentum, dampening=dampening, nesterov=nesterov)
+    if output is not None:
+        from statekit.render.report_html import check_available
+
+        check_available()
+    result = report_files(state, weights=weights, against=against, key=key, progress=out.progress,
+                          given=given, optimizer=optimizer, only=param)
+    if output is not None:
+        from statekit.render.report_html import write_page
+
+        size = write_page(result, str(output))
+        counts = {s: sum(1 for f in result.findings if f["severity"] == s) for s in ("error", "warning", "info")}
+        out.info(f"wrote {output} ({size // 1024} KiB): {len(result.tensors)} tensors, "
+                 f"{counts['error']} errors, {counts['warning']} warnings, {counts['info']} infos")
+        return
+    out.show("report", result, width=out.width)
 
 
 def _json_requested(args: list[str]) -> bool:

@@ -1,7 +1,7 @@
 """The house's shape, checked: imports only run downward, no cycles, one format registry.
 
 Floors, bottom to top (``docs/architecture.md``):
-  0 base        errors, dtypes, atomic, paramid, tensor, stream
+  0 base        errors, dtypes, atomic, paramid, tensor, stream, versions
   1 formats     formats/* (containers and the format registry), io (the registry's door)
   2 model       state, naming, hyper
   3 frameworks  frameworks/*, and optim/* (the compute core)
@@ -28,7 +28,7 @@ PACKAGE = ROOT / "statekit"
 
 FLOORS = {
     0: ("statekit.errors", "statekit.lazy", "statekit.dtypes", "statekit.atomic", "statekit.paramid", "statekit.tensor",
-        "statekit.stream"),
+        "statekit.stream", "statekit.versions"),
     1: ("statekit.formats", "statekit.io"),
     2: ("statekit.state", "statekit.naming", "statekit.hyper"),
     3: ("statekit.frameworks", "statekit.optim"),

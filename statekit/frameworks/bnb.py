@@ -491,6 +491,19 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, blo
     return {"state": out_state, "param_groups": out_groups}
 
 
+# each writer's layout (the registry's formats) and the first release that writes it (docs/third-party.md)
+LAYOUTS: dict[str, tuple[tuple[int, ...], str]] = {
+    "bnb-2048": ((0,), "bitsandbytes <= 0.43 (flat entries, blocks of 2048)"),
+    "bnb-flat": ((0, 44), "bitsandbytes 0.44 to 0.49.1 (flat entries, blocks of 256)"),
+    "bnb": ((0, 49, 2), "bitsandbytes >= 0.49.2 (nested entries, blocks of 256)"),
+}
+
+
+def format_for(version: tuple[int, ...]) -> str:
+    """The writer (a registry format) of the layout bitsandbytes ``version`` itself writes."""
+    return [name for name, (first, _) in LAYOUTS.items() if version >= first][-1]
+
+
 def _save(state, path, family, groups, *, block: int, nested: bool) -> int:
     family = family or state.family
     if groups is None:

@@ -32,6 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
+from statekit import versions
 from statekit.errors import MappingError
 
 INSTALL = "pip install 'statekit[hf]'"
@@ -110,6 +111,7 @@ class Definition:
     decays: list[Decay] = field(default_factory=list)  # Trainer's possible splits, the writer's rule first
     wrapped: str | None = None  # how an adapter library wrapped the model (peft), for describe()
     traced: str | None = None  # what the forward trace decided or why it could not run (None: not needed)
+    warnings: list[str] = field(default_factory=list)  # the builder's releases outside statekit's tested range
 
     def by_name(self) -> dict[str, DefinedParam]:
         return {p.name: p for p in self.params}
@@ -249,6 +251,7 @@ def define(model, arch: str, written_by: str | None, source: str, torch, transfo
     definition = Definition(arch, params, tied, written_by, transformers.__version__, source)
     _forward_layouts(definition, model, torch, always=trace)
     definition.decays = _decays(model, torch, version_tuple(written_by))
+    definition.warnings = builder_warnings(transformers.__version__, torch.__version__)
     return definition
 
 
@@ -335,6 +338,17 @@ def _no_inputs(main: str):
     from statekit.frameworks.hf_trace import TraceError
 
     return TraceError(f"its forward takes {main}, and statekit traces models that take token ids")
+
+
+def builder_warnings(transformers_version: str, torch_version: str) -> list[str]:
+    """One line per library that built the definition from a release outside the tested range
+    (:data:`statekit.versions.TESTED`): the definition is used all the same."""
+    out = []
+    for dist, version in (("transformers", transformers_version), ("torch", torch_version)):
+        line = versions.outside(dist, version)
+        if line:
+            out.append(f"{line}; the model's definition was built with it")
+    return out
 
 
 def _quiet(transformers) -> None:

@@ -171,6 +171,11 @@ def build(path: str, *, model_config: str | None = None, trust_remote_code: bool
     definition.wrapped = (f"{type(built.model).__name__} ({', '.join(kinds)}{', ' + ', '.join(extras) if extras else ''}; "
                           f"adapter {', '.join(repr(n) for n in configs)}) built by peft {peft.__version__} from "
                           f"{first_config} (base model {found})")
+    from statekit import versions
+
+    line = versions.outside("peft", peft.__version__)
+    if line:
+        definition.warnings.append(f"{line}; the adapter's model was wrapped with it")
     written = next((c.get("peft_version") for c in raw.values() if isinstance(c.get("peft_version"), str)), None)
     if written and written.split("+")[0] != peft.__version__:
         definition.traced = ((definition.traced + "; ") if definition.traced else "") + (

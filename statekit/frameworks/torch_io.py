@@ -61,6 +61,11 @@ def stored_nbytes(refs: list) -> int:
     return sum(seen.values())
 
 
+# where a torch file's own names came from (said where inspect and plans say where names came from)
+NAMES_IN_FILE = ("parameter names from the file's param_names (what torch >= 2.6 keeps in each param group for an "
+                 "optimizer built from named_parameters())")
+
+
 def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) -> Checkpoint:
     """A Checkpoint for the object a torch file (or DCP directory) holds."""
     from statekit.frameworks import torch_fqn
@@ -73,6 +78,8 @@ def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) ->
         ckpt.kind = "optimizer"
         ckpt.optimizer = torch_state.read_optimizer(sd, path)
         ckpt.optimizer.notes.extend(fqn_notes)
+        if ckpt.optimizer.torch_names_in_file and not fqn_notes:
+            ckpt.optimizer.names_from = NAMES_IN_FILE
         from statekit.frameworks.bnb import stored_tensors
         from statekit.state import nested_tensors
 

@@ -198,6 +198,7 @@ def name_from_definition(ckpt: Checkpoint, config: str | None, trust_remote_code
             ckpt.warnings.append(f"{torch_io.UNNAMED} {state.unnamed_why}")
             return True
         return False
+    ckpt.warnings.extend(definition.warnings)
     try:
         hf_model.name_state(state, definition, ckpt.path)
     except MappingError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from statekit import hyper, naming, paramid
+from statekit import hyper, naming, paramid, versions
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 from statekit.frameworks import bnb
@@ -160,6 +160,37 @@ def _library_notes(state: OptimizerState, family: str, target_format: str, plan:
                              f"in blocks of {block} by bitsandbytes' CPU quantizer (quantize_blockwise on a CPU, as its "
                              "8-bit optimizers do there; its pure-torch quantizer differs on a few codes); smaller "
                              "ones, and those the source keeps in 32 bits, stay float32")
+        plan.warnings.extend(_installed_bnb(target_format))
+
+
+def _installed_bnb(target_format: str) -> list[str]:
+    """What the bitsandbytes installed here writes, when it is not the layout asked for (--to), and
+    its release when it lies outside the tested range (statekit.versions); nothing without one."""
+    have = versions.installed("bitsandbytes")
+    version = versions.parse(have)
+    if version is None:
+        return []
+    out = [line] if (line := versions.outside("bitsandbytes", have)) else []
+    own = bnb.format_for(version)
+    if own != target_format:
+        out.append(f"--to {target_format} writes the layout of {bnb.LAYOUTS[target_format][1]}; the installed "
+                   f"bitsandbytes {have} writes that of {bnb.LAYOUTS[own][1]}: --to {own} for it")
+    return out
+
+
+# torch keeps param_names in each param group since 2.6 (optimizers built from named_parameters())
+PARAM_NAMES_FROM = (2, 6)
+
+
+def _installed_torch(plan: Plan, target_format: str) -> None:
+    """A torch .pt with param_names, for an installed torch older than the release that reads them."""
+    have = versions.installed("torch")
+    if (target_format != "torch" or plan.metadata.get(hyper.OMIT_NAMES_KEY) == "omit" or have is None
+            or versions.at_least("torch", PARAM_NAMES_FROM)
+            or not all(a.dst_path for a in plan.params if a.action != "drop")):
+        return
+    plan.warnings.append(f"each param group keeps param_names, as torch >= 2.6 writes them; the installed torch "
+                         f"{have} loads them as a group key it does not use")
 
 
 def build_plan(state: OptimizerState, source: str, source_format: str, target: str, target_format: str,
@@ -212,6 +243,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
         plan.metadata.update(hyper.paths_to_metadata(
             {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))
+    _installed_torch(plan, target_format)
     return plan
 
 

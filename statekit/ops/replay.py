@@ -21,7 +21,7 @@ from statekit.frameworks import bnb
 from statekit.ops.pairing import pair
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
-from statekit.optim import registry
+from statekit.optim import kernels, registry
 from statekit.optim.tolerance import exp_avg_bound, param_bound
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_opaque, settle_from
 from statekit.tensor import TensorRef
@@ -345,6 +345,9 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
             "out_state": out_state, "step_counts": {n: lane.steps.get(n, 0) for n in lane.params}}
     if _differing(hps):  # groups of their own: each parameter stepped with its group's
         out["group_hyperparams"] = hps
+    warning = kernels.torch_warning(lane.chosen)
+    if warning:
+        out["warnings"] = [warning]
     return out
 
 

@@ -12,7 +12,8 @@ names the code that carries it out. Every kernel gives the flavor's bits; they d
     ``torch._fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_`` / ``_fused_adagrad_`` for the
     ``torch-fused`` flavor, ``torch.optim``'s single-tensor functions (``foreach=False``) for the
     ``torch`` flavor. On CUDA tensors (``--device cuda``) these are torch's CUDA kernels, i.e.
-    the arithmetic torch itself runs on that GPU.
+    the arithmetic torch itself runs on that GPU. Needs torch 2.7 or newer (read from its
+    metadata, :mod:`statekit.versions`): an older torch leaves ``auto`` to the next kernel.
 ``numba``
     One compiled pass over memory per step (:mod:`statekit.optim.numba_kernels`, the optional
     ``statekit[fast]`` extra): Adam/AdamW in the four flavors, with a hardware FMA exactly
@@ -34,6 +35,7 @@ import threading
 import warnings
 from functools import cache
 
+from statekit import versions
 from statekit.errors import UsageError
 from statekit.optim.backend import Backend, torch_available
 
@@ -68,6 +70,16 @@ def numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+# the first torch whose optimizer functions take what run_torch passes (adam's decoupled_weight_decay)
+TORCH_KERNEL_FROM = (2, 7)
+
+
+def torch_warning(kernel: str) -> str | None:
+    """One line when torch's own kernel ran with a torch outside the tested range."""
+    line = versions.outside("torch") if kernel == TORCH_KERNEL else None
+    return f"{line}; its kernels ran the steps" if line else None
+
+
 def _why_not(kernel: str, algorithm: str, flavor: str, b: Backend, vector_width) -> str | None:
     """None when ``kernel`` can run this step, else the reason it cannot."""
     if kernel == REFERENCE:
@@ -75,6 +87,9 @@ def _why_not(kernel: str, algorithm: str, flavor: str, b: Backend, vector_width)
     if kernel == TORCH_KERNEL:
         if not torch_available():
             return "torch is not installed"
+        if not versions.at_least("torch", TORCH_KERNEL_FROM):
+            return (f"torch {versions.installed('torch')} is older than 2.7, whose adam() takes the "
+                    "decoupled_weight_decay these kernels pass")
         if b.name not in ("numpy", "torch"):
             return f"torch kernels take numpy arrays or torch tensors, not {b.name} arrays"
         if (algorithm, flavor) not in TORCH_SUPPORTS:

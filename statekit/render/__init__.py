@@ -20,6 +20,7 @@ VIEWS: dict[str, tuple[str, str, str]] = {
     "doctor": ("statekit.render.reports", "doctor_view", "doctor_tsv"),
     "verify": ("statekit.render.reports", "verify_view", "verify_tsv"),
     "replay": ("statekit.render.reports", "replay_view", "replay_tsv"),
+    "report": ("statekit.render.report", "report_view", "report_tsv"),
 }
 
 
