@@ -38,6 +38,8 @@ BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)
 # A block whose fence says ``hf`` (```` ```sh hf ````) builds a model's definition with transformers
 # (the hf extra, which CI installs): it runs where transformers is importable.
 HAVE_HF = importlib.util.find_spec("transformers") is not None
+# ``peft`` in the fence (```` ```sh hf peft ````): the block wraps a model with peft (the peft extra, CI installs it)
+HAVE_PEFT = importlib.util.find_spec("peft") is not None
 # A placeholder the docs use for the reader's own file → the shipped fixture that stands in for it.
 PLACEHOLDERS = {
     "optim-10.bpk": "hand-optim.bpk",
@@ -82,7 +84,7 @@ check = lambda i, ref, stream: None
 def blocks(doc: Path):
     text = doc.read_text(encoding="utf-8")
     for m in BLOCK.finditer(text):
-        if "hf" in m.group(2).split() and not HAVE_HF:
+        if "hf" in m.group(2).split() and not HAVE_HF or "peft" in m.group(2).split() and not HAVE_PEFT:
             continue
         yield m.group(1), m.group(3), text.count("\n", 0, m.start()) + 1
 

@@ -156,10 +156,15 @@ def _library_notes(state: OptimizerState, family: str, target_format: str, plan:
         for h in plan.hyperparams:
             bnb.bnb_group(family, h, target_format == "bnb-2048")  # refused now, before any byte is written
         block = 2048 if target_format == "bnb-2048" else 256
-        plan.warnings.append(f"moments of parameters with at least {bnb.MIN_8BIT_SIZE} elements quantized to 8 bits "
-                             f"in blocks of {block} by bitsandbytes' CPU quantizer (quantize_blockwise on a CPU, as its "
-                             "8-bit optimizers do there; its pure-torch quantizer differs on a few codes); smaller "
-                             "ones, and those the source keeps in 32 bits, stay float32")
+        if any(p.stored_as and p.stored_as[0] == 8 and p.stored_as[1] == block for p in state.params):
+            plan.warnings.append("moments bitsandbytes stored in 8 bits get back their own codes and scales (recovered "
+                                 "where they give the values back bit for bit; elsewhere bitsandbytes' CPU quantizer); "
+                                 "those it kept in 32 bits, and smaller ones, stay float32")
+        else:
+            plan.warnings.append(f"moments of parameters with at least {bnb.MIN_8BIT_SIZE} elements quantized to 8 bits "
+                                 f"in blocks of {block} by bitsandbytes' CPU quantizer (quantize_blockwise on a CPU, as "
+                                 "its 8-bit optimizers do there; its pure-torch quantizer differs on a few codes); "
+                                 "smaller ones, and those the source keeps in 32 bits, stay float32")
         plan.warnings.extend(_installed_bnb(target_format))
 
 

@@ -222,9 +222,8 @@ def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
     recorded = getattr(state, "library_format", None)
     if to is not None or fmt != "torch" or state.framework == "torch" or not recorded:
         return fmt, None
-    return recorded, (f"written in bitsandbytes' layout ({recorded}), the optimizer the state came from (recorded in "
-                      "the file): 8-bit moments get back their own codes and scales where they give the values back "
-                      "bit for bit, parameters it kept in 32 bits stay so; --to torch writes torch's own")
+    return recorded, (f"written in bitsandbytes' layout ({recorded}), the optimizer the state came from (as the "
+                      "file records); --to torch writes torch's own")
 
 
 @contextlib.contextmanager
