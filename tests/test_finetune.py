@@ -234,6 +234,19 @@ def test_a_base_model_nowhere_local_is_refused_saying_what_to_give(needs, cli, t
 
 @hf
 @peft_mark
+def test_a_folder_of_several_adapters_is_refused_as_none_says_which_trained(needs, cli, tmp_path):
+    needs("lora")
+    folder = copy_run("lora", tmp_path)
+    (folder / "second").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(folder / name, folder / "second" / name)
+    res = cli("convert", folder, tmp_path / "x.bpk")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "2 peft adapters ('default', 'second')" in res.stderr and "--names" in res.stderr, res.stderr
+
+
+@hf
+@peft_mark
 def test_an_optimizer_of_another_adapter_is_refused_naming_the_position(needs, cli, tmp_path):
     needs("lora")
     folder = copy_run("lora", tmp_path)

@@ -8,8 +8,9 @@ fixes the order is the base model's module tree with peft's modules inserted, so
 exactly that: the base model (``base_model_name_or_path``'s ``config.json`` — a local folder, else
 the local Hugging Face cache, never the network — or ``--model-config``) on the meta device,
 wrapped by peft itself with the saved config (LoRA and DoRA's magnitude, ``modules_to_save``,
-``trainable_token_indices``, and any other tuner peft ships), every adapter the folder holds under
-its own name (``default`` at the top, others in sub-folders named after them). Positions are named
+``trainable_token_indices``, and any other tuner peft ships), under the adapter's own name
+(``default`` at the top, another in a sub-folder named after it; a folder of several adapters is
+refused: which of them trained is in no file). Positions are named
 as that model's ``named_parameters()`` names them, adapter name included
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``).
 
@@ -130,6 +131,10 @@ def build(path: str, *, model_config: str | None = None, trust_remote_code: bool
     adapters = adapter_folders(path)
     if not adapters:
         raise MappingError(f"holds no peft {CONFIG}", path)
+    if len(adapters) > 1:  # peft saves every adapter; which of them the run trained is in no file
+        raise MappingError(f"holds {len(adapters)} peft adapters ({', '.join(repr(n) for n in adapters)}); which of "
+                           "them the run trained is recorded nowhere in the checkpoint: give --names FILE listing the "
+                           "optimizer's parameters (the wrapped model's named_parameters() names)", path)
     first = next(iter(adapters.values()))
     first_config = os.path.join(first, CONFIG)
     raw = {name: _read(os.path.join(folder, CONFIG)) for name, folder in adapters.items()}
