@@ -5,6 +5,12 @@ the console script calls (exit codes and one-line errors included), and returns 
 ``returncode``, ``stdout`` and ``stderr`` like :func:`subprocess.run`. :func:`run_entry_point`
 starts the real console script in a fresh interpreter; a few tests use it to check the entry
 point itself (start-up imports, ``python -m statekit``).
+
+The suite's verdict must not depend on the shell it is run from: :data:`UNSET` is removed from the
+environment before any test runs (the in-process commands and every subprocess see it gone), and
+:func:`run_cli` sees no terminal on any descriptor (as under CI). Output is then as a pipe gets it
+(tables at least 160 columns wide). A test that needs a width, a terminal style or a launcher's
+share sets it itself (``env={"COLUMNS": "80"}``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
+
+UNSET = (
+    # the terminal's width and style (rich and statekit.output read these)
+    "COLUMNS", "LINES", "JUPYTER_COLUMNS", "JUPYTER_LINES", "TTY_COMPATIBLE", "TTY_INTERACTIVE",
+    "FORCE_COLOR", "NO_COLOR", "CLICOLOR", "CLICOLOR_FORCE",
+    # a launcher's share (statekit.ops.shares: a convert to DCP would write one share of N)
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+    "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT",
+)
+
+
+def _pin_environment() -> None:
+    """Remove :data:`UNSET` and statekit's own switches (``STATEKIT_*``: jobs, threads, direct I/O,
+    debug tracebacks) from the environment this test session and its subprocesses run in."""
+    for name in list(os.environ):
+        if name in UNSET or name.startswith(("STATEKIT_", "_STATEKIT_")):
+            del os.environ[name]
+
+
+_pin_environment()
 
 
 @pytest.fixture
@@ -49,6 +75,10 @@ class _Stream(io.TextIOWrapper):
         return self.buffer.getvalue().decode("utf-8")
 
 
+def _no_terminal(fd: int = 1):
+    raise OSError(25, "Inappropriate ioctl for device")  # what os.get_terminal_size says off a terminal
+
+
 @contextlib.contextmanager
 def _environment(env: dict | None, cwd: Path):
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
@@ -56,9 +86,11 @@ def _environment(env: dict | None, cwd: Path):
         os.environ.pop("STATEKIT_DEBUG", None)
     os.environ.update(env or {})
     os.chdir(cwd)
+    saved_size, os.get_terminal_size = os.get_terminal_size, _no_terminal  # pytest's stdin may be one
     try:
         yield
     finally:
+        os.get_terminal_size = saved_size
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
@@ -89,7 +121,7 @@ def run_entry_point(*args: str, env: dict | None = None, cwd: Path | None = None
     exe = shutil.which("statekit")
     cmd = [exe] if exe else [sys.executable, "-m", "statekit"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=full_env,
-                          cwd=cwd or ROOT, timeout=120)
+                          cwd=cwd or ROOT, timeout=120, stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture

@@ -2,10 +2,16 @@
 (burn's ε₁ inside its second moments), Muon (torch's buffer is (1 − μ) · burn's velocity, and a
 torch Muon run pairs it with AdamW), L-BFGS (one flat global state). The torch states are real
 torch 2.13 runs (``scripts/make_torch_optim_fixtures.py``); each resumed run is checked against
-real torch in the test run, bit for bit where the plan says exact."""
+real torch in the test run, bit for bit where the plan says exact.
+
+"Bit for bit" is against torch resuming the original state on this machine: torch's own kernels
+round differently on another CPU (the fixtures' ``*_next.pt`` runs, made on one with AVX-512 and
+AMX, differ from this machine's AVX2 run by up to 4e-9 for Adafactor, 3e-6 for L-BFGS), so the
+recorded runs are only required to be tracked within such rounding (:data:`RECORDED_ATOL`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -18,6 +24,15 @@ from conftest import FIXTURES  # noqa: E402
 from statekit.formats.burnpack import BurnpackFile  # noqa: E402
 
 TORCH_OPTIM = FIXTURES / "torch_optim"
+# how far torch resuming a fixture here may be from the run recorded with it (another CPU's rounding;
+# a resume from a wrong or cold state is off by 1e-2 and more)
+RECORDED_ATOL = {"adafactor": 1e-6, "lbfgs": 1e-4, "lbfgs_wolfe": 1e-4}
+
+
+def close_to_recorded(params, recorded, atol):
+    """torch's run here tracks the run recorded in the fixture (on the CPU that made it) within ``atol``."""
+    worst = max((params[n].detach() - recorded[n]).abs().max().item() for n in recorded)
+    assert worst < atol, worst
 
 
 def load(path):
@@ -86,13 +101,19 @@ def test_torch_adafactor_to_burn_and_back_resumes_bit_identically(tmp_path, cli)
     ckpt, back = load(src), load(tmp_path / "back.pt")
     assert_same_state(ckpt["optimizer"], back)
 
-    model = model_from(ckpt, (4, 6, 3))
-    opt = torch.optim.Adafactor(model.parameters())
-    opt.load_state_dict(back)
     nxt = load(TORCH_OPTIM / "adafactor_next.pt")
-    train(model, [opt], nxt["batches"])
-    for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), nxt["params"][name]), name
+
+    def resume(sd):
+        model = model_from(ckpt, (4, 6, 3))
+        opt = torch.optim.Adafactor(model.parameters())
+        opt.load_state_dict(sd)
+        train(model, [opt], nxt["batches"])
+        return dict(model.named_parameters())
+
+    here, migrated = resume(ckpt["optimizer"]), resume(back)
+    close_to_recorded(here, nxt["params"], RECORDED_ATOL["adafactor"])
+    for name, p in migrated.items():
+        assert torch.equal(p.detach(), here[name].detach()), name
 
 
 def test_adafactor_in_burn_holds_burns_factors_of_the_transposed_weight(tmp_path, cli):
@@ -201,6 +222,8 @@ def test_burn_muon_with_dampening_is_refused(tmp_path, cli):
 
 
 def resume_pair(muon_sd, adamw_sd):
+    """Three steps from the two states (copied: torch steps loaded tensors in place)."""
+    muon_sd, adamw_sd = copy.deepcopy(muon_sd), copy.deepcopy(adamw_sd)
     ckpt = load(TORCH_OPTIM / "muon_adamw.pt")
     model = model_from(ckpt, (4, 8, 3))
     muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2])
@@ -214,9 +237,10 @@ def resume_pair(muon_sd, adamw_sd):
     return dict(model.named_parameters())
 
 
-def max_delta(params):
-    ref = load(TORCH_OPTIM / "muon_adamw_next.pt")["params"]
-    return max((params[n].detach() - ref[n]).abs().max().item() for n in ref)
+def max_delta(params, ref=None):
+    """The largest parameter difference from ``ref`` (default: the run recorded in the fixture)."""
+    ref = ref if ref is not None else load(TORCH_OPTIM / "muon_adamw_next.pt")["params"]
+    return max((params[n].detach() - ref[n].detach()).abs().max().item() for n in ref)
 
 
 def test_torch_muon_to_burn_and_back_tracks_the_run(tmp_path, cli):
@@ -236,11 +260,12 @@ def test_torch_muon_to_burn_and_back_tracks_the_run(tmp_path, cli):
     for i, entry in ckpt["muon"]["state"].items():
         a, b = entry["momentum_buffer"], back["state"][i]["momentum_buffer"]
         assert torch.allclose(a, b, rtol=2**-23, atol=0)
-    exact = max_delta(resume_pair(ckpt["muon"], ckpt["adamw"]))
-    assert exact == 0.0  # the reference run is reproducible here
-    migrated = max_delta(resume_pair(back, ckpt["adamw"]))
-    cold = max_delta(resume_pair(None, ckpt["adamw"]))
+    here = resume_pair(ckpt["muon"], ckpt["adamw"])  # torch resuming the original state on this machine
+    assert max_delta(resume_pair(ckpt["muon"], ckpt["adamw"]), here) == 0.0  # reproducible here
+    migrated = max_delta(resume_pair(back, ckpt["adamw"]), here)
+    cold = max_delta(resume_pair(None, ckpt["adamw"]), here)
     lr, steps = ckpt["muon"]["param_groups"][0]["lr"], 3
+    assert max_delta(here) < 0.25 * lr * steps  # and it tracks the run recorded on the fixtures' CPU
     assert migrated < 0.25 * lr * steps and cold > 10 * migrated, (migrated, cold)
 
 
@@ -364,10 +389,10 @@ def test_torch_lbfgs_to_burn_and_back_resumes_bit_identically(name, tmp_path, cl
     assert "exact back" in r.stdout
     ckpt, back = load(src), load(tmp_path / "back.pt")
     same_lbfgs_state(ckpt["optimizer"], back)
-    params = resume_lbfgs(name, back)
-    reference = load(TORCH_OPTIM / f"{name}_next.pt")["params"]
-    for n, p in params.items():
-        assert torch.equal(p.detach(), reference[n]), n
+    here = resume_lbfgs(name, ckpt["optimizer"])  # torch resuming the original state on this machine
+    close_to_recorded(here, load(TORCH_OPTIM / f"{name}_next.pt")["params"], RECORDED_ATOL[name])
+    for n, p in resume_lbfgs(name, back).items():
+        assert torch.equal(p.detach(), here[n].detach()), n
 
 
 def test_lbfgs_in_burn_holds_each_segment_in_burns_layout(tmp_path, cli):

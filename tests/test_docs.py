@@ -40,6 +40,9 @@ BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)
 HAVE_HF = importlib.util.find_spec("transformers") is not None
 # ``peft`` in the fence (```` ```sh hf peft ````): the block wraps a model with peft (the peft extra, CI installs it)
 HAVE_PEFT = importlib.util.find_spec("peft") is not None
+# A block whose fence says ``report`` draws report's HTML page with plotly (the report extra, which CI
+# installs; the README's test command does not): it runs where plotly is importable.
+HAVE_REPORT = importlib.util.find_spec("plotly") is not None
 # A placeholder the docs use for the reader's own file → the shipped fixture that stands in for it.
 PLACEHOLDERS = {
     "optim-10.bpk": "hand-optim.bpk",
@@ -84,7 +87,8 @@ check = lambda i, ref, stream: None
 def blocks(doc: Path):
     text = doc.read_text(encoding="utf-8")
     for m in BLOCK.finditer(text):
-        if "hf" in m.group(2).split() and not HAVE_HF or "peft" in m.group(2).split() and not HAVE_PEFT:
+        tags = m.group(2).split()
+        if ("hf" in tags and not HAVE_HF) or ("report" in tags and not HAVE_REPORT) or ("peft" in tags and not HAVE_PEFT):
             continue
         yield m.group(1), m.group(3), text.count("\n", 0, m.start()) + 1
 

@@ -31,7 +31,7 @@ print(json.dumps({"code": code, "out": out.getvalue(), "modules": sorted(sys.mod
 def run(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(args))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)  # no terminal
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 

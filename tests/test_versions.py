@@ -59,6 +59,23 @@ def test_the_installed_release_is_read_without_importing_the_library():
     assert read == real and not imported_before and absent is None
 
 
+def test_the_installed_release_is_what_importlib_metadata_says_without_importing_it():
+    """The .dist-info folder's name, checked against importlib.metadata (in a fresh interpreter:
+    neither importlib.metadata nor the library is imported to answer)."""
+    dists = ["torch", "transformers", "numpy", "typing-extensions", "safetensors", "no-such-dist-here"]
+    probe = ("import json, sys; from statekit import versions; got = [versions.installed(d) for d in sys.argv[1:]]; "
+             "clean = 'importlib.metadata' not in sys.modules and 'torch' not in sys.modules; "
+             "from importlib import metadata\n"
+             "def real(d):\n"
+             "    try:\n        return metadata.version(d)\n"
+             "    except metadata.PackageNotFoundError:\n        return None\n"
+             "print(json.dumps([got, [real(d) for d in sys.argv[1:]], clean]))")
+    done = subprocess.run([sys.executable, "-c", probe, *dists], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got, real, clean = json.loads(done.stdout)
+    assert got == real and real[-1] is None and real[0] is not None and clean
+
+
 def test_the_tested_ranges_are_pyprojects_floors_and_the_constraints_pins():
     """versions.TESTED, pyproject.toml's extras and constraints.txt say the same thing."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -84,18 +101,20 @@ def test_the_tested_ranges_are_pyprojects_floors_and_the_constraints_pins():
 
 @pytest.mark.hf
 def test_a_definition_built_outside_the_tested_range_warns_once_and_still_names(monkeypatch):
-    pytest.importorskip("transformers")
-    folder = FIXTURES / "hf" / "v5" / "llama" / "checkpoint-2"
-    with statekit.open(folder) as ckpt:
-        assert not [w for w in ckpt.warnings if "tested" in w]  # constraints.txt's releases: inside
-    import transformers
+    transformers = pytest.importorskip("transformers")
+    import torch
 
-    low, _ = versions.TESTED["transformers"]
-    monkeypatch.setitem(versions.TESTED, "transformers", (low, (5, 0)))
+    folder = FIXTURES / "hf" / "v5" / "llama" / "checkpoint-2"
+    for dist, module in (("transformers", transformers), ("torch", torch)):  # the range: exactly what is installed
+        have = versions.parse(module.__version__)[:2]
+        monkeypatch.setitem(versions.TESTED, dist, (have, have))
+    with statekit.open(folder) as ckpt:
+        assert not [w for w in ckpt.warnings if "tested" in w]
+    monkeypatch.setitem(versions.TESTED, "transformers", ((0, 1), (0, 2)))
     with statekit.open(folder) as ckpt:
         said = [w for w in ckpt.warnings if "tested" in w]
         assert said == [f"transformers {transformers.__version__} is newer than the releases statekit was tested with "
-                        f"(4.46 to 5.0); the model's definition was built with it"]
+                        f"(0.1 to 0.2); the model's definition was built with it"]
         assert all(p.path for p in ckpt.optimizer.params)  # named all the same
         assert "rule of transformers >= 4.53" in ckpt.optimizer.names_from  # and the decay rule it applied said
 
@@ -129,8 +148,11 @@ def test_replay_with_torchs_kernel_outside_the_range_warns_in_one_line(monkeypat
     save_file({"w": rng.normal(size=(4, 3)).astype(np.float32)}, str(tmp_path / "g.safetensors"))
     args = ["replay", "--params", tmp_path / "p.safetensors", "--grads", tmp_path / "g.safetensors",
             "--optimizer", "adamw", "--flavor", "torch", "--lr", "1e-2", "--out-params", tmp_path / "o.safetensors"]
+    have = versions.parse(versions.installed("torch"))[:2]
+    monkeypatch.setitem(versions.TESTED, "torch", (have, have))  # the range: exactly what is installed
     r = cli(*args, "--json")
     assert r.returncode == 0 and "warnings" not in json.loads(r.stdout)
+    monkeypatch.setitem(versions.TESTED, "torch", ((2, 7), (2, 13)))
     fake_installed(monkeypatch, torch="2.14.1")
     r = cli(*args, "--json")
     report = json.loads(r.stdout)
