@@ -14,10 +14,10 @@ and peak RSS over the goals (≤ 1.00 meets them). The machine's load (``uptime`
 say how far a busy machine inflated the wall time.
 
 Then issue 21's table (``--views N``, default 10^6; ``--only-views`` for it alone, ``--no-stats``
-to leave ``inspect --stats`` out): the N-view file in torch.save's own opcodes and pickled
-without a memo (``Pickler.fast``, as other writers do), each opened and inspected (table, TSV,
-JSON, ``--stats``) in a fresh process; goals: open ≤ 10 s, inspect ≤ 30 s, ``--stats`` ≤ 45 s,
-each ≤ 1 GiB, whatever the form.
+to leave ``inspect --stats`` out): the N-view file in torch.save's own opcodes, pickled without
+a memo (``Pickler.fast``, as other writers do) and with ``MARK … TUPLE`` tuples (issue 29's
+third form), each opened and inspected (table, TSV, JSON, ``--stats``) in a fresh process;
+goals: open ≤ 10 s, inspect ≤ 30 s, ``--stats`` ≤ 45 s, each ≤ 1 GiB, whatever the form.
 """
 
 from __future__ import annotations
@@ -94,14 +94,20 @@ def gzip_bomb(path: Path, inflated: int) -> None:
         fh.write(comp.flush())
 
 
-def shared_storage_pt(path: Path, n: int, memo: bool = True) -> None:
+#: the pickle forms of the N-view file: torch.save's own opcodes, the same objects pickled without
+#: a memo (``Pickler.fast``: every global, string and OrderedDict() written out again for each
+#: tensor, as other writers do), and with every tuple as ``MARK … TUPLE`` (protocol 1's tuples in a
+#: protocol-2 pickle, where the other two write TUPLE1: CPython's pure-Python pickler, its
+#: ``save_tuple`` told so)
+FORMS = ("torch.save", "no memo", "MARK…TUPLE")
+
+
+def shared_storage_pt(path: Path, n: int, form: str = "torch.save") -> None:
     """torch.save's layout for ``{f"t{i}": base[i:i+1]}``: n views of one n-element storage, written
-    with CPython's pickler and stand-in globals (torch.save itself takes minutes for 10^6).
-    ``memo=False``: the same objects pickled without a memo (``Pickler.fast``: every global, string
-    and OrderedDict() written out again for each tensor), as other writers do: not torch.save's
-    exact opcode sequence."""
+    with CPython's pickler and stand-in globals (torch.save itself takes minutes for 10^6), each
+    view's size and stride a new tuple as torch.save writes them, in one of :data:`FORMS`."""
     code = f"""
-import collections, pickle, sys, types, zipfile
+import collections, io, pickle, sys, types, zipfile
 torch = types.ModuleType("torch"); utils = types.ModuleType("torch._utils")
 sys.modules.update(torch=torch, **{{"torch._utils": utils}})
 class FloatStorage: pass
@@ -110,16 +116,26 @@ def _rebuild_tensor_v2(*a): pass
 _rebuild_tensor_v2.__module__ = "torch._utils"; utils._rebuild_tensor_v2 = _rebuild_tensor_v2
 class View:
     def __init__(self, i): self.i = i
-    def __reduce__(self):
-        return (_rebuild_tensor_v2, (STORAGE, self.i, (1,), (1,), False, collections.OrderedDict()))
+    def __reduce__(self):  # (size and stride: new tuples, as tuple(t.size()) and t.stride() are)
+        return (_rebuild_tensor_v2, (STORAGE, self.i, tuple([1]), tuple([1]), False, collections.OrderedDict()))
 STORAGE = object()
-class P(pickle.Pickler):
+class MarkTuple(pickle._Pickler):
+    dispatch = pickle._Pickler.dispatch.copy()
+    def save_tuple(self, obj):
+        if not obj:
+            self.write(pickle.EMPTY_TUPLE); return
+        self.write(pickle.MARK)
+        for item in obj:
+            self.save(item)
+        self.write(pickle.TUPLE); self.memoize(obj)
+    dispatch[tuple] = save_tuple
+form = {form!r}
+class P(MarkTuple if form == "MARK…TUPLE" else pickle.Pickler):
     def persistent_id(self, obj):
         return ("storage", FloatStorage, "0", "cpu", {n}) if obj is STORAGE else None
-import io
 buf = io.BytesIO()
 pickler = P(buf, protocol=2)
-pickler.fast = {not memo}
+pickler.fast = form == "no memo"
 pickler.dump(collections.OrderedDict((f"t{{i}}", View(i)) for i in range({n})))
 with zipfile.ZipFile({str(path)!r}, "w", zipfile.ZIP_STORED) as zf:
     zf.writestr("archive/data.pkl", buf.getvalue())
@@ -201,19 +217,20 @@ VIEW_GOALS = {"open": (10, 1024), "inspect": (30, 1024), "inspect --format tsv":
 
 
 def views_table(tmp: Path, n: int, stats: bool, against: Path | None = None) -> None:
-    """The n-view file in torch.save's own form and without a memo (another writer's opcodes):
-    open, inspect (table, TSV, JSON) and inspect --stats, each against issue 21's goals; with
-    ``against`` (another checkout, e.g. main's), each command run by it too, just before, and the
-    ratios of seconds and CPU seconds to it ("x base")."""
-    print(f"\n{n:,} views of one storage: torch.save's opcodes against the same pickled without a memo "
-          "(protocol 2, Pickler.fast)" + (f"; base = {against}" if against else ""))
+    """The n-view file in each of :data:`FORMS`: open, inspect (table, TSV, JSON) and inspect
+    --stats, each against issue 21's goals (issue 29: whatever the form); with ``against``
+    (another checkout, e.g. main's), each command run by it too, just before, and the ratios of
+    seconds and CPU seconds to it ("x base")."""
+    print(f"\n{n:,} views of one storage, in three pickle forms (protocol 2): torch.save's opcodes, the same "
+          "pickled without a memo (Pickler.fast), and with MARK…TUPLE tuples"
+          + (f"; base = {against}" if against else ""))
     head = f"{'form':<12}{'command':<24}{'seconds':>9}{'CPU s':>8}{'peak MiB':>10}{'x goal s':>10}{'x 1 GiB':>9}"
     if against:
         head += f"{'base s':>9}{'base CPU':>9}{'base MiB':>9}{'x base s':>9}{'x b CPU':>8}"
     print(head + "  outcome")
-    for form, memo in (("torch.save", True), ("no memo", False)):
-        path = tmp / f"views-{form.replace(' ', '')}.pt"
-        shared_storage_pt(path, n, memo)
+    for form in FORMS:
+        path = tmp / f"views-{FORMS.index(form)}.pt"
+        shared_storage_pt(path, n, form)
         rows = [("open", None)] + [(f"inspect{s}", ["inspect", str(path), *s.split()])
                                    for s in ("", " --format tsv", " --json")]
         if stats:
@@ -247,7 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-tensors", type=int, default=1_000_000)
     parser.add_argument("--views", type=int, default=1_000_000,
-                        help="views of the open/inspect table, both pickle forms (0: skip it)")
+                        help="views of the open/inspect table, in the three pickle forms (0: skip it)")
     parser.add_argument("--no-stats", action="store_true", help="leave inspect --stats out of that table")
     parser.add_argument("--only-views", action="store_true", help="that table alone")
     parser.add_argument("--against", type=Path, help="that table also for another checkout's statekit (e.g. "

@@ -44,7 +44,9 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
 
     Options: ``optimizer``, ``names`` (list or file), ``model`` (path or ModelInfo), ``transpose`` /
     ``no_transpose`` (globs), ``rename`` (``"REGEX=REPLACEMENT"`` rules), ``preset``, ``dtype``,
-    ``step_policy``, and hyperparameters ``lr betas eps weight_decay amsgrad momentum dampening nesterov``.
+    ``step_policy``, structural rules ``fuse``, ``split``, ``stack``, ``unstack`` (lists of the CLI's
+    rule strings, :mod:`statekit.structure.rules`), and hyperparameters ``lr betas eps weight_decay
+    amsgrad momentum dampening nesterov``.
     """
     from statekit.ops.convert import convert as run
 
@@ -56,7 +58,10 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
 def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = False, plan: PathLike | None = None,
           plan_out: PathLike | None = None, to: str | None = None, **options) -> Plan:
     """``statekit remap``: state onto a new model; returns the plan (options as for :func:`convert`,
-    plus ``old_model``, ``resize`` and ``reset_step``)."""
+    plus ``old_model``, ``resize``, ``reset_step``, ``new`` (globs of tensors that start fresh) and
+    ``match`` (``"auto"``, ``"values"``, ``"paths"``)). With ``old_model`` and ``model`` holding weights,
+    the structural map is learned from them and proved (:mod:`statekit.structure`); each assembled
+    target's pieces are in ``plan.params[i].pieces``."""
     from statekit.ops.remap import remap as run
 
     result = run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
@@ -94,6 +99,23 @@ def doctor(state: PathLike, model: PathLike | None = None, *, params: Sequence[s
     from statekit.ops.doctor import doctor_files
 
     return doctor_files(state, model, only=list(params) if params else None)
+
+
+def report(state: PathLike, *, weights: PathLike | None = None, against: PathLike | None = None,
+           params: Sequence[str] | None = None, optimizer: str | None = None, html: PathLike | None = None,
+           **hyperparameters) -> dict:
+    """``statekit report --json`` as a dict (``html``: also write the page, as ``-o``; needs plotly);
+    hyperparameters by the names of ``statekit.hyper.FLAGS``, over those the file stores."""
+    from statekit.ops.report import report_files
+
+    result = report_files(state, weights=weights, against=against, given=given_hyperparams(**hyperparameters),
+                          optimizer=optimizer, only=list(params) if params else None)
+    if html is not None:
+        from statekit.render.report_html import check_available, write_page
+
+        check_available()
+        write_page(result, os.fspath(html))
+    return result.to_json()
 
 
 def verify_resume(original: PathLike, migrated: PathLike, *, steps: int = 10, seed: int = 0,

@@ -176,6 +176,10 @@ NestOpt = Annotated[bool | None, typer.Option("--nesterov/--no-nesterov", help="
 HyperOpt = Annotated[list[str] | None, typer.Option("--hyper", metavar="KEY=VALUE", help="Any other hyperparameter of the family, e.g. burn Adafactor's relative_step=false or Muon's ns_steps=5 (burn files store none: say what the run used); repeatable.")]
 RenameOpt = Annotated[list[str] | None, typer.Option("--rename", metavar="REGEX=REPLACEMENT", help="Ordered rename rule 'REGEX=REPLACEMENT' ($1 for groups); repeatable.")]
 RulesOpt = Annotated[list[Path] | None, typer.Option("--rules", metavar="FILE", help="File of rename rules, one per line.")]
+FuseOpt = Annotated[list[str] | None, typer.Option("--fuse", metavar="NEW=OLD1,OLD2", help="NEW is the OLDs joined in that order (torch: along the first axis; burn matrices: the second; NEW@AXIS=... to choose); '*' matches one path component on both sides: 'layers.*.qkv.weight=layers.*.q.weight,layers.*.k.weight,layers.*.v.weight'. Repeatable.")]
+SplitOpt = Annotated[list[str] | None, typer.Option("--split", metavar="OLD=NEW1,NEW2", help="The inverse of --fuse; the parts' sizes come from --model. Repeatable.")]
+StackOpt = Annotated[list[str] | None, typer.Option("--stack", metavar="NEW=OLD_GLOB", help="NEW's first axis stacks the OLDs numbered by the glob's last '*' (0, 1, ...); several globs join each number's tensors first: 'experts.gate_up_proj=experts.*.w1.weight,experts.*.w3.weight'. Repeatable.")]
+UnstackOpt = Annotated[list[str] | None, typer.Option("--unstack", metavar="OLD=NEW_GLOB", help="The inverse of --stack: OLD's first axis becomes the NEWs numbered by the glob's last '*'. Repeatable.")]
 PresetOpt = Annotated[bool, typer.Option("--preset/--no-preset", help="Apply the burn⇄torch norm preset (gamma/beta ⇄ weight/bias).")]
 TransposeOpt = Annotated[list[str] | None, typer.Option("--transpose", metavar="GLOB", help="Glob of parameters whose state is transposed (burn Linear weights are [d_in, d_out], torch's [out, in]); repeatable.")]
 NoTransposeOpt = Annotated[list[str] | None, typer.Option("--no-transpose", metavar="GLOB", help="Glob of rank-2 parameters kept as they are (e.g. embeddings); repeatable.")]
@@ -229,6 +233,10 @@ def convert(
     hyper: HyperOpt = None,
     rename: RenameOpt = None,
     rules: RulesOpt = None,
+    fuse: FuseOpt = None,
+    split: SplitOpt = None,
+    stack: StackOpt = None,
+    unstack: UnstackOpt = None,
     preset: PresetOpt = True,
     transpose: TransposeOpt = None,
     no_transpose: NoTransposeOpt = None,
@@ -249,8 +257,8 @@ def convert(
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
-    The plan (every rename, transpose, cast and assumed hyperparameter) is printed before
-    anything is written; --dry-run stops there. The output is written atomically.
+    The plan (every rename, transpose, cast and assumed hyperparameter) is printed before anything
+    is written; --dry-run stops there. The output is written atomically.
 
     \b
     burn → PyTorch:
@@ -260,11 +268,8 @@ def convert(
     A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
       statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
       statekit convert optim.bpk muon.pt --also-out adamw.pt
-    A torch state's positions are named by solving, never by assuming an order: each param group
-    is an order-preserving subsequence of model.named_parameters() whose shapes match its state.
-    --model MODEL.pt (a state_dict keeps that order) or --names with shapes, from
-      python -c "m = ...; print(*[f'{n} {list(p.shape)}' for n, p in m.named_parameters()], sep='\\n')"
-    is enough; an ambiguous or impossible naming is refused, naming the positions.
+    A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
+    state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
     _jobs(jobs)
     from statekit.ops.convert import convert as run_convert
@@ -279,7 +284,7 @@ def convert(
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
                         names_order=names_order, model=model, dtype=dtype, step_policy=step,
                         allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
-                        settings=hyper)
+                        settings=hyper, fuse=fuse, split=split, stack=stack, unstack=unstack)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
@@ -291,12 +296,18 @@ def convert(
 @app.command()
 def remap(
     state: FileArg,
-    model: Annotated[Path, typer.Option("--model", metavar="MODEL", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict).")],
+    model: Annotated[Path, typer.Option("--model", metavar="MODEL", help="The NEW model (.bpk with ParamIds, .pt/.safetensors state_dict, a Trainer folder).")],
     output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="Output file (format from its extension, or --to).")],
-    old_model: Annotated[Path | None, typer.Option("--old-model", metavar="MODEL", help="The model the state was saved with, to learn paths by ParamId when the state has none.")] = None,
+    old_model: Annotated[Path | None, typer.Option("--old-model", metavar="MODEL", help="The model the state was saved with: its weights, before your conversion, prove where every new tensor's elements came from (with --model's weights); also names a state's parameters by ParamId.")] = None,
     to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors or candle.")] = None,
+    match: Annotated[str, typer.Option("--match", metavar="HOW", help="How old and new tensors are paired: values (a map learned from the --old-model and --model weights and proved on them), paths (by module path and --rename), or auto: values when both models hold weights that share any.")] = "auto",
     rename: RenameOpt = None,
     rules: RulesOpt = None,
+    fuse: FuseOpt = None,
+    split: SplitOpt = None,
+    stack: StackOpt = None,
+    unstack: UnstackOpt = None,
+    new: Annotated[list[str] | None, typer.Option("--new", metavar="GLOB", help="New-model tensors that start fresh even where an old tensor of the same name exists (re-initialised layers); repeatable.")] = None,
     resize: Annotated[bool, typer.Option("--resize", help="Pad with zeros or truncate state whose shape changed (vocabulary growth).")] = False,
     reset_step: Annotated[list[str] | None, typer.Option("--reset-step", metavar="GLOB", help="Glob of resized parameters whose state restarts from step 0 (moments cleared); repeatable.")] = None,
     names: NamesOpt = None,
@@ -309,14 +320,19 @@ def remap(
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
 ) -> None:
-    """Move optimizer state onto a refactored model: renamed modules, new heads, grown embeddings.
+    """Move optimizer state onto a refactored model: renamed, fused, split, permuted, stacked, grown.
 
-    Matches by module path, renames with ordered --rename 'REGEX=REPLACEMENT' rules ($1 for
-    groups), gives each state the new model's ParamId (burn) or position (torch). Removed
-    parameters are dropped and listed; new ones are listed and start without state; a changed
-    shape is refused unless --resize. Two sources onto one target are refused.
+    With the weights before and after your conversion (--old-model, --model), statekit learns
+    where every element of every new tensor came from, by exact values, proves it bit for bit
+    on the weights, and moves each moment as its weight moved: q/k/v fused into qkv (RoPE rows
+    permuted), gate/up fused, experts stacked, Conv1D ⇄ Linear and torch ⇄ burn transposes, grown
+    vocabularies (new rows start fresh). What the weights cannot prove is refused, naming the tensor
+    and the first element that disagrees. Without the old weights, --fuse/--split/--stack/--unstack
+    say the same by rule; --rename moves by path.
 
     \b
+      statekit remap optim.pt --old-model llama.safetensors --model phi3.safetensors -o phi3-optim.pt
+      statekit remap optim.pt --model phi3.pt -o out.pt --fuse 'layers.*.qkv_proj.weight=layers.*.q_proj.weight,layers.*.k_proj.weight,layers.*.v_proj.weight'
       statekit remap optim-10.bpk --model model-new.bpk -o optim-new.bpk --rename 'encoder\\.(\\d+)=layers.$1' --dry-run
     """
     _jobs(jobs)
@@ -325,7 +341,8 @@ def remap(
 
     out = _output(fmt, json_out)
     opts = make_options(rename=rename, rules=rules, names=names, names_order=names_order, model=model, resize=resize,
-                        reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite)
+                        reset_step=reset_step, old_model=old_model, allow_nonfinite=allow_nonfinite, fuse=fuse,
+                        split=split, stack=stack, unstack=unstack, new=new, match=match)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
                        on_plan=lambda p: _show_plan(p, out, dry_run))

@@ -173,11 +173,13 @@ def test_many_tensors_are_shown_a_layer_at_a_time(tmp_path, cli):
 
 def test_burn_defaults_or_flags(cli):
     plain = _json(cli, FIXTURES / "hand-optim.bpk")
-    assert plain["hyperparameters"][0]["values"]["eps"] == 1e-5 and plain["hyperparameters"][0]["assumed"]
+    assert plain["hyperparameters"][0]["values"]["eps"] == 1e-5
+    assert plain["hyperparameters"][0]["assumed"] == ["betas", "eps", "lr", "weight_decay"]
     assert any("store no hyperparameters" in n for n in plain["notes"])
     given = _json(cli, FIXTURES / "hand-optim.bpk", "--lr", "0.01", "--eps", "1e-8")
     a, b = plain["tensors"][0]["eff_lr_log10"]["p50"], given["tensors"][0]["eff_lr_log10"]["p50"]
     assert given["hyperparameters"][0]["values"]["lr"] == 0.01 and b > a
+    assert given["hyperparameters"][0]["assumed"] == ["betas", "weight_decay"]
 
 
 def test_tsv_one_row_per_tensor(cli):
@@ -262,3 +264,13 @@ def test_empty_and_global_states(cli):
     r = _json(cli, FIXTURES / "empty-optim.bpk")
     assert r["tensors"] == [] and r["findings"] == []
     assert cli("report", FIXTURES / "empty-optim.bpk", env={"COLUMNS": "80"}).returncode == 0
+
+
+def test_python_api_is_the_json(full):
+    import statekit
+
+    r = statekit.report(REPORT / "b.pt", weights=REPORT / "model.pt", against=REPORT / "a.pt")
+    assert [t["path"] for t in r["tensors"]] == [t["path"] for t in full["tensors"]]
+    assert r["findings"] == full["findings"]
+    slower = statekit.report(REPORT / "b.pt", lr=1e-4, params=["inp.weight"])
+    assert slower["tensors"][0]["eff_lr_log10"]["p50"] == pytest.approx(full["tensors"][0]["eff_lr_log10"]["p50"] - 1)

@@ -214,6 +214,11 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     problems: list[str] = []
     actions = _renamed(state, family, src_fw, dst_fw, opts, plan, problems,
                        fields_checked=target_format not in BNB_FORMATS)  # bitsandbytes' writer checks its own
+    into: list[ParamAction] = []
+    if opts.structure is not None:
+        actions, into = _structural(state, family, opts, plan, problems, actions)
+    dropped = [a for a in actions if a.action == "drop"]  # nothing in the new model reads them
+    actions = [a for a in actions if a.action != "drop"]
     if dst_fw == "torch":
         actions = _order_for_torch(state, actions, opts, problems, plan)
     elif dst_fw in ("burn", "candle", "neutral"):
@@ -223,6 +228,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     _layout(state, actions, opts, cross_layout, dst_fw, plan, problems)
     if problems:
         raise MappingError("; ".join(problems), source)
+    actions += dropped + into
     plan.params = actions
     _hyperparams(state, family, src_fw, dst_fw, opts, plan)
     _resize_warning(plan)
@@ -245,9 +251,9 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
         plan.metadata[hyper.TORCH_NAMES_KEY] = "0"
     if dst_fw == "burn" and state.library_format in BNB_FORMATS:  # converting back writes that library's layout
         plan.metadata[hyper.LIBRARY_KEY] = bnb.library_record(state, actions)
-    if dst_fw == "burn" and src_fw == "torch":  # torch's param_names survive the trip through burn
+    if dst_fw == "burn" and src_fw == "torch" and operation == "convert":  # torch's param_names survive the trip
         plan.metadata.update(hyper.paths_to_metadata(
-            {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action not in ("drop", "new")}))
+            {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action in ("keep", "rename")}))
     _installed_torch(plan, target_format)
     return plan
 
@@ -300,6 +306,37 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems, fields_checked
             plan.warnings.append(f"rename rule {rule.pattern!r} matched no parameter")
     plan.rules = [r.to_json() for r in rules]
     return actions
+
+
+def _structural(state, family, opts, plan, problems, actions) -> tuple[list[ParamAction], list[ParamAction]]:
+    """The map's targets as actions (:mod:`statekit.ops.structural`): a source moved whole, transposed or
+    grown keeps its own action, now aimed at its target; sources read into assembled targets leave the
+    list (returned apart, shown as ``into``). With a map learned from the weights every new tensor is
+    accounted for, so a source nothing reads is dropped; with rules, the rest move by path."""
+    from statekit.ops import structural
+
+    smap = opts.structure
+    plan.structure = {"origin": smap.origin, "notes": list(smap.notes)}
+    targets, into, consumed = structural.actions(smap, state, family, plan, problems)
+    single = {a.src_key: a for a in targets if a.action != "assemble"}
+    out = []
+    for a in actions:
+        if a.src_key in single:
+            out.append(single[a.src_key])
+        elif a.src_key in consumed:
+            continue
+        elif smap.origin == "weights":
+            a.action = "drop"
+            out.append(a)
+        else:
+            out.append(a)
+    out += [a for a in targets if a.action == "assemble"]
+    if smap.origin == "rules":
+        plan.warnings.append("structural rules: the map is not proved on weights (give --old-model and --model "
+                             "with values to prove it)")
+    elif smap.origin == "rules, proved":
+        plan.warnings.append("structural rules: proved on the --old-model and --model weights")
+    return out, into
 
 
 def _check_duplicates(actions: list[ParamAction], problems: list[str]) -> None:
@@ -371,6 +408,11 @@ def _layout(state, actions, opts, cross_layout: bool, dst_fw: str, plan, problem
             continue  # refused above for having no name at all
         shape = tuple(a.src_shape)
         want = target_shapes.get(a.dst_path) if a.dst_path else None
+        if a.structure is not None:  # layout and shape decided by the map
+            _mapped_shape(a, want, opts, misfit)
+            if opts.dtype and by_key[a.src_key].dtype != opts.dtype:
+                a.cast = opts.dtype
+            continue
         p = by_key.get(a.src_key)
         if len(shape) == 2 and cross_layout:
             decided = _transpose(a, shape, want, opts, p)
@@ -434,6 +476,15 @@ def _target_shape(a: ParamAction, out_shape: tuple, want: tuple | None, opts: Op
             a.notes.append("state reset: starts again from step 0 with zero moments")
     else:
         misfit.append(f"{a.dst_path} (state {list(out_shape)}, model {list(want)})")
+
+
+def _mapped_shape(a: ParamAction, want: tuple | None, opts: Options, misfit: list[str]) -> None:
+    """A target the structural map built has the map's shape; the new model must agree."""
+    if want is not None and tuple(want) != tuple(a.dst_shape):
+        misfit.append(f"{a.dst_path} (the map makes {list(a.dst_shape)}, model {list(want)})")
+    if a.resize and matches_any(a.dst_path, opts.reset_step):
+        a.reset_step = True
+        a.notes.append("state reset: starts again from step 0 with zero moments")
 
 
 def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:

@@ -184,7 +184,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            plan = build_plan(state, src, ckpt.format, dst, fmt, opts)
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
@@ -224,6 +224,17 @@ def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
         return fmt, None
     return recorded, (f"written in bitsandbytes' layout ({recorded}), the optimizer the state came from (as the "
                       "file records); --to torch writes torch's own")
+
+
+def _with_rules(opts: Options, state, src: str) -> Options:
+    """``opts`` with the structural map its --fuse/--split/--stack/--unstack rules describe."""
+    if not (opts.fuse or opts.split or opts.stack or opts.unstack):
+        return opts
+    from dataclasses import replace
+
+    from statekit.ops import structural
+
+    return replace(opts, structure=structural.rules_map(opts, state, src))
 
 
 @contextlib.contextmanager
@@ -282,7 +293,10 @@ def recorded_layout(ckpt: Checkpoint, fmt: str, opts: Options) -> tuple[Options,
     moves = recorded_moves(ckpt) or []
     exact = [_glob_literal(m.dst_path) for m in moves]
     flipped = [_glob_literal(m.dst_path) for m in moves if m.transpose]
-    names = [(m.dst_path, m.src_path) for m in moves if m.src_path and m.src_path != m.dst_path]
+    from statekit.ops.pairing import MOVES_OPERATION_KEY
+
+    remapped = (ckpt.metadata or {}).get(MOVES_OPERATION_KEY) == "remap"  # the old model's names are not this one's
+    names = [] if remapped else [(m.dst_path, m.src_path) for m in moves if m.src_path and m.src_path != m.dst_path]
     opts = replace(opts, transpose=flipped, no_transpose=[p for p in exact if p not in flipped], recorded_names=names)
     return opts, (f"layout as recorded when the file was converted from {came_from}: "
                   f"{len(flipped)} of {len(moves)} parameters transposed back")

@@ -55,6 +55,12 @@ def _check(plan: Plan, state: OptimizerState) -> dict[str, ParamState]:
         if a.src_shape is not None and p.shape is not None and list(p.shape) != list(a.src_shape):
             raise MappingError(f"the plan expects {a.src_path or a.src_key} of shape {a.src_shape}, the input has "
                                f"{list(p.shape)}", plan.source)
+        for s in a.sources or ():
+            q = by_key.get(s.get("key"))
+            if q is None or (q.path is not None and q.path != s.get("path")) \
+                    or (q.shape is not None and list(q.shape) != s.get("shape")):
+                raise MappingError(f"the plan builds {a.dst_path} from {s.get('path')} {s.get('shape')}, which the "
+                                   "input does not have", plan.source)
     return by_key
 
 
@@ -68,13 +74,13 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
         target_fw = state.framework
     params: list[ParamState] = []
     for a in plan.params:
-        if a.action == "drop":
+        if a.action in ("drop", "into"):
             continue
         if a.action == "new" or a.reset_step:
             if target_fw == "torch":
                 params.append(ParamState(key=str(a.dst_index), index=a.dst_index, path=a.dst_path, group=a.group))
             continue
-        params.append(_move(a, by_key[a.src_key], plan, target_fw))
+        params.append(_move(a, by_key[a.src_key], plan, target_fw, by_key))
     groups = [ParamGroup(hyperparams=dict(h), keys=[]) for h in plan.hyperparams] or [ParamGroup()]
     for p in params:
         if p.group >= len(groups):
@@ -117,17 +123,28 @@ def group_family(plan: Plan, group: int) -> str | None:
     return plan.family
 
 
-def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamState:
-    from statekit.ops import crossing
-
-    shape = tuple(a.dst_shape) if a.dst_shape is not None else None
+def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str, by_key=None) -> ParamState:
     family = group_family(plan, a.group)
+    if a.action == "assemble":
+        from statekit.ops import structural
+
+        sources = [by_key[s["key"]] for s in a.sources]
+        slots = structural.assembled_slots(a, sources, lambda name: _fill(a, family, name, plan, target_fw))
+        return _finish(a, p, slots, plan, target_fw, family, encoding={})
+    return _finish(a, p, _moved_slots(a, p, plan, target_fw, family), plan, target_fw, family)
+
+
+def _moved_slots(a: ParamAction, p: ParamState, plan: Plan, target_fw: str, family: str | None) -> dict:
+    """The slots of one source parameter, transposed, resized and cast as the action says."""
+    shape = tuple(a.dst_shape) if a.dst_shape is not None else None
     slots = {}
     for name, ref in p.slots.items():
         # Adafactor's factored row_var/col_var, told by name (a factor of a [1, n] or [n, 1] weight has the
         # weight's own shape); any other slot of another shape cannot be transposed or resized either
         factor = name in FACTORS and FACTORS[name] in p.slots
-        if factor or (p.shape is not None and tuple(ref.shape) != tuple(p.shape)):
+        if ref.shape == () and p.shape != () and not factor:  # a per-parameter scalar (NAdam's mu_product) moves as it is
+            slots[name] = transformed(ref, cast=a.cast)
+        elif factor or (p.shape is not None and tuple(ref.shape) != tuple(p.shape)):
             if a.resize or (a.transpose and (name not in FACTORS or FACTORS[name] not in p.slots)):
                 raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
                                    "it cannot be transposed or resized", plan.source)
@@ -141,6 +158,16 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     if a.transpose:  # the row factor first again
         rows = [k for k in ("row_var", "second_moment") if k in slots]
         slots = {k: slots[k] for k in rows} | {k: v for k, v in slots.items() if k not in rows}
+    return slots
+
+
+def _finish(a: ParamAction, p: ParamState, slots: dict, plan: Plan, target_fw: str, family: str | None,
+            encoding: dict | None = None) -> ParamState:
+    """The target parameter: its slots checked for NaN/Inf, value transforms applied, derived slots,
+    its step, and its identity in the target."""
+    from statekit.ops import crossing
+
+    shape = tuple(a.dst_shape) if a.dst_shape is not None else None
     if not plan.allow_nonfinite:
         slots = {name: finite_checked(ref, f"{a.label()}.{name}", plan.source) for name, ref in slots.items()}
     for t in plan.transforms:
@@ -163,7 +190,8 @@ def _move(a: ParamAction, p: ParamState, plan: Plan, target_fw: str) -> ParamSta
     return ParamState(key=key, id=dst_id, index=a.dst_index, path=a.dst_path,
                       rank=len(shape) if shape is not None else p.rank, step=step, slots=slots, extra=extra,
                       group=a.group, family=family,
-                      encoding={k: v for k, v in p.encoding.items() if k in slots}, stored_as=p.stored_as)
+                      encoding={k: v for k, v in p.encoding.items() if k in slots} if encoding is None else encoding,
+                      stored_as=p.stored_as)
 
 
 def write(plan: Plan, state: OptimizerState, path: str, progress=None, on_warning=None) -> int:

@@ -40,6 +40,14 @@ class Options:
     trust_remote_code: bool = False  # build a model whose code is in its checkpoint (config.json auto_map)
     model_config: str | None = None  # --model-config: the config.json that names a plain .pt's positions
     recorded_names: list = field(default_factory=list)  # (target path, source path) the file records (convert back)
+    # structural refactors (statekit.structure): rules, what is declared new, and how remap matches
+    fuse: list[str] = field(default_factory=list)
+    split: list[str] = field(default_factory=list)
+    stack: list[str] = field(default_factory=list)
+    unstack: list[str] = field(default_factory=list)
+    new_params: list[str] = field(default_factory=list)  # --new GLOB: targets that start fresh
+    match: str = "auto"  # remap: "values" (a map proved on the weights), "paths", or "auto"
+    structure: object = None  # the StructureMap remap or convert built (statekit.structure.pieces)
 
 
 def parse_betas(value: object) -> tuple[float, float] | None:
@@ -136,13 +144,19 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
                  dtype: str | None = None, resize: bool = False, reset_step: Iterable[str] = (),
                  step_policy: str | None = None, allow_nonfinite: bool = False, trust_remote_code: bool = False,
                  model_config: object = None, settings: Iterable[str] | dict | None = None,
+                 fuse: Iterable[str] = (), split: Iterable[str] = (), stack: Iterable[str] = (),
+                 unstack: Iterable[str] = (), new: Iterable[str] = (), match: str = "auto",
                  **hyperparams: object) -> Options:
     """:class:`Options` from a user's flags or keywords. ``names``: a list or a names file;
     ``names_order``: ``"model"`` or ``"optimizer"`` (what order ``names`` is in);
     ``model`` / ``old_model``: a path or a :class:`ModelInfo`; ``rules``: rename-rule files added
     after ``rename``; hyperparameters by the names of ``hyper.FLAGS`` (``betas`` as a pair or
     ``"B1,B2"``); ``settings``: any other key of the family's hyperparameters (``--hyper KEY=VALUE``
-    strings, or a dict), e.g. burn Adafactor's ``relative_step``."""
+    strings, or a dict), e.g. burn Adafactor's ``relative_step``; ``fuse``, ``split``, ``stack``,
+    ``unstack``: structural rules (:mod:`statekit.structure.rules`); ``new``: globs of new-model
+    tensors that start fresh; ``match``: how ``remap`` pairs old and new tensors — ``values`` (a map
+    learned from the weights and proved on them), ``paths``, or ``auto`` (values when both models hold
+    weights that share any)."""
     from statekit.ops.rules import read_rules_file
 
     renames = list(rename or ())
@@ -158,10 +172,14 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
         if key in given:
             raise UsageError(f"--hyper {key}=…: give it as --{key.replace('_', '-')}")
     given.update(extra)
+    if match not in ("auto", "values", "paths"):
+        raise UsageError(f"--match {match}: expected auto, values or paths")
     return Options(optimizer=optimizer, hyperparams=given, renames=renames,
                    preset=preset, transpose=list(transpose or ()), no_transpose=list(no_transpose or ()),
                    names=names, names_order=names_order, model=_model(model),
                    old_model=_model(old_model), resize=resize, reset_step=list(reset_step or ()),
                    dtype=dtype.upper() if dtype else None, step_policy=step_policy, allow_nonfinite=allow_nonfinite,
                    trust_remote_code=trust_remote_code,
-                   model_config=os.fspath(model_config) if model_config is not None else None)
+                   model_config=os.fspath(model_config) if model_config is not None else None,
+                   fuse=list(fuse or ()), split=list(split or ()), stack=list(stack or ()),
+                   unstack=list(unstack or ()), new_params=list(new or ()), match=match)

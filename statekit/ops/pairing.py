@@ -20,6 +20,7 @@ from statekit.state import Checkpoint, ParamState
 
 MOVES_KEY = "statekit.moves"
 MOVES_SOURCE_KEY = "statekit.moves.source"  # the format the recorded moves came from
+MOVES_OPERATION_KEY = "statekit.moves.operation"  # remap: the paths are another model's, not to be restored
 
 
 def moves_metadata(plan: Plan) -> dict[str, str]:
@@ -30,18 +31,21 @@ def moves_metadata(plan: Plan) -> dict[str, str]:
 
     positional = registry.framework_of(plan.source_format) == "torch"
     if not positional and all(a.src_path == a.dst_path and not (a.transpose or a.resize or a.reset_step)
-                              for a in plan.params if a.action not in ("drop", "new")):
+                              for a in plan.params if a.action in ("keep", "rename")):
         return {}
     moves = []
     for a in plan.params:
-        if a.action in ("drop", "new") or not a.dst_path:
+        if a.action not in ("keep", "rename") or not a.dst_path:  # assembled targets pair with no one source
             continue
         item = {"to": a.dst_path, "key": a.src_key, "from": a.src_path}
         item.update({flag: True for flag in ("transpose", "resize", "reset_step") if getattr(a, flag)})
         moves.append({k: v for k, v in item.items() if v is not None})
     if not moves:
         return {}
-    return {MOVES_KEY: json.dumps(moves, separators=(",", ":")), MOVES_SOURCE_KEY: plan.source_format}
+    out = {MOVES_KEY: json.dumps(moves, separators=(",", ":")), MOVES_SOURCE_KEY: plan.source_format}
+    if plan.operation == "remap":
+        out[MOVES_OPERATION_KEY] = "remap"
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def recorded_source(ckpt: Checkpoint) -> str | None:
 
 def plan_moves(plan: Plan) -> list[Move]:
     return [Move(a.src_key, a.src_path, a.dst_path, a.transpose, a.resize, a.reset_step)
-            for a in plan.params if a.action not in ("drop", "new") and a.dst_path]
+            for a in plan.params if a.action in ("keep", "rename") and a.dst_path]
 
 
 @dataclass

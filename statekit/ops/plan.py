@@ -19,7 +19,9 @@ PLAN_VERSION = 1
 
 @dataclass
 class ParamAction:
-    """One parameter's fate. ``action`` is ``keep``, ``rename``, ``new`` (no state) or ``drop``."""
+    """One parameter's fate. ``action`` is ``keep``, ``rename``, ``new`` (no state), ``drop``,
+    ``assemble`` (a new tensor built from pieces of several, or of a part of one) or ``into`` (a
+    source read by assembled targets, not written itself)."""
 
     action: str
     src_key: str | None = None
@@ -35,6 +37,12 @@ class ParamAction:
     reset_step: bool = False
     group: int = 0
     notes: list[str] = field(default_factory=list)
+    # structural moves (statekit.structure): what the target is (fused, stacked, permuted, …); for
+    # ``assemble``, the source parameters it reads ({key, path, shape}) and its affine pieces
+    structure: str | None = None
+    sources: list[dict] | None = None
+    pieces: list[dict] | None = None
+    new_elements: int = 0
 
     def label(self) -> str:
         return self.dst_path or self.src_path or (f"#{self.src_key}" if self.src_key else "?")
@@ -67,6 +75,7 @@ class Plan:
     segments: list[dict] | None = None
     layouts_from: str | None = None  # where transposes and norm renames were decided (module classes)
     training_args: dict | None = None  # an HF TrainingArguments' optimizer settings (the source folder's)
+    structure: dict | None = None  # a structural map's origin ("weights" or "rules") and notes
     version: int = PLAN_VERSION
 
     # ------------------------------------------------------------------ views
@@ -75,10 +84,11 @@ class Plan:
 
     def summary(self) -> str:
         moved = [p for p in self.params if p.action in ("keep", "rename")]
-        parts = [f"{len(moved)} parameters with state"]
-        for action in ("rename", "new", "drop"):
+        parts = [f"{len(moved) + self.count('assemble')} parameters with state"]
+        words = {"rename": "renamed", "assemble": "assembled", "into": "read into others"}
+        for action in ("rename", "assemble", "into", "new", "drop"):
             if self.count(action):
-                parts.append(f"{self.count(action)} {'renamed' if action == 'rename' else action}")
+                parts.append(f"{self.count(action)} {words.get(action, action)}")
         for flag, word in (("transpose", "transposed"), ("resize", "resized"), ("reset_step", "step reset")):
             n = sum(1 for p in self.params if getattr(p, flag))
             if n:

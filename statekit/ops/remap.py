@@ -4,6 +4,11 @@ Parameters are matched by module path (the state's own id → path map, or ``old
 ParamId), renamed by ordered rules, and given the new model's ParamIds (burn) or positions
 (torch). Removed parameters are dropped and listed, new ones listed without state (both
 frameworks initialise state lazily), shape changes refused unless ``resize`` pads or truncates.
+
+When ``old_model`` and ``model`` both hold weights, the map from old tensors to new ones is learned
+from their values and proved on them (:mod:`statekit.ops.structural`, :mod:`statekit.structure`):
+fused, split, permuted, stacked, transposed and grown tensors keep their state, element by element;
+``--fuse/--split/--stack/--unstack`` rules say the same without the weights.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
     with io.open_checkpoint(state_path) as ckpt:
         if ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state", state_path)
+        if ckpt.optimizer.family == "lbfgs":
+            raise MappingError("L-BFGS keeps one history of flat vectors over every parameter: remap does not re-cut "
+                               "it onto another model (convert moves it between frameworks)", state_path)
         fmt = output_format(out_path, to) if (to or os.path.splitext(out_path)[1]) else ckpt.format
         opts.allow_drop = True
         name_source_params(ckpt.optimizer, opts, state_path, model_names_source=False)
@@ -42,8 +50,14 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
             plan = Plan.load(plan_in)
             plan.source, plan.target = state_path, out_path
         else:
+            from dataclasses import replace
+
+            from statekit.ops import structural
+
+            smap, why = structural.structure_for(opts, state, state_path, progress)
+            opts = replace(opts, structure=smap)
             plan = build_plan(state, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
-            plan.warnings.extend(adapted)
+            plan.warnings.extend(adapted + why)
         dropped = [a.src_path or a.src_key for a in plan.params if a.action == "drop"]
         new = [a.dst_path for a in plan.params if a.action == "new"]
         if dropped:

@@ -151,7 +151,7 @@ def _header(r: dict, width: int) -> list[str]:
     for h in r["hyperparameters"][:4]:
         vals = ", ".join(f"{k} {_hp(v)}" for k, v in h["values"].items()
                          if k in ("lr", "betas", "eps", "weight_decay", "momentum", "alpha", "beta2_decay"))
-        text = f"{h['family']} ({h['tensors']} tensors): {vals}" + (" (defaults assumed)" if h["assumed"] else "")
+        text = f"{h['family']} ({h['tensors']} tensors): {vals}" + (f" (assumed: {', '.join(h['assumed'])})" if h["assumed"] else "")
         lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
     return lines
 

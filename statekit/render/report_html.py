@@ -275,7 +275,7 @@ def _meta_html(r: dict) -> str:
         parts.append(f"most at step {r['common_step']:g}")
     hp = "".join(f"<li>{html.escape(h['family'])} ({h['tensors']} tensors): "
                  f"{html.escape(', '.join(f'{k}={v}' for k, v in h['values'].items()))}"
-                 f"{' — defaults assumed' if h['assumed'] else ''}</li>" for h in r["hyperparameters"])
+                 f"{' — assumed (the defaults): ' + html.escape(', '.join(h['assumed'])) if h['assumed'] else ''}</li>" for h in r["hyperparameters"])
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in r["notes"])
     return (f"<p class='meta'>{' · '.join(parts)}</p><ul class='meta'>{hp}{notes}</ul>")
 

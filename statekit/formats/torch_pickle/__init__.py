@@ -11,8 +11,9 @@ a trailing dtype global such as ``torch.uint16`` for dtypes without a legacy sto
 ``_rebuild_parameter(tensor, requires_grad, OrderedDict())`` around it for an ``nn.Parameter``).
 The persistent id names the storage's bytes, which the container (``torch_pt``) supplies.
 
-Reading never imports anything. :class:`_Unpickler` is a small opcode interpreter; every GLOBAL
-is looked up in :data:`_ALLOWED`, which holds statekit's own stand-ins for exactly the globals
+Reading never imports anything. :class:`_Unpickler` is a small opcode interpreter, which runs a
+container's repeating items through templates it learns from the pickle; every GLOBAL is looked
+up in :data:`_ALLOWED`, which holds statekit's own stand-ins for exactly the globals
 ``torch.load(weights_only=True)`` needs for state dicts and checkpoints. Any other global raises
 :class:`~statekit.errors.UnsafePickleError` before anything runs, and REDUCE calls only those
 stand-ins. Tensors come back as lazy :class:`~statekit.tensor.TensorRef` objects;
@@ -28,7 +29,8 @@ The package, one module per job:
 - ``geometry``: storages, a view's geometry checked, the lazy tensor built
 - ``values``: dict keys, records of allowed classes, attribute state
 - ``allowlist``: the allowed globals and their stand-ins (the only module a new library touches)
-- ``opcodes``, ``interpreter``: the opcode loop; ``fastpath``: torch.save's tensor calls at once
+- ``opcodes``, ``interpreter``: the opcode loop; ``objects``: what NEWOBJ and BUILD make
+- ``segment``, ``template``, ``repeats``: a container's repeating items read at once (templates)
 - ``structure``: the limits and the walk that checks what was built
 - ``writer``: :func:`dumps`
 """

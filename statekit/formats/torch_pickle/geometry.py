@@ -174,14 +174,59 @@ def _shared_info(torch_dtype: str, requires_grad: bool, device: str) -> dict:
     return shared
 
 
-def _tensor(
+_span_at = FileSpan.at
+
+
+def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtype: np.dtype, itemsize: int,
+                numel: int, extent: int, flat: bool, shared: dict) -> Callable[[object], TensorRef]:
+    """The views of ``storage`` with this geometry, as a function of the offset (see view_plan)."""
+    key, capacity, length, span = storage.key, storage.nbytes // itemsize, numel * itemsize, storage.span
+
+    def check(offset: object) -> None:
+        if type(offset) is not int or offset < 0:
+            raise FormatError(f"bad tensor geometry: offset {limits.short(offset)}, size {limits.short(size)}, "
+                              f"stride {limits.short(stride)}")
+        raise FormatError(f"a tensor of size {list(size)} needs {offset + extent + 1} elements of storage "
+                          f"'{key}', which holds {capacity}")
+
+    limit = capacity - extent if numel else None  # offsets below it fit
+    if flat and span is not None:
+        file, base = span.file, span.offset
+
+        def at(offset: object) -> TensorRef:
+            if type(offset) is not int or offset < 0 or (limit is not None and offset >= limit):
+                check(offset)
+            return TensorRef(name, size, info=TensorInfo(shared, key, offset, stride),
+                             span=_span_at(file, base + offset * itemsize, length))
+    elif flat:
+        def at(offset: object) -> TensorRef:
+            if type(offset) is not int or offset < 0 or (limit is not None and offset >= limit):
+                check(offset)
+            start = offset * itemsize
+            return TensorRef(name, size, loader=lambda: storage.resolve()[start : start + length],
+                             info=TensorInfo(shared, key, offset, stride))
+    else:
+        def at(offset: object) -> TensorRef:
+            if type(offset) is not int or offset < 0 or (limit is not None and offset >= limit):
+                check(offset)
+
+            def strided() -> np.ndarray:
+                base = storage.array(np_dtype)[offset:]
+                strides = tuple(s * itemsize for s in stride)
+                return np.lib.stride_tricks.as_strided(base, size, strides, writeable=False)
+
+            return TensorRef(name, size, array_loader=strided, info=TensorInfo(shared, key, offset, stride))
+    return at
+
+
+def view_plan(
     storage: object, offset: object, size: object, stride: object, torch_dtype: str | None = None,
     requires_grad: bool = False,
-) -> TensorRef:
-    """A TensorRef viewing ``storage`` like ``torch.Tensor.set_(storage, offset, size, stride)``.
-
-    The tensor's dtype is the storage's unless ``torch_dtype`` says otherwise (untyped storages).
-    """
+) -> Callable[[object], TensorRef]:
+    """``_tensor(storage, offset, size, stride, ...)`` as a function of the offset, after every
+    check ``_tensor`` makes (for this offset too, so that a refusal names the same culprit
+    first): called with any offset, it returns that view, or raises what ``_tensor`` raises for
+    it, word for word. A template's tensor calls make 10^6 views from one."""
     if type(storage) is not Storage and not isinstance(storage, Storage):
         raise FormatError(f"tensor storage is {type(storage).__name__}, not a storage reference")
     torch_dtype = torch_dtype or storage.dtype
@@ -210,17 +255,16 @@ def _tensor(
             f"{limits.MAX_INFLATE >> 20} MiB")
     shared = _SHARED_INFO.get((torch_dtype, requires_grad, storage.location)) or _shared_info(
         torch_dtype, requires_grad, storage.location)
-    info = TensorInfo(shared, storage.key, offset, stride)
-    if numel == 0 or (contiguous and not storage.big_endian):
-        start, stop = offset * itemsize, (offset + numel) * itemsize
-        span = storage.span
-        if span is not None:
-            return TensorRef(name, size, info=info, span=FileSpan(span.file, span.offset + start, stop - start))
-        return TensorRef(name, size, loader=lambda: storage.resolve()[start:stop], info=info)
+    return _view_maker(storage, size, stride, name, np_dtype, itemsize, numel, extent,
+                       numel == 0 or (contiguous and not storage.big_endian), shared)
 
-    def strided() -> np.ndarray:
-        base = storage.array(np_dtype)[offset:]
-        strides = tuple(s * itemsize for s in stride)
-        return np.lib.stride_tricks.as_strided(base, size, strides, writeable=False)
 
-    return TensorRef(name, size, array_loader=strided, info=info)
+def _tensor(
+    storage: object, offset: object, size: object, stride: object, torch_dtype: str | None = None,
+    requires_grad: bool = False,
+) -> TensorRef:
+    """A TensorRef viewing ``storage`` like ``torch.Tensor.set_(storage, offset, size, stride)``.
+
+    The tensor's dtype is the storage's unless ``torch_dtype`` says otherwise (untyped storages).
+    """
+    return view_plan(storage, offset, size, stride, torch_dtype, requires_grad)(offset)

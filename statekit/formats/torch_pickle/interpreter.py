@@ -1,5 +1,5 @@
 """The opcode interpreter: reads one pickle using only the opcodes registered in ``_OPS``, every
-global through the allow-list, tensor calls in torch.save's exact bytes through the fast path."""
+global through the allow-list; a container's items that repeat through templates (``repeats``)."""
 
 from __future__ import annotations
 
@@ -8,27 +8,12 @@ import pickle
 import struct
 from collections.abc import Callable, Mapping
 
-from statekit.errors import FormatError, UnsafePickleError
+from statekit.errors import FormatError
 from statekit.formats import limits
-from statekit.formats.torch_pickle import fastpath
-from statekit.formats.torch_pickle.allowlist import (
-    _call,
-    _Callable,
-    _python_state,
-    _StorageType,
-    _with_info,
-    find_global,
-)
+from statekit.formats.torch_pickle.allowlist import _call, _StorageType, find_global
 from statekit.formats.torch_pickle.dtype_table import statekit_dtype
-from statekit.formats.torch_pickle.fastpath import (
-    _INLINE_CALL,
-    _INLINE_CALL_OPS,
-    _KEYED_CALL,
-    _TENSOR_CALL,
-    _TENSOR_CALL_OPS,
-    cached_global,
-)
 from statekit.formats.torch_pickle.geometry import Storage, StorageId
+from statekit.formats.torch_pickle.objects import built, new_record
 from statekit.formats.torch_pickle.opcodes import (
     _BINGET,
     _BINPUT,
@@ -42,7 +27,6 @@ from statekit.formats.torch_pickle.opcodes import (
     _LONG_BINGET,
     _LONG_BINPUT,
     _MARK,
-    _PUTS,
     _REDUCE,
     _STOP,
     _TUPLE,
@@ -52,6 +36,7 @@ from statekit.formats.torch_pickle.opcodes import (
     _U32,
     _U64,
 )
+from statekit.formats.torch_pickle.repeats import Repeats
 from statekit.formats.torch_pickle.structure import (
     _CONTAINERS,
     MAX_DEPTH,
@@ -61,8 +46,7 @@ from statekit.formats.torch_pickle.structure import (
     check_structure,
     no_gc,
 )
-from statekit.formats.torch_pickle.values import Record, RecordClass, _build_record, _key, _keys
-from statekit.tensor import TensorRef
+from statekit.formats.torch_pickle.values import RecordClass, _key, _keys, _text
 
 StorageLoader = Callable[[StorageId], Storage]
 
@@ -81,6 +65,8 @@ def _op(*codes: bytes):
 
 class _Unpickler:
     """Interprets one pickle from ``data[pos:]`` using only the opcodes registered in ``_OPS``."""
+
+    templates = True  # a container's repeating items through templates (False: the opcode loop alone)
 
     def __init__(
         self,
@@ -105,11 +91,9 @@ class _Unpickler:
         self.steps = 0
         self.sids: dict[tuple, StorageId] = {}  # persistent ids parsed so far
         self.last_sid: StorageId | None = None
-        self.overwrites = 0  # memo entries replaced so far (tensor_call reuses what it read only if none was)
-        self.last_call: tuple = ((), 0, None, None)  # tensor_call: (its memo reads, overwrites, pid, storage)
-        self.last_inline: tuple = ((), None)  # inline_call: (the bytes of its storage id, the storage)
+        self.overwrites = 0  # memo entries replaced so far (templates use what they read only if none was)
         self.globals: dict[tuple[bytes, bytes], object] = {}  # GLOBAL lines looked up so far (cached_global)
-        self.run_misses = self.run_wait = 0  # looks for a run of calls that found none; calls to skip (try_run)
+        self.repeats = Repeats() if self.templates else None
 
     def truncated(self, n: int) -> FormatError:
         return FormatError(
@@ -208,10 +192,11 @@ class _Unpickler:
         handler(self)
 
     def load(self) -> object:
-        """The loop: common opcodes inline (checked as their ``_OPS`` handlers), tensor calls at once."""
+        """The loop: common opcodes inline (checked as their ``_OPS`` handlers); after a MARK, the
+        items that follow through templates while they fit (:class:`Repeats`)."""
         data, end, u32 = self.data, len(self.data), _U32.unpack_from
         pos, start, steps = self.pos, self.pos, self.steps
-        stack, metastack, memo = self.stack, self.metastack, self.memo
+        stack, metastack, memo, repeats = self.stack, self.metastack, self.memo, self.repeats
         try:
             while True:
                 start = pos
@@ -236,12 +221,10 @@ class _Unpickler:
                 elif code == _MARK:
                     if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-                    if data[pos : pos + 1] == b"(" and type(stack[-1] if stack else None) is _Callable \
-                            and (done := self.fast_call(data, pos, start, stack)):
-                        pos, steps, memo = done[0], steps + done[1], self.memo
-                        continue
                     metastack.append(stack)
                     stack = []
+                    if repeats is not None:
+                        pos, steps = repeats.run(self, data, pos, stack, steps)
                 elif code == _TUPLE:
                     if not metastack:
                         raise FormatError("malformed pickle: no MARK on the stack")
@@ -270,9 +253,6 @@ class _Unpickler:
                         raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
                     stack.append(_text(data[pos + 4 : pos + 4 + n]))
                     pos += 4 + n
-                    fast = data[pos : pos + 1] in _PUTS  # a name, then its tensor?
-                    if fast and (done := self.keyed_at(data, pos, stack)):
-                        pos, steps, memo = done[0], steps + done[1], self.memo
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
                 elif code == _GLOBAL and (after := self.global_at(data, pos, stack)) >= 0:
@@ -288,57 +268,6 @@ class _Unpickler:
         finally:
             self.pos, self.steps = pos, steps
 
-    def fast_call(self, data, pos: int, start: int, stack: list) -> tuple[int, int] | None:
-        """A whole tensor call from the MARK at ``start`` (the callable on top), run at once when
-        its opcodes are torch.save's (:meth:`tensor_call`) or another writer's without a memo
-        (:meth:`inline_call`): (the offset after it, opcodes it stands for), else None."""
-        if data[pos + 1 : pos + 2] != b"X":  # (a string: not torch.save's memo reads)
-            if (match := _TENSOR_CALL.match(data, start)) and self.tensor_call(match.groups(), stack):
-                return match.end(), _TENSOR_CALL_OPS
-        func, last = stack[-1], self.last_inline
-        if (match := _INLINE_CALL.match(data, start)) and self.inline_call(match.groups(), stack):
-            after, ops = match.end(), _INLINE_CALL_OPS
-            if self.last_inline is last and last[1] is not None and self.try_run():  # the same storage as before
-                run = fastpath.inline_template(self, data, match, after, func, stack[-1])
-                if self.ran(run):  # and the next pair repeats it: as many as do, at once
-                    after, more = fastpath.inline_run(self, run, data, after, stack)
-                    ops += more
-            return after, ops
-        return None
-
-    def keyed_at(self, data, pos: int, stack: list) -> tuple[int, int] | None:
-        """A dict key's BINPUT and its tensor call from ``pos`` in torch.save's opcodes, run at
-        once (:meth:`keyed_call`), and the pairs after it that repeat it (:func:`fastpath.keyed_run`):
-        (the offset after them, opcodes they stand for), else None."""
-        last = self.last_call
-        if not ((match := _KEYED_CALL.match(data, pos)) and self.keyed_call(match.groups(), stack)):
-            return None
-        after, ops = match.end(), _TENSOR_CALL_OPS + 3
-        if self.last_call is last and self.try_run():  # the same storage as before, no memo entry overwritten
-            run = fastpath.keyed_template(self, data, match, after, stack[-1])
-            if self.ran(run):  # and the next pair repeats it: as many as do, at once
-                after, more = fastpath.keyed_run(self, run, data, after, stack)
-                ops += more
-        return after, ops
-
-    def try_run(self) -> bool:
-        """Whether to look for a run after this call: not for a while after looks that found
-        none (1, 3, 7, … up to 255 calls), so that views of one storage that each differ from
-        the one before (shapes changing every call) pay almost nothing for the look."""
-        if self.run_wait:
-            self.run_wait -= 1
-            return False
-        return True
-
-    def ran(self, run: tuple | None) -> bool:
-        """Counts a look's outcome for :meth:`try_run`: True when it found a run."""
-        if run is None:
-            self.run_misses = min(2 * self.run_misses + 1, 255)
-            self.run_wait = self.run_misses
-            return False
-        self.run_misses = 0
-        return True
-
     def global_at(self, data, pos: int, stack: list) -> int:
         """GLOBAL's two lines from ``pos`` looked up (once per pickle) and pushed: the offset after
         them, or -1 when they do not end within reach (its handler then says why)."""
@@ -346,12 +275,15 @@ class _Unpickler:
         nl2 = data.find(b"\n", nl + 1, nl + 1025) if nl >= 0 else -1
         if nl2 < 0:
             return -1
-        stack.append(cached_global(self, bytes(data[pos:nl]), bytes(data[nl + 1 : nl2])))
+        stack.append(self.cached_global(bytes(data[pos:nl]), bytes(data[nl + 1 : nl2])))
         return nl2 + 1
 
-    keyed_call = fastpath.keyed_call
-    tensor_call = fastpath.tensor_call
-    inline_call = fastpath.inline_call
+    def cached_global(self, module: bytes, name: bytes) -> object:
+        """``find_global`` of a GLOBAL's two lines, remembered per pickle (the allow-list is fixed)."""
+        found = self.globals.get((module, name))
+        if found is None:
+            found = self.globals[(module, name)] = find_global(module.decode(), name.decode(), self.extra_globals)
+        return found
 
     def persistent_load(self, pid: object) -> Storage:
         """The storage a persistent id names (its parsing cached: 10^6 views of one storage
@@ -391,6 +323,8 @@ def loads(
             obj = unpickler.load()
         except RecursionError:
             raise FormatError("malformed pickle: nesting too deep") from None
+        finally:  # (its templates' steps hold the unpickler: without this, a cycle keeps the memo alive)
+            unpickler.repeats = None
         check_structure(obj, max_nodes=MAX_EXPANSION + 16 * unpickler.steps)
     return obj, unpickler.pos
 
@@ -473,18 +407,6 @@ def _long4(u: _Unpickler) -> None:
 @_op(pickle.BINFLOAT)
 def _binfloat(u: _Unpickler) -> None:
     u.stack.append(u.unpack(_F64))
-
-
-def _text(raw: bytes) -> str:
-    try:
-        return raw.decode()  # strict UTF-8 decodes no surrogate, so nothing more to check
-    except UnicodeDecodeError:
-        pass
-    text = raw.decode("utf-8", "surrogatepass")
-    problem = limits.text_problem(text)
-    if problem:  # torch reads it, but no name holding it can be written to any output
-        raise FormatError(f"pickled string {problem}")
-    return text
 
 
 @_op(pickle.SHORT_BINUNICODE)
@@ -650,30 +572,13 @@ def _newobj(u: _Unpickler) -> None:
     if u.extra_globals is None:  # torch.save pickles never create objects this way
         raise FormatError(f"unsupported pickle opcode {pickle.NEWOBJ!r} at offset {u.pos - 1}")
     args = u.stack.pop()
-    cls = u.stack[-1]
-    if not isinstance(cls, RecordClass):
-        raise UnsafePickleError(f"refusing to instantiate {limits.short(cls)} from pickle: not an allowed class")
-    if args != ():
-        raise FormatError(f"malformed pickle: {cls.name} is created with arguments {limits.short(args)}")
-    record = Record(cls.name)
-    u.records[id(record)] = cls
-    u.stack[-1] = record
+    u.stack[-1] = new_record(u.records, u.stack[-1], args)
 
 
 @_op(pickle.BUILD)
 def _build(u: _Unpickler) -> None:
     state = u.stack.pop()
-    inst = u.stack[-1]
-    if isinstance(inst, Record):
-        _build_record(inst, u.records[id(inst)], state)
-    elif isinstance(inst, TensorRef):
-        attributes = _python_state(state)
-        if attributes:
-            u.stack[-1] = _with_info(inst, python_state={**inst.info.get("python_state", {}), **attributes})
-    elif isinstance(inst, dict):
-        _python_state(state)  # OrderedDict instance attributes: validated, not kept
-    else:
-        raise FormatError(f"malformed pickle: BUILD on a {type(inst).__name__}")
+    u.stack[-1] = built(u.records, u.stack[-1], state)
 
 
 @_op(pickle.BINPERSID)

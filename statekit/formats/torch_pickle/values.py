@@ -11,6 +11,20 @@ from statekit.formats.torch_pickle.dtype_table import TorchDtype
 from statekit.tensor import TensorRef
 
 
+def _text(raw: bytes) -> str:
+    """A pickled unicode string: strict UTF-8, or refused when it holds a lone surrogate (torch
+    reads it, but no name holding it can be written to any output)."""
+    try:
+        return raw.decode()  # strict UTF-8 decodes no surrogate, so nothing more to check
+    except UnicodeDecodeError:
+        pass
+    text = raw.decode("utf-8", "surrogatepass")
+    problem = limits.text_problem(text)
+    if problem:
+        raise FormatError(f"pickled string {problem}")
+    return text
+
+
 def _python_state(state: object) -> dict:
     """A tensor's Python attributes from pickled object state: a dict or (dict, slots dict)."""
     if isinstance(state, tuple) and len(state) == 2:

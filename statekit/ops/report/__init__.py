@@ -114,7 +114,7 @@ def _hyper_rows(plans: list[Plan], state: OptimizerState) -> list[dict]:
                   and k not in hyper.EXECUTION_FLAGS and k != "maximize"}
         key = repr((plan.family, sorted(values.items(), key=lambda kv: kv[0])))
         row = rows.setdefault(key, {"family": plan.family, "values": values, "tensors": 0,
-                                    "assumed": [n for n in plan.notes if n.startswith("assumed")]})
+                                    "assumed": list(plan.assumed)})
         row["tensors"] += 1
     return list(rows.values())
 

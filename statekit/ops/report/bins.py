@@ -41,6 +41,23 @@ def value(b: int) -> float:
     return math.sqrt(lo * hi) if lo > 0 else hi / 2
 
 
+_LOG10: list = []  # log10 of every bin's representative (bins 1 .. FINITE - 1), made once
+
+
+def log10_values():
+    """``log10(value(b))`` for every finite bin ``b`` as one array (index 0: the bin of zero, NaN)."""
+    if not _LOG10:
+        b = np.arange(FINITE, dtype=np.uint64)
+        lo = (b << SHIFT).astype(np.uint32).view(np.float32).astype(np.float64)
+        hi = np.minimum((b + 1) << SHIFT, 0x7F7FFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mid = np.where(lo > 0, np.sqrt(lo * hi), hi / 2)
+            out = np.log10(mid)
+        out[0] = np.nan
+        _LOG10.append(out)
+    return _LOG10[0]
+
+
 def ranked(hist: np.ndarray, ranks: list[int]) -> list[float | None]:
     """The values at 1-based ``ranks`` among the finite non-negative values counted in ``hist``."""
     cum = np.cumsum(hist[:FINITE])
@@ -66,12 +83,23 @@ def log10_histogram(hist: np.ndarray, scale: float, power: float, width: float =
     nz = np.flatnonzero(finite[1:]) + 1
     if not len(nz):
         return {"lo": None, "width": width, "counts": [], "zeros": zeros} if zeros else None
-    logs = np.array([power * (math.log10(value(int(b))) + math.log10(scale)) for b in nz])
+    logs = power * (log10_values()[nz] + math.log10(scale))
     idx = np.floor(logs / width).astype(np.int64)
     lo = int(idx.min())
     out = np.zeros(int(idx.max()) - lo + 1, dtype=np.int64)
     np.add.at(out, idx - lo, finite[nz])
     return {"lo": lo * width, "width": width, "counts": out.tolist(), "zeros": zeros}
+
+
+_THRESHOLDS: dict = {}
+
+
+def cached_threshold(key: tuple, pred: Callable[[float], bool], dtype) -> float:
+    """:func:`threshold`, once per ``key`` (the predicate's constants) and dtype in a process."""
+    k = (key, np.dtype(dtype).str)
+    if k not in _THRESHOLDS:
+        _THRESHOLDS[k] = threshold(pred, dtype)
+    return _THRESHOLDS[k]
 
 
 def threshold(pred: Callable[[float], bool], dtype) -> float:

@@ -52,6 +52,7 @@ class Plan:
     factored: tuple[str, str] | None = None  # Adafactor's (row, col) slots: D is rebuilt from them
     factored_eps: float = 0.0  # torch's clamp of mean(R) (eps1) in the rebuilt v
     notes: list[str] = field(default_factory=list)
+    assumed: list[str] = field(default_factory=list)  # hyperparameters taken from the defaults (burn)
     formula: str = ""
 
 
@@ -114,9 +115,17 @@ def _betas(values: dict, default=(0.9, 0.999)) -> tuple[float, float]:
     return _num(values, "beta1", default[0]), _num(values, "beta2", default[1])
 
 
-def _sqrt_below(scale: float, eps: float) -> Callable[[float], bool]:
-    """``√(x·scale) < eps`` in float64, as numpy computes it."""
-    return lambda x: math.sqrt(x * scale) < eps if x >= 0 else True
+class _SqrtBelow:
+    """``√(x·scale) < eps`` in float64, as numpy computes it (``key``: its constants)."""
+
+    def __init__(self, scale: float, eps: float) -> None:
+        self.scale, self.eps, self.key = scale, eps, ("sqrt_below", scale, eps)
+
+    def __call__(self, x: float) -> bool:
+        return math.sqrt(x * self.scale) < self.eps if x >= 0 else True
+
+
+_sqrt_below = _SqrtBelow
 
 
 def plan_for(state: OptimizerState, p: ParamState, family: str | None, given: dict[str, object]) -> Plan:
@@ -131,7 +140,7 @@ def plan_for(state: OptimizerState, p: ParamState, family: str | None, given: di
     plan = PLANS[fam](p, values)
     plan.family, plan.hyper = fam, values
     if assumed and state.framework == "burn" and not state.hyperparams_stored:
-        plan.notes.append("assumed " + ", ".join(sorted(assumed)))
+        plan.assumed = sorted(assumed)
     return plan
 
 

@@ -177,7 +177,10 @@ def _counts(s: _Sums, a: dict, plan: Plan, d_name: str | None, thresholds: dict)
         if plan.eps_pred is not None:
             key = D.dtype.str
             if key not in thresholds:
-                thresholds[key] = D.dtype.type(bins.threshold(plan.eps_pred, D.dtype))
+                own = getattr(plan.eps_pred, "key", None)
+                found = bins.cached_threshold(own, plan.eps_pred, D.dtype) if own else \
+                    bins.threshold(plan.eps_pred, D.dtype)
+                thresholds[key] = D.dtype.type(found)
             s.eps += int(np.count_nonzero(D < thresholds[key]))
     if v is not None and v is not D:
         vh = bins.counts(v)

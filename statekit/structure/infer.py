@@ -1,0 +1,401 @@
+"""Inferring the structural map from the weights before and after the user's own conversion.
+
+Structure first, in the order that costs least:
+
+1. **whole tensors** — a new tensor equal to an old one (renamed, reshaped) or to an old matrix
+   transposed, found by a key of sampled elements and proved by comparing all the bits;
+2. **lines** — the rest are cut into rows (or columns), each looked up among the old tensors' rows
+   and columns (:mod:`statekit.structure.lines`): joins along any axis, GQA interleaves, permuted rows
+   (RoPE), stacked or unstacked experts, transposed joins (torch weights onto a burn model), grown
+   tensors whose last rows or columns come from nowhere (fresh state);
+3. **vectors beside their matrix** — a fused bias follows the rows its weight was built from;
+4. **grown in place** — an old tensor of the same name that is the new one's leading block.
+
+Value-identical candidates are settled by names and structure alone
+(:mod:`statekit.structure.settle`); every line-built tensor is proved bit for bit
+(:mod:`statekit.structure.proof`) and its coverage checked (:mod:`statekit.structure.coverage`).
+Whatever cannot be produced is refused, all problems at once, naming the tensor and the first element
+that disagrees.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from statekit.errors import MappingError
+from statekit.lazy import numpy as np
+from statekit.structure import access, coverage, proof
+from statekit.structure.access import Weight
+from statekit.structure.lines import COL, ROW, LineIndex, Lines, Picked, pick, pieces_of, runs, uncovered_tail
+from statekit.structure.pieces import Piece, StructureMap, TargetMap, transposed, whole
+from statekit.structure.settle import settle
+
+MAX_PROBLEMS = 8
+
+
+class Unproduced(MappingError):
+    """Some new tensors cannot be produced from the old weights; ``matched``: how many could."""
+
+    def __init__(self, message: str, path: str | None, matched: int):
+        super().__init__(message, path)
+        self.matched = matched
+
+
+@dataclass
+class Inference:
+    """The inferred map, the old tensors nothing reads, and how each tie was settled."""
+
+    map: StructureMap
+    unused: list[str] = field(default_factory=list)
+    settled: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Shaped:  # a stand-in with a path and a shape, for vectors read as lines of one element
+    path: str
+    shape: tuple[int, ...]
+
+
+class _Inferrer:
+    def __init__(self, old: list[Weight], new: list[Weight], names: Callable[[str], set[str]] | None,
+                 declared_new: list[str], advance):
+        self.old = {w.path: w for w in old}
+        self.new = new
+        self.names = names
+        self.declared_new = declared_new
+        self.advance = advance
+        self.targets: dict[str, TargetMap] = {}
+        self.sources: dict[str, list[str]] = {}  # target → old paths, once settled
+        self.picked: dict[str, tuple[Lines, Picked, list]] = {}  # line-built targets, for their vectors
+        self.settled: dict[str, str] = {}
+        self.problems: list[str] = []
+        self.used: set[str] = set()
+        self._keys: dict[tuple, int] = {}
+        self._by_size: dict[tuple, list[Weight]] = {}  # (dtype, numel) → old tensors: candidates by size
+        for o in old:
+            if o.comparable:
+                self._by_size.setdefault((o.dtype, o.numel), []).append(o)
+
+    # ------------------------------------------------------------------ the phases
+    def run(self, where: str | None) -> Inference:
+        todo = [w for w in self.new if self._comparable(w)]
+        todo = [w for w in todo if not self._whole(w)]
+        todo = self._by_lines(todo)
+        todo = [w for w in todo if not self._vector(w)]
+        todo = [w for w in todo if not self._grown_in_place(w)]
+        for w in todo:
+            self._unproduced(w)
+        if self.problems:
+            more = f" (+{len(self.problems) - MAX_PROBLEMS} more)" if len(self.problems) > MAX_PROBLEMS else ""
+            raise Unproduced("the new weights cannot be produced from the old ones: "
+                             + "; ".join(self.problems[:MAX_PROBLEMS]) + more, where,
+                             sum(1 for t in self.targets.values() if t.pieces))
+        sizes = {p: w.numel for p, w in self.old.items()}
+        for t in self.targets.values():
+            coverage.check(t, sizes, where)
+        ordered = {w.path: self.targets[w.path] for w in self.new if w.path in self.targets}
+        unused = [p for p in self.old if p not in self.used]
+        return Inference(StructureMap(ordered, "weights"), unused, self.settled)
+
+    def _comparable(self, w: Weight) -> bool:
+        if w.comparable:
+            return True
+        self.problems.append(f"{w.path}: its dtype {w.dtype} cannot be compared bit for bit")
+        return False
+
+    # ------------------------------------------------------------------ 1. whole tensors
+    def _whole(self, w: Weight) -> bool:
+        found = [(o, "whole") for o in self._whole_candidates(w) if self._equal(w, o, transposed_=False)]
+        if len(w.shape) == 2:
+            flat = {o.path for o, _ in found}
+            found += [(o, "transposed") for o in self._transposed_candidates(w)
+                      if o.path not in flat and self._equal(w, o, transposed_=True)]
+        if not found:
+            return False
+        chosen = found[0]
+        if len(found) > 1:
+            names = [o.path for o, _ in found]
+            pick_, how = settle(w.path, names, self.names, self.sources)
+            if pick_ is None:
+                self.problems.append(f"{w.path}: value-identical old tensors {_listed(names)} could each be it; "
+                                     "settle it with --rename (or give it as --new)")
+                return True
+            self.settled[w.path] = how
+            chosen = next(f for f in found if f[0].path == pick_)
+        o, how = chosen
+        if how == "transposed":
+            t = TargetMap(w.path, w.shape, [transposed(o.path, o.shape)], kind="transposed")
+        else:
+            t = TargetMap(w.path, w.shape, [whole(o.path, o.shape)], kind="whole" if o.shape == w.shape else "reshaped")
+        self._keep(t)
+        return True
+
+    def _whole_candidates(self, w: Weight) -> list[Weight]:
+        same_size = self._by_size.get((w.dtype, w.numel), [])
+        if not same_size:
+            return []
+        key = self._key(w, None)
+        return [o for o in same_size if self._key(o, None) == key]
+
+    def _transposed_candidates(self, w: Weight) -> list[Weight]:
+        same_size = [o for o in self._by_size.get((w.dtype, w.numel), []) if o.shape == w.shape[::-1]]
+        if not same_size:
+            return []
+        key = self._key(w, None)
+        return [o for o in same_size if self._key(o, w.shape) == key]
+
+    def _key(self, w: Weight, transposed_to: tuple | None) -> int:
+        k = (id(w), transposed_to)
+        if k not in self._keys:
+            order = access.transposed_positions(transposed_to) if transposed_to else None
+            self._keys[k] = access.whole_key(w, order)
+        return self._keys[k]
+
+    def _equal(self, new: Weight, old: Weight, transposed_: bool) -> bool:
+        piece = transposed(old.path, old.shape) if transposed_ else whole(old.path, old.shape)
+        t = TargetMap(new.path, new.shape, [piece])
+        return proof.disagreement(t, new, {old.path: old}, self.advance) is None
+
+    # ------------------------------------------------------------------ 2. lines
+    def _by_lines(self, todo: list[Weight]) -> list[Weight]:
+        if not todo:
+            return []
+        index = self._index([o for p, o in self.old.items() if p not in self.used], todo)
+        left = []
+        for w in todo:
+            if not self._lines_of(w, index):
+                left.append(w)
+        return left
+
+    def _index(self, olds: list[Weight], todo: list[Weight]) -> LineIndex:
+        """Old rows and columns of the lengths the new tensors' lines have (only those are read)."""
+        wanted = {w.shape[-1] if w.shape else 1 for w in todo} | {w.shape[-2] for w in todo if len(w.shape) >= 2}
+        index = LineIndex()
+        for o in olds:
+            if not o.comparable or not o.numel:
+                continue
+            orients = tuple(orient for orient in (ROW, COL)
+                            if (len(o.shape) >= 2 or orient == ROW) and Lines(o.shape, orient).length in wanted)
+            if orients:
+                index.add(o, orients)
+        return index
+
+    def _lines_of(self, w: Weight, index: LineIndex) -> bool:
+        if not w.numel:
+            return False
+        best = partial = None
+        modes = (COL, ROW) if len(w.shape) >= 2 else (ROW,)  # columns first: only a few rows are read
+        for orient in modes:
+            lines = Lines(w.shape, orient)
+            picked = pick(index, lines.keys(w))
+            covered = int(picked.covered.sum())
+            if picked.ambiguous:
+                line, cands = picked.ambiguous[0]
+                names = sorted({index.weights[t].path for t, _, _ in cands})
+                self.problems.append(f"{w.path}: {'row' if orient == ROW else 'column'} {line} is equal to lines of "
+                                     f"{_listed(names)} alike and its neighbours do not settle which")
+                return True
+            if covered == lines.count:
+                best = (lines, picked)
+                break
+            if covered and uncovered_tail(picked, lines) and (best is None or covered > int(best[1].covered.sum())):
+                best = (lines, picked)
+            elif covered and (partial is None or covered > int(partial[1].covered.sum())):
+                partial = (lines, picked)
+        if best is None and partial is not None and not self._declared(w.path):
+            self.problems.append(self._same_name_difference(w) or _partly(w, *partial, index))
+            return True
+        if best is None:
+            return False
+        lines, picked = best
+        cut = runs(picked)
+        t = TargetMap(w.path, w.shape, pieces_of(cut, lines, index.weights),
+                      new=(lines.count - int(picked.covered.sum())) * lines.length)
+        t.kind = _kind(t, self.old, picked)
+        problem = proof.disagreement(t, w, self.old, self.advance)
+        if problem:
+            self.problems.append(problem)
+            return True
+        self.picked[w.path] = (lines, picked, index.weights)
+        self._keep(t)
+        return True
+
+    # ------------------------------------------------------------------ 3. vectors beside their matrix
+    def _vector(self, w: Weight) -> bool:
+        """A 1-D tensor whose sibling matrix was built line by line, with as many lines as it has elements
+        (torch's rows, burn's columns): element i from the same-named vector of the old matrix whose
+        line built line i."""
+        if len(w.shape) != 1:
+            return False
+        module, _, leaf = w.path.rpartition(".")
+        for path, (lines, picked, weights) in self.picked.items():
+            if path.rpartition(".")[0] != module or lines.count != w.shape[0] or picked.tensor.min() < 0:
+                continue
+            vectors, numbers = [], {}
+            for number in np.unique(picked.tensor):
+                src = weights[int(number)]
+                vec = self.old.get(f"{src.path.rpartition('.')[0]}.{leaf}")
+                if vec is None or vec.shape != (Lines(src.shape, int(picked.orient[picked.tensor == number][0])).count,):
+                    break
+                numbers[int(number)] = len(vectors)
+                vectors.append(_Shaped(vec.path, (vec.shape[0], 1)))
+            else:
+                as_elements = Picked(np.array([numbers[int(n)] for n in picked.tensor], np.int64),
+                                     np.zeros_like(picked.orient), picked.line.copy(), [])
+                t = TargetMap(w.path, w.shape, pieces_of(runs(as_elements), Lines((w.shape[0], 1), ROW), vectors))
+                t.kind = self.targets[path].kind
+                t.notes.append(f"its elements follow the lines of {path}")
+                problem = proof.disagreement(t, w, self.old, self.advance)
+                if problem is None:
+                    self._keep(t)
+                    return True
+        return False
+
+    # ------------------------------------------------------------------ 4. grown in place
+    def _grown_in_place(self, w: Weight) -> bool:
+        o = self._same_name(w.path)
+        if o is None or o.path in self.used or len(o.shape) != len(w.shape) or o.dtype != w.dtype \
+                or not all(a <= b for a, b in zip(o.shape, w.shape, strict=True)) or o.shape == w.shape or not o.numel:
+            return False
+        piece = Piece(o.path, o.shape, 0, _strides(o.shape), 0, _strides(w.shape))
+        t = TargetMap(w.path, w.shape, [piece], new=w.numel - o.numel, kind="grown")
+        if proof.disagreement(t, w, self.old, self.advance) is not None:
+            return False
+        self._keep(t)
+        return True
+
+    # ------------------------------------------------------------------ what is left
+    def _declared(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, g) for g in self.declared_new)
+
+    def _unproduced(self, w: Weight) -> None:
+        o = self._same_name(w.path)
+        if self._declared(w.path) or o is None:
+            self.targets[w.path] = TargetMap(w.path, w.shape, [], new=w.numel, kind="new")
+            return
+        problem = self._same_name_difference(w)
+        if problem:
+            self.problems.append(problem)
+        else:
+            self.problems.append(f"{w.path} {list(w.shape)}: no part of the old weights produces it (the old "
+                                 f"{o.path} is {o.dtype} {list(o.shape)}); give it as --new GLOB to start it fresh")
+
+    def _same_name_difference(self, w: Weight) -> str | None:
+        """Where a new tensor first differs from the old one of its name and shape (None: no such one)."""
+        o = self._same_name(w.path)
+        if o is None or o.shape != w.shape or o.dtype != w.dtype or not o.comparable:
+            return None
+        problem = proof.disagreement(TargetMap(w.path, w.shape, [whole(o.path, o.shape)]), w, self.old, None)
+        return f"{problem} (no part of the old weights produces it)" if problem else None
+
+    def _same_name(self, path: str) -> Weight | None:
+        if path in self.old:
+            return self.old[path]
+        if self.names is not None:
+            named = [o for p, o in self.old.items() if path in self.names(p)]
+            if len(named) == 1:
+                return named[0]
+        return None
+
+    def _keep(self, t: TargetMap) -> None:
+        self.targets[t.path] = t
+        self.sources[t.path] = t.sources
+        self.used.update(t.sources)
+
+
+def infer(old: list[Weight], new: list[Weight], *, names: Callable[[str], set[str]] | None = None,
+          declared_new: list[str] = (), advance=None, where: str | None = None) -> Inference:
+    """The map that builds every tensor of ``new`` from ``old``, proved; MappingError listing what cannot be."""
+    return _Inferrer(old, new, names, list(declared_new), advance).run(where)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def _partly(w: Weight, lines: Lines, picked: Picked, index: LineIndex) -> str:
+    """A new tensor some of whose lines come from the old weights and some from nowhere: the first such
+    line compared, element by element, with the old line its neighbours' run leads to."""
+    word = "row" if lines.orient == ROW else "column"
+    missing = int(np.flatnonzero(~picked.covered)[0])
+    sources = sorted({index.weights[int(t)].path for t in np.unique(picked.tensor[picked.covered])})
+    said = (f"{int(picked.covered.sum())} of its {lines.count} {word}s come from {_listed(sources)}, {word} "
+            f"{missing} from none of the old weights")
+    guess = _expected_line(picked, missing)
+    if guess is not None:
+        src = index.weights[guess[0]]
+        src_lines = Lines(src.shape, guess[1])
+        if 0 <= guess[2] < src_lines.count and src_lines.length == lines.length:
+            new_line = _line_bits(w, lines, missing)
+            old_line = _line_bits(src, src_lines, guess[2])
+            at = int(np.flatnonzero(new_line != old_line)[0])
+            where_new = _element(lines, missing, at, w.shape)
+            where_old = _element(src_lines, guess[2], at, src.shape)
+            said = (f"{w.path}{where_new} is {_as_value(w, new_line[at])} in the new weights, but {src.path}"
+                    f"{where_old}, where its neighbours' {word}s lead, holds {_as_value(src, old_line[at])} ({said})")
+            return said + ": the conversion changed values; give it as --new GLOB only if it is meant to start fresh"
+    return f"{w.path}: {said}: the conversion changed values; give it as --new GLOB only if it is meant to start fresh"
+
+
+def _expected_line(p: Picked, i: int) -> tuple[int, int, int] | None:
+    """Where the run of the lines before (or after) line ``i`` would have continued."""
+    for step in (1, -1):
+        j, k = i - step, i - 2 * step
+        if 0 <= j < p.tensor.size and p.tensor[j] >= 0:
+            run = 0 <= k < p.tensor.size and p.tensor[k] == p.tensor[j] and p.orient[k] == p.orient[j]
+            stride = int(p.line[j] - p.line[k]) * step if run else 1
+            return int(p.tensor[j]), int(p.orient[j]), int(p.line[j]) + step * stride
+    return None
+
+
+def _line_bits(w: Weight, lines: Lines, line: int) -> np.ndarray:
+    start, stride = lines.offset(line), lines.elem_stride
+    return np.array([w.read(start + e * stride, 1)[0] for e in range(lines.length)]) if stride != 1 else \
+        w.read(start, lines.length)
+
+
+def _element(lines: Lines, line: int, at: int, shape) -> list[int]:
+    from statekit.structure.pieces import unravel
+
+    return list(unravel(lines.offset(line) + at * lines.elem_stride, shape))
+
+
+def _as_value(w: Weight, bits) -> str:
+    return repr(np.array([bits], dtype=w.bits).view(_numpy_dtype(w))[0].item())
+
+
+def _numpy_dtype(w: Weight):
+    from statekit import dtypes
+
+    return dtypes.numpy_dtype(w.dtype)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+
+
+def _kind(t: TargetMap, old: dict[str, Weight], picked: Picked) -> str:
+    """What a line-built target is, in the words the plan shows."""
+    sources = t.sources
+    chosen = picked.tensor[picked.covered]
+    stretches = 1 + int((chosen[1:] != chosen[:-1]).sum()) if chosen.size else 0
+    if t.new and len(sources) == 1:
+        return "grown"
+    if len(sources) > 1:
+        ranks = {len(old[s].shape) for s in sources}
+        if ranks == {len(t.shape) - 1}:
+            return "stacked"
+        return "interleaved" if stretches > len(sources) else "fused"
+    src = old[sources[0]]
+    if len(src.shape) == len(t.shape) + 1:
+        return "unstacked"
+    if src.numel > t.numel:
+        return "split"
+    return "permuted" if len(t.pieces) == 1 and t.pieces[0].src_strides != _strides(t.pieces[0].shape) else "moved"
+

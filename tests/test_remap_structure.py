@@ -1,0 +1,386 @@
+"""remap through structural refactors, against real torch: q/k/v fused into qkv with q's rows permuted
+(RoPE), gate/up fused with their biases, per-expert weights stacked, a grown vocabulary.
+
+The old and the new model compute the same function (the new one un-permutes q, splits its fused
+outputs, indexes its stacked experts), so after ``statekit remap`` the new model's optimizer must go
+on exactly as the old one: every moment is checked bit for bit against the same conversion applied
+to the old moments, the output is loaded by torch's own ``load_state_dict``, and both models are
+trained 3 more steps — they must stay together (max |Δw| ≤ 1 % of a cold optimizer's deviation).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn, F = torch.nn, torch.nn.functional
+
+D, NH, NKV, HD, INTER, VOCAB, EXPERTS, GROW = 16, 4, 2, 4, 24, 12, 3, 2
+
+
+def rope_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' convert_llama_weights_to_hf.py ``permute`` (the rows of each head interleaved)."""
+    d1, d2 = w.shape
+    return w.view(heads, d1 // heads // 2, 2, d2).transpose(1, 2).reshape(d1, d2)
+
+
+PERM = rope_permute(torch.arange(NH * HD, dtype=torch.float64).view(-1, 1), NH).view(-1).long()
+
+
+class Old(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.q = nn.Linear(D, NH * HD, bias=False)
+        self.k = nn.Linear(D, NKV * HD, bias=False)
+        self.v = nn.Linear(D, NKV * HD, bias=False)
+        self.gate = nn.Linear(D, INTER)
+        self.up = nn.Linear(D, INTER)
+        self.down = nn.Linear(INTER, D, bias=False)
+        self.norm = nn.Parameter(torch.ones(D))
+        self.experts = nn.ModuleList(nn.Linear(D, 8, bias=False) for _ in range(EXPERTS))
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def parts(self, h):
+        return self.q(h), self.k(h), self.v(h), self.gate(h), self.up(h), [e(h) for e in self.experts]
+
+    def forward(self, x):
+        h = self.embed(x) * self.norm
+        q, k, v, g, u, ex = self.parts(h)
+        attn = torch.tanh(q[..., : NKV * HD] * k + v)
+        mlp = self.down(F.silu(g) * u)
+        mix = sum(torch.tanh(e).sum(-1, keepdim=True) for e in ex)
+        return self.head(h + mlp + attn.sum(-1, keepdim=True) + mix)
+
+
+class New(Old):
+    """The same function, with the new structure."""
+
+    def __init__(self, grow: int, rope: bool = True):
+        nn.Module.__init__(self)
+        self.order = torch.argsort(PERM) if rope else torch.arange(NH * HD)
+        self.embed = nn.Embedding(VOCAB + grow, D)
+        self.qkv = nn.Linear(D, (NH + 2 * NKV) * HD, bias=False)
+        self.gate_up = nn.Linear(D, 2 * INTER)
+        self.down = nn.Linear(INTER, D, bias=False)
+        self.norm = nn.Parameter(torch.ones(D))
+        self.experts_w = nn.Parameter(torch.zeros(EXPERTS, 8, D))
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def parts(self, h):
+        qkv = self.qkv(h)
+        q = qkv[..., : NH * HD][..., self.order]
+        k, v = qkv[..., NH * HD : (NH + NKV) * HD], qkv[..., (NH + NKV) * HD :]
+        g, u = self.gate_up(h).split(INTER, -1)
+        return q, k, v, g, u, [h @ self.experts_w[e].T for e in range(EXPERTS)]
+
+
+def convert(old: dict, pad, rope: bool = True) -> dict:
+    """The user's own conversion of old tensors (weights, or moments shaped like them) to the new model's;
+    ``pad(n, like)``: the grown embedding's new rows; ``rope``: q's rows interleaved per head."""
+    new = {"norm": old["norm"], "embed.weight": torch.cat([old["embed.weight"], pad(GROW, old["embed.weight"])])
+           if pad is not None else old["embed.weight"]}
+    q = rope_permute(old["q.weight"], NH) if rope else old["q.weight"]
+    new["qkv.weight"] = torch.cat([q, old["k.weight"], old["v.weight"]])
+    new["gate_up.weight"] = torch.cat([old["gate.weight"], old["up.weight"]])
+    new["gate_up.bias"] = torch.cat([old["gate.bias"], old["up.bias"]])
+    new["down.weight"] = old["down.weight"]
+    new["experts_w"] = torch.stack([old[f"experts.{e}.weight"] for e in range(EXPERTS)])
+    new["head.weight"] = old["head.weight"]
+    return new
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+    "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+    "nadam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "rmsprop-centered": lambda p: torch.optim.RMSprop(p, lr=1e-3, centered=True, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.1),
+    "adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+    "radam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+}
+
+
+def batches(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (6, 5), generator=g), torch.randint(0, VOCAB, (6, 5), generator=g))
+            for _ in range(n)]
+
+
+def train(model, opt, data):
+    for x, y in data:
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def trained(tmp_path, make_opt, grow=GROW, rope=True):
+    """An old model trained 4 steps; its optimizer state, its weights and the converted new weights, saved."""
+    torch.manual_seed(0)
+    old = Old()
+    opt = make_opt(old.parameters())
+    train(old, opt, batches(4, 1))
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    weights = {k: v.detach().clone() for k, v in old.state_dict().items()}
+    torch.save(weights, tmp_path / "old.pt")
+    g = torch.Generator().manual_seed(7)
+    new_weights = convert(weights, lambda n, like: torch.randn(n, *like.shape[1:], generator=g), rope)
+    if not grow:
+        new_weights["embed.weight"] = weights["embed.weight"]
+    new_weights = {k: new_weights[k] for k in New(grow).state_dict()}  # a state_dict keeps the model's order
+    torch.save(new_weights, tmp_path / "new.pt")
+    return old, opt, weights, new_weights
+
+
+def new_model(weights: dict, grow: int = GROW) -> New:
+    model = New(grow)
+    model.load_state_dict(weights)
+    return model
+
+
+def by_name(sd: dict, names: list[str]) -> dict:
+    return {n: sd["state"][i] for i, n in enumerate(names) if i in sd["state"]}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_inferred_map_moves_every_moment_and_training_goes_on(tmp_path, cli, name):
+    make = OPTIMIZERS[name]
+    old, opt, weights, new_weights = trained(tmp_path, make)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt")
+    assert r.returncode == 0, r.stderr
+    assert "structure: learned from the old and new weights" in r.stdout
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    old_state = by_name(opt.state_dict(), list(weights))
+    new_state = by_name(out, list(new_weights))
+    fill = 0.1 if name == "adagrad" else 0.0  # a new row starts where a new parameter's state does
+    for slot, ref in old_state["q.weight"].items():
+        if ref.dim() == 0:
+            assert all(torch.equal(s[slot], ref) for s in new_state.values()), slot
+            continue
+        want = convert({p: s[slot] for p, s in old_state.items()}, lambda n, like: torch.full((n, *like.shape[1:]), fill))
+        for path, tensor in want.items():
+            assert torch.equal(new_state[path][slot], tensor), (path, slot)
+    model = new_model(new_weights)
+    resumed = make(model.parameters())
+    resumed.load_state_dict(out)
+    cold_model = new_model(new_weights)
+    cold = make(cold_model.parameters())
+    data = batches(3, 2)
+    train(old, opt, data)
+    train(model, resumed, data)
+    train(cold_model, cold, data)
+    got, away = model.state_dict(), cold_model.state_dict()
+    # the grown rows are the new model's own (the old one never had them): compared with themselves
+    expect = convert({k: v.detach() for k, v in old.state_dict().items()}, lambda n, like: got["embed.weight"][-n:])
+    drift = max((got[k] - expect[k]).abs().max().item() for k in expect)
+    cold_drift = max((away[k] - expect[k]).abs().max().item() for k in expect)
+    assert cold_drift > 0 and drift <= 0.01 * cold_drift, (drift, cold_drift)
+
+
+def test_the_plan_shows_each_piece_and_reapplies_byte_identically(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"])
+    args = [tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()  # a .pt archive holds its own name: the same name in two folders
+    r = cli("remap", *args, "-o", tmp_path / "a" / "out.pt", "--plan-out", tmp_path / "plan.json", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    by_target = {a["dst_path"]: a for a in plan["params"] if a["dst_path"]}
+    qkv = by_target["qkv.weight"]
+    assert qkv["action"] == "assemble" and qkv["structure"] == "fused"
+    assert [s["path"] for s in qkv["sources"]] == ["q.weight", "k.weight", "v.weight"]
+    # q's rows: one piece, the RoPE interleave (heads × 2 × rows/2 × columns)
+    q = next(p for p in qkv["pieces"] if p["source"] == "q.weight")
+    assert q["shape"] == [NH, 2, HD // 2, D] and q["src_strides"] == [HD * D, D, 2 * D, 1]
+    assert by_target["experts_w"]["structure"] == "stacked"
+    assert by_target["embed.weight"]["resize"] and by_target["embed.weight"]["structure"] == "grown"
+    assert {a["src_path"] for a in plan["params"] if a["action"] == "into"} >= {"q.weight", "k.weight", "v.weight"}
+    r = cli("remap", tmp_path / "optim.pt", "--model", tmp_path / "new.pt", "-o", tmp_path / "b" / "out.pt",
+            "--plan", tmp_path / "plan.json")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "a" / "out.pt").read_bytes() == (tmp_path / "b" / "out.pt").read_bytes()
+
+
+RULES = ["--fuse", "qkv.weight=q.weight,k.weight,v.weight", "--fuse", "gate_up.weight=gate.weight,up.weight",
+         "--fuse", "gate_up.bias=gate.bias,up.bias", "--stack", "experts_w=experts.*.weight"]
+
+
+def test_rules_give_the_same_state_as_the_weights_where_no_rows_are_permuted(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0, rope=False)  # a rule has no word for a RoPE interleave
+    by_weights = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model",
+                     tmp_path / "new.pt", "-o", tmp_path / "w.pt")
+    by_rules = cli("remap", tmp_path / "optim.pt", "--names", _names(tmp_path), "--model", tmp_path / "new.pt",
+                   "-o", tmp_path / "r.pt", *RULES)
+    assert by_weights.returncode == 0, by_weights.stderr
+    assert by_rules.returncode == 0, by_rules.stderr
+    assert "not proved on weights" in by_rules.stderr
+    w, r = torch.load(tmp_path / "w.pt", weights_only=True), torch.load(tmp_path / "r.pt", weights_only=True)
+    assert w["param_groups"][0]["params"] == r["param_groups"][0]["params"]
+    for i, entry in w["state"].items():
+        assert set(entry) == set(r["state"][i]) and all(torch.equal(entry[k], r["state"][i][k]) for k in entry)
+
+
+def _names(tmp_path) -> str:
+    path = tmp_path / "names.txt"
+    path.write_text("\n".join(torch.load(tmp_path / "old.pt", weights_only=True)) + "\n")
+    return str(path)
+
+
+def _edited(tmp_path, edit) -> None:
+    sd = torch.load(tmp_path / "optim.pt", weights_only=True)
+    edit(sd)
+    torch.save(sd, tmp_path / "optim.pt")
+
+
+def _refused(cli, tmp_path, *words):
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt")
+    assert r.returncode == 1, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and all(w in line for w in words), line
+    assert not (tmp_path / "out.pt").exists()
+    return line
+
+
+def test_fused_pieces_with_different_steps_are_refused(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"])
+    names = list(torch.load(tmp_path / "old.pt", weights_only=True))
+    _edited(tmp_path, lambda sd: sd["state"][names.index("k.weight")].update(step=torch.tensor(3.0)))
+    _refused(cli, tmp_path, "qkv.weight", "different steps", "k.weight=3")
+
+
+def test_fused_pieces_from_different_param_groups_are_refused(tmp_path, cli):
+    torch.manual_seed(0)
+    old = Old()
+    named = dict(old.named_parameters())
+    decay = [(n, p) for n, p in named.items() if n != "k.weight"]  # named: the groups' order is not the model's
+    opt = torch.optim.AdamW([{"params": decay}, {"params": [("k.weight", named["k.weight"])], "weight_decay": 0.0}],
+                            lr=1e-2)
+    train(old, opt, batches(2, 1))
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    weights = {k: v.detach().clone() for k, v in old.state_dict().items()}
+    torch.save(weights, tmp_path / "old.pt")
+    new_weights = convert(weights, lambda n, like: torch.randn(n, *like.shape[1:]))
+    torch.save({k: new_weights[k] for k in New(GROW).state_dict()}, tmp_path / "new.pt")
+    _refused(cli, tmp_path, "qkv.weight", "different param groups", "k.weight (group 1)")
+
+
+def test_a_new_weight_the_old_ones_cannot_produce_is_refused_naming_the_element(tmp_path, cli):
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    new_weights["gate_up.weight"][30, 3] += 1.0  # the user's conversion changed a value
+    torch.save(new_weights, tmp_path / "new.pt")
+    _refused(cli, tmp_path, "gate_up.weight", "row 30")
+
+
+def test_value_identical_tensors_under_new_names_are_refused(tmp_path, cli):
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.LayerNorm(4))
+    opt = torch.optim.Adam(old.parameters())
+    old(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    weights = {k: v.detach().clone() for k, v in old.state_dict().items()}
+    weights["2.weight"], weights["2.bias"] = weights["1.weight"].clone(), weights["1.bias"].clone()
+    torch.save(weights, tmp_path / "old.pt")
+    # two norms with equal weights (their states differ): renamed, nothing tells which is which
+    torch.save({"lin.weight": weights["0.weight"], "lin.bias": weights["0.bias"], "n1.weight": weights["1.weight"],
+                "n1.bias": weights["1.bias"], "n2.weight": weights["2.weight"], "n2.bias": weights["2.bias"]},
+               tmp_path / "new.pt")
+    line = _refused(cli, tmp_path, "value-identical", "n1.weight", "--rename")
+    assert "1.weight" in line and "2.weight" in line
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt", "--rename", r"^0\.=lin.", "--rename", r"^1\.=n1.", "--rename", r"^2\.=n2.")
+    assert r.returncode == 0, r.stderr  # the rules settle it
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["param_groups"][0]["param_names"] == ["lin.weight", "lin.bias", "n1.weight", "n1.bias", "n2.weight",
+                                                     "n2.bias"]
+    assert torch.equal(out["state"][4]["exp_avg"], opt.state_dict()["state"][4]["exp_avg"])
+
+
+def test_adafactor_row_factors_move_exactly_and_the_fused_column_factor_is_their_weighted_mean(tmp_path, cli):
+    make = lambda p: torch.optim.Adafactor(p, lr=1e-2)  # noqa: E731
+    old, opt, weights, new_weights = trained(tmp_path, make, grow=0)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt")
+    assert r.returncode == 0, r.stderr
+    assert "tracks, not bit-exact" in r.stdout
+    old_state = by_name(opt.state_dict(), list(weights))
+    new_state = by_name(torch.load(tmp_path / "out.pt", weights_only=True), list(new_weights))
+    q, k, v = (old_state[f"{n}.weight"] for n in "qkv")
+    rows = torch.cat([rope_permute(q["row_var"], NH), k["row_var"], v["row_var"]])
+    assert torch.equal(new_state["qkv.weight"]["row_var"], rows)  # each row's mean over its columns: exact
+    nq, nk = NH * HD, NKV * HD
+    cols = (nq * q["col_var"].double() + nk * k["col_var"].double() + nk * v["col_var"].double()) / (nq + 2 * nk)
+    assert torch.equal(new_state["qkv.weight"]["col_var"], cols.float())
+    for slot in ("row_var", "col_var"):  # one source matrix per expert: exact
+        assert torch.equal(new_state["experts_w"][slot],
+                           torch.stack([old_state[f"experts.{e}.weight"][slot] for e in range(EXPERTS)]))
+    assert torch.equal(new_state["gate_up.bias"]["variance"],
+                       torch.cat([old_state["gate.bias"]["variance"], old_state["up.bias"]["variance"]]))
+    model = new_model(new_weights, grow=0)
+    resumed = make(model.parameters())
+    resumed.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
+    cold_model = new_model(new_weights, grow=0)
+    cold = make(cold_model.parameters())
+    data = batches(3, 2)
+    for m, o in ((old, opt), (model, resumed), (cold_model, cold)):
+        train(m, o, data)
+    expect = convert({k: v.detach() for k, v in old.state_dict().items()}, None)
+    expect["embed.weight"] = old.state_dict()["embed.weight"]
+    drift = max((model.state_dict()[k] - expect[k]).abs().max().item() for k in expect)
+    cold_drift = max((cold_model.state_dict()[k] - expect[k]).abs().max().item() for k in expect)
+    # a fused matrix factored is another preconditioner than three (each row's scale is now divided by the
+    # fused rows' mean): it tracks, not exactly — 11 % of a cold start's deviation here, against 100 %
+    assert cold_drift > 0 and drift <= 0.2 * cold_drift, (drift, cold_drift)
+
+
+def test_unrelated_weights_fall_back_to_paths_unless_values_are_required(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0, rope=False)
+    torch.manual_seed(5)  # a new model saved before its weights were loaded: nothing in common
+    torch.save({k: torch.randn_like(v) for k, v in torch.load(tmp_path / "old.pt", weights_only=True).items()},
+               tmp_path / "random.pt")
+    args = [tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "random.pt", "-o",
+            tmp_path / "out.pt"]
+    r = cli("remap", *args)
+    assert r.returncode == 0, r.stderr
+    assert "share no values: the state is moved by path" in r.stderr
+    r = cli("remap", *args, "--match", "values")
+    assert r.returncode == 1 and "cannot be produced from the old ones" in r.stderr
+
+
+def test_new_declares_a_tensor_fresh_and_lbfgs_is_refused_by_name(tmp_path, cli):
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"], grow=0)
+    new_weights["head.weight"] = torch.randn_like(new_weights["head.weight"])  # a re-initialised head
+    torch.save(new_weights, tmp_path / "new.pt")
+    args = [tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt"]
+    r = cli("remap", *args, "-o", tmp_path / "out.pt")
+    assert r.returncode == 1 and "head.weight" in r.stderr and not (tmp_path / "out.pt").exists()
+    r = cli("remap", *args, "-o", tmp_path / "out.pt", "--new", "head.*")
+    assert r.returncode == 0, r.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    names = out["param_groups"][0]["param_names"]
+    assert names.index("head.weight") not in out["state"] and "dropped" in r.stderr
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.LBFGS(model.parameters())
+    opt.step(lambda: model(torch.ones(1, 2)).sum().backward() or model(torch.ones(1, 2)).sum())
+    torch.save(opt.state_dict(), tmp_path / "lbfgs.pt")
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    r = cli("remap", tmp_path / "lbfgs.pt", "--model", tmp_path / "m.pt", "-o", tmp_path / "x.pt")
+    assert r.returncode == 1 and "L-BFGS keeps one history" in r.stderr
+
+
+def test_rules_beside_both_weights_are_proved_on_them(tmp_path, cli):
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0)  # q's rows are RoPE-permuted: the plain --fuse is wrong
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt", *RULES)
+    assert r.returncode == 1 and "the rule's map does not make the new weights: qkv.weight[1, 0]" in r.stderr
+    assert not (tmp_path / "out.pt").exists()
+    trained(tmp_path, OPTIMIZERS["adamw"], grow=0, rope=False)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt", *RULES)
+    assert r.returncode == 0 and "proved on the --old-model and --model weights" in r.stderr

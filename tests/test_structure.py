@@ -1,0 +1,217 @@
+"""The structural map on its own: pieces, coverage, rules, and the map inferred from weights in numpy,
+each against the numpy operation that made the new tensors (concatenate, stack, transpose, a RoPE or a
+GQA interleave)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from statekit import io
+from statekit.errors import MappingError, UsageError
+from statekit.structure import coverage
+from statekit.structure import rules as structure_rules
+from statekit.structure.access import Weight
+from statekit.structure.apply import assembled
+from statekit.structure.infer import infer
+from statekit.structure.pieces import Piece, StructureMap, TargetMap, compress, describe
+from statekit.structure.settle import settle
+from statekit.tensor import TensorRef
+
+RNG = np.random.default_rng(0)
+
+
+def rope(w: np.ndarray, heads: int) -> np.ndarray:
+    d1, d2 = w.shape
+    return w.reshape(heads, d1 // heads // 2, 2, d2).transpose(0, 2, 1, 3).reshape(d1, d2)
+
+
+def build(t: TargetMap, sources: dict[str, np.ndarray], fill=0.0) -> np.ndarray:
+    refs = {k: TensorRef.from_array(v) for k, v in sources.items()}
+    ref = assembled(t, refs, "F32", fill)
+    return np.concatenate(list(ref.pieces())).reshape(t.shape)
+
+
+def mapped(tmp_path, old: dict, new: dict, **kw):
+    save_file(old, str(tmp_path / "old.safetensors"))
+    save_file(new, str(tmp_path / "new.safetensors"))
+    with io.open_checkpoint(str(tmp_path / "old.safetensors")) as a, io.open_checkpoint(
+            str(tmp_path / "new.safetensors")) as b:
+        return infer([Weight(m.path, m.tensor) for m in a.model.params],
+                     [Weight(m.path, m.tensor) for m in b.model.params], **kw)
+
+
+def f32(*shape) -> np.ndarray:
+    return RNG.normal(size=shape).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_a_rope_permutation_folds_into_one_piece_and_moves_rows_as_torch_does():
+    heads, rows, cols = 4, 16, 3
+    per = rows // heads // 2
+    # one piece per run of rows, as the lines give them: rows h·dh + a·dh/2 + b ← h·dh + 2b + a
+    runs = [Piece("q", (per, cols), (h * (rows // heads) + a) * cols, (2 * cols, 1),
+                  (h * (rows // heads) + a * per) * cols, (cols, 1)) for h in range(heads) for a in range(2)]
+    folded = compress(runs)
+    assert folded == [Piece("q", (heads, 2, per, cols), 0, (rows // heads * cols, cols, 2 * cols, 1), 0,
+                            (rows // heads * cols, per * cols, cols, 1))]
+    q = f32(rows, cols)
+    t = TargetMap("q2", (rows, cols), folded)
+    assert np.array_equal(build(t, {"q": q}), rope(q, heads))
+    assert describe(folded[0], (rows, cols), (rows, cols)) == "[all] ← q, rows permuted per head (RoPE, 4 heads)"
+
+
+def test_coverage_refuses_overlaps_holes_and_reads_outside():
+    a = Piece("a", (4,), 0, (1,), 0, (1,))
+    coverage.check(TargetMap("t", (2, 4), [a, Piece("b", (4,), 0, (1,), 4, (1,))]), {"a": 4, "b": 4})
+    with pytest.raises(MappingError, match=r"two pieces of the map write element \[0, 2\]"):
+        coverage.check(TargetMap("t", (2, 4), [a, Piece("b", (6,), 0, (1,), 2, (1,))]), {"a": 4, "b": 6})
+    with pytest.raises(MappingError, match="writes 4 of 8 elements and declares 0 new"):
+        coverage.check(TargetMap("t", (2, 4), [a]), {"a": 4})
+    coverage.check(TargetMap("t", (2, 4), [a], new=4), {"a": 4})
+    with pytest.raises(MappingError, match="reads outside b"):
+        coverage.check(TargetMap("t", (2, 4), [a, Piece("b", (4,), 1, (1,), 4, (1,))]), {"a": 4, "b": 4})
+    # column pieces (burn's axis-1 join) are checked a row segment at a time
+    cols = [Piece("g", (3, 2), 0, (2, 1), 0, (4, 1)), Piece("u", (3, 2), 0, (2, 1), 2, (4, 1))]
+    coverage.check(TargetMap("t", (3, 4), cols), {"g": 6, "u": 6})
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def test_rules_fuse_split_stack_unstack_as_numpy_does():
+    old = {f"l.{i}.{n}": f32(*s) for i in range(2) for n, s in (("q", (4, 3)), ("k", (2, 3)), ("v", (2, 3)))}
+    rules = structure_rules.parse(fuse=["l.*.qkv=l.*.q,l.*.k,l.*.v"])
+    smap = structure_rules.build(rules, {k: v.shape for k, v in old.items()}, None, "torch")
+    assert list(smap.targets) == ["l.0.qkv", "l.1.qkv"]
+    for i in range(2):
+        want = np.concatenate([old[f"l.{i}.q"], old[f"l.{i}.k"], old[f"l.{i}.v"]])
+        assert np.array_equal(build(smap.targets[f"l.{i}.qkv"], old), want)
+    burn = structure_rules.build(rules, {k: v.T.shape for k, v in old.items()}, None, "burn")  # [d_in, d_out]
+    burn_old = {k: np.ascontiguousarray(v.T) for k, v in old.items()}
+    want = np.concatenate([burn_old["l.0.q"], burn_old["l.0.k"], burn_old["l.0.v"]], axis=1)
+    assert np.array_equal(build(burn.targets["l.0.qkv"], burn_old), want)
+    experts = {f"e.{i}.w1": f32(3, 5) for i in range(3)} | {f"e.{i}.w3": f32(3, 5) for i in range(3)}
+    stack = structure_rules.build(structure_rules.parse(stack=["gate_up=e.*.w1,e.*.w3"]),
+                                  {k: v.shape for k, v in experts.items()}, None, "torch")
+    want = np.stack([np.concatenate([experts[f"e.{i}.w1"], experts[f"e.{i}.w3"]]) for i in range(3)])
+    assert np.array_equal(build(stack.targets["gate_up"], experts), want)
+    stacked = {"gate_up": want}
+    back = structure_rules.build(structure_rules.parse(unstack=["gate_up=e.*.w1,e.*.w3"]), {"gate_up": want.shape},
+                                 {k: v.shape for k, v in experts.items()}, "torch")
+    for name, value in experts.items():
+        assert np.array_equal(build(back.targets[name], stacked), value)
+    split = structure_rules.build(structure_rules.parse(split=["qkv=q,k,v"]), {"qkv": (8, 3)},
+                                  {"q": (4, 3), "k": (2, 3), "v": (2, 3)}, "torch")
+    whole = f32(8, 3)
+    assert [build(split.targets[n], {"qkv": whole}).tolist() for n in "qkv"] == \
+        [whole[:4].tolist(), whole[4:6].tolist(), whole[6:].tolist()]
+
+
+def test_rules_refuse_what_does_not_fit():
+    with pytest.raises(UsageError, match="as many"):
+        structure_rules.parse(fuse=["l.*.qkv=l.0.q,l.*.k"])
+    with pytest.raises(MappingError, match="does not join"):
+        structure_rules.build(structure_rules.parse(fuse=["qk=q,k"]), {"q": (4, 3), "k": (4, 2)}, None, "torch")
+    with pytest.raises(MappingError, match=r"numbered tensors are \[0, 2\]"):
+        structure_rules.build(structure_rules.parse(stack=["w=e.*.w"]), {"e.0.w": (2,), "e.2.w": (2,)}, None, "torch")
+    with pytest.raises(MappingError, match="add up to 6"):
+        structure_rules.build(structure_rules.parse(split=["qkv=q,k"]), {"qkv": (8, 3)},
+                              {"q": (4, 3), "k": (2, 3)}, "torch")
+    with pytest.raises(MappingError, match="matches no tensor"):
+        structure_rules.build(structure_rules.parse(fuse=["x=a,b"]), {"q": (1,)}, None, "torch")
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+def test_inferred_gqa_interleave_transposes_unstacks_and_splits(tmp_path):
+    groups, per, hd, dim = 2, 2, 2, 6
+    q, k, v = f32(groups * per * hd, dim), f32(groups * hd, dim), f32(groups * hd, dim)
+    # Megatron's fused QKV: [q_g0, k_0, v_0, q_g1, k_1, v_1]
+    blocks = []
+    for g in range(groups):
+        blocks += [q[g * per * hd : (g + 1) * per * hd], k[g * hd : (g + 1) * hd], v[g * hd : (g + 1) * hd]]
+    conv1d = f32(dim, 5)  # GPT-2's Conv1D [in, out]
+    stacked = f32(3, 4, dim)
+    old = {"q": q, "k": k, "v": v, "c_attn": conv1d, "experts": stacked, "dropped": f32(3, 3)}
+    new = {"qkv": np.concatenate(blocks), "linear": np.ascontiguousarray(conv1d.T),
+           **{f"e.{i}": stacked[i] for i in range(3)}}
+    found = mapped(tmp_path, old, new)
+    t = found.map.targets
+    assert t["qkv"].kind == "interleaved" and len(t["qkv"].pieces) == 3  # one folded piece per source
+    assert np.array_equal(build(t["qkv"], old), new["qkv"])
+    assert t["linear"].kind == "transposed" and np.array_equal(build(t["linear"], old), new["linear"])
+    assert all(t[f"e.{i}"].kind == "unstacked" for i in range(3))
+    assert found.unused == ["dropped"]
+
+
+def test_split_a_fused_tensor_back_and_bf16_bits(tmp_path):
+    q, k = f32(4, 3).astype(ml_dtypes.bfloat16), f32(2, 3).astype(ml_dtypes.bfloat16)
+    found = mapped(tmp_path, {"qk": np.concatenate([q, k])}, {"q": q, "k": k})
+    assert {n: t.kind for n, t in found.map.targets.items()} == {"q": "split", "k": "split"}
+    assert found.map.targets["k"].pieces[0].src_offset == 12
+
+
+def test_duplicate_rows_are_settled_by_their_neighbours_or_refused(tmp_path):
+    q = f32(8, 4)
+    q[2] = q[3] = q[5] = 0.0  # zero rows: each equal to the others, and to k's
+    k = f32(4, 4)
+    k[1] = 0.0
+    found = mapped(tmp_path, {"q": q, "k": k}, {"qk": np.concatenate([q, k])})
+    assert np.array_equal(build(found.map.targets["qk"], {"q": q, "k": k}), np.concatenate([q, k]))
+    assert [p.source for p in found.map.targets["qk"].pieces] == ["q", "k"]
+    # interleaved rows give the zero rows no neighbour to continue: which zero row is which is a guess
+    with pytest.raises(MappingError, match="qk: row 1 is equal to lines of k, q alike"):
+        mapped(tmp_path, {"q": q, "k": k}, {"qk": np.concatenate([rope(q, 2), k])})
+
+
+def test_grown_rows_and_columns_start_fresh(tmp_path):
+    emb, out, both = f32(5, 3), f32(3, 5), f32(2, 2)
+    new = {"emb": np.concatenate([emb, f32(2, 3)]), "out": np.concatenate([out, f32(3, 2)], axis=1),
+           "both": np.pad(both, ((0, 1), (0, 1))) + np.pad(np.zeros((2, 2), np.float32), ((0, 1), (0, 1)),
+                                                                constant_values=7)}
+    found = mapped(tmp_path, {"emb": emb, "out": out, "both": both}, new)
+    t = found.map.targets
+    assert (t["emb"].kind, t["emb"].new) == ("grown", 6) and (t["out"].kind, t["out"].new) == ("grown", 6)
+    assert (t["both"].kind, t["both"].new) == ("grown", 5)
+    moment = {"out": f32(3, 5)}
+    built = build(t["out"], moment, fill=0.25)
+    assert np.array_equal(built[:, :5], moment["out"]) and (built[:, 5:] == 0.25).all()
+
+
+def test_what_the_old_weights_cannot_produce_is_refused_or_new(tmp_path):
+    a = f32(4, 3)
+    changed = a.copy()
+    changed[2, 1] += 1
+    with pytest.raises(MappingError, match=r"a\[2, 1\] is .* in the new weights, but the map reads .* from a\[2, 1\]"):
+        mapped(tmp_path, {"a": a}, {"a": changed})
+    found = mapped(tmp_path, {"a": a}, {"a": changed}, declared_new=["a"])
+    assert found.map.targets["a"].kind == "new" and found.unused == ["a"]
+    found = mapped(tmp_path, {"a": a}, {"a": a, "head": f32(2, 2)})  # a new parameter: fresh state
+    assert found.map.targets["head"].kind == "new"
+    q, k = f32(5, 3), f32(3, 3)
+    with pytest.raises(MappingError, match=r"fused: 8 of its 9 rows come from k, q, row 5 from none of the old"):
+        mapped(tmp_path, {"q": q, "k": k}, {"fused": np.concatenate([q, f32(1, 3), k])})
+
+
+def test_settle_uses_the_path_the_rules_and_the_siblings():
+    assert settle("a.w", ["a.w", "b.w"], None, {}) == ("a.w", "their own paths")
+    assert settle("x.w", ["a.w", "b.w"], lambda p: {p.replace("b.", "x.")}, {})[0] == "b.w"
+    known = {"blk.3.attn.qkv": ["layers.3.attn.q"], "blk.3.attn.o": ["layers.3.attn.o"]}
+    assert settle("blk.3.attn.norm", ["layers.2.attn.norm", "layers.3.attn.norm"], None, known)[0] == \
+        "layers.3.attn.norm"
+    assert settle("n", ["a", "b"], None, {})[0] is None
+
+
+def test_structure_maps_round_trip_as_json():
+    t = TargetMap("x", (2, 3), [Piece("a", (2, 3), 0, (3, 1), 0, (3, 1))], new=0, kind="whole")
+    smap = StructureMap({"x": t}, "rules", ["--fuse 'x=a'"])
+    assert StructureMap.from_json(smap.to_json()) == smap
+    with pytest.raises(MappingError, match="shape and strides disagree"):
+        Piece.from_json({"source": "a", "shape": [2], "src_offset": 0, "src_strides": [1, 1], "dst_offset": 0,
+                         "dst_strides": [1]})
