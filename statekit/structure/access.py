@@ -155,21 +155,43 @@ def col_count(shape: tuple[int, ...]) -> int:
 
 
 def row_keys(w: Weight) -> np.ndarray:
-    """A key per row (line along the last axis): the sampled columns of every row, read where the
-    file lies (mapped; the pages are let go as the rows are left behind)."""
+    """A key per row (line along the last axis): the sampled columns of every row, the rows read a
+    bounded piece at a time."""
     length = w.shape[-1] if w.shape else 1
     if not length or not w.numel:
         return np.zeros(0, np.uint64)
     where = positions(length)
     per = max(1, ROWS_PER_READ // max(1, length * w.itemsize))
     out = np.empty(row_count(w.shape), np.uint64)
-    with w.mapped(sequential=True) as m:
-        rows = m.array.reshape(-1, length)
-        for first in range(0, rows.shape[0], per):
-            part = rows[first : first + per]
-            out[first : first + part.shape[0]] = mix(part[:, where], length)
-            m.touched(part.nbytes)
+    first = 0
+    for bits in _rows_read(w, per * length):
+        part = bits.reshape(-1, length)
+        out[first : first + part.shape[0]] = mix(part[:, where], length)
+        first += part.shape[0]
     return out
+
+
+def _rows_read(w: Weight, elements: int):
+    """The tensor's bits in pieces of ``elements``, read with ``pread`` into two reused buffers (no fresh
+    memory, no page faults per piece), or from memory."""
+    span = w.ref.span
+    if span is None or w.ref.array_loader is not None:
+        flat = w.flat()
+        for lo in range(0, flat.size, elements):
+            yield flat[lo : lo + elements]
+        return
+    size = elements * w.itemsize
+    global _ROW_BUFFER
+    if _ROW_BUFFER is None or len(_ROW_BUFFER) < size:
+        _ROW_BUFFER = bytearray(size)
+    buffer = memoryview(_ROW_BUFFER)
+    for lo in range(0, span.length, size):
+        view = buffer[: min(size, span.length - lo)]
+        span.file.pread_into(view, span.offset + lo)
+        yield np.frombuffer(view, w.bits)  # valid until the next piece is read
+
+
+_ROW_BUFFER: bytearray | None = None  # one buffer for every tensor's rows (fresh memory costs page faults)
 
 
 def col_keys(w: Weight) -> np.ndarray:
@@ -189,8 +211,10 @@ def whole_key(w: Weight, order: np.ndarray | None = None) -> int:
     transposed candidate)."""
     where = positions(w.numel, WHOLE_SAMPLES)
     at = where if order is None else order
-    with w.mapped() as m:
-        values = m.array[at] if w.numel else np.zeros(0, w.bits)
+    if w.numel <= 4 * WHOLE_SAMPLES or w.ref.span is None or w.ref.array_loader is not None:
+        values = w.flat()[at] if w.numel else np.zeros(0, w.bits)
+    else:  # a few elements: one small read each
+        values = np.array([w.read(int(i), 1)[0] for i in at], dtype=w.bits)
     return int(mix(values.reshape(1, -1), w.numel)[0])
 
 

@@ -42,12 +42,13 @@ class Piece:
     def dst_span(self) -> tuple[int, int]:
         return _span(self.dst_offset, self.dst_strides, self.shape)
 
-    def src_view(self, flat: np.ndarray) -> np.ndarray:
-        """The piece's elements in ``flat`` (a source tensor, flat), as a strided view (no copy)."""
-        return _view(flat, self.src_offset, self.src_strides, self.shape)
+    def src_view(self, flat: np.ndarray, start: int = 0) -> np.ndarray:
+        """The piece's elements in ``flat`` (a source tensor, flat, or its part from element ``start``),
+        as a strided view (no copy)."""
+        return _view(flat, self.src_offset - start, self.src_strides, self.shape)
 
-    def dst_view(self, flat: np.ndarray) -> np.ndarray:
-        return _view(flat, self.dst_offset, self.dst_strides, self.shape)
+    def dst_view(self, flat: np.ndarray, start: int = 0) -> np.ndarray:
+        return _view(flat, self.dst_offset - start, self.dst_strides, self.shape)
 
     def to_json(self) -> dict:
         return {"source": self.source, "shape": list(self.shape), "src_offset": self.src_offset,
