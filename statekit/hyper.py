@@ -227,6 +227,9 @@ PATHS_KEY = "statekit.param_names"  # {ParamId: module path}: torch's param_name
 TORCH_NAMES_KEY = "statekit.torch_param_names"
 OMIT_NAMES_KEY = "torch.param_names"  # plan metadata for torch's writer: "omit" writes no param_names
 ARGS_KEY = "statekit.training_args"  # an HF TrainingArguments' optimizer settings, as read from training_args.bin
+# the optimizer library's layout a state came from and how it stored each parameter:
+# {"format": "bnb" | "bnb-flat" | "bnb-2048", "stored": {param id: [bits, block]}} (bitsandbytes)
+LIBRARY_KEY = "statekit.library"
 NOT_HYPER = ("statekit.optimizer", "statekit.groups", KEYS_KEY, PATHS_KEY, ARGS_KEY, TORCH_NAMES_KEY)
 
 

@@ -104,6 +104,11 @@ class ParamState:
     encoding: dict[str, object] = field(default_factory=dict)  # slot → how a library stores it (bitsandbytes)
     module: str | None = None  # the owning module's class, from the model's definition (torch sources)
     layout: str | None = None  # what that class makes of the tensor (statekit.frameworks.hf_model: out_in, in_out, …)
+    layout_from: str | None = None  # what decided it: the module class, the forward (hf_model.BY_*)
+    layout_problem: str | None = None  # why the definition leaves it undecided (class and forward disagree …)
+    # (bits, block) an optimizer library stored this state in (bitsandbytes: 8 or 32, 256 or 2048), as a
+    # .bpk records it for the way back (a library's own file says it per slot: ``encoding``)
+    stored_as: tuple[int, int | None] | None = None
     # every family this parameter's state could be (burn: SGD-momentum's fields are also Muon's for a
     # 2-D parameter); empty when only ``family`` fits
     candidates: tuple[str, ...] = ()
@@ -217,6 +222,8 @@ class OptimizerState:
     # family, its name for people (a third-party optimizer's: "transformers Adafactor (…)")
     names_from: str | None = None  # how a torch state's positions were named (statekit.frameworks.torch_names)
     library: str | None = None  # the optimizer library that wrote a torch file's state ("bitsandbytes")
+    library_format: str | None = None  # the registry format of that library's layout ("bnb", "bnb-flat", "bnb-2048"),
+    # read from its file or from a .bpk's record (converting back to a .pt writes it)
     unnamed_why: str | None = None  # why they could not be named (one line: what to install or give)
     torch_names_in_file: bool | None = None  # a torch state's param_names were in its file (False: solved)
     training_args: dict | None = None  # HF TrainingArguments' optimizer settings (statekit.frameworks.hf_args)
@@ -340,6 +347,18 @@ def regroup(state: OptimizerState) -> None:
                                        candidates=candidates if len(candidates) > 1 else ()))
         for p in members:
             p.group = index
+
+
+def settle_from(original: OptimizerState, other: OptimizerState, path: str) -> list[str]:
+    """A state compared with an original as the same optimizer's (diff, verify-resume): where its file
+    cannot tell its family (a bitsandbytes one-state optimizer) and the original's family (named by a
+    Trainer folder's training_args.bin, say) is one of its candidates, it is that family. Never the
+    other way round: an original is not settled by what a conversion assumed. In place; the note."""
+    if original.family and other.family is None and original.family in other.candidates:
+        fits = ", ".join(other.candidates)
+        other.settle(original.family)
+        return [f"{path}: its state fits {fits} alike; taken as the original's {original.family}"]
+    return []
 
 
 def refuse_opaque(state: OptimizerState | None, source: str, doing: str) -> None:

@@ -319,7 +319,9 @@ def _transposed_views(span, source: TensorRef, want) -> Iterator[tuple[memoryvie
     band of few rows reads the source a few columns at a time, across all its pages: 128 rows of
     a 65536-row source measured 1.9 GB/s, 256 rows 2.5) into a reused buffer."""
     rows, cols = source.shape  # the output is [cols, rows]
-    row_bytes = max(1, rows * want.itemsize)
+    if rows == 0 or cols == 0:  # an empty matrix: no bytes either way
+        return
+    row_bytes = rows * want.itemsize
     band = max(1, min(cols, BAND // row_bytes))
     out = np.frombuffer(_scratch(band * row_bytes, "band"), dtype=want)
     with span.file.mapped(span.offset, span.length) as mapped:

@@ -31,6 +31,8 @@ TESTED: dict[str, tuple[Version, Version]] = {
     "transformers": ((4, 46), (5, 24)),
     # fixtures/bnb were written by 0.50.2; the older layouts are read from bitsandbytes' code (docs/third-party.md)
     "bitsandbytes": ((0, 50), (0, 50)),
+    # fixtures/finetune were written by peft 0.21.2 (pyproject's peft extra, constraints.txt)
+    "peft": ((0, 21), (0, 21)),
 }
 
 

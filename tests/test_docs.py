@@ -38,6 +38,8 @@ BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.M | re.S)
 # A block whose fence says ``hf`` (```` ```sh hf ````) builds a model's definition with transformers
 # (the hf extra, which CI installs): it runs where transformers is importable.
 HAVE_HF = importlib.util.find_spec("transformers") is not None
+# ``peft`` in the fence (```` ```sh hf peft ````): the block wraps a model with peft (the peft extra, CI installs it)
+HAVE_PEFT = importlib.util.find_spec("peft") is not None
 # A block whose fence says ``report`` draws report's HTML page with plotly (the report extra, which CI
 # installs; the README's test command does not): it runs where plotly is importable.
 HAVE_REPORT = importlib.util.find_spec("plotly") is not None
@@ -86,7 +88,7 @@ def blocks(doc: Path):
     text = doc.read_text(encoding="utf-8")
     for m in BLOCK.finditer(text):
         tags = m.group(2).split()
-        if ("hf" in tags and not HAVE_HF) or ("report" in tags and not HAVE_REPORT):
+        if ("hf" in tags and not HAVE_HF) or ("report" in tags and not HAVE_REPORT) or ("peft" in tags and not HAVE_PEFT):
             continue
         yield m.group(1), m.group(3), text.count("\n", 0, m.start()) + 1
 

@@ -67,7 +67,8 @@ CLASSES = {"adamw": "Adam8bit/AdamW8bit/PagedAdamW8bit/AdamW32bit …", "ademami
 MEANING = {"exp_avg": "first moment (m)", "exp_avg_sq": "second moment (v)",
            "exp_avg_slow": "AdEMAMix's slow first moment (m2, beta3)", "momentum_buffer": "momentum buffer",
            "square_avg": "running average of squared gradients", "sum": "sum of squared gradients"}
-SIGNED = frozenset({"state1"})  # bitsandbytes codes state1 with the signed map, state2 with the unsigned
+SIGNED = frozenset({"state1"})
+UNSETTLED = "until --optimizer says which"  # the note of a family the file cannot tell (dropped once settled)  # bitsandbytes codes state1 with the signed map, state2 with the unsigned
 
 
 @dataclass(frozen=True)
@@ -281,13 +282,15 @@ def read_optimizer(sd: dict, path: str, step_value) -> OptimizerState:
     if family in ONE_STATE or candidates:
         notes.append("bitsandbytes stores no optimizer name: its one-state optimizers are told apart by how they "
                      f"pack the param group ({PACKING})"
-                     + (f"; this one fits {', '.join(candidates)}: until --optimizer says which, its state1 is "
+                     + (f"; this one fits {', '.join(candidates)}: {UNSETTLED}, its state1 is "
                         "kept under bitsandbytes' own name" if candidates else ""))
     label = (f"unknown ({why}; one of {', '.join(candidates)}: say which with --optimizer)" if candidates
              else None if family else f"unknown ({why})")
+    nested = any(QUANT_KEY in e for e in state_map.values() if isinstance(e, dict))
+    library_format = "bnb-2048" if 2048 in blocks_seen else "bnb" if nested else "bnb-flat"
     return OptimizerState(family=family, candidates=candidates or ((family,) if family else ()), params=params,
                           groups=groups, hyperparams_stored=True, framework="torch", notes=notes,
-                          family_detail=label, library=LIBRARY,
+                          family_detail=label, library=LIBRARY, library_format=library_format,
                           slot_renames={f: {"state1": SLOTS[f][0]} for f in candidates})
 
 
@@ -393,22 +396,48 @@ def bnb_group(family: str, group: dict, old: bool) -> dict:
         out.update(betas=(0.0, 0.0), eps=group.get("eps", 1e-10), weight_decay=group.get("weight_decay", 0.0))
     else:
         refuse("statekit writes bitsandbytes Adam/AdamW, Lion, SGD, RMSprop and Adagrad state")
+    if "initial_lr" in group:  # an LR scheduler's key, which it adds to any optimizer's groups
+        out["initial_lr"] = group["initial_lr"]
     return out
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-def quantized(ref: TensorRef, qmap: np.ndarray, block: int, what: str) -> TensorRef:
+LIBRARY_BLOCKS = {"bnb": 256, "bnb-flat": 256, "bnb-2048": 2048}
+
+
+def library_record(state: OptimizerState, actions) -> str:
+    """What a .bpk keeps of a bitsandbytes source (hyper.LIBRARY_KEY): its layout, and for each
+    parameter whose state it stored in 8 bits or kept in 32 at 4096 elements or more, how."""
+    import json
+
+    by_key = {p.key: p for p in state.params}
+    stored = {}
+    for a in actions:
+        p = by_key.get(a.src_key) if a.src_key is not None else None
+        encs = list(p.encoding.values()) if p is not None else []
+        if a.dst_id and encs and (encs[0].bits == 8 or (p.shape and int(np.prod(p.shape)) >= MIN_8BIT_SIZE)):
+            stored[a.dst_id] = [encs[0].bits, encs[0].block]
+    return json.dumps({"format": state.library_format, "stored": stored}, separators=(",", ":"))
+
+
+def quantized(ref: TensorRef, qmap: np.ndarray, block: int, what: str, exact: bool = False) -> TensorRef:
     """Lazily, the uint8 codes (``what="codes"``) or float32 scales (``"absmax"``) of ``ref``'s
-    values by bitsandbytes' CPU quantizer, a bounded number of blocks at a time."""
+    values by bitsandbytes' CPU quantizer, a bounded number of blocks at a time. ``exact``: the values
+    are bitsandbytes' own dequantization at this block size (a state going back to the layout it
+    came from): each block's own codes and scale are recovered where they give the values back bit
+    for bit (:func:`statekit.optim.blockwise.requantize`)."""
     n = ref.numel
     shape = tuple(ref.shape) if what == "codes" else (_blockwise().blocks(n, block),)
 
     def pieces(elements: int) -> Iterator[np.ndarray]:
         k = max(1, (elements if what == "codes" else elements * block) // block)
         for piece in ref.pieces(k * block):
-            codes, absmax = _blockwise().quantize(piece.astype(np.float32), qmap, block, "cpu")
+            if exact:
+                codes, absmax, _ = _blockwise().requantize(piece.astype(np.float32), qmap, block)
+            else:
+                codes, absmax = _blockwise().quantize(piece.astype(np.float32), qmap, block, "cpu")
             yield codes if what == "codes" else absmax
 
     return TensorRef(dtype="U8" if what == "codes" else "F32", shape=shape, piece_source=pieces)
@@ -440,14 +469,16 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, blo
             if ref is None:
                 raise MappingError(f"parameter {p.label()}: bitsandbytes {family} state needs {slot}")
             field = f"state{k}"
-            kept32 = (enc := p.encoding.get(slot)) is not None and enc.bits == 32
+            enc = p.encoding.get(slot)
+            bits, was_block = (enc.bits, enc.block) if enc is not None else (p.stored_as or (None, None))
             ref = ref if ref.dtype == "F32" else ref.cast("F32")
-            if ref.numel < MIN_8BIT_SIZE or kept32:
+            if ref.numel < MIN_8BIT_SIZE or bits == 32:  # small, or kept in 32 bits by its source (an embedding)
                 tensors[field] = ref
                 continue
-            tensors[field] = quantized(ref, tables[field], block, "codes")
+            exact = bits == 8 and was_block == block  # back to the codes it came from
+            tensors[field] = quantized(ref, tables[field], block, "codes", exact)
             tensors[f"qmap{k}"] = maps[field]
-            tensors[f"absmax{k}"] = quantized(ref, tables[field], block, "absmax")
+            tensors[f"absmax{k}"] = quantized(ref, tables[field], block, "absmax", exact)
         unknown = set(p.slots) - set(slots)
         if unknown:
             raise MappingError(f"parameter {p.label()}: bitsandbytes {family} state has no field for "

@@ -8,6 +8,7 @@ and string metadata ``P → module path``. Model records store one tensor per mo
 
 from __future__ import annotations
 
+import json
 from functools import cache
 
 from statekit import dtypes, hyper, naming, paramid
@@ -146,6 +147,7 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     args = hyper.training_args_from_metadata(pack.metadata)
     if args is not None:
         state.training_args = args
+    _library_record(state, params, pack.metadata.get(hyper.LIBRARY_KEY))
     # torch's param_names, kept by statekit in torch's order: the torch positions too
     for position, (key, path) in enumerate(hyper.paths_from_metadata(pack.metadata).items()):
         if key in params:  # the torch name may differ from burn's path (a norm's weight is burn's gamma)
@@ -154,6 +156,22 @@ def _read_optimizer(pack: BurnpackFile) -> OptimizerState:
     return state
 
 
+
+def _library_record(state: OptimizerState, params: dict, text: str | None) -> None:
+    """The optimizer library a torch state came from (bitsandbytes), as the .bpk records it: its layout
+    and how it stored each parameter, for writing that layout back (hyper.LIBRARY_KEY)."""
+    if not text:
+        return
+    try:
+        record = json.loads(text)
+        fmt, stored = record["format"], record.get("stored", {})
+        state.library_format = fmt if isinstance(fmt, str) else None
+        for key, (bits, block) in stored.items():
+            if key in params:
+                params[key].stored_as = (int(bits), None if block is None else int(block))
+    except (ValueError, KeyError, TypeError):
+        state.notes.append(f"unreadable {hyper.LIBRARY_KEY} metadata: the way back writes torch's layout")
+        state.library_format = None
 
 def _group_families(state: OptimizerState, params: dict[str, ParamState], families: list[str | None]) -> None:
     """Groups statekit stored with their optimizer (a Muon run's Muon and AdamW groups): each

@@ -10,6 +10,9 @@ one file: classes become plain records (nothing of them runs) and enums their va
 
 :func:`read` gives the optimizer's settings (:data:`FIELDS`), :func:`hyperparams` them in torch's
 param-group names, and :func:`compare` the disagreements with the saved param groups.
+:func:`settle` uses ``optim`` for what an optimizer file cannot say: which of bitsandbytes' one-state
+optimizers (Lion, RMSprop, SGD, and their paged variants) wrote it — they pack their settings into
+``betas``/``eps`` alike — and reports an ``optim`` the state contradicts.
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ FIELDS = ("optim", "optim_args", "learning_rate", "weight_decay", "adam_beta1", 
           "max_grad_norm", "lr_scheduler_type", "warmup_steps", "warmup_ratio")
 # Trainer's optimizer names statekit reads as torch.optim.AdamW (trainer_optimizer.py)
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+# TrainingArguments.optim → the family statekit reads that optimizer's state as, for the names whose
+# state statekit reads (transformers 5.x trainer_optimizer.py: the _BITSANDBYTES_OPTIMIZERS are
+# bitsandbytes' AdamW, AdEMAMix, Lion and RMSprop, 8-bit with "8bit" in the name, paged with "paged")
+OPTIM_FAMILIES = {
+    **dict.fromkeys(ADAMW, "adamw"),
+    **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit"), "adamw"),
+    **dict.fromkeys(("ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit"), "ademamix"),
+    **dict.fromkeys(("lion_8bit", "lion_32bit", "paged_lion_32bit", "paged_lion_8bit"), "lion"),
+    **dict.fromkeys(("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"), "rmsprop"),
+    "sgd": "sgd", "adagrad": "adagrad", "rmsprop": "rmsprop", "adafactor": "transformers-adafactor",
+}
+BITSANDBYTES = frozenset(n for n in OPTIM_FAMILIES if n not in ADAMW and n not in (
+    "sgd", "adagrad", "rmsprop", "adafactor"))
+SAME = {"adam": "adamw", "adamw": "adamw"}  # torch's AdamW state is Adam's: either name agrees with adamw
 # classes Trainer pickles as NEWOBJ + BUILD (records); enums and torch.device are REDUCE'd (values)
 RECORDS = ("TrainingArguments", "Seq2SeqTrainingArguments", "AcceleratorConfig", "PartialState", "AcceleratorState",
            "GradientAccumulationPlugin")
@@ -99,14 +116,59 @@ def _same(a, b) -> bool:
         return a == b
 
 
+def optim_of(args: dict | None) -> str | None:
+    optim = (args or {}).get("optim")
+    return optim if isinstance(optim, str) else None
+
+
+def settle(state, args: dict | None) -> list[str]:
+    """Settle a bitsandbytes state's family from ``TrainingArguments.optim`` where its file fits several
+    (in place); returns what the two disagree on (``optim`` names an optimizer whose state this is not)."""
+    optim = optim_of(args)
+    family = OPTIM_FAMILIES.get(optim or "")
+    if family is None:
+        return []
+    by_bnb = optim in BITSANDBYTES
+    library = "bitsandbytes " if by_bnb else ""
+    if by_bnb != (state.library == "bitsandbytes"):
+        return [f"TrainingArguments.optim is {optim!r} ({'a bitsandbytes' if by_bnb else 'not a bitsandbytes'} "
+                f"optimizer), but the optimizer file holds {'bitsandbytes' if state.library else 'torch'}' "
+                f"{state.family_label} state"]
+    if state.family is None and state.candidates:
+        if family in state.candidates:
+            from statekit.frameworks.bnb import UNSETTLED
+
+            fitted = state.candidates
+            state.settle(family)
+            state.notes = [n for n in state.notes if UNSETTLED not in n]
+            state.notes.append(f"family from {FILE}: optim={optim!r} is bitsandbytes' {family} (its param groups "
+                               f"alone fit {', '.join(fitted)} alike)")
+            return []
+        return [f"TrainingArguments.optim is {optim!r} ({library}{family}), but the param groups are not what "
+                f"{library}{family} stores ({state.family_label})"]
+    have = SAME.get(state.family or "", state.family)
+    if state.family is not None and have != SAME.get(family, family) and family not in state.candidates:
+        return [f"TrainingArguments.optim is {optim!r} ({library}{family}), but the optimizer file holds "
+                f"{state.family_label} state"]
+    return []
+
+
 def compare(args: dict, groups: list[dict]) -> list[str]:
     """Where the param groups disagree with the TrainingArguments (Trainer's two groups: group 0 decays
-    by ``weight_decay``, group 1 by 0; every group starts at ``learning_rate``: ``initial_lr``)."""
+    by ``weight_decay``, group 1 by 0; every group starts at ``learning_rate``: ``initial_lr``). Which
+    of the arguments the optimizer took depends on ``optim`` (Trainer gives Lion ``adam_beta1``/
+    ``adam_beta2`` and no eps; RMSprop, SGD, Adagrad and Adafactor their own ``optim_args``)."""
     want = hyperparams(args)
     out = []
-    optim = args.get("optim")
-    if isinstance(optim, str) and optim not in ADAMW:
-        out.append(f"TrainingArguments.optim is {optim!r}, not a torch AdamW ({', '.join(ADAMW)})")
+    optim = optim_of(args)
+    if optim is not None and optim not in OPTIM_FAMILIES:
+        out.append(f"TrainingArguments.optim is {optim!r}, an optimizer whose settings statekit does not compare")
+        return out
+    expected = OPTIM_FAMILIES.get(optim or "", "adamw")
+    if expected in ("rmsprop", "sgd", "adagrad", "transformers-adafactor"):
+        want = {k: v for k, v in want.items() if k in ("lr", "weight_decay")}  # their settings come from optim_args
+    if expected == "lion":
+        want.pop("eps", None)
     for g, group in enumerate(groups):
         checks = {"betas": want.get("betas"), "eps": want.get("eps"),
                   "initial_lr" if "initial_lr" in group else "lr": want.get("lr")}
@@ -118,3 +180,30 @@ def compare(args: dict, groups: list[dict]) -> list[str]:
             if not _same(group[key], value):
                 out.append(f"param group {g} has {key}={group[key]!r}, TrainingArguments say {value!r}")
     return out
+
+
+def apply(ckpt, args: dict | None, why: str | None) -> None:
+    """A Trainer folder's TrainingArguments on its opened checkpoint: kept with the state, its ``optim``
+    settling what the optimizer file cannot say (bitsandbytes' one-state optimizers), its
+    disagreements reported (warnings: optim; notes: the hyperparameters)."""
+    if args is not None:
+        ckpt.optimizer.training_args = args
+        ckpt.metadata["training_args"] = FILE
+        ckpt.warnings += [f"{FILE}: {d}" for d in settle(ckpt.optimizer, args)]
+        ckpt.optimizer.notes += [f"{FILE}: {d}" for d in compare(args, [g.hyperparams for g in ckpt.optimizer.groups])]
+    elif why:
+        ckpt.warnings.append(why)
+
+
+OPTIMIZER_FILES = ("optimizer.pt",)  # Trainer's optimizer file, which training_args.bin sits beside
+
+
+def beside(ckpt) -> None:
+    """A Trainer folder's optimizer file opened alone: the ``training_args.bin`` beside it still says
+    which optimizer wrote it (kept, and settling a bitsandbytes family, as for the folder)."""
+    if ckpt.optimizer is None or ckpt.optimizer.training_args is not None:
+        return
+    if os.path.basename(ckpt.path) not in OPTIMIZER_FILES:
+        return
+    args, why = read_folder(os.path.dirname(os.path.abspath(ckpt.path)))
+    apply(ckpt, args, why)

@@ -10,6 +10,10 @@ tensors by name and drops tied aliases):
 * each parameter's owning module class, which fixes its layout: ``nn.Linear`` ``[out, in]``,
   ``Conv1D`` ``[in, out]``, embeddings and norms as they are (norm ``weight``/``bias`` are burn's
   ``gamma``/``beta``), 3-D expert weights by their module's own ``is_transposed``;
+* where the class does not say (a mixture of experts' router, experts without ``is_transposed``,
+  custom modules, peft's trainable token rows), how the forward uses the weight: traced on the
+  meta device (:mod:`statekit.frameworks.hf_trace`), which then also cross-checks every weight the
+  class table decided — a disagreement leaves the weight undecided, naming both;
 * Trainer's decay / no-decay split of its two param groups, by the rule of the transformers
   release that wrote the checkpoint (``config.json["transformers_version"]``; the rule changed in
   4.49 and in 4.53, :data:`DECAY_RULES`).
@@ -26,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from statekit import versions
 from statekit.errors import MappingError
@@ -35,8 +39,10 @@ INSTALL = "pip install 'statekit[hf]'"
 CONFIG = "config.json"
 
 # layouts by owning module (names-and-layouts.md §3): what a rank-2 weight is and what burn calls it
-OUT_IN, IN_OUT, EMBEDDING, NORM, CONV, EXPERTS, OTHER, VECTOR = (
-    "out_in", "in_out", "embedding", "norm", "conv", "experts", "other", "vector")
+OUT_IN, IN_OUT, EMBEDDING, NORM, CONV, EXPERTS, EXPERTS_IN_OUT, OTHER, VECTOR = (
+    "out_in", "in_out", "embedding", "norm", "conv", "experts", "experts_in_out", "other", "vector")
+# where a layout came from (DefinedParam.layout_from)
+BY_CLASS, BY_FORWARD, BY_BOTH = "module class", "forward", "module class; the forward agrees"
 
 
 class MissingDefinitionError(MappingError):
@@ -50,7 +56,10 @@ class DefinedParam:
     name: str
     shape: tuple[int, ...]
     module: str  # the owning module's class name
-    layout: str
+    layout: str | None  # None: undecided (``problem`` says why)
+    trainable: bool = True  # requires_grad: Trainer builds its groups from these alone
+    layout_from: str = BY_CLASS
+    problem: str | None = None  # the class table and the forward disagree, or the forward's uses do
 
     @property
     def leaf(self) -> str:
@@ -100,15 +109,21 @@ class Definition:
     built_with: str  # the transformers that built it here
     source: str  # the config.json it came from
     decays: list[Decay] = field(default_factory=list)  # Trainer's possible splits, the writer's rule first
+    wrapped: str | None = None  # how an adapter library wrapped the model (peft), for describe()
+    traced: str | None = None  # what the forward trace decided or why it could not run (None: not needed)
     warnings: list[str] = field(default_factory=list)  # the builder's releases outside statekit's tested range
 
     def by_name(self) -> dict[str, DefinedParam]:
         return {p.name: p for p in self.params}
 
+    def trainable(self) -> list[DefinedParam]:
+        return [p for p in self.params if p.trainable]
+
     def describe(self) -> str:
         tied = f", {len(self.tied)} tied ({', '.join(f'{a} = {b}' for a, b in self.tied.items())})" if self.tied else ""
-        return (f"{self.architecture} built on the meta device from {self.source} with transformers "
-                f"{self.built_with}{tied}")
+        built = (f"{self.architecture} built on the meta device from {self.source} with transformers "
+                 f"{self.built_with}{tied}")
+        return f"{self.wrapped} over {built}" if self.wrapped else built
 
 
 def config_path(path: str) -> str | None:
@@ -157,8 +172,28 @@ def _import():
     return torch, transformers
 
 
-def build(path: str, *, trust_remote_code: bool = False) -> Definition:
-    """The model that ``config.json`` at ``path`` describes, built on the meta device."""
+def build(path: str, *, trust_remote_code: bool = False, trace: bool = False) -> Definition:
+    """The model that ``config.json`` at ``path`` describes, built on the meta device (``trace``: run
+    the forward even where the class table decides every layout, cross-checking all of them)."""
+    built = build_model(path, trust_remote_code=trust_remote_code)
+    return define(built.model, built.architecture, built.written_by, path, built.torch, built.transformers,
+                  trace=trace)
+
+
+@dataclass
+class Built:
+    """A model built on the meta device from its config, with what built it."""
+
+    model: object
+    architecture: str
+    written_by: str | None
+    torch: object
+    transformers: object
+
+
+def build_model(path: str, *, trust_remote_code: bool = False, wrap=None) -> Built:
+    """The model class ``config.json`` at ``path`` names, built on the meta device (``wrap(model)``,
+    when given, runs inside the same device context: an adapter library wrapping it)."""
     config = read_config(path)
     archs = config.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
@@ -187,24 +222,122 @@ def build(path: str, *, trust_remote_code: bool = False) -> Definition:
                                "or give --names FILE", path)
         config_cls = cls.config_class
     try:
-        cfg = config_cls.from_dict({k: v for k, v in config.items() if k != "auto_map"})
+        cfg = config_cls.from_dict({k: v for k, v in config.items() if k not in ("auto_map", "quantization_config")})
         with torch.device("meta"):
             model = cls(cfg)
+            if wrap is not None:
+                model = wrap(model)
+    except MappingError:
+        raise
     except Exception as exc:  # the model's own code: any failure is reported, never a traceback
         raise MappingError(f"cannot build {arch} from its config on the meta device "
                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", path) from None
+    written = config.get("transformers_version")
+    return Built(model, arch, written if isinstance(written, str) else None, torch, transformers)
+
+
+def define(model, arch: str, written_by: str | None, source: str, torch, transformers, *,
+           trace: bool = False) -> Definition:
+    """A built model's :class:`Definition`: its parameters in ``named_parameters()`` order with their
+    owning module classes and layouts (the class table first, the forward where it does not say),
+    its tied aliases and Trainer's possible decay splits."""
     params = []
     for name, p in model.named_parameters():
         owner = model.get_submodule(name.rpartition(".")[0])
-        params.append(DefinedParam(name, tuple(p.shape), type(owner).__name__, _layout(owner, name, p, torch)))
+        params.append(DefinedParam(name, tuple(p.shape), type(owner).__name__, _layout(owner, name, p, torch),
+                                   trainable=bool(p.requires_grad)))
     firsts = {id(p): n for n, p in model.named_parameters()}
     tied = {n: firsts[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if firsts[id(p)] != n}
-    written = config.get("transformers_version")
-    definition = Definition(arch, params, tied, written if isinstance(written, str) else None,
-                            transformers.__version__, path)
-    definition.decays = _decays(model, torch, version_tuple(written))
+    definition = Definition(arch, params, tied, written_by, transformers.__version__, source)
+    _forward_layouts(definition, model, torch, always=trace)
+    definition.decays = _decays(model, torch, version_tuple(written_by))
     definition.warnings = builder_warnings(transformers.__version__, torch.__version__)
     return definition
+
+
+def _needs_forward(p: DefinedParam) -> bool:
+    """A trainable weight whose module class does not say how it is used."""
+    return p.trainable and len(p.shape) >= 2 and p.layout in (OTHER, None)
+
+
+def _forward_layouts(definition: Definition, model, torch, always: bool = False) -> None:
+    """Layouts the class table leaves open, from how the forward uses each weight (hf_trace); every
+    weight the class table decided is cross-checked on the way. Run only when needed (``always``: run)."""
+    from statekit.frameworks import hf_trace
+
+    if not always and not any(_needs_forward(p) for p in definition.params):
+        return
+    names = (OUT_IN, IN_OUT, EMBEDDING, NORM, CONV, EXPERTS, EXPERTS_IN_OUT)
+    follow = {id(p): (n, p.dim()) for n, p in model.named_parameters()}
+    try:
+        uses = hf_trace.trace(_traceable(model), follow, lambda: _inputs(model, torch))
+    except hf_trace.TraceError as exc:
+        definition.traced = f"the forward could not be run on the meta device ({exc})"
+        definition.params = [replace(p, problem=f"{p.module}: its class does not say how the weight is used, and "
+                                     f"{definition.traced}") if _needs_forward(p) else p for p in definition.params]
+        return
+    decided = 0
+    out = []
+    for p in definition.params:
+        if not p.trainable or len(p.shape) < 2:
+            out.append(p)
+            continue
+        traced = hf_trace.layout_of(len(p.shape), uses.seen.get(p.name, set()), names)
+        if _needs_forward(p):
+            if traced.layout is not None:
+                decided += 1
+                out.append(replace(p, layout=traced.layout, layout_from=BY_FORWARD))
+            else:
+                why = traced.conflict or traced.words
+                out.append(replace(p, layout=None, problem=f"{p.module}: its class does not say how the weight is "
+                                                           f"used, and the forward: {why}"))
+        elif traced.conflict or (traced.layout is not None and traced.layout != p.layout):
+            said = traced.conflict or traced.words
+            out.append(replace(p, layout=None, problem=f"{p.module} makes it {_LAYOUT_WORDS.get(p.layout, p.layout)} "
+                                                       f"but the forward: {said}"))
+        else:
+            out.append(replace(p, layout_from=BY_BOTH) if traced.layout is not None else p)
+    definition.params = out
+    agreed = sum(1 for p in out if p.layout_from == BY_BOTH)
+    definition.traced = (f"the forward traced on the meta device ({uses.calls} calls): {decided} "
+                         f"layout{'s' if decided != 1 else ''} decided by it, {agreed} of the class table's confirmed")
+
+
+_LAYOUT_WORDS = {OUT_IN: "a [out, in] Linear weight", IN_OUT: "a [in, out] weight", EMBEDDING: "an embedding",
+                 NORM: "a norm's", CONV: "a convolution's", EXPERTS: "[experts, out, in]",
+                 EXPERTS_IN_OUT: "[experts, in, out]"}
+
+
+def _traceable(model):
+    """The model, with its experts (transformers v5) computed by batched matrix products: the same
+    weights in the same orientation, without the eager loop's data-dependent expert selection."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    setter = getattr(inner, "set_experts_implementation", None)
+    if setter is not None:
+        try:
+            setter("batched_mm")
+        except Exception:  # noqa: BLE001 - a model without experts, or a release without that implementation
+            pass
+    return model
+
+
+def _inputs(model, torch) -> dict:
+    """A forward's smallest inputs on the meta device: one sequence of 4 tokens."""
+    config = getattr(model, "config", None)
+    main = getattr(model, "main_input_name", "input_ids")
+    ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    if main != "input_ids":
+        raise _no_inputs(main)
+    out = {"input_ids": ids}
+    if getattr(config, "is_encoder_decoder", False):
+        out["decoder_input_ids"] = ids
+    return out
+
+
+def _no_inputs(main: str):
+    from statekit.frameworks.hf_trace import TraceError
+
+    return TraceError(f"its forward takes {main}, and statekit traces models that take token ids")
 
 
 def builder_warnings(transformers_version: str, torch_version: str) -> list[str]:
@@ -251,8 +384,8 @@ def _layout(owner, name: str, p, torch) -> str:
         return NORM
     if isinstance(owner, nn.modules.conv._ConvNd):
         return CONV
-    if p.dim() == 3 and type(owner).__name__.endswith("Experts"):
-        return EXPERTS
+    if p.dim() == 3 and isinstance(getattr(owner, "is_transposed", None), bool):  # transformers' experts decorator
+        return EXPERTS_IN_OUT if owner.is_transposed else EXPERTS
     return VECTOR if p.dim() <= 1 else OTHER
 
 
@@ -342,9 +475,10 @@ def name_state(state, definition: Definition, path: str | None = None):
     if _trainer_like(state):
         fits: dict[tuple, list[Decay]] = {}
         first_bad = None
+        trainable = definition.trainable()  # Trainer builds its groups from the requires_grad parameters
         for decay in definition.decays:
-            expected = [[p.name for p in definition.params if p.name in decay.decayed],
-                        [p.name for p in definition.params if p.name not in decay.decayed]]
+            expected = [[p.name for p in trainable if p.name in decay.decayed],
+                        [p.name for p in trainable if p.name not in decay.decayed]]
             bad = _mismatch(groups, expected, by_name)
             if bad is None:
                 fits.setdefault(tuple(tuple(g) for g in expected), []).append(decay)
@@ -383,8 +517,10 @@ def name_state(state, definition: Definition, path: str | None = None):
     for p in state.params:
         d = by_name.get(p.path)
         if d is not None:
-            p.module, p.layout = d.module, d.layout
+            p.module, p.layout, p.layout_from, p.layout_problem = d.module, d.layout, d.layout_from, d.problem
     res.source, res.how = definition.describe(), how
+    if definition.traced:
+        res.notes.append(definition.traced)
     state.names_from = res.describe()
     version = version_tuple(definition.written_by)
     if version is not None and version != version_tuple(definition.built_with):

@@ -38,7 +38,12 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             name = exc.message.partition("global '")[2].partition("'")[0]
             torch_thirdparty.refuse_global(name, path)
             raise
-        return checkpoint_from_object(obj, path, key, FORMAT)
+        ckpt = checkpoint_from_object(obj, path, key, FORMAT)
+    if ckpt.optimizer is not None and ckpt.optimizer.training_args is None:
+        from statekit.frameworks import hf_args
+
+        hf_args.beside(ckpt)  # a Trainer folder's optimizer.pt: its training_args.bin says which optimizer wrote it
+    return ckpt
 
 
 def stored_nbytes(refs: list) -> int:

@@ -480,9 +480,14 @@ def name_state(state, model: ModelOrder, path: str | None = None) -> Resolution:
                 clashes.append(f"#{p.key} is {p.path!r} in the file but {res.names[g][k]!r} from {model.source}")
     if clashes:
         raise NamesError("; ".join(clashes[:3]) + (f"; +{len(clashes) - 3} more" if len(clashes) > 3 else ""), path)
+    shapes = model.shapes()
     for g, row in enumerate(keys):
         for k, key in enumerate(row):
-            by_key[key].path = res.names[g][k]
+            p = by_key[key]
+            p.path = res.names[g][k]
+            if p.shape is None and shapes.get(p.path) is not None:  # no state to show it (SGD without momentum)
+                p.declared_shape = tuple(shapes[p.path])
+                p.rank = len(p.declared_shape) if p.rank is None else p.rank
     state.names_from = res.describe()
     return res
 

@@ -294,7 +294,7 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, nam
     of ``groups`` (each a full hyperparameter dict; parameters join the group of their ``group``).
     """
     if family == "lbfgs":
-        return _lbfgs_state_dict(state, groups)
+        return _lbfgs_state_dict(state, groups, names=names)
     out_state: dict[int, dict] = {}
     out_groups = [dict(g, params=[]) for g in groups]
     names_known = names and all(p.path for p in state.params)
@@ -331,12 +331,12 @@ def to_state_dict(state: OptimizerState, family: str, groups: list[dict], *, nam
 LBFGS_ORDER = ("func_evals", "n_iter", "d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss")
 
 
-def _lbfgs_state_dict(state: OptimizerState, groups: list[dict]) -> dict:
+def _lbfgs_state_dict(state: OptimizerState, groups: list[dict], *, names: bool = True) -> dict:
     """torch LBFGS's state_dict: one group, the whole state under the first parameter (torch's key order)."""
     if len(groups) != 1:
         raise MappingError(f"torch's LBFGS takes exactly one param group, not {len(groups)}")
     group = dict(groups[0], params=list(range(len(state.params))))
-    if state.params and all(p.path for p in state.params):
+    if names and state.params and all(p.path for p in state.params):
         group["param_names"] = [p.path for p in state.params]
     g, sc = state.global_slots, state.global_scalars
     entry: dict[str, object] = {}

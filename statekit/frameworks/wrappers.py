@@ -155,14 +155,9 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
         ckpt.warnings.append("the folder holds no model file (model.safetensors, pytorch_model.bin): "
                              "parameters stay unnamed unless --names or --model is given")
     _missing_definition(ckpt)
-    args, why = hf_args.read_folder(path)
-    if args is not None:
-        ckpt.optimizer.training_args = args
-        ckpt.metadata["training_args"] = hf_args.FILE
-        ckpt.optimizer.notes += [f"{hf_args.FILE}: {d}" for d in hf_args.compare(args, [
-            g.hyperparams for g in ckpt.optimizer.groups])]
-    elif why:
-        ckpt.warnings.append(why)
+    if ckpt.optimizer.training_args is None:  # else read beside the optimizer file already
+        args, why = hf_args.read_folder(path)
+        hf_args.apply(ckpt, args, why)
     suffix = os.path.splitext(os.path.basename(opt_file))[0][len("optimizer"):]
     stem, ext = os.path.splitext(lay.scheduler)
     sched_file = os.path.join(path, f"{stem}{suffix}{ext}")
@@ -174,8 +169,11 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     return ckpt
 
 
-def name_from_definition(ckpt: Checkpoint, config: str, trust_remote_code: bool = False) -> bool:
-    """Name a torch checkpoint's positions from the model ``config`` describes (:mod:`hf_model`).
+def name_from_definition(ckpt: Checkpoint, config: str | None, trust_remote_code: bool = False,
+                         adapter: str | None = None) -> bool:
+    """Name a torch checkpoint's positions from the model ``config`` describes (:mod:`hf_model`), or
+    from the peft ``adapter`` checkpoint (a folder holding ``adapter_config.json``) over the base model
+    ``config`` (None: the one the adapter names, :mod:`hf_peft`).
 
     True when settled (named, or refused). A definition that cannot be built (no transformers, hub code
     not allowed) leaves the state to the model file, with ``unnamed_why`` saying what would settle it;
@@ -185,10 +183,20 @@ def name_from_definition(ckpt: Checkpoint, config: str, trust_remote_code: bool 
 
     state = ckpt.optimizer
     try:
-        definition = hf_model.build(config, trust_remote_code=trust_remote_code)
+        if adapter is not None:
+            from statekit.frameworks import hf_peft
+
+            definition = hf_peft.build(adapter, model_config=config, trust_remote_code=trust_remote_code)
+            config = os.path.join(adapter, hf_peft.CONFIG) if os.path.isdir(adapter) else adapter
+        else:
+            definition = hf_model.build(config, trust_remote_code=trust_remote_code)
     except MappingError as exc:  # no transformers, hub code not allowed, no such class: the model file may still do
+        where = os.path.basename(exc.path or config or "") or "the definition"
         state.unnamed_why = exc.message if isinstance(exc, hf_model.MissingDefinitionError) \
-            else f"{os.path.basename(config)}: {exc.message}"
+            else f"{where}: {exc.message}"
+        if adapter is not None and not isinstance(exc, hf_model.MissingDefinitionError):
+            ckpt.warnings.append(f"{torch_io.UNNAMED} {state.unnamed_why}")
+            return True
         return False
     ckpt.warnings.extend(definition.warnings)
     try:
@@ -202,10 +210,14 @@ def name_from_definition(ckpt: Checkpoint, config: str, trust_remote_code: bool 
 
 
 def _name_from_definition(ckpt: Checkpoint, path: str, trust_remote_code: bool, config: str | None) -> bool:
-    from statekit.frameworks import hf_model
+    from statekit.frameworks import hf_model, hf_peft
 
+    if any(p.path for p in ckpt.optimizer.params):
+        return False
+    if hf_peft.adapter_folders(path):  # a peft adapter checkpoint: config (if given) is its base model's
+        return name_from_definition(ckpt, config, trust_remote_code, adapter=path)
     config = config or hf_model.config_path(path)
-    if config is None or any(p.path for p in ckpt.optimizer.params):
+    if config is None:
         return False
     return name_from_definition(ckpt, config, trust_remote_code)
 

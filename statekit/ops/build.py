@@ -36,9 +36,11 @@ def resolve_families(state: OptimizerState, optimizer: str | None) -> OptimizerS
     return state.resolved(optimizer)
 
 
-def _family(state: OptimizerState, opts: Options, crossing: bool, dst_fw: str = "neutral") -> str:
+def _family(state: OptimizerState, opts: Options, crossing: bool, dst_fw: str = "neutral",
+            target_format: str | None = None) -> str:
     family = _chosen_family(state, opts, crossing)
-    cross.refuse_missing(family, state.framework, dst_fw)
+    if not (target_format in BNB_FORMATS and family in bnb.SLOTS):  # bitsandbytes has Lion where torch has none
+        cross.refuse_missing(family, state.framework, dst_fw)
     return family
 
 
@@ -154,10 +156,15 @@ def _library_notes(state: OptimizerState, family: str, target_format: str, plan:
         for h in plan.hyperparams:
             bnb.bnb_group(family, h, target_format == "bnb-2048")  # refused now, before any byte is written
         block = 2048 if target_format == "bnb-2048" else 256
-        plan.warnings.append(f"moments of parameters with at least {bnb.MIN_8BIT_SIZE} elements quantized to 8 bits "
-                             f"in blocks of {block} by bitsandbytes' CPU quantizer (quantize_blockwise on a CPU, as its "
-                             "8-bit optimizers do there; its pure-torch quantizer differs on a few codes); smaller "
-                             "ones, and those the source keeps in 32 bits, stay float32")
+        if any(p.stored_as and p.stored_as[0] == 8 and p.stored_as[1] == block for p in state.params):
+            plan.warnings.append("moments bitsandbytes stored in 8 bits get back their own codes and scales (recovered "
+                                 "where they give the values back bit for bit; elsewhere bitsandbytes' CPU quantizer); "
+                                 "those it kept in 32 bits, and smaller ones, stay float32")
+        else:
+            plan.warnings.append(f"moments of parameters with at least {bnb.MIN_8BIT_SIZE} elements quantized to 8 bits "
+                                 f"in blocks of {block} by bitsandbytes' CPU quantizer (quantize_blockwise on a CPU, as "
+                                 "its 8-bit optimizers do there; its pure-torch quantizer differs on a few codes); "
+                                 "smaller ones, and those the source keeps in 32 bits, stay float32")
         plan.warnings.extend(_installed_bnb(target_format))
 
 
@@ -199,13 +206,14 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     src_fw = state.framework
     dst_fw = registry.framework_of(target_format)
     crossing = src_fw != dst_fw and dst_fw != "neutral"
-    family = _family(state, opts, crossing, dst_fw)
+    family = _family(state, opts, crossing, dst_fw, target_format)
     _check_library(state, family, dst_fw, target_format)
     plan = Plan(operation, source, source_format, target, target_format, family)
     plan.names_from = state.names_from
     plan.step_policy, plan.allow_nonfinite = opts.step_policy, opts.allow_nonfinite
     problems: list[str] = []
-    actions = _renamed(state, family, src_fw, dst_fw, opts, plan, problems)
+    actions = _renamed(state, family, src_fw, dst_fw, opts, plan, problems,
+                       fields_checked=target_format not in BNB_FORMATS)  # bitsandbytes' writer checks its own
     into: list[ParamAction] = []
     if opts.structure is not None:
         actions, into = _structural(state, family, opts, plan, problems, actions)
@@ -226,18 +234,23 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     _resize_warning(plan)
     _library_notes(state, family, target_format, plan)
     _training_args(state, plan, dst_fw)
-    flips = [a for a in actions if any(n.endswith("(module class)") for n in a.notes)]
+    flips = [a for a in actions if any(n.endswith(DEFINITION_NOTES) for n in a.notes)]
     if flips:
+        traced = sum(1 for a in flips if any(n.endswith(DEFINITION_NOTES[1:]) for n in a.notes))
         plan.layouts_from = (f"layouts and norm names from the module classes of the model's definition: "
                              f"{sum(1 for a in flips if a.transpose)} transposed, "
                              f"{sum(1 for a in flips if not a.transpose and a.src_path != a.dst_path)} renamed, "
-                             f"{len(flips)} decided in all")
+                             f"{len(flips)} decided in all"
+                             + (f"; {traced} by or checked against the forward, traced on the meta device" if traced
+                                else ""))
     solved = state.torch_names_in_file is False  # a torch file without param_names (statekit named it)
     if dst_fw == "torch" and solved and operation == "convert" and opts.names is None and opts.model is None:
         # back to torch with nothing said about names: the original kept no param_names, nor does its copy
         plan.metadata[hyper.OMIT_NAMES_KEY] = "omit"
     if dst_fw == "burn" and src_fw == "torch" and solved:
         plan.metadata[hyper.TORCH_NAMES_KEY] = "0"
+    if dst_fw == "burn" and state.library_format in BNB_FORMATS:  # converting back writes that library's layout
+        plan.metadata[hyper.LIBRARY_KEY] = bnb.library_record(state, actions)
     if dst_fw == "burn" and src_fw == "torch" and operation == "convert":  # torch's param_names survive the trip
         plan.metadata.update(hyper.paths_to_metadata(
             {a.dst_id: a.src_path for a in actions if a.dst_id and a.src_path and a.action in ("keep", "rename")}))
@@ -245,7 +258,7 @@ def build_plan(state: OptimizerState, source: str, source_format: str, target: s
     return plan
 
 
-def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamAction]:
+def _renamed(state, family, src_fw, dst_fw, opts, plan, problems, fields_checked: bool = True) -> list[ParamAction]:
     """One action per source parameter with its target path: the user's rename rules, then the
     norm preset when crossing burn ⇄ torch; slots the target cannot hold are problems."""
     rules = [RenameRule.parse(r) for r in opts.renames]
@@ -257,7 +270,7 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
     old_paths = opts.old_model.by_id() if opts.old_model else {}
     actions: list[ParamAction] = []
     no_field: dict[tuple, list[str]] = {}
-    if dst_fw in naming.FRAMEWORKS:
+    if dst_fw in naming.FRAMEWORKS and fields_checked:
         try:
             naming.layout(dst_fw, family)
         except KeyError:
@@ -283,7 +296,7 @@ def _renamed(state, family, src_fw, dst_fw, opts, plan, problems) -> list[ParamA
             uneven = _same_shapes(p)
             if uneven:
                 problems.append(uneven)
-            missing = _slots_missing(p, family, dst_fw, src_fw)
+            missing = _slots_missing(p, family, dst_fw, src_fw) if fields_checked else ()
             if missing:
                 no_field.setdefault(missing, []).append(p.label())
     problems += _grouped(no_field, lambda m, who: f"{dst_fw}'s {family} state has no field for {', '.join(m)} "
@@ -337,8 +350,9 @@ def _check_duplicates(actions: list[ParamAction], problems: list[str]) -> None:
         seen[a.dst_path] = a.src_path or a.src_key
 
 
-# what the owning module's class makes of a rank-2 tensor (statekit.frameworks.hf_model's layouts):
-# transposed crossing to burn's Linear [in, out] or not, and the words the plan shows
+# what the model's definition makes of a rank-2 tensor (statekit.frameworks.hf_model's layouts, by
+# the owning module's class or by how the forward uses it): transposed crossing to burn's Linear
+# [in, out] or not, and the words the plan shows
 CLASS_LAYOUTS = {
     "out_in": (True, "[out, in], burn's Linear [in, out]"),
     "in_out": (False, "[in, out] as burn's Linear"),
@@ -346,6 +360,16 @@ CLASS_LAYOUTS = {
     "norm": (False, "a norm's"),
     "conv": (False, "burn's conv layout"),
 }
+# 3-D expert weights (transformers v5 mixtures of experts): kept as torch stores them, the orientation said
+EXPERT_LAYOUTS = {
+    "experts": "[experts, out, in] (each expert's matrix as F.linear takes it)",
+    "experts_in_out": "[experts, in, out] (each expert's matrix as burn's Linear has it)",
+}
+DEFINITION_NOTES = ("(module class)", "(forward)", "(module class; the forward agrees)")
+
+
+def _decided_by(p: ParamState) -> str:
+    return f"({p.layout_from or 'module class'})"
 
 
 def _transpose(a: ParamAction, shape: tuple, want: tuple | None, opts: Options, p: ParamState | None = None
@@ -361,7 +385,7 @@ def _transpose(a: ParamAction, shape: tuple, want: tuple | None, opts: Options, 
     known = CLASS_LAYOUTS.get(p.layout) if p is not None and p.layout else None
     if known is not None:
         flip, words = known
-        a.notes.append(f"{p.module} {words} (module class)")
+        a.notes.append(f"{p.module} {words} {_decided_by(p)}")
         return flip
     if want is not None and shape[0] != shape[1] and tuple(want) == shape[::-1]:
         a.notes.append("transposed: the target model's shape is the reverse")
@@ -389,12 +413,17 @@ def _layout(state, actions, opts, cross_layout: bool, dst_fw: str, plan, problem
             if opts.dtype and by_key[a.src_key].dtype != opts.dtype:
                 a.cast = opts.dtype
             continue
+        p = by_key.get(a.src_key)
         if len(shape) == 2 and cross_layout:
-            decided = _transpose(a, shape, want, opts, by_key.get(a.src_key))
+            decided = _transpose(a, shape, want, opts, p)
             if decided is None:
-                undecided.append(f"{a.src_path or a.src_key} {list(shape)}")
+                why = f" ({p.layout_problem})" if p is not None and p.layout_problem else ""
+                undecided.append(f"{a.src_path or a.src_key} {list(shape)}{why}")
                 continue
             a.transpose = decided
+        elif len(shape) == 3 and cross_layout and p is not None and p.layout in EXPERT_LAYOUTS:
+            a.notes.append(f"{p.module} {EXPERT_LAYOUTS[p.layout]}: kept as torch stores it, burn has no "
+                           f"experts module {_decided_by(p)}")
         _target_shape(a, shape[::-1] if a.transpose else shape, want, opts, misfit)
         if opts.dtype and by_key[a.src_key].dtype != opts.dtype:
             a.cast = opts.dtype
@@ -650,7 +679,7 @@ def _hyperparams(state, family, src_fw, dst_fw, opts, plan) -> None:
         if scale:
             plan.warnings.append(scale)
             plan.exactness = "does not track for the weights the warning names: " + scale.split(": ", 1)[1]
-    if dst_fw == "torch":
+    if dst_fw == "torch" and (family in hyper.TORCH_GROUPS or plan.target_format not in BNB_FORMATS):
         plan.hyperparams = [hyper.torch_group(family, v) for v in plan.hyperparams]
     if dst_fw == "burn" and len(plan.hyperparams) > 1:
         members = [[a.dst_id for a in plan.params if a.group == i and a.action not in ("drop", "new")]

@@ -20,7 +20,7 @@ from statekit.formats.dcp import sharing as dcp_sharing
 from statekit.frameworks import torch_thirdparty
 from statekit.ops.build import build_plan
 from statekit.ops.execute import write
-from statekit.ops.options import Options, load_model, read_names  # noqa: F401 (the API's names)
+from statekit.ops.options import Options, definition_beside_model, load_model, read_names  # noqa: F401 (the API's names)
 from statekit.ops.pairing import moves_metadata
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
@@ -60,13 +60,17 @@ def name_checkpoint(ckpt: Checkpoint, opts: Options, path: str, **kw):
     from statekit.frameworks.torch_io import UNNAMED
 
     state = ckpt.optimizer
+    if state.framework == "torch" and not all(p.path for p in state.params):
+        opts = definition_beside_model(opts)
     if opts.model_config and state.framework == "torch" and opts.names is None \
             and not all(p.path for p in state.params):
+        from statekit.frameworks import hf_peft
         from statekit.frameworks.wrappers import name_from_definition
 
         for p in state.params:  # the definition names every position or none
             p.path = None
-        name_from_definition(ckpt, opts.model_config, opts.trust_remote_code)
+        adapter = ckpt.path if hf_peft.adapter_folders(ckpt.path) else None  # --model-config: the base model's
+        name_from_definition(ckpt, opts.model_config, opts.trust_remote_code, adapter=adapter)
         if state.unnamed_why and not all(p.path for p in state.params):
             raise MappingError(state.unnamed_why, opts.model_config)
     resolution = name_source_params(ckpt.optimizer, opts, path, own_model=ckpt.model, **kw)
@@ -165,7 +169,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
-        name_checkpoint(ckpt, opts, src)
+        opts, fmt, said = _prepare(ckpt, opts, src, fmt, to)
         if state.family in ("lbfgs", "mixed"):
             done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan)
             if done is not None:
@@ -185,6 +189,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
+            plan.warnings.extend(said)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
         if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
@@ -195,6 +200,31 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                                  on_plan=on_plan)
         return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
                          on_plan=on_plan)
+
+
+def _prepare(ckpt: Checkpoint, opts: Options, src: str, fmt: str, to: str | None) -> tuple[Options, str, list[str]]:
+    """Before planning: the source named (``--model DIR/model.safetensors`` with config.json beside it
+    as the folder is), and the target format a recorded library layout asks for; what to say."""
+    state, said = ckpt.optimizer, []
+    if state.framework == "torch" and not all(p.path for p in state.params):
+        given = opts.model
+        opts = definition_beside_model(opts)
+        if opts.model is None and given is not None:
+            said.append(f"--model {given.source}: a Hugging Face model file with {opts.model_config} beside it; "
+                        "named and laid out from that definition, as its checkpoint folder is")
+    name_checkpoint(ckpt, opts, src)
+    fmt, library_said = _library_layout(state, fmt, to)
+    return opts, fmt, said + ([library_said] if library_said else [])
+
+
+def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
+    """Back to a ``.pt`` with no ``--to``: the layout of the optimizer library the state first came
+    from, as the file records it (a bitsandbytes state through burn goes back to bitsandbytes')."""
+    recorded = getattr(state, "library_format", None)
+    if to is not None or fmt != "torch" or state.framework == "torch" or not recorded:
+        return fmt, None
+    return recorded, (f"written in bitsandbytes' layout ({recorded}), the optimizer the state came from (as the "
+                      "file records); --to torch writes torch's own")
 
 
 def _with_rules(opts: Options, state, src: str) -> Options:

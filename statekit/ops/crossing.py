@@ -189,7 +189,7 @@ def muon_scale_differs(family: str, src_fw: str, dst_fw: str, actions, values: d
     differ = []
     for a in actions:
         src, dst = a.src_shape, a.dst_shape
-        if a.transpose and src and dst and len(src) == 2 and src[0] != src[1]:
+        if a.transpose and src and dst and len(src) == 2 and src[0] != src[1] and 0 not in src:
             differ.append(f"{a.label()} ×{math.sqrt(max(1, src[0] / src[1])):.3g} → ×{math.sqrt(max(1, dst[0] / dst[1])):.3g}")
     if not differ:
         return None

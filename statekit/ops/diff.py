@@ -26,7 +26,7 @@ from statekit import tensor as _tensor
 from statekit.errors import MappingError, UsageError
 from statekit.ops import ulp
 from statekit.ops.inspect import plain_value
-from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState, matches
+from statekit.state import Checkpoint, ModelInfo, OptimizerState, ParamState, matches, settle_from
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 18
@@ -413,6 +413,7 @@ def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
     ``only``: parameter names or path globs (:func:`statekit.state.matches`) to compare."""
     if not (atol >= 0 and rtol >= 0):  # also refuses NaN
         raise UsageError(f"--atol and --rtol must be non-negative numbers (got {atol}, {rtol})")
+    settled = settle_from(ca.optimizer, cb.optimizer, cb.path) if ca.optimizer and cb.optimizer else []
     kind_a, params_a = _side(ca)
     kind_b, params_b = _side(cb)
     if only:
@@ -426,7 +427,7 @@ def diff(ca: Checkpoint, cb: Checkpoint, atol: float = 0.0, rtol: float = 0.0,
     compared = [compare_params(pa, pb, method, atol, rtol, on_bytes, results) for pa, pb in pairs]
     state_diffs: list[dict] = []
     sa, sb = ca.optimizer, cb.optimizer
-    notes: list[str] = []
+    notes: list[str] = list(settled)
     if sa is not None and sb is not None and sa.params and sb.params:
         fam_a = {sa.family, *sa.candidates} - {None}
         fam_b = {sb.family, *sb.candidates} - {None}

@@ -140,9 +140,12 @@ def _moved_slots(a: ParamAction, p: ParamState, plan: Plan, target_fw: str, fami
     shape = tuple(a.dst_shape) if a.dst_shape is not None else None
     slots = {}
     for name, ref in p.slots.items():
-        if ref.shape == () and p.shape != ():  # a per-parameter scalar (NAdam's mu_product) moves as it is
+        # Adafactor's factored row_var/col_var, told by name (a factor of a [1, n] or [n, 1] weight has the
+        # weight's own shape); any other slot of another shape cannot be transposed or resized either
+        factor = name in FACTORS and FACTORS[name] in p.slots
+        if ref.shape == () and p.shape != () and not factor:  # a per-parameter scalar (NAdam's mu_product) moves as it is
             slots[name] = transformed(ref, cast=a.cast)
-        elif p.shape is not None and tuple(ref.shape) != tuple(p.shape):  # Adafactor's factored row_var/col_var
+        elif factor or (p.shape is not None and tuple(ref.shape) != tuple(p.shape)):
             if a.resize or (a.transpose and (name not in FACTORS or FACTORS[name] not in p.slots)):
                 raise MappingError(f"{a.label()}: field {name} has shape {list(ref.shape)}, not the parameter's; "
                                    "it cannot be transposed or resized", plan.source)
@@ -186,7 +189,8 @@ def _finish(a: ParamAction, p: ParamState, slots: dict, plan: Plan, target_fw: s
     return ParamState(key=key, id=dst_id, index=a.dst_index, path=a.dst_path,
                       rank=len(shape) if shape is not None else p.rank, step=step, slots=slots, extra=extra,
                       group=a.group, family=family,
-                      encoding={k: v for k, v in p.encoding.items() if k in slots} if encoding is None else encoding)
+                      encoding={k: v for k, v in p.encoding.items() if k in slots} if encoding is None else encoding,
+                      stored_as=p.stored_as)
 
 
 def write(plan: Plan, state: OptimizerState, path: str, progress=None, on_warning=None) -> int:

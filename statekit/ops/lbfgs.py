@@ -191,10 +191,13 @@ def build(ckpt: Checkpoint, src: str, dst: str, fmt: str, opts: Options) -> Plan
         raise MappingError("L-BFGS: the two parameter lists differ (" + "; ".join(
             x for x in (absent and f"not in the source: {', '.join(absent[:4])}",
                         extra and f"not in the target: {', '.join(extra[:4])}") if x) + ")", src)
+    recorded = set(meta.get("transposed", ())) if dst_fw == "torch" and "transposed" in meta else None
     segments, undecided, at = [], [], 0
     for i, path in enumerate(order):
         shape = tuple(by_path[path])
         decided = _decide(path, shape, want.get(path), opts) if src_fw != dst_fw else False
+        if decided is None and recorded is not None and len(shape) == 2:  # back as the record says it came
+            decided = path in recorded
         if decided is None:
             undecided.append(f"{path} {list(shape)}")
             continue
@@ -213,6 +216,8 @@ def build(ckpt: Checkpoint, src: str, dst: str, fmt: str, opts: Options) -> Plan
         raise MappingError(_UNDECIDED.format(", ".join(undecided)), src)
     plan.segments = segments
     _hyper_and_fields(plan, state, src_fw, dst_fw, opts, meta)
+    if dst_fw == "torch" and meta.get("names_in_file") is False and opts.names is None and opts.model is None:
+        plan.metadata[hyper.OMIT_NAMES_KEY] = "omit"  # the original kept no param_names, nor does its copy
     return plan
 
 
@@ -380,6 +385,8 @@ def _burn_fields(plan: Plan, state: OptimizerState, vec) -> tuple[dict, dict]:
         plan.metadata[META_KEY] = json.dumps({
             "torch": kept, "segments": [[s["path"], s["src_shape"][::-1] if s["transpose"] else s["src_shape"]]
                                         for s in segs],
+            "transposed": [s["path"] for s in segs if s["transpose"]],  # the way back undoes exactly these
+            "names_in_file": state.torch_names_in_file is not False,
             "torch_order": [s["path"] for s in sorted(segs, key=lambda s: s["src_offset"])],
             "torch_shapes": [[s["path"], s["src_shape"]] for s in sorted(segs, key=lambda s: s["src_offset"])]},
             separators=(",", ":"))

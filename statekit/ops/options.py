@@ -113,6 +113,26 @@ def load_model(path: str) -> ModelInfo:
         return ckpt.model
 
 
+def definition_beside_model(opts: Options) -> Options:
+    """``--model DIR/model.safetensors`` (a Hugging Face model file, no ParamIds) with ``config.json``
+    beside it, and nothing else said about names: the positions are named and laid out as the
+    checkpoint folder's are, from the model's definition (``--model-config`` that config.json). The
+    file itself is then not needed (its sorted names and v5's saved, not in-memory, expert layout
+    only disagree with the definition); a burn model keeps its role (ParamIds and target shapes)."""
+    from dataclasses import replace
+
+    from statekit.frameworks import hf_model
+
+    model = opts.model
+    if model is None or opts.names is not None or opts.model_config is not None or opts.old_model is not None:
+        return opts
+    source = getattr(model, "source", None)
+    if not source or not os.path.isfile(source) or model.order == "burn" or any(m.id is not None for m in model.params):
+        return opts
+    config = hf_model.config_path(source)
+    return replace(opts, model=None, model_config=config) if config else opts
+
+
 def _model(value: object) -> ModelInfo | None:
     return load_model(os.fspath(value)) if isinstance(value, str | os.PathLike) else value
 

@@ -133,3 +133,60 @@ def quantize(x: np.ndarray, qmap: np.ndarray, block: int, quantizer: str = "cpu"
         bounds = (qmap[:-1] + qmap[1:]) / np.float32(2)
         return np.searchsorted(bounds, scaled, side="left").astype(np.uint8), absmax
     raise ValueError(f"quantizer must be one of {', '.join(QUANTIZERS)}, not {quantizer!r}")
+
+
+# the magnitude of the map entry bitsandbytes codes a block's largest element with: +1.0 (the last
+# entry, both maps) or the signed map's first, -0.99296875 (the entry nearest -1)
+_EXTREMES = (1.0, 0.99296875)
+
+
+def requantize(x: np.ndarray, qmap: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(uint8 codes, float32 absmax, blocks recovered) of values that bitsandbytes itself dequantized
+    with this map and block size: each block's own codes and scale where ``qmap[code] * absmax``
+    gives every value back bit for bit, bitsandbytes' CPU quantizer (:func:`quantize`) elsewhere.
+
+    A block bitsandbytes quantized keeps its largest element's magnitude as ``absmax`` and codes it
+    with an extreme entry of the map, so the scale is that magnitude over 1.0 or over 0.99296875
+    (give or take the float32 rounding of the division, tried on both sides); the codes are then
+    the map entries the values are, checked by dequantizing. Re-quantizing such values instead
+    (the quantizer takes ``max |x|`` as the new scale) moves most codes of a block whose extreme
+    entry was the negative one.
+    """
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    qmap = np.asarray(qmap, dtype=np.float32)
+    codes, absmax = quantize(x, qmap, block, "cpu")
+    n = x.size
+    nblocks = blocks(n, block)
+    if n == 0:
+        return codes, absmax, 0
+    pad = nblocks * block - n
+    values = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(nblocks, block) if pad else x.reshape(nblocks, block)
+    valid = np.ones((nblocks, block), dtype=bool)
+    if pad:
+        valid[-1, block - pad:] = False
+    top = np.abs(values).max(axis=1).astype(np.float32)
+    done = np.zeros(nblocks, dtype=bool)
+    out_codes = codes.copy()
+    out_absmax = absmax.copy()
+    bounds = (qmap[:-1] + qmap[1:]) / np.float32(2)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for extreme in _EXTREMES:
+            base = (top / np.float32(extreme)).astype(np.float32)
+            for scale in (base, np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(0))):
+                todo = ~done & (scale > 0) & np.isfinite(scale)
+                if not todo.any():
+                    break
+                s = scale[todo].astype(np.float32)
+                v = values[todo]
+                got = np.clip(np.searchsorted(bounds, v / s[:, None], side="left"), 0, 255).astype(np.uint8)
+                same = ((qmap[got] * s[:, None]).astype(np.float32) == v) | ~valid[todo]
+                hit = same.all(axis=1)
+                rows = np.flatnonzero(todo)[hit]
+                if rows.size:
+                    done[rows] = True
+                    out_absmax[rows] = s[hit]
+                    flat = got[hit].reshape(-1)
+                    for k, row in enumerate(rows):
+                        start, end = row * block, min(row * block + block, n)
+                        out_codes[start:end] = flat[k * block: k * block + (end - start)]
+    return out_codes, out_absmax, int(done.sum())
