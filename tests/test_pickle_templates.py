@@ -31,14 +31,7 @@ from statekit.tensor import TensorRef
 
 def torch_saved(obj: object) -> tuple[bytes, dict[str, bytes]]:
     """data.pkl and the storages of what real torch.save writes for ``obj``."""
-
-    torch = pytest.importorskip("torch")
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    with zipfile.ZipFile(buf) as zf:
-        names = {n.split("/", 1)[1]: n for n in zf.namelist()}
-        storages = {k[5:]: zf.read(n) for k, n in names.items() if k.startswith("data/")}
-        return zf.read(names["data.pkl"]), storages
+    return torch_saved_with(obj)[1:]
 
 
 def views_and_state() -> object:
@@ -113,6 +106,20 @@ def templated_share(pkl: bytes, storages: dict[str, bytes], monkeypatch) -> floa
     return made[0].ops / sum(1 for _ in pickletools.genops(pkl))
 
 
+def assert_agree_when_damaged(pkl: bytes, storages: dict[str, bytes], monkeypatch, seed: int, low: int,
+                              tokens: bytes, files=None) -> None:
+    """150 copies of ``pkl`` with 1–3 bytes from ``low`` on changed (to any byte, or one of
+    ``tokens``): templates give the opcode loop's result or its error class, never something else."""
+    rng = random.Random(seed)
+    for _ in range(150):
+        damaged = bytearray(pkl)
+        for _ in range(rng.randint(1, 3)):
+            damaged[rng.randrange(low, len(pkl))] = rng.choice([rng.randrange(256), *tokens])
+        with monkeypatch.context() as patch:
+            fast, slow, _ = load_both(bytes(damaged), storages, patch, files=files)
+        assert fast == slow
+
+
 def normalized(value: object) -> object:
     if isinstance(value, TensorRef):
         span = value.span and (value.span.offset, value.span.length)
@@ -135,45 +142,30 @@ def test_templates_read_torch_saves_pickle_as_the_opcode_loop_does(monkeypatch):
 
 
 def test_templates_agree_with_the_loop_on_damaged_torch_save_pickles(monkeypatch):
-    """Bytes changed inside the tensor calls (memo indices, ints, opcodes): templates give the
-    opcode loop's result or its error class, never something else."""
-
+    """Bytes changed inside the tensor calls (memo indices, ints, opcodes)."""
     pkl, storages = torch_saved({f"v{i}": t for i, t in enumerate(views_and_state()["views"].values())}
                                 | {"many": views_and_state()["many"]})
-    rng = random.Random(14)
-    for _ in range(150):
-        damaged = bytearray(pkl)
-        for _ in range(rng.randint(1, 3)):
-            damaged[rng.randrange(len(pkl) // 2, len(pkl))] = rng.choice([rng.randrange(256), *damaged[:40]])
-        with monkeypatch.context() as patch:
-            fast, slow, _ = load_both(bytes(damaged), storages, patch)
-        assert fast == slow
+    assert_agree_when_damaged(pkl, storages, monkeypatch, 14, len(pkl) // 2, pkl[:40])
+
+
+class FastPickler(pickle.Pickler):
+    """CPython's pickler keeping no memo (``Pickler.fast``): every global, string and
+    OrderedDict() written out each time, as other writers and older versions do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fast = True
 
 
 def torch_saved_without_memo(obj: object) -> tuple[bytes, dict[str, bytes]]:
-    """data.pkl and the storages of real torch.save for ``obj`` with a pickler that keeps no memo
-    (``Pickler.fast``: every global, string and OrderedDict() written out each time), as other
-    writers and older versions do: torch's own reducers and persistent ids, another opcode sequence."""
-
-    torch = pytest.importorskip("torch")
-
-    class Fast(pickle.Pickler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.fast = True
-
-    buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=types.SimpleNamespace(Pickler=Fast, __name__="fast_pickle"))
-    with zipfile.ZipFile(buf) as zf:
-        names = {n.split("/", 1)[1]: n for n in zf.namelist()}
-        storages = {k[5:]: zf.read(n) for k, n in names.items() if k.startswith("data/")}
-        return zf.read(names["data.pkl"]), storages
+    """data.pkl and the storages of real torch.save for ``obj`` with :class:`FastPickler`:
+    torch's own reducers and persistent ids, another opcode sequence."""
+    return torch_saved_with(obj, FastPickler)[1:]
 
 
 def test_templates_read_a_pickle_without_memo_as_the_opcode_loop_does(monkeypatch):
     obj = views_and_state()
     pkl, storages = torch_saved_without_memo(obj)
-
     assert not {op.name for op, _, _ in pickletools.genops(pkl)} & {"BINPUT", "LONG_BINPUT", "BINGET", "LONG_BINGET"}
     fast, slow, calls = load_both(pkl, storages, monkeypatch)
     assert fast == slow
@@ -185,17 +177,9 @@ def test_templates_read_a_pickle_without_memo_as_the_opcode_loop_does(monkeypatc
 
 
 def test_templates_agree_with_the_loop_on_damaged_memo_less_pickles(monkeypatch):
-
     pkl, storages = torch_saved_without_memo({f"v{i}": t for i, t in enumerate(views_and_state()["views"].values())}
                                              | {"many": views_and_state()["many"]})
-    rng = random.Random(21)
-    for _ in range(150):
-        damaged = bytearray(pkl)
-        for _ in range(rng.randint(1, 3)):
-            damaged[rng.randrange(len(pkl) // 2, len(pkl))] = rng.choice([rng.randrange(256), *damaged[:40]])
-        with monkeypatch.context() as patch:
-            fast, slow, _ = load_both(bytes(damaged), storages, patch)
-        assert fast == slow
+    assert_agree_when_damaged(pkl, storages, monkeypatch, 21, len(pkl) // 2, pkl[:40])
 
 
 # runs of memo-less calls viewing one storage: hand-written in Pickler.fast's bytes (or with
@@ -292,18 +276,9 @@ def test_a_truncated_run_is_the_opcode_loops_error(monkeypatch):
 
 
 def test_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
-    """Random bytes changed inside a run of memo-less views: templates give the opcode
-    loop's result or its error class, never something else."""
-
+    """Random bytes changed inside a run of memo-less views."""
     pkl = memo_less_views([{"offset": 3 * i} for i in range(400)])
-    rng = random.Random(35)
-    for _ in range(150):
-        damaged = bytearray(pkl)
-        for _ in range(rng.randint(1, 3)):
-            damaged[rng.randrange(200, len(pkl))] = rng.choice([rng.randrange(256), *b"KMJXtQRu(\x85\x86\x88\x89"])
-        with monkeypatch.context() as patch:
-            fast, slow, _ = load_both(bytes(damaged), views_storages(), patch, files=tmp_path)
-        assert fast == slow
+    assert_agree_when_damaged(pkl, views_storages(), monkeypatch, 35, 200, b"KMJXtQRu(\x85\x86\x88\x89", tmp_path)
 
 
 # runs of torch.save's own calls viewing one storage: real torch.save pickles, some with one
@@ -395,18 +370,9 @@ def test_a_torch_save_run_with_an_edited_memo_index_or_truncated_is_the_loops(mo
 
 
 def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
-    """Random bytes changed inside a run of torch.save's views: templates give the opcode
-    loop's result or its error class, never something else."""
-
+    """Random bytes changed inside a run of torch.save's views."""
     pkl, storages = saved_views(400)
-    rng = random.Random(36)
-    for _ in range(150):
-        damaged = bytearray(pkl)
-        for _ in range(rng.randint(1, 3)):
-            damaged[rng.randrange(len(pkl) // 4, len(pkl))] = rng.choice([rng.randrange(256), *b"KMJXtQRrhj\x85\x88\x89"])
-        with monkeypatch.context() as patch:
-            fast, slow, _ = load_both(bytes(damaged), storages, patch, files=tmp_path)
-        assert fast == slow
+    assert_agree_when_damaged(pkl, storages, monkeypatch, 36, len(pkl) // 4, b"KMJXtQRrhj\x85\x88\x89", tmp_path)
 
 
 def test_filespan_at_is_the_frozen_dataclass(tmp_path):
@@ -557,12 +523,7 @@ def test_protocol_4_without_memo_reads_through_templates(monkeypatch):
     """Protocol 4 without a memo names every global with STACK_GLOBAL from two strings, in every
     item: those strings stay fixed in a template (a global is looked up once), and the items
     still run through templates."""
-    class Fast(pickle.Pickler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.fast = True
-
-    _, pkl, storages = torch_saved_with(many_views()["views"], Fast, protocol=4)
+    _, pkl, storages = torch_saved_with(many_views()["views"], FastPickler, protocol=4)
     ops = [op.name for op, _, _ in pickletools.genops(pkl)]
     assert ops.count("STACK_GLOBAL") > 4000 and "BINPUT" not in ops and "MEMOIZE" not in ops
     fast, slow, items = load_both(pkl, storages, monkeypatch)
