@@ -68,6 +68,8 @@ CASES = [
     Case("adafactor", None, "matrix", {"lr": 1e-2}, ()),
     Case("muon", None, "square", {"lr": 1e-2}, ()),
 ]
+#: torch optimizers whose torch-free replay is refused (torch's bfloat16 Newton–Schulz order is the CPU's)
+REFUSED_WITHOUT_TORCH = {"muon"}
 IMPL_KW = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
@@ -217,6 +219,9 @@ def run(numel: int, side: int, repeat: int, threads: int, names: set | None = No
                 theirs = marginal(lambda k, i=impl, c=case, f=files: torch_seconds(c, f, k, i), repeat)
                 rows.append({"optimizer": label(case), "shape": shape, "impl": impl + " 1 thr", "flavor":
                              flavor_of(case, impl), "statekit": None, "kernel": None, "torch": theirs, "threads": 1})
+                if case.name in REFUSED_WITHOUT_TORCH:  # no torch-free path: replay refuses it (docs/kernels.md)
+                    rows[-1]["kernel"] = "refused without torch"
+                    continue
                 jobs.append([index, flavor_of(case, impl), {k: (str(v) if isinstance(v, Path) else
                                                                 [str(x) for x in v] if isinstance(v, list) else v)
                                                             for k, v in files.items()}])
@@ -263,5 +268,6 @@ def print_rows(rows: list[dict], load: tuple, numel: int, side: int) -> None:
         goal = "" if want is None or row["ratio"] is None else f"{'met' if row['ratio'] >= want else 'NOT'} {want:g}"
         torch_s = "-" if row["torch"] is None else f"{row['torch']:.3f}"
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        ours = "-" if row["statekit"] is None else f"{row['statekit']:.3f}"
         print(f"| {row['optimizer']:14} | {row['impl']:15} | {row['flavor']:15} | {str(row['kernel']):23} | "
-              f"{row['statekit']:10.3f} | {torch_s:>8} | {ratio:>6} | {goal:>6} |")
+              f"{ours:>10} | {torch_s:>8} | {ratio:>6} | {goal:>6} |")
