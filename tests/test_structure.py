@@ -215,3 +215,27 @@ def test_structure_maps_round_trip_as_json():
     with pytest.raises(MappingError, match="shape and strides disagree"):
         Piece.from_json({"source": "a", "shape": [2], "src_offset": 0, "src_strides": [1, 1], "dst_offset": 0,
                          "dst_strides": [1]})
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_the_proof_on_threads_finds_what_one_thread_finds_and_the_same_first_difference(tmp_path, monkeypatch, jobs):
+    """Every comparison cut small (runs in 40-byte chunks, blocks of 8 elements) and run on ``jobs``
+    threads: the same map, and a tensor changed in two places is refused at the first of them."""
+    from statekit import stream
+    from statekit.structure import proof
+
+    monkeypatch.setattr(proof, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(proof, "RUN_CHUNK", 40)
+    monkeypatch.setattr(proof, "BLOCK", 8)
+    monkeypatch.setattr(stream, "current_jobs", lambda: jobs)
+    q, k, v, w = f32(8, 6), f32(4, 6), f32(4, 6), f32(30, 7)
+    old = {"q": q, "k": k, "v": v, "w": w}
+    new = {"qkv": np.concatenate([rope(q, 2), k, v]), "w": w.copy(), "wt": np.ascontiguousarray(w.T)}
+    found = mapped(tmp_path, old, new)
+    assert np.array_equal(build(found.map.targets["qkv"], old), new["qkv"])
+    assert {n: t.kind for n, t in found.map.targets.items()}["wt"] == "transposed"
+    changed = dict(new, w=w.copy())
+    changed["w"][21, 3] += 1  # in a later chunk than the next one
+    changed["w"][4, 2] += 1
+    with pytest.raises(MappingError, match=r"w\[4, 2\] is .* in the new weights, but the map reads .* from w\[4, 2\]"):
+        mapped(tmp_path, {"w": w}, {"w": changed["w"]})

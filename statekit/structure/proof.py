@@ -12,6 +12,7 @@ few windows, whatever the tensors' size. The first element that disagrees is nam
 from __future__ import annotations
 
 import math
+import threading
 
 from statekit import dtypes, stream
 from statekit.lazy import numpy as np
@@ -24,34 +25,111 @@ WINDOW = 32 << 20  # bytes of a tensor a block may span to be read with pread
 
 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
-    """None when every piece of ``t`` reads from ``old`` exactly what ``new`` holds; else where not."""
-    buffers = _Buffers()
+    """None when every piece of ``t`` reads from ``old`` exactly what ``new`` holds; else where not
+    (the first disagreement in the pieces' order, whichever thread found it)."""
+    tasks = list(_tasks(t, new, old))
+    jobs = min(stream.current_jobs(), len(tasks))
+    if jobs < 2 or sum(n for _, n in tasks) < PARALLEL_MIN:
+        buffers = _Buffers()  # (this call's: freed when it returns)
+        return _first((task(buffers) for task, _ in tasks), advance)
+    return _first(_parallel(tasks, jobs), advance)
+
+
+PARALLEL_MIN = 16 << 20  # bytes compared below which one thread does it all
+RUN_CHUNK = 32 << 20  # bytes of a contiguous run compared by one task
+
+
+def _first(results, advance) -> str | None:
+    for problem, nbytes in results:
+        if problem:
+            return problem
+        if advance is not None:
+            advance(nbytes)
+    return None
+
+
+def _tasks(t: TargetMap, new: Weight, old: dict[str, Weight]):
+    """The comparisons, in order, as (task, bytes): a task returns (problem or None, bytes compared).
+    A contiguous run is cut into chunks; other pieces into their blocks (window blocks one task each,
+    the wide ones of a piece one task)."""
     for name in t.sources:
         source = old[name]
         for piece in t.pieces:
             if piece.source != name:
                 continue
-            if _runs_alike(piece, new, source):
-                if advance is not None:
-                    advance(2 * piece.numel * new.itemsize)
-                continue
-            wide = []
-            for block in blocks(piece, BLOCK):
-                (dlo, dhi), (slo, shi) = block.dst_span(), block.src_span()
-                if max(dhi - dlo + 1, shi - slo + 1) * new.itemsize > WINDOW:
-                    wide.append(block)
-                    continue
-                a = block.dst_view(buffers.read(new, dlo, dhi, 0), dlo)
-                b = block.src_view(buffers.read(source, slo, shi, 1), slo)
-                if not _same(a, b):
-                    return _first_difference(t, new, source, block, a, b)
-                if advance is not None:
-                    advance(a.nbytes + b.nbytes)
-            if wide:
-                problem = _mapped(t, new, source, wide, advance)
-                if problem:
-                    return problem
-    return None
+            for part in _run_chunks(piece, new, source):
+                yield (lambda buffers=None, part=part, source=source: _compare_piece(t, new, source, part, buffers)), \
+                    2 * part.numel * new.itemsize
+
+
+def _run_chunks(p: Piece, new: Weight, source: Weight):
+    step = max(1, RUN_CHUNK // max(1, new.itemsize))
+    if len(p.shape) != 1 or p.src_strides != (1,) or p.dst_strides != (1,) or p.numel <= step:
+        yield p
+        return
+    for lo in range(0, p.numel, step):
+        n = min(step, p.numel - lo)
+        yield Piece(p.source, (n,), p.src_offset + lo, (1,), p.dst_offset + lo, (1,))
+
+
+def _compare_piece(t: TargetMap, new: Weight, source: Weight, piece: Piece,
+                   buffers: _Buffers | None = None) -> tuple[str | None, int]:
+    nbytes = 2 * piece.numel * new.itemsize
+    if _runs_alike(piece, new, source):
+        return None, nbytes
+    buffers = buffers or _thread_buffers()
+    wide = []
+    for block in blocks(piece, BLOCK):
+        (dlo, dhi), (slo, shi) = block.dst_span(), block.src_span()
+        if max(dhi - dlo + 1, shi - slo + 1) * new.itemsize > WINDOW:
+            wide.append(block)
+            continue
+        a = block.dst_view(buffers.read(new, dlo, dhi, 0), dlo)
+        b = block.src_view(buffers.read(source, slo, shi, 1), slo)
+        if not _same(a, b):
+            return _first_difference(t, new, source, block, a, b), nbytes
+    if wide:
+        problem = _mapped(t, new, source, wide, None)
+        if problem:
+            return problem, nbytes
+    return None, nbytes
+
+
+def _parallel(tasks: list, jobs: int):
+    """The tasks' results in order, run on ``jobs`` threads (``pread``, ``memcmp`` and numpy's
+    comparisons let the GIL go), at most ``2 * jobs`` ahead of the one awaited; after a problem
+    nothing more is started."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="statekit-proof") as pool:
+        pending = []
+        it = iter(tasks)
+        for task, _ in it:
+            pending.append(pool.submit(task))
+            if len(pending) >= 2 * jobs:
+                break
+        while pending:
+            result = pending.pop(0).result()
+            if result[0]:
+                for f in pending:
+                    f.cancel()
+                yield result
+                return
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(pool.submit(nxt[0]))
+            yield result
+
+
+_LOCAL = threading.local()
+
+
+def _thread_buffers() -> _Buffers:
+    """A pool thread's two reused read buffers (gone with the thread when the proof ends)."""
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = _Buffers()
+    return buffers
 
 
 def _runs_alike(p: Piece, new: Weight, source: Weight) -> bool:
