@@ -7,6 +7,11 @@ both tensors (a head of RoPE-permuted rows, a band of rows) is read with ``pread
 buffers and compared as strided views; anything wider (a column of a matrix, a transpose) is compared
 over read-only maps of the files whose pages are let go as the comparison moves on. Memory stays a
 few windows, whatever the tensors' size. The first element that disagrees is named with both values.
+
+Above 16 MiB a target's comparisons run on the cores (``STATEKIT_JOBS``, else the CPUs the process may
+use): a contiguous run in 32 MiB chunks, each window block one task, the wide blocks of a piece one
+task, at most twice as many in flight as threads, each thread with its own two buffers; the results
+are taken in the pieces' order, so the disagreement named is the one a single thread would name.
 """
 
 from __future__ import annotations
