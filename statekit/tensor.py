@@ -58,15 +58,6 @@ class SourceFile:
             except OSError:
                 pass
 
-    def will_need(self) -> None:
-        """Ask the kernel to read the whole file ahead (``POSIX_FADV_WILLNEED``), for a caller that
-        will read every byte in an order of its own: the disk then streams while the caller works.
-        Not for files whose pieces are dropped from the cache (:attr:`drop_cache`)."""
-        if self.drop_cache or self.fh.closed or not hasattr(os, "posix_fadvise"):
-            return
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(self.fh.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-
     @classmethod
     def open(cls, path: str) -> SourceFile:
         return cls(open(path, "rb"), path)  # noqa: SIM115 - closed by close() or with the last span

@@ -100,9 +100,6 @@ def weights_map(opts: Options, state: OptimizerState, where: str, progress=None)
                 raise MappingError("--match values: the models hold no weight values to match", where)
             return None, []
         total = sum(w.ref.nbytes for w in old) + sum(w.ref.nbytes for w in new)
-        # the proof reads every byte of both files, the keys before it a scattered few: read ahead
-        for file in {id(w.ref.span.file): w.ref.span.file for w in (*old, *new) if w.ref.span is not None}.values():
-            getattr(file, "will_need", lambda: None)()
         rename_fn = _renamer(opts)
         with (progress or _no_progress)("matching weights", total, unit_bytes=True) as advance:
             try:
