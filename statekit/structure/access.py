@@ -25,7 +25,7 @@ from statekit.tensor import TensorRef
 
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
-ROWS_PER_READ = 8 << 20  # bytes of rows hashed at once for row keys
+ROWS_PER_BAND = 8 << 20  # bytes of rows whose keys are gathered at once
 RELEASE_EVERY = 16 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _M = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -134,6 +134,8 @@ def positions(length: int, samples: int = SAMPLES) -> np.ndarray:
 
 def mix(values: np.ndarray, length: int) -> np.ndarray:
     """One 64-bit key per row of ``values`` (n × k element bits) for lines of ``length``."""
+    if values.shape[0] <= _FEW_ROWS:  # (per element, Python's integers beat numpy's calls on a few rows)
+        return np.array([_mix_row(row, length) for row in values.tolist()], np.uint64)
     v = values.astype(np.uint64, copy=False)
     with np.errstate(over="ignore"):
         h = np.full(v.shape[0], (length * _M[0]) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
@@ -146,6 +148,22 @@ def mix(values: np.ndarray, length: int) -> np.ndarray:
     return h
 
 
+_FEW_ROWS = 4
+_MASK = (1 << 64) - 1
+
+
+def _mix_row(row: list[int], length: int) -> int:
+    """:func:`mix` of one row, the same bits."""
+    m1, m2, mask = _M[1], _M[2], _MASK
+    h = (length * _M[0]) & mask
+    for k, x in enumerate(row, 1):
+        h ^= (x + k) & mask
+        h = (h * m1) & mask
+        h ^= h >> 29
+    h = (h * m2) & mask
+    return h ^ (h >> 32)
+
+
 def row_count(shape: tuple[int, ...]) -> int:
     return math.prod(shape[:-1]) if shape else 1
 
@@ -155,43 +173,23 @@ def col_count(shape: tuple[int, ...]) -> int:
 
 
 def row_keys(w: Weight) -> np.ndarray:
-    """A key per row (line along the last axis): the sampled columns of every row, the rows read a
-    bounded piece at a time."""
+    """A key per row (line along the last axis): the sampled columns of every row, gathered from the
+    file's pages a bounded band of rows at a time (nothing copied but the samples; the pages are let
+    go as the band moves on)."""
     length = w.shape[-1] if w.shape else 1
     if not length or not w.numel:
         return np.zeros(0, np.uint64)
     where = positions(length)
-    per = max(1, ROWS_PER_READ // max(1, length * w.itemsize))
+    per = max(1, ROWS_PER_BAND // max(1, length * w.itemsize))
     out = np.empty(row_count(w.shape), np.uint64)
-    first = 0
-    for bits in _rows_read(w, per * length):
-        part = bits.reshape(-1, length)
-        out[first : first + part.shape[0]] = mix(part[:, where], length)
-        first += part.shape[0]
+    with w.mapped() as m:
+        rows = m.array.reshape(-1, length)
+        for first in range(0, rows.shape[0], per):
+            band = rows[first : first + per]
+            out[first : first + band.shape[0]] = mix(band[:, where], length)
+            m.touched(band.nbytes)
+        del rows, band
     return out
-
-
-def _rows_read(w: Weight, elements: int):
-    """The tensor's bits in pieces of ``elements``, read with ``pread`` into two reused buffers (no fresh
-    memory, no page faults per piece), or from memory."""
-    span = w.ref.span
-    if span is None or w.ref.array_loader is not None:
-        flat = w.flat()
-        for lo in range(0, flat.size, elements):
-            yield flat[lo : lo + elements]
-        return
-    size = elements * w.itemsize
-    global _ROW_BUFFER
-    if _ROW_BUFFER is None or len(_ROW_BUFFER) < size:
-        _ROW_BUFFER = bytearray(size)
-    buffer = memoryview(_ROW_BUFFER)
-    for lo in range(0, span.length, size):
-        view = buffer[: min(size, span.length - lo)]
-        span.file.pread_into(view, span.offset + lo)
-        yield np.frombuffer(view, w.bits)  # valid until the next piece is read
-
-
-_ROW_BUFFER: bytearray | None = None  # one buffer for every tensor's rows (fresh memory costs page faults)
 
 
 def col_keys(w: Weight) -> np.ndarray:
@@ -211,10 +209,11 @@ def whole_key(w: Weight, order: np.ndarray | None = None) -> int:
     transposed candidate)."""
     where = positions(w.numel, WHOLE_SAMPLES)
     at = where if order is None else order
-    if w.numel <= 4 * WHOLE_SAMPLES or w.ref.span is None or w.ref.array_loader is not None:
-        values = w.flat()[at] if w.numel else np.zeros(0, w.bits)
-    else:  # a few elements: one small read each
-        values = np.array([w.read(int(i), 1)[0] for i in at], dtype=w.bits)
+    if not w.numel:
+        values = np.zeros(0, w.bits)
+    else:  # a few elements gathered from the file's pages (or from memory)
+        with w.mapped() as m:
+            values = m.array[at]
     return int(mix(values.reshape(1, -1), w.numel)[0])
 
 

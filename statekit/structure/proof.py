@@ -1,17 +1,17 @@
 """The proof: the map applied to the old weights gives the new weights, bit for bit.
 
-Each piece is compared a bounded block at a time, as cheaply as its shape allows: a piece that is a
-contiguous run on both sides is ``memcmp``'d where both files lie (:func:`statekit.stream.same_spans`:
-populated windows of the page cache, nothing copied); a block whose elements lie within a window of
-both tensors (a head of RoPE-permuted rows, a band of rows) is read with ``pread`` into two reused
-buffers and compared as strided views; anything wider (a column of a matrix, a transpose) is compared
-over read-only maps of the files whose pages are let go as the comparison moves on. Memory stays a
-few windows, whatever the tensors' size. The first element that disagrees is named with both values.
+Each piece is compared a bounded block at a time where both files lie, nothing copied: a piece that is
+a contiguous run on both sides is ``memcmp``'d over populated windows of the page cache
+(:func:`statekit.stream.same_spans`); any other piece (RoPE-permuted rows, a column of a matrix, a
+transpose) is compared as strided views of read-only maps of the two files, :data:`BLOCK` elements at
+a time (a comparison's temporary stays in the CPU's cache), the pages let go as the comparison moves
+on. Memory stays a few windows, whatever the tensors' size. The first element that disagrees is named
+with both values.
 
 Above 16 MiB a target's comparisons run on the cores (``STATEKIT_JOBS``, else the CPUs the process may
-use): a contiguous run in 32 MiB chunks, each window block one task, the wide blocks of a piece one
-task, at most twice as many in flight as threads, each thread with its own two buffers; the results
-are taken in the pieces' order, so the disagreement named is the one a single thread would name.
+use), on threads kept for the process: a contiguous run in 32 MiB chunks, the blocks of another piece
+in tasks of about as many bytes, at most twice as many in flight as threads; the results are taken in
+the pieces' order, so the disagreement named is the one a single thread would name.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from statekit.structure.access import Weight
 from statekit.structure.pieces import Piece, TargetMap, unravel
 from statekit.tensor import FileSpan
 
-BLOCK = 4 << 20  # elements compared at once
-WINDOW = 32 << 20  # bytes of a tensor a block may span to be read with pread
+BLOCK = 1 << 18  # elements compared at once
 
 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
@@ -35,13 +34,12 @@ def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None
     tasks = list(_tasks(t, new, old))
     jobs = min(stream.current_jobs(), len(tasks))
     if jobs < 2 or sum(n for _, n in tasks) < PARALLEL_MIN:
-        buffers = _Buffers()  # (this call's: freed when it returns)
-        return _first((task(buffers) for task, _ in tasks), advance)
+        return _first((task() for task, _ in tasks), advance)
     return _first(_parallel(tasks, jobs), advance)
 
 
 PARALLEL_MIN = 16 << 20  # bytes compared below which one thread does it all
-RUN_CHUNK = 32 << 20  # bytes of a contiguous run compared by one task
+RUN_CHUNK = 32 << 20  # bytes of a contiguous run (or of another piece's blocks) compared by one task
 
 
 def _first(results, advance) -> str | None:
@@ -55,21 +53,30 @@ def _first(results, advance) -> str | None:
 
 def _tasks(t: TargetMap, new: Weight, old: dict[str, Weight]):
     """The comparisons, in order, as (task, bytes): a task returns (problem or None, bytes compared).
-    A contiguous run is cut into chunks; other pieces into their blocks (window blocks one task each,
-    the wide ones of a piece one task)."""
+    A contiguous run is cut into chunks; another piece's blocks are grouped into tasks of about
+    :data:`RUN_CHUNK` bytes."""
     for name in t.sources:
         source = old[name]
         for piece in t.pieces:
             if piece.source != name:
                 continue
-            for part in _run_chunks(piece, new, source):
-                yield (lambda buffers=None, part=part, source=source: _compare_piece(t, new, source, part, buffers)), \
-                    2 * part.numel * new.itemsize
+            if _contiguous(piece, new, source):
+                for part in _run_chunks(piece, new):
+                    yield (lambda part=part, source=source: _compare_run(t, new, source, part)), \
+                        2 * part.numel * new.itemsize
+                continue
+            for group in _block_groups(piece, new.itemsize):
+                yield (lambda group=group, source=source: _compare_blocks(t, new, source, group)), \
+                    2 * sum(b.numel for b in group) * new.itemsize
 
 
-def _run_chunks(p: Piece, new: Weight, source: Weight):
+def _contiguous(p: Piece, new: Weight, source: Weight) -> bool:
+    return len(p.shape) == 1 and p.src_strides == (1,) and p.dst_strides == (1,) and new.itemsize == source.itemsize
+
+
+def _run_chunks(p: Piece, new: Weight):
     step = max(1, RUN_CHUNK // max(1, new.itemsize))
-    if len(p.shape) != 1 or p.src_strides != (1,) or p.dst_strides != (1,) or p.numel <= step:
+    if p.numel <= step:
         yield p
         return
     for lo in range(0, p.numel, step):
@@ -77,26 +84,35 @@ def _run_chunks(p: Piece, new: Weight, source: Weight):
         yield Piece(p.source, (n,), p.src_offset + lo, (1,), p.dst_offset + lo, (1,))
 
 
-def _compare_piece(t: TargetMap, new: Weight, source: Weight, piece: Piece,
-                   buffers: _Buffers | None = None) -> tuple[str | None, int]:
+def _block_groups(p: Piece, itemsize: int):
+    group, size = [], 0
+    for block in blocks(p, BLOCK):
+        group.append(block)
+        size += 2 * block.numel * itemsize
+        if size >= RUN_CHUNK:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _compare_run(t: TargetMap, new: Weight, source: Weight, piece: Piece) -> tuple[str | None, int]:
     nbytes = 2 * piece.numel * new.itemsize
     if _runs_alike(piece, new, source):
         return None, nbytes
-    buffers = buffers or _thread_buffers()
-    wide = []
-    for block in blocks(piece, BLOCK):
-        (dlo, dhi), (slo, shi) = block.dst_span(), block.src_span()
-        if max(dhi - dlo + 1, shi - slo + 1) * new.itemsize > WINDOW:
-            wide.append(block)
-            continue
-        a = block.dst_view(buffers.read(new, dlo, dhi, 0), dlo)
-        b = block.src_view(buffers.read(source, slo, shi, 1), slo)
-        if not _same(a, b):
-            return _first_difference(t, new, source, block, a, b), nbytes
-    if wide:
-        problem = _mapped(t, new, source, wide, None)
-        if problem:
-            return problem, nbytes
+    return _compare_blocks(t, new, source, list(blocks(piece, BLOCK)))[0], nbytes
+
+
+def _compare_blocks(t: TargetMap, new: Weight, source: Weight, group: list[Piece]) -> tuple[str | None, int]:
+    nbytes = 2 * sum(b.numel for b in group) * new.itemsize
+    with new.mapped(sequential=True) as target, source.mapped(sequential=True) as src:
+        for block in group:
+            a, b = block.dst_view(target.array), block.src_view(src.array)
+            if not _same(a, b):
+                return _first_difference(t, new, source, block, a, b), nbytes
+            target.touched(a.nbytes)
+            src.touched(b.nbytes)
+        a = b = None
     return None, nbytes
 
 
@@ -104,11 +120,10 @@ def _parallel(tasks: list, jobs: int):
     """The tasks' results in order, run on ``jobs`` threads (``pread``, ``memcmp`` and numpy's
     comparisons let the GIL go), at most ``2 * jobs`` ahead of the one awaited; after a problem
     nothing more is started."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="statekit-proof") as pool:
-        pending = []
-        it = iter(tasks)
+    pool = _pool(jobs)
+    pending = []
+    it = iter(tasks)
+    try:
         for task, _ in it:
             pending.append(pool.submit(task))
             if len(pending) >= 2 * jobs:
@@ -116,70 +131,45 @@ def _parallel(tasks: list, jobs: int):
         while pending:
             result = pending.pop(0).result()
             if result[0]:
-                for f in pending:
-                    f.cancel()
                 yield result
                 return
             nxt = next(it, None)
             if nxt is not None:
                 pending.append(pool.submit(nxt[0]))
             yield result
+    finally:  # (a problem found, or the caller gone: what was not started never is; the rest are awaited)
+        for f in pending:
+            f.cancel()
+        for f in pending:
+            if not f.cancelled():
+                f.exception()
 
 
-_LOCAL = threading.local()
+_POOLS: dict[int, object] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def _thread_buffers() -> _Buffers:
-    """A pool thread's two reused read buffers (gone with the thread when the proof ends)."""
-    buffers = getattr(_LOCAL, "buffers", None)
-    if buffers is None:
-        buffers = _LOCAL.buffers = _Buffers()
-    return buffers
+def _pool(jobs: int):
+    """The process's comparison threads for ``jobs`` (started once: a thread's start costs a
+    proof of a small tensor more than the comparison)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(jobs)
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = _POOLS[jobs] = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="statekit-proof")
+        return pool
 
 
 def _runs_alike(p: Piece, new: Weight, source: Weight) -> bool:
     """A contiguous run on both sides, found equal where both files lie (False: unknown or different;
     the caller then compares it block by block)."""
-    if len(p.shape) != 1 or p.src_strides != (1,) or p.dst_strides != (1,) or new.itemsize != source.itemsize:
-        return False
     a, b = new.ref.span, source.ref.span
     if a is None or b is None or new.ref.array_loader is not None or source.ref.array_loader is not None:
         return False
     size = new.itemsize
     return stream.same_spans(FileSpan(a.file, a.offset + p.dst_offset * size, p.numel * size),
                              FileSpan(b.file, b.offset + p.src_offset * size, p.numel * size))
-
-
-class _Buffers:
-    """Two reused buffers (the new tensor's window, the old one's): no fresh memory per block."""
-
-    def __init__(self):
-        self._raw: list[bytearray | None] = [None, None]
-
-    def read(self, w: Weight, lo: int, hi: int, which: int) -> np.ndarray:
-        n = (hi - lo + 1) * w.itemsize
-        span = w.ref.span
-        if span is None or w.ref.array_loader is not None:
-            return w.flat()[lo : hi + 1]
-        raw = self._raw[which]
-        if raw is None or len(raw) < n:
-            raw = self._raw[which] = bytearray(max(n, 1 << 20))
-        view = memoryview(raw)[:n]
-        span.file.pread_into(view, span.offset + lo * w.itemsize)
-        return np.frombuffer(view, w.bits)
-
-
-def _mapped(t: TargetMap, new: Weight, source: Weight, wide: list[Piece], advance) -> str | None:
-    with new.mapped(sequential=True) as target, source.mapped(sequential=True) as src:
-        for block in wide:
-            a, b = block.dst_view(target.array), block.src_view(src.array)
-            if not _same(a, b):
-                return _first_difference(t, new, source, block, a, b)
-            target.touched(a.nbytes)
-            src.touched(b.nbytes)
-            if advance is not None:
-                advance(a.nbytes + b.nbytes)
-    return None
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
