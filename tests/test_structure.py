@@ -239,3 +239,20 @@ def test_the_proof_on_threads_finds_what_one_thread_finds_and_the_same_first_dif
     changed["w"][4, 2] += 1
     with pytest.raises(MappingError, match=r"w\[4, 2\] is .* in the new weights, but the map reads .* from w\[4, 2\]"):
         mapped(tmp_path, {"w": w}, {"w": changed["w"]})
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_a_key_of_a_few_rows_is_the_key_numpy_mixes_for_many(dtype):
+    """Whole-tensor keys are mixed in Python's integers (one row), line keys in numpy (many rows):
+    a new tensor and the old one it is found equal to may take either path, so both give the same
+    bits, also where the element bits wrap 64 bits when offset (the top of uint64)."""
+    from statekit.structure import access
+
+    top = np.iinfo(dtype).max
+    rows = np.array([[top, 0, 1, top - 1, 7, top, top, 3] * 8, list(range(64))], dtype=dtype)
+    many = np.repeat(rows, 1 + access._FEW_ROWS, axis=0)  # enough rows for numpy's path
+    by_numpy = access.mix(many, 4096)[:: 1 + access._FEW_ROWS]
+    by_python = access.mix(rows, 4096)
+    assert by_python.dtype == np.uint64
+    assert by_python.tolist() == by_numpy.tolist()
+    assert by_python[0] != by_python[1]

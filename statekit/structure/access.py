@@ -182,7 +182,7 @@ def row_keys(w: Weight) -> np.ndarray:
     where = positions(length)
     per = max(1, ROWS_PER_BAND // max(1, length * w.itemsize))
     out = np.empty(row_count(w.shape), np.uint64)
-    with w.mapped() as m:
+    with w.mapped(sequential=True) as m:
         rows = m.array.reshape(-1, length)
         for first in range(0, rows.shape[0], per):
             band = rows[first : first + per]

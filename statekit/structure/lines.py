@@ -98,7 +98,12 @@ class LineIndex:
     def candidates(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each key, the range ``[lo, hi)`` of matching entries."""
         sorted_keys = self._build()[0]
-        return np.searchsorted(sorted_keys, keys, "left"), np.searchsorted(sorted_keys, keys, "right")
+        order = np.argsort(keys)  # (sorted needles: each search starts where the last ended, in cache)
+        needles = keys[order]
+        lo, hi = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
+        lo[order] = np.searchsorted(sorted_keys, needles, "left")
+        hi[order] = np.searchsorted(sorted_keys, needles, "right")
+        return lo, hi
 
     def entry(self, k: int) -> tuple[int, int, int]:
         _, tensor, orient, line = self._build()
