@@ -4,6 +4,8 @@ GQA interleave)."""
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -256,3 +258,50 @@ def test_a_key_of_a_few_rows_is_the_key_numpy_mixes_for_many(dtype):
     assert by_python.dtype == np.uint64
     assert by_python.tolist() == by_numpy.tolist()
     assert by_python[0] != by_python[1]
+
+
+def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tmp_path, monkeypatch):
+    """Files the page cache does not hold are read front to back on a thread while the map is learned
+    (every byte of both files, in 1 MiB pieces, stopping when the map is done); the map is the one
+    learned without it; files it holds are left alone."""
+    from statekit.structure import readahead
+
+    q, k, v = f32(8, 6), f32(4, 6), f32(4, 6)
+    old = {"q": q, "k": k, "v": v}
+    new = {"qkv": np.concatenate([rope(q, 2), k, v])}
+    cached = mapped(tmp_path, old, new)
+    read: list[tuple[int, int]] = []
+
+    def spy(files, stop):
+        read.extend((lo, hi) for _, lo, hi in files)
+        real(files, stop)
+
+    real = readahead._read
+    monkeypatch.setattr(readahead, "_read", spy)
+    monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 0.0)
+    uncached = mapped(tmp_path, old, new)
+    assert uncached.map == cached.map
+    sizes = [(tmp_path / f"{name}.safetensors").stat().st_size for name in ("old", "new")]
+    assert [hi for _, hi in read] == sizes  # both files, each to its last tensor's end
+    monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 1.0)
+    read.clear()
+    assert mapped(tmp_path, old, new).map == cached.map and read == []
+
+
+def test_the_page_cache_probe_sees_a_file_read_and_one_let_go(tmp_path):
+    from statekit.structure import readahead
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(np.arange(1 << 20, dtype=np.uint32).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        os.read(fd, size)
+        assert readahead.cached_fraction(fd, 0, size) == 1.0
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if readahead.cached_fraction(fd, 0, size) == 1.0:
+            pytest.skip("this file system keeps its pages (tmpfs)")
+        assert readahead.cached_fraction(fd, 0, size) < readahead.CACHED
+    finally:
+        os.close(fd)

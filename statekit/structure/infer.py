@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from statekit.errors import MappingError
 from statekit.lazy import numpy as np
-from statekit.structure import access, coverage, proof
+from statekit.structure import access, coverage, proof, readahead
 from statekit.structure.access import Weight
 from statekit.structure.lines import COL, ROW, LineIndex, Lines, Picked, pick, pieces_of, runs, uncovered_tail
 from statekit.structure.pieces import Piece, StructureMap, TargetMap, transposed, whole
@@ -308,7 +308,21 @@ class _Inferrer:
 def infer(old: list[Weight], new: list[Weight], *, names: Callable[[str], set[str]] | None = None,
           declared_new: list[str] = (), advance=None, where: str | None = None) -> Inference:
     """The map that builds every tensor of ``new`` from ``old``, proved; MappingError listing what cannot be."""
-    return _Inferrer(old, new, names, list(declared_new), advance).run(where)
+    with readahead.reading_ahead(_files(old) + _files(new)):
+        return _Inferrer(old, new, names, list(declared_new), advance).run(where)
+
+
+def _files(weights: list[Weight]) -> list[tuple[int, int, int]]:
+    """(fd, first byte, end) of the files ``weights`` lie in, in the order first met."""
+    spans: dict[int, list[int]] = {}
+    for w in weights:
+        span = w.ref.span
+        if span is None or w.ref.array_loader is not None or span.file.fh.closed:
+            continue
+        fd = span.file.fh.fileno()
+        lo, hi = spans.setdefault(fd, [span.offset, span.offset + span.length])
+        spans[fd] = [min(lo, span.offset), max(hi, span.offset + span.length)]
+    return [(fd, lo, hi) for fd, (lo, hi) in spans.items()]
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,102 @@
+"""Weight files read once, in order, on a thread, while the map is learned from them — when they are not
+in the page cache already.
+
+Learning the map reads the weights out of order: a few elements of each tensor for its keys, the
+sampled rows of the new ones, then every byte for the proof. From a cold page cache each of those reads
+waits for the disk, a page or a fault-around at a time. A thread that reads the files front to back in
+1 MiB pieces (into one reused buffer, so nothing is kept) lets the disk stream at its own speed; the
+map's reads then find the pages cached, or wait for a read already in flight. Files mostly cached
+(``mincore``) are left alone: there a second reader only takes a core from the comparisons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+
+from statekit.lazy import numpy as np
+
+PIECE = 1 << 20  # bytes read at once
+PROBES, PROBE = 64, 64 << 10  # windows of a file whose pages are looked up, and their size
+CACHED = 0.5  # the fraction of a file's pages in the page cache above which it is not read ahead
+
+
+@contextlib.contextmanager
+def reading_ahead(files: list[tuple[int, int, int]]):
+    """``files``: (fd, first byte, end) of each file the map reads; the uncached ones are read ahead until
+    the block ends (the thread stops at its next piece)."""
+    todo = [f for f in files if f[2] > f[1] and cached_fraction(*f) < CACHED]
+    if not todo:
+        yield
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=_read, args=(todo, stop), name="statekit-readahead", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _read(files: list[tuple[int, int, int]], stop: threading.Event) -> None:
+    buffer = memoryview(bytearray(PIECE))
+    for fd, lo, hi in files:
+        for at in range(lo, hi, PIECE):
+            if stop.is_set():
+                return
+            try:
+                if not os.preadv(fd, [buffer[: min(PIECE, hi - at)]], at):
+                    break
+            except OSError:  # (a file gone or shorter: the map's own reads say so)
+                break
+
+
+def cached_fraction(fd: int, lo: int, hi: int) -> float:
+    """The fraction of ``[lo, hi)``'s pages in the page cache, from :data:`PROBES` evenly spread
+    windows of :data:`PROBE` bytes (the kernel walks its cache a page at a time: all of a 1 GiB file
+    costs 0.2 s); 1.0 when it cannot tell."""
+    mincore = _mincore()
+    if mincore is None:
+        return 1.0
+    start = lo - lo % mmap.ALLOCATIONGRANULARITY
+    try:
+        region = mmap.mmap(fd, hi - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+    except (OSError, ValueError):
+        return 1.0
+    try:
+        size = hi - start
+        window = min(PROBE, size)
+        vec = np.zeros((window + mmap.PAGESIZE - 1) // mmap.PAGESIZE, np.uint8)
+        mapped = np.frombuffer(region, np.uint8)
+        base = mapped.ctypes.data
+        seen = cached = 0
+        for at in np.linspace(0, size - window, PROBES).astype(np.int64) // mmap.PAGESIZE * mmap.PAGESIZE:
+            if mincore(base + int(at), window, vec.ctypes.data) != 0:
+                return 1.0
+            seen += vec.size
+            cached += int(np.count_nonzero(vec & 1))
+        del mapped
+        return cached / seen if seen else 1.0
+    finally:
+        with contextlib.suppress(BufferError):
+            region.close()
+
+
+_MINCORE: list = []
+
+
+def _mincore():
+    if not _MINCORE:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.mincore
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _MINCORE.append(fn)
+    return _MINCORE[0]
