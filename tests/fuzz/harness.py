@@ -370,8 +370,8 @@ def _mutate_torch_zip(data: bytes, rng: random.Random) -> bytes:
             entries[i] = (name, mutate_bytes(body, rng))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zf:
-        for name, body in entries:
-            zf.writestr(name, body)
+        for name, body in entries:  # (a fixed date: a case is the same bytes whenever it is made)
+            zf.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), body)
     return out.getvalue()
 
 
