@@ -199,7 +199,11 @@ def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtyp
             if type(offset) is not int or offset < 0 or offset >= limit:
                 check(offset)
             info = _new_object(TensorInfo)
-            info.shared, info.key, info.offset, info.stride, info.own = shared, key, offset, stride, None
+            info.shared = shared
+            info.key = key
+            info.offset = offset
+            info.stride = stride
+            info.own = None
             span = _new_object(FileSpan)
             _set_file(span, file)
             _set_offset(span, base + offset * scale)

@@ -286,6 +286,7 @@ class _Builder:
         live = self.live(actions)
         t = Template(seg, self.var)
         t.base = [v if s else None for v, s in zip(self.static, self.is_static, strict=True)]
+        t.is_static = self.is_static
         t.step_list = [step for i, (action, step) in enumerate(actions) if step is not None and i in live]
         t.steps = _sequence(t.step_list)
         t.put_get, t.push_get = _getter(tuple(seg.puts)), itemgetter(*seg.pushes)
@@ -437,12 +438,12 @@ class _Builder:
                 r[i] = t = get(r)
                 depths[id(t)] = depth
                 keep.append(t)
-            _source(step, [f"r[{i}] = t = {_tuple_source(items)}", "{depths}[id(t)] = {depth}", "{keep}(t)"],
+            _source(step, [f"{{r{i}}} = t = {_tuple_source(items)}", "{depths}[id(t)] = {depth}", "{keep}(t)"],
                     depths=depths, depth=depth, keep=keep.append)
         else:
             def step(r):
                 r[i] = get(r)
-            _source(step, [f"r[{i}] = {_tuple_source(items)}"])
+            _source(step, [f"{{r{i}}} = {_tuple_source(items)}"])
         return step
 
     def list_step(self, i: int, items, nest):
@@ -544,11 +545,11 @@ class _Builder:
 
                 def fixed_view(r):
                     r[i] = at(value)
-                return ("tensor", offset), _source(fixed_view, [f"r[{i}] = {{at}}({{value}})"], at=at, value=value)
+                return ("tensor", offset), _source(fixed_view, [f"{{r{i}}} = {{at}}({{value}})"], at=at, value=value)
 
             def view(r):
                 r[i] = at(r[offset])
-            return ("tensor", offset), _source(view, [f"r[{i}] = {{at}}(r[{offset}])"], at=at)
+            return ("tensor", offset), _source(view, [f"{{r{i}}} = {{at}}({{r{offset}}})"], at=at)
         get = _getter(items)
 
         def call(r):
@@ -683,19 +684,20 @@ def _pairs(pieces: list[tuple]) -> tuple[tuple, list[tuple]]:
 def _empty_dict_step(i: int):
     def step(r):
         r[i] = {}
-    return _source(step, [f"r[{i}] = {{{{}}}}"])
+    return _source(step, [f"{{r{i}}} = {{{{}}}}"])
 
 
 def _source(step, lines: list[str], **names):
     """``step`` with the statements that do what it does, for :func:`_compile` to write out in its
-    place: ``lines`` (format strings whose fields are ``names``: the objects they refer to)."""
+    place: ``lines``, format strings whose fields are registers (``r5``: what ``r[5]`` is) and
+    ``names`` (the objects they refer to)."""
     step.source, step.names = lines, names
     return step
 
 
 def _tuple_source(items) -> str:
-    """What ``_getter(items)(r)`` makes, as an expression."""
-    return "(" + "".join(f"r[{x}], " for x in items) + ")"
+    """What ``_getter(items)(r)`` makes, as an expression (registers as fields)."""
+    return "(" + "".join(f"{{r{x}}}, " for x in items) + ")"
 
 
 def _is_container(value: object) -> bool:
@@ -766,10 +768,18 @@ _MAX_CODE = 4096
 def _compile(t: Template):
     """``t``'s :meth:`Template.interpret` written out for its pieces: per item, the same tests
     and reads in the same order (a slot's opcode, its value, the chunk after it), then the same
-    steps, memo appends and pushes; the pieces' bytes, packers and registers are the function's
-    globals, so templates of the same shape share one compiled code object."""
-    env = {"_u16": _u16, "_i32": _i32, "_u32": _u32, "_slot": _slot, "_sw": _sw, "base": t.base, "steps": t.steps,
-           "put_get": t.put_get, "push_get": t.push_get}
+    steps, memo appends and pushes. The pieces' bytes, packers and fixed values are the
+    function's globals, so templates of the same shape share one compiled code object; the
+    registers are its locals where every step has its statements (else the register list, which
+    the other steps read). Nothing of the pickle's bytes is in the source: only opcodes, register
+    numbers, lengths and relative memo indices, all ints."""
+    env = {"_u16": _u16, "_i32": _i32, "_u32": _u32, "_slot": _slot, "_sw": _sw, "base": t.base}
+    local = all(getattr(step, "source", None) is not None for step in t.step_list)
+    regs = {}
+    for i, static in enumerate(t.is_static):
+        if static:
+            env[f"s{i}"] = t.base[i]
+        regs[f"r{i}"] = f"s{i}" if static else f"r{i}" if local else f"r[{i}]"
     body: list[str] = []
 
     def chunk(kind: int, c, length: int, name: str) -> None:
@@ -784,7 +794,7 @@ def _compile(t: Template):
                 env[f"{name}_{j}"] = b
                 args.append(f"{name}_{j}")
                 if j < len(rs):
-                    args.append(f"n + {rs[j]}")
+                    args.append(f"n + {rs[j]}" if rs[j] else "n")
             body.append(f"if not sw({name}({', '.join(args)}), p): break")
         else:
             return
@@ -793,15 +803,18 @@ def _compile(t: Template):
     chunk(*t.head, "head")
     for i, (slot, reg, code, kind, c, length) in enumerate(t.pairs):
         body.append(f"if data[p] != {code}: break")
+        target = regs[f"r{reg}"]
         if slot == _TEXT4:
-            body += ["k = p + 5 + _u32(data, p + 1)[0]", "if k > end: break", f"r[{reg}] = data[p + 5 : k].decode()",
+            body += ["k = p + 5 + _u32(data, p + 1)[0]", "if k > end: break", f"{target} = data[p + 5 : k].decode()",
                      "p = k"]
         elif slot == _INT1:
-            body += [f"r[{reg}] = data[p + 1]", "p += 2"]
+            body += [f"{target} = data[p + 1]", "p += 2"]
         elif slot == _INT2:
-            body += [f"r[{reg}] = _u16(data, p + 1)[0]", "p += 3"]
+            body += [f"{target} = _u16(data, p + 1)[0]", "p += 3"]
         elif slot == _INT4:
-            body += [f"r[{reg}] = _i32(data, p + 1)[0]", "p += 5"]
+            body += [f"{target} = _i32(data, p + 1)[0]", "p += 5"]
+        elif local and slot != _SKIP8:
+            body += ["p = _slot(" + str(slot) + ", data, p + 1, end, one, 0)", f"{target} = one[0]"]
         else:
             body.append(f"p = _slot({slot}, data, p + 1, end, r, {reg})")
         chunk(kind, c, length, f"c{i}")
@@ -810,14 +823,17 @@ def _compile(t: Template):
             env[f"step_{j}"] = step
             body.append(f"step_{j}(r)")
             continue
-        fields = {name: f"{name}_{j}" for name in step.names}
+        fields = {**regs, **{name: f"{name}_{j}" for name in step.names}}
         env.update({f"{name}_{j}": value for name, value in step.names.items()})
         body += [line.format(**fields) for line in step.source]
-    after = ["memo_extend(put_get(r))", f"n += {t.puts}"] if t.puts else []
+    after = []
+    if t.puts:
+        after += [f"memo_extend(({''.join(regs[f'r{x}'] + ', ' for x in t.seg.puts)}))", f"n += {t.puts}"]
+    after.append(f"stack_extend(({''.join(regs[f'r{x}'] + ', ' for x in t.seg.pushes)}))")
     source = "\n".join([
         "def run(u, data, pos, stack, limit):",
         "    memo = u.memo",
-        "    end, n, r = len(data), len(memo), base",
+        "    end, n, r, one = len(data), len(memo), base, [None]",
         "    sw = data.startswith if type(data) is bytes else _sw(data)",
         "    memo_extend, stack_extend = memo.extend, stack.extend",
         "    count = 0",
@@ -828,7 +844,6 @@ def _compile(t: Template):
         "        except Exception:  # (a mismatch, or a refusal: the loop reads this item)",
         "            break",
         *("        " + line for line in after),
-        "        stack_extend(push_get(r))",
         "        pos = p",
         "        count += 1",
         "    return pos, count",
