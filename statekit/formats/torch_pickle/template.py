@@ -830,6 +830,13 @@ def _compile(t: Template):
     if t.puts:
         after += [f"memo_extend(({''.join(regs[f'r{x}'] + ', ' for x in t.seg.puts)}))", f"n += {t.puts}"]
     after.append(f"stack_extend(({''.join(regs[f'r{x}'] + ', ' for x in t.seg.pushes)}))")
+    return _function(body, after, env)
+
+
+def _function(body: list[str], after: list[str], env: dict):
+    """The run function of a template whose item is ``body`` (matched and computed: a failure
+    breaks off before anything of the item is kept) then ``after`` (memo appends, pushes), its
+    globals ``env``; the code compiled once per source."""
     source = "\n".join([
         "def run(u, data, pos, stack, limit):",
         "    memo = u.memo",
