@@ -275,10 +275,10 @@ def test_a_truncated_run_is_the_opcode_loops_error(monkeypatch):
         assert fast == slow and fast[0] is FormatError and "truncated" in fast[1]
 
 
-@pytest.mark.parametrize("compile_after", [0, 16], ids=["compiled-at-once", "interpreted-first"])
+@pytest.mark.parametrize("compile_after", [0, 64], ids=["compiled-at-once", "interpreted-first"])
 def test_runs_agree_on_damaged_pickles(monkeypatch, tmp_path, compile_after):
     """Random bytes changed inside a run of memo-less views (every template compiled before its
-    first item, or after the usual 16 interpreted ones)."""
+    first item, or after the usual 64 interpreted ones)."""
     monkeypatch.setattr(template, "COMPILE_AFTER", compile_after)
     pkl = memo_less_views([{"offset": 3 * i} for i in range(400)])
     assert_agree_when_damaged(pkl, views_storages(), monkeypatch, 35, 200, b"KMJXtQRu(\x85\x86\x88\x89", tmp_path)
@@ -376,9 +376,9 @@ def test_a_torch_save_run_with_an_edited_memo_index_or_truncated_is_the_loops(mo
     assert fast == slow and "KeyError" in fast[1]
 
 
-@pytest.mark.parametrize("compile_after", [0, 16], ids=["compiled-at-once", "interpreted-first"])
+@pytest.mark.parametrize("compile_after", [0, 64], ids=["compiled-at-once", "interpreted-first"])
 def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path, compile_after):
-    """Random bytes changed inside a run of torch.save's views (compiled at once, or after 16)."""
+    """Random bytes changed inside a run of torch.save's views (compiled at once, or after 64)."""
     monkeypatch.setattr(template, "COMPILE_AFTER", compile_after)
     pkl, storages = saved_views(400)
     assert_agree_when_damaged(pkl, storages, monkeypatch, 36, len(pkl) // 4, b"KMJXtQRrhj\x85\x88\x89", tmp_path)

@@ -760,7 +760,10 @@ def slot_ops(seg: Segment) -> frozenset[int]:
 # ------------------------------------------------------------------------------------------------
 # compiling
 
-COMPILE_AFTER = 16  # items a template runs through Template.interpret before it is compiled
+# items a template runs through Template.interpret before it is compiled: a compile (~0.5 ms for a
+# tensor call's item, growing with the item's opcodes) then costs at most about what interpreting
+# those items did, so a pickle whose shapes keep changing (each compiled anew) stays linear
+COMPILE_AFTER = 64
 _CODE: dict[str, object] = {}  # compiled code by source: templates of the same pieces share it (bounded)
 _MAX_CODE = 4096
 
