@@ -11,6 +11,7 @@ Slot names are neutral (PyTorch's: ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import numbers
@@ -429,6 +430,28 @@ class ModelParam:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def model_param(path: str, shape: tuple[int, ...], dtype: str, index: int | None, buffer: bool,
+                tensor: TensorRef) -> ModelParam:
+    """``ModelParam(path, shape, dtype, None, index, buffer, tensor)``, the same object built in
+    half the time: the slots stored directly (a state_dict of 10^6 tensors makes one a tensor;
+    the field list is checked against the dataclass's below, at import)."""
+    p = _new_object(ModelParam)
+    p.path = path
+    p.shape = shape
+    p.dtype = dtype
+    p.id = None
+    p.index = index
+    p.buffer = buffer
+    p.tensor = tensor
+    return p
+
+
+_new_object = object.__new__
+if hasattr(ModelParam, "__post_init__") or [f.name for f in dataclasses.fields(ModelParam)] != [
+        "path", "shape", "dtype", "id", "index", "buffer", "tensor"]:
+    raise AssertionError("ModelParam's fields changed: model_param sets the old ones")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from test_torch_pickle import op_global, op_str, wrap
 
 from statekit.errors import FormatError, UnsafePickleError
 from statekit.formats import torch_pickle
-from statekit.formats.torch_pickle import Storage, StorageId, interpreter
+from statekit.formats.torch_pickle import Storage, StorageId, interpreter, template
 from statekit.formats.torch_pickle.repeats import Repeats
 from statekit.tensor import TensorRef
 
@@ -275,8 +275,11 @@ def test_a_truncated_run_is_the_opcode_loops_error(monkeypatch):
         assert fast == slow and fast[0] is FormatError and "truncated" in fast[1]
 
 
-def test_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
-    """Random bytes changed inside a run of memo-less views."""
+@pytest.mark.parametrize("compile_after", [0, 64], ids=["compiled-at-once", "interpreted-first"])
+def test_runs_agree_on_damaged_pickles(monkeypatch, tmp_path, compile_after):
+    """Random bytes changed inside a run of memo-less views (every template compiled before its
+    first item, or after the usual 64 interpreted ones)."""
+    monkeypatch.setattr(template, "COMPILE_AFTER", compile_after)
     pkl = memo_less_views([{"offset": 3 * i} for i in range(400)])
     assert_agree_when_damaged(pkl, views_storages(), monkeypatch, 35, 200, b"KMJXtQRu(\x85\x86\x88\x89", tmp_path)
 
@@ -337,11 +340,15 @@ def test_runs_of_torch_saves_views_read_what_the_opcode_loop_reads(monkeypatch, 
     lambda op, arg, raw: "key" if op is None else raw.replace(b"v1500", b"v\xed\xa0\x80"),
 ], ids=["past-the-end", "negative", "float", "none", "not-utf8", "surrogate"])
 def test_a_torch_save_run_stops_at_a_bad_call_with_the_opcode_loops_error(monkeypatch, tmp_path, spans, edit):
+    made: list = []
+    real = template._compile
+    monkeypatch.setattr(template, "_compile", lambda t: made.append(t) or real(t))
     pkl, storages = saved_views()
     fast, slow, _ = load_both(edited(pkl, "v1500", edit), storages, monkeypatch,
                               files=tmp_path if spans else None, messages=True)
     assert fast == slow
     assert isinstance(fast, tuple) and fast[0] is FormatError, fast
+    assert made and max(t.items for t in made) > 400  # (the bad call met by a compiled template)
 
 
 def test_a_torch_save_run_with_an_edited_memo_index_or_truncated_is_the_loops(monkeypatch):
@@ -369,8 +376,10 @@ def test_a_torch_save_run_with_an_edited_memo_index_or_truncated_is_the_loops(mo
     assert fast == slow and "KeyError" in fast[1]
 
 
-def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path):
-    """Random bytes changed inside a run of torch.save's views."""
+@pytest.mark.parametrize("compile_after", [0, 64], ids=["compiled-at-once", "interpreted-first"])
+def test_torch_save_runs_agree_on_damaged_pickles(monkeypatch, tmp_path, compile_after):
+    """Random bytes changed inside a run of torch.save's views (compiled at once, or after 64)."""
+    monkeypatch.setattr(template, "COMPILE_AFTER", compile_after)
     pkl, storages = saved_views(400)
     assert_agree_when_damaged(pkl, storages, monkeypatch, 36, len(pkl) // 4, b"KMJXtQRrhj\x85\x88\x89", tmp_path)
 
@@ -391,6 +400,55 @@ def test_filespan_at_is_the_frozen_dataclass(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.offset = 3
     source.close()
+
+
+def test_spanned_ref_is_the_dataclass(tmp_path):
+    """spanned_ref (the views' constructor) builds what TensorRef(..., info=, span=) builds: every
+    field equal, the same bytes read."""
+    import dataclasses
+
+    from statekit.tensor import FileSpan, SourceFile, spanned_ref
+
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(range(100)))
+    source = SourceFile.open(str(path))
+    info = {"storage_offset": 10}
+    fast = spanned_ref("U8", (5,), info, FileSpan(source, 10, 5))
+    plain = TensorRef("U8", (5,), info=info, span=FileSpan(source, 10, 5))
+    assert type(fast) is TensorRef and fast == plain and repr(fast) == repr(plain)
+    assert all(getattr(fast, f.name) == getattr(plain, f.name) for f in dataclasses.fields(TensorRef))
+    assert bytes(fast.raw()) == bytes(range(10, 15)) and fast.nbytes == 5
+    source.close()
+
+
+def test_leaving_no_gc_hands_what_was_made_to_the_oldest_generation():
+    """What a load made does not wait for a young collection after it (its objects join the
+    oldest generation at once), a cycle made meanwhile is still collected, and objects someone
+    else froze stay frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    with torch_pickle.no_gc():
+        made = [(i,) for i in range(50_000)]
+        cycle = Node()
+        cycle.me = cycle
+        gone = weakref.ref(cycle)
+        del cycle
+    assert gc.get_count()[0] < 1000 and gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None and len(made) == 50_000
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with torch_pickle.no_gc():
+            more = [(i,) for i in range(1000)]
+        assert gc.get_freeze_count() == frozen and len(more) == 1000
+    finally:
+        gc.unfreeze()
 
 
 def test_a_run_is_found_after_many_items_that_differ(monkeypatch):

@@ -134,7 +134,8 @@ def normalize(obj: object, path: str) -> tuple[object, list[str]]:
         return node
 
     obj = fix(obj)
-    if isinstance(obj, dict):  # one entry down; only dicts can change (a state_dict of 10^6 tensors is kept)
+    # one entry down; only dicts can change (a state_dict of 10^6 tensors is kept: its values' types, C-level)
+    if isinstance(obj, dict) and any(issubclass(kind, dict) for kind in set(map(type, obj.values()))):
         fixed = {k: new for k, v in obj.items() if isinstance(v, dict) and (new := fix(v)) is not v}
         if fixed:
             obj = {k: fixed.get(k, v) for k, v in obj.items()}

@@ -9,6 +9,7 @@ one, whose parameter names (buffers excluded) name the optimizer's positions.
 
 from __future__ import annotations
 
+import operator
 import os
 
 from statekit import dtypes, hyper
@@ -19,6 +20,7 @@ from statekit.frameworks import base, torch_state, torch_thirdparty
 from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
 FORMAT = "torch"
+_NBYTES = operator.attrgetter("nbytes")  # (mapped over 10^6 tensors: no generator frame a tensor)
 UNNAMED = "parameters left unnamed:"  # how a reader's warning starts when naming from the file's model failed
 
 
@@ -98,7 +100,7 @@ def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) ->
         if ckpt.kind != "optimizer":
             ckpt.kind = "model"
             ckpt.n_tensors = len(model_sd)
-            ckpt.nbytes = sum(r.nbytes for r in model_sd.values())
+            ckpt.nbytes = sum(map(_NBYTES, model_sd.values()))
         elif not any(p.path for p in ckpt.optimizer.params):
             name_from_model(ckpt, ordered=True, source="the checkpoint's model state_dict")
     ckpt.schedulers = torch_state.schedulers_of(obj)

@@ -16,7 +16,7 @@ from statekit.errors import FormatError, MappingError
 from statekit.formats import limits
 from statekit.formats.torch_pickle import WrapperTensor
 from statekit.frameworks import bnb, torch_families, torch_thirdparty
-from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.state import ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState, model_param
 from statekit.tensor import TensorRef
 
 LIGHTNING_OPTIMIZERS = "optimizer_states"  # Lightning .ckpt: a list, one state_dict per optimizer
@@ -67,7 +67,8 @@ def find_optimizer(obj: object, key: str | None, path: str) -> tuple[dict | None
             keys = ", ".join(f"{LIGHTNING_OPTIMIZERS}.{i}" for i in range(len(listed)))
             raise FormatError(f"{len(listed)} optimizer states in the checkpoint ({keys}); choose one with --key", path)
         return listed[0], f"{LIGHTNING_OPTIMIZERS}.0"
-    found = [k for k, v in obj.items() if isinstance(v, dict) and is_optimizer_dict(v)]
+    found = ([k for k, v in obj.items() if isinstance(v, dict) and is_optimizer_dict(v)]
+             if any(issubclass(kind, dict) for kind in set(map(type, obj.values()))) else [])  # (types: C-level)
     if len(found) > 1:
         raise FormatError(
             f"several optimizer state_dicts in the checkpoint ({', '.join(map(str, found))}); choose one with --key",
@@ -106,10 +107,10 @@ def is_buffer(name: str, ref: TensorRef) -> bool:
 
 def read_model(sd: dict) -> ModelInfo:
     params: list[ModelParam] = []
-    index = 0
+    append, new, index = params.append, model_param, 0
     for name, ref in sd.items():
         buf = ref.dtype not in _FLOATS or name.rpartition(".")[2] in BUFFER_SUFFIXES  # is_buffer(), inline
-        params.append(ModelParam(name, tuple(ref.shape), ref.dtype, None, None if buf else index, buf, ref))
+        append(new(name, tuple(ref.shape), ref.dtype, None if buf else index, buf, ref))
         index += 0 if buf else 1
     return ModelInfo(params, order="named_parameters")
 

@@ -12,7 +12,7 @@ from statekit import dtypes
 from statekit.errors import FormatError
 from statekit.formats import limits
 from statekit.formats.torch_pickle.dtype_table import TORCH_TO_STATEKIT, statekit_dtype
-from statekit.tensor import FileSpan, TensorRef
+from statekit.tensor import FileSpan, TensorRef, spanned_ref
 
 
 class StorageId(NamedTuple):
@@ -106,7 +106,7 @@ class TensorInfo(MutableMapping):
     __slots__ = ("shared", "key", "offset", "stride", "own")
     _FIELDS = ("torch_dtype", "parameter", "requires_grad", "device", "storage_key", "storage_offset", "stride")
 
-    def __init__(self, shared: dict, key: str, offset: int, stride: tuple):
+    def __init__(self, shared: dict, key: str, offset: int, stride: tuple):  # (written out in _view_maker)
         self.shared, self.key, self.offset, self.stride, self.own = shared, key, offset, stride, None
 
     def as_dict(self) -> dict:
@@ -174,7 +174,8 @@ def _shared_info(torch_dtype: str, requires_grad: bool, device: str) -> dict:
     return shared
 
 
-_span_at = FileSpan.at
+_new_object = object.__new__
+_set_file, _set_offset, _set_length = (getattr(FileSpan, name).__set__ for name in ("file", "offset", "length"))
 
 
 def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtype: np.dtype, itemsize: int,
@@ -194,11 +195,20 @@ def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtyp
     if flat and span is not None:
         file, base = span.file, span.offset
 
-        def at(offset: object) -> TensorRef:
+        def at(offset: object) -> TensorRef:  # (TensorInfo(...) and FileSpan.at(...) written out)
             if type(offset) is not int or offset < 0 or offset >= limit:
                 check(offset)
-            return TensorRef(name, size, info=TensorInfo(shared, key, offset, stride),
-                             span=_span_at(file, base + offset * scale, length))
+            info = _new_object(TensorInfo)
+            info.shared = shared
+            info.key = key
+            info.offset = offset
+            info.stride = stride
+            info.own = None
+            span = _new_object(FileSpan)
+            _set_file(span, file)
+            _set_offset(span, base + offset * scale)
+            _set_length(span, length)
+            return spanned_ref(name, size, info, span)
     elif flat:
         def at(offset: object) -> TensorRef:
             if type(offset) is not int or offset < 0 or offset >= limit:

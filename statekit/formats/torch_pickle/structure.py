@@ -27,8 +27,13 @@ def no_gc():
     """Pause Python's cyclic garbage collector (reference counting still frees everything).
 
     A loaded pickle is a tree of new objects that all live on; every automatic collection would
-    traverse all of them again, which made reading 10^6 tensors a third slower. Whatever a
-    refused pickle leaves in cycles is collected once the collector runs again.
+    traverse all of them again, which made reading 10^6 tensors a third slower. On leaving, what
+    was made meanwhile joins the oldest generation at once, as if it had survived the young
+    collections already (``gc.freeze`` then ``gc.unfreeze``: two list splices, which also reset the
+    young generation's allocation count): the first allocation after ``gc.enable`` would
+    otherwise start a young collection over all of it (measured: 1.5 s of opening 10^6 views).
+    Not where objects are frozen already (someone else's: unfreezing would release theirs).
+    Whatever a refused pickle leaves in cycles is collected by the next full collection.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -36,6 +41,9 @@ def no_gc():
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 

@@ -95,9 +95,29 @@ class Template:
         self.ops = len(seg.ops)  # opcodes an item stands for (the loop's budget counts them)
         self.puts = len(seg.puts)
         self.items = 0  # items it ran
+        self.interpreted = 0  # items :meth:`interpret` ran (the first few, before :attr:`compiled` is made)
+        self.compiled = None  # :meth:`interpret` written out for this template's pieces (:func:`_compile`)
 
     def run(self, u, data, pos: int, stack: list, limit: int) -> tuple[int, int]:
         """Up to ``limit`` items from ``pos``: (the offset after the last, items run).
+
+        The first :data:`COMPILE_AFTER` items run through :meth:`interpret`; a template that gets
+        that far is then written out as a function of its own (:func:`_compile`: the same
+        statements, less the loop over the pieces and the tests of their kinds), which runs the
+        rest. A template used once or twice costs no compiling."""
+        count = 0
+        if self.compiled is None:
+            first = min(limit, COMPILE_AFTER - self.interpreted)
+            pos, count = self.interpret(u, data, pos, stack, first)
+            self.interpreted += count
+            if count < first or count == limit:
+                return pos, count
+            self.compiled = _compile(self)
+        pos, more = self.compiled(u, data, pos, stack, limit - count)
+        return pos, count + more
+
+    def interpret(self, u, data, pos: int, stack: list, limit: int) -> tuple[int, int]:
+        """:meth:`run`'s items, its pieces looped over (what :func:`_compile` writes out).
 
         One register list serves every item: each item writes a register (from a slot, or a
         step) before anything reads it, so nothing of the item before is ever read."""
@@ -266,7 +286,9 @@ class _Builder:
         live = self.live(actions)
         t = Template(seg, self.var)
         t.base = [v if s else None for v, s in zip(self.static, self.is_static, strict=True)]
-        t.steps = _sequence([step for i, (action, step) in enumerate(actions) if step is not None and i in live])
+        t.is_static = self.is_static
+        t.step_list = [step for i, (action, step) in enumerate(actions) if step is not None and i in live]
+        t.steps = _sequence(t.step_list)
         t.put_get, t.push_get = _getter(tuple(seg.puts)), itemgetter(*seg.pushes)
         t.head, t.pairs = _pairs(self.pieces())
         t.overwrites, t.read_depths = self.u.overwrites, self.read_depths
@@ -416,9 +438,12 @@ class _Builder:
                 r[i] = t = get(r)
                 depths[id(t)] = depth
                 keep.append(t)
+            _source(step, [f"{{r{i}}} = t = {_tuple_source(items)}", "{depths}[id(t)] = {depth}", "{keep}(t)"],
+                    depths=depths, depth=depth, keep=keep.append)
         else:
             def step(r):
                 r[i] = get(r)
+            _source(step, [f"{{r{i}}} = {_tuple_source(items)}"])
         return step
 
     def list_step(self, i: int, items, nest):
@@ -520,11 +545,11 @@ class _Builder:
 
                 def fixed_view(r):
                     r[i] = at(value)
-                return ("tensor", offset), fixed_view
+                return ("tensor", offset), _source(fixed_view, [f"{{r{i}}} = {{at}}({{value}})"], at=at, value=value)
 
             def view(r):
                 r[i] = at(r[offset])
-            return ("tensor", offset), view
+            return ("tensor", offset), _source(view, [f"{{r{i}}} = {{at}}({{r{offset}}})"], at=at)
         get = _getter(items)
 
         def call(r):
@@ -659,7 +684,20 @@ def _pairs(pieces: list[tuple]) -> tuple[tuple, list[tuple]]:
 def _empty_dict_step(i: int):
     def step(r):
         r[i] = {}
+    return _source(step, [f"{{r{i}}} = {{{{}}}}"])
+
+
+def _source(step, lines: list[str], **names):
+    """``step`` with the statements that do what it does, for :func:`_compile` to write out in its
+    place: ``lines``, format strings whose fields are registers (``r5``: what ``r[5]`` is) and
+    ``names`` (the objects they refer to)."""
+    step.source, step.names = lines, names
     return step
+
+
+def _tuple_source(items) -> str:
+    """What ``_getter(items)(r)`` makes, as an expression (registers as fields)."""
+    return "(" + "".join(f"{{r{x}}}, " for x in items) + ")"
 
 
 def _is_container(value: object) -> bool:
@@ -686,7 +724,14 @@ def _flush(parts: list, pieces: list) -> None:
 
 def _packer(pack, b: list[bytes], r: list[int]):
     """The chunk's bytes as a function of the memo length ``n``: ``b[0]``, index ``n + r[0]``,
-    ``b[1]`` … (the arguments written out for up to five indices: most chunks have one to five)."""
+    ``b[1]`` … (the arguments written out for up to five indices: most chunks have one to five);
+    its ``parts`` are ``(pack, b, r)``, for :func:`_compile`."""
+    fn = _pack_fn(pack, b, r)
+    fn.parts = (pack, tuple(b), tuple(r))
+    return fn
+
+
+def _pack_fn(pack, b: list[bytes], r: list[int]):
     if len(r) == 1:
         (b0, b1), (r0,) = b, r
         return lambda n: pack(b0, n + r0, b1)
@@ -710,3 +755,113 @@ def slot_ops(seg: Segment) -> frozenset[int]:
     """Every literal of ``seg`` a slot may read (a general template: any such item fits)."""
     return frozenset(k for k in seg.literals if seg.ops[k][0] in VARIABLE)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling
+
+# items a template runs through Template.interpret before it is compiled: a compile (~0.5 ms for a
+# tensor call's item, growing with the item's opcodes) then costs at most about what interpreting
+# those items did, so a pickle whose shapes keep changing (each compiled anew) stays linear
+COMPILE_AFTER = 64
+_CODE: dict[str, object] = {}  # compiled code by source: templates of the same pieces share it (bounded)
+_MAX_CODE = 4096
+
+
+def _compile(t: Template):
+    """``t``'s :meth:`Template.interpret` written out for its pieces: per item, the same tests
+    and reads in the same order (a slot's opcode, its value, the chunk after it), then the same
+    steps, memo appends and pushes. The pieces' bytes, packers and fixed values are the
+    function's globals, so templates of the same shape share one compiled code object; the
+    registers are its locals where every step has its statements (else the register list, which
+    the other steps read). Nothing of the pickle's bytes is in the source: only opcodes, register
+    numbers, lengths and relative memo indices, all ints."""
+    env = {"_u16": _u16, "_i32": _i32, "_u32": _u32, "_slot": _slot, "_sw": _sw, "base": t.base}
+    local = all(getattr(step, "source", None) is not None for step in t.step_list)
+    regs = {}
+    for i, static in enumerate(t.is_static):
+        if static:
+            env[f"s{i}"] = t.base[i]
+        regs[f"r{i}"] = f"s{i}" if static else f"r{i}" if local else f"r[{i}]"
+    body: list[str] = []
+
+    def chunk(kind: int, c, length: int, name: str) -> None:
+        if kind == _FIXED:
+            env[name] = c
+            body.append(f"if not sw({name}, p): break")
+        elif kind == _PACKED:
+            pack, bs, rs = c.parts
+            env[name] = pack
+            args = []
+            for j, b in enumerate(bs):
+                env[f"{name}_{j}"] = b
+                args.append(f"{name}_{j}")
+                if j < len(rs):
+                    args.append(f"n + {rs[j]}" if rs[j] else "n")
+            body.append(f"if not sw({name}({', '.join(args)}), p): break")
+        else:
+            return
+        body.append(f"p += {length}")
+
+    chunk(*t.head, "head")
+    for i, (slot, reg, code, kind, c, length) in enumerate(t.pairs):
+        body.append(f"if data[p] != {code}: break")
+        target = regs[f"r{reg}"]
+        if slot == _TEXT4:
+            body += ["k = p + 5 + _u32(data, p + 1)[0]", "if k > end: break", f"{target} = data[p + 5 : k].decode()",
+                     "p = k"]
+        elif slot == _INT1:
+            body += [f"{target} = data[p + 1]", "p += 2"]
+        elif slot == _INT2:
+            body += [f"{target} = _u16(data, p + 1)[0]", "p += 3"]
+        elif slot == _INT4:
+            body += [f"{target} = _i32(data, p + 1)[0]", "p += 5"]
+        elif local and slot != _SKIP8:
+            body += ["p = _slot(" + str(slot) + ", data, p + 1, end, one, 0)", f"{target} = one[0]"]
+        else:
+            body.append(f"p = _slot({slot}, data, p + 1, end, r, {reg})")
+        chunk(kind, c, length, f"c{i}")
+    for j, step in enumerate(t.step_list):
+        if getattr(step, "source", None) is None:
+            env[f"step_{j}"] = step
+            body.append(f"step_{j}(r)")
+            continue
+        fields = {**regs, **{name: f"{name}_{j}" for name in step.names}}
+        env.update({f"{name}_{j}": value for name, value in step.names.items()})
+        body += [line.format(**fields) for line in step.source]
+    after = []
+    if t.puts:
+        after += [f"memo_extend(({''.join(regs[f'r{x}'] + ', ' for x in t.seg.puts)}))", f"n += {t.puts}"]
+    after.append(f"stack_extend(({''.join(regs[f'r{x}'] + ', ' for x in t.seg.pushes)}))")
+    return _function(body, after, env)
+
+
+def _function(body: list[str], after: list[str], env: dict):
+    """The run function of a template whose item is ``body`` (matched and computed: a failure
+    breaks off before anything of the item is kept) then ``after`` (memo appends, pushes), its
+    globals ``env``; the code compiled once per source."""
+    source = "\n".join([
+        "def run(u, data, pos, stack, limit):",
+        "    memo = u.memo",
+        "    end, n, r, one = len(data), len(memo), base, [None]",
+        "    sw = data.startswith if type(data) is bytes else _sw(data)",
+        "    memo_extend, stack_extend = memo.extend, stack.extend",
+        "    count = 0",
+        "    while count < limit:",
+        "        p = pos",
+        "        try:",
+        *("            " + line for line in body),
+        "        except Exception:  # (a mismatch, or a refusal: the loop reads this item)",
+        "            break",
+        *("        " + line for line in after),
+        "        pos = p",
+        "        count += 1",
+        "    return pos, count",
+    ])
+    code = _CODE.get(source)
+    if code is None:
+        code = compile(source, "<statekit template>", "exec")
+        if len(_CODE) < _MAX_CODE:
+            _CODE[source] = code
+    exec(code, env)
+    return env["run"]
