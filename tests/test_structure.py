@@ -219,15 +219,20 @@ def test_structure_maps_round_trip_as_json():
                          "dst_strides": [1]})
 
 
+@pytest.mark.parametrize("window", [1 << 20, 0])
 @pytest.mark.parametrize("jobs", [1, 3])
-def test_the_proof_on_threads_finds_what_one_thread_finds_and_the_same_first_difference(tmp_path, monkeypatch, jobs):
-    """Every comparison cut small (runs in 40-byte chunks, blocks of 8 elements) and run on ``jobs``
-    threads: the same map, and a tensor changed in two places is refused at the first of them."""
+def test_the_proof_on_threads_finds_what_one_thread_finds_and_the_same_first_difference(tmp_path, monkeypatch, jobs,
+                                                                                       window):
+    """Every comparison cut small (runs in 40-byte chunks read 12 bytes at a time, blocks of 8 elements,
+    read into buffers or, with no window, compared over maps) and run on ``jobs`` threads: the same
+    map, and a tensor changed in two places is refused at the first of them."""
     from statekit import stream
     from statekit.structure import proof
 
     monkeypatch.setattr(proof, "PARALLEL_MIN", 0)
     monkeypatch.setattr(proof, "RUN_CHUNK", 40)
+    monkeypatch.setattr(proof, "PIECE", 12)
+    monkeypatch.setattr(proof, "WINDOW", window)
     monkeypatch.setattr(proof, "BLOCK", 8)
     monkeypatch.setattr(stream, "current_jobs", lambda: jobs)
     q, k, v, w = f32(8, 6), f32(4, 6), f32(4, 6), f32(30, 7)

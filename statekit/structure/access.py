@@ -17,6 +17,7 @@ import contextlib
 import math
 import mmap
 import os
+import threading
 
 from statekit import dtypes
 from statekit.errors import FormatError
@@ -25,7 +26,7 @@ from statekit.tensor import TensorRef
 
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
-ROWS_PER_BAND = 8 << 20  # bytes of rows whose keys are gathered at once
+ROWS_READ = 1 << 20  # bytes of rows read at once for their keys
 RELEASE_EVERY = 16 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _M = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -174,23 +175,43 @@ def col_count(shape: tuple[int, ...]) -> int:
 
 
 def row_keys(w: Weight) -> np.ndarray:
-    """A key per row (line along the last axis): the sampled columns of every row, gathered from the
-    file's pages a bounded band of rows at a time (nothing copied but the samples; the pages are let
-    go as the band moves on)."""
+    """A key per row (line along the last axis): the sampled columns of every row. Rows are read
+    :data:`ROWS_READ` bytes at a time into one reused buffer (it stays in the core's cache; the
+    samples are all that is kept, one tensor's worth, mixed at once); rows longer than that (a long
+    vector is one row) have their samples gathered from the file's pages."""
     length = w.shape[-1] if w.shape else 1
     if not length or not w.numel:
         return np.zeros(0, np.uint64)
     where = positions(length)
-    per = max(1, ROWS_PER_BAND // max(1, length * w.itemsize))
-    out = np.empty(row_count(w.shape), np.uint64)
-    with w.mapped(sequential=True) as m:
-        rows = m.array.reshape(-1, length)
-        for first in range(0, rows.shape[0], per):
-            band = rows[first : first + per]
-            out[first : first + band.shape[0]] = mix(band[:, where], length)
-            m.touched(band.nbytes)
-        del rows, band
-    return out
+    row_bytes = length * w.itemsize
+    span = w.ref.span
+    if span is None or w.ref.array_loader is not None:
+        return mix(w.flat().reshape(-1, length)[:, where], length)
+    if row_bytes > ROWS_READ:
+        with w.mapped(sequential=True) as m:
+            samples = m.array.reshape(-1, length)[:, where]
+        return mix(samples, length)
+    rows = row_count(w.shape)
+    samples = np.empty((rows, where.size), w.bits)
+    per = ROWS_READ // row_bytes
+    buffer = _row_buffer(per * row_bytes)
+    for first in range(0, rows, per):
+        n = min(per, rows - first)
+        view = buffer[: n * row_bytes]
+        span.file.pread_into(view, span.offset + first * row_bytes)
+        samples[first : first + n] = np.frombuffer(view, w.bits).reshape(n, length)[:, where]
+    return mix(samples, length)
+
+
+_ROW_BUFFERS = threading.local()
+
+
+def _row_buffer(size: int) -> memoryview:
+    """The thread's buffer for rows (reused: fresh memory costs page faults)."""
+    raw = getattr(_ROW_BUFFERS, "raw", None)
+    if raw is None or len(raw) < size:
+        raw = _ROW_BUFFERS.raw = bytearray(size)
+    return memoryview(raw)
 
 
 def col_keys(w: Weight) -> np.ndarray:

@@ -1,17 +1,20 @@
 """The proof: the map applied to the old weights gives the new weights, bit for bit.
 
-Each piece is compared a bounded block at a time where both files lie, nothing copied: a piece that is
-a contiguous run on both sides is ``memcmp``'d over populated windows of the page cache
-(:func:`statekit.stream.same_spans`); any other piece (RoPE-permuted rows, a column of a matrix, a
-transpose) is compared as strided views of read-only maps of the two files, :data:`BLOCK` elements at
-a time (a comparison's temporary stays in the CPU's cache), the pages let go as the comparison moves
-on. Memory stays a few windows, whatever the tensors' size. The first element that disagrees is named
+Each piece is compared a bounded block at a time, as cheaply as its shape allows: a contiguous run on
+both sides is read :data:`PIECE` bytes at a time into two reused buffers and ``memcmp``'d; a block
+whose elements lie within :data:`WINDOW` bytes of both tensors (a head of RoPE-permuted rows, a band
+of rows) is read the same way and compared as strided views; anything wider (a column of a matrix, a
+transpose) is compared over read-only maps of the files whose pages are let go as the comparison
+moves on. The buffers stay in the core's cache, and ``preadv``, ``memcmp`` and numpy's comparisons
+let the GIL go, so threads compare at once (maps would serialise them on the process's memory map).
+Memory stays a few buffers, whatever the tensors' size. The first element that disagrees is named
 with both values.
 
 Above 16 MiB a target's comparisons run on the cores (``STATEKIT_JOBS``, else the CPUs the process may
-use), on threads kept for the process: a contiguous run in 32 MiB chunks, the blocks of another piece
-in tasks of about as many bytes, at most twice as many in flight as threads; the results are taken in
-the pieces' order, so the disagreement named is the one a single thread would name.
+use), on threads kept for the process, each with its own buffers: a contiguous run in 32 MiB chunks,
+the blocks of another piece in tasks of about as many bytes, at most twice as many in flight as
+threads; the results are taken in the pieces' order, so the disagreement named is the one a single
+thread would name.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from statekit import dtypes, stream
 from statekit.lazy import numpy as np
 from statekit.structure.access import Weight
 from statekit.structure.pieces import Piece, TargetMap, unravel
-from statekit.tensor import FileSpan
 
 BLOCK = 1 << 18  # elements compared at once
+PIECE = 1 << 20  # bytes of a contiguous run read and compared at once (in the core's cache)
+WINDOW = 4 << 20  # bytes of a tensor a block may span to be read into a buffer (else compared over maps)
 
 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
@@ -97,23 +101,57 @@ def _block_groups(p: Piece, itemsize: int):
 
 
 def _compare_run(t: TargetMap, new: Weight, source: Weight, piece: Piece) -> tuple[str | None, int]:
+    """A contiguous run: both sides read :data:`PIECE` bytes at a time into the thread's two buffers
+    and ``memcmp``'d (the buffers stay in the core's cache; ``preadv`` and ``memcmp`` let the GIL go,
+    so the threads compare at once — maps would serialise them on the process's memory map)."""
     nbytes = 2 * piece.numel * new.itemsize
-    if _runs_alike(piece, new, source):
-        return None, nbytes
-    return _compare_blocks(t, new, source, list(blocks(piece, BLOCK)))[0], nbytes
+    memcmp = stream._memcmp()
+    if memcmp is None or not (_on_disk(new) and _on_disk(source)):
+        return _compare_blocks(t, new, source, list(blocks(piece, BLOCK)))[0], nbytes
+    size = new.itemsize
+    buffers = _thread_buffers()
+    per = max(1, PIECE // size)
+    for lo in range(0, piece.numel, per):
+        n = min(per, piece.numel - lo)
+        a = buffers.read(new, piece.dst_offset + lo, piece.dst_offset + lo + n - 1, 0)
+        b = buffers.read(source, piece.src_offset + lo, piece.src_offset + lo + n - 1, 1)
+        if memcmp(a.ctypes.data, b.ctypes.data, n * size):
+            part = Piece(piece.source, (n,), piece.src_offset + lo, (1,), piece.dst_offset + lo, (1,))
+            return _first_difference(t, new, source, part, a, b), nbytes
+    return None, nbytes
 
 
 def _compare_blocks(t: TargetMap, new: Weight, source: Weight, group: list[Piece]) -> tuple[str | None, int]:
+    """Blocks of a piece that is not one run: a block whose elements lie within :data:`WINDOW` bytes
+    of both tensors (a head of RoPE-permuted rows, a band of rows) read into the thread's two buffers
+    and compared as strided views; a wider one (a column of a matrix, a transpose) over read-only maps
+    of the files, whose pages are let go as the comparison moves on."""
     nbytes = 2 * sum(b.numel for b in group) * new.itemsize
-    with new.mapped(sequential=True) as target, source.mapped(sequential=True) as src:
-        for block in group:
-            a, b = block.dst_view(target.array), block.src_view(src.array)
-            if not _same(a, b):
-                return _first_difference(t, new, source, block, a, b), nbytes
-            target.touched(a.nbytes)
-            src.touched(b.nbytes)
-        a = b = None
+    buffers = _thread_buffers()
+    wide = []
+    for block in group:
+        (dlo, dhi), (slo, shi) = block.dst_span(), block.src_span()
+        if max(dhi - dlo + 1, shi - slo + 1) * new.itemsize > WINDOW:
+            wide.append(block)
+            continue
+        a = block.dst_view(buffers.read(new, dlo, dhi, 0), dlo)
+        b = block.src_view(buffers.read(source, slo, shi, 1), slo)
+        if not _same(a, b):
+            return _first_difference(t, new, source, block, a, b), nbytes
+    if wide:
+        with new.mapped(sequential=True) as target, source.mapped(sequential=True) as src:
+            for block in wide:
+                a, b = block.dst_view(target.array), block.src_view(src.array)
+                if not _same(a, b):
+                    return _first_difference(t, new, source, block, a, b), nbytes
+                target.touched(a.nbytes)
+                src.touched(b.nbytes)
+            a = b = None
     return None, nbytes
+
+
+def _on_disk(w: Weight) -> bool:
+    return w.ref.span is not None and w.ref.array_loader is None
 
 
 def _parallel(tasks: list, jobs: int):
@@ -161,15 +199,36 @@ def _pool(jobs: int):
         return pool
 
 
-def _runs_alike(p: Piece, new: Weight, source: Weight) -> bool:
-    """A contiguous run on both sides, found equal where both files lie (False: unknown or different;
-    the caller then compares it block by block)."""
-    a, b = new.ref.span, source.ref.span
-    if a is None or b is None or new.ref.array_loader is not None or source.ref.array_loader is not None:
-        return False
-    size = new.itemsize
-    return stream.same_spans(FileSpan(a.file, a.offset + p.dst_offset * size, p.numel * size),
-                             FileSpan(b.file, b.offset + p.src_offset * size, p.numel * size))
+_LOCAL = threading.local()
+
+
+def _thread_buffers() -> _Buffers:
+    """The thread's two reused read buffers (the pool's threads keep theirs for the process: at most
+    :data:`WINDOW` bytes each)."""
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = _Buffers()
+    return buffers
+
+
+class _Buffers:
+    """Two reused buffers (the new tensor's window, the old one's): no fresh memory per block."""
+
+    def __init__(self):
+        self._raw: list[bytearray | None] = [None, None]
+
+    def read(self, w: Weight, lo: int, hi: int, which: int) -> np.ndarray:
+        """Elements ``[lo, hi]`` of ``w`` as bits (a view of the buffer, valid until its next read)."""
+        if not _on_disk(w):
+            return w.flat()[lo : hi + 1]
+        n = (hi - lo + 1) * w.itemsize
+        raw = self._raw[which]
+        if raw is None or len(raw) < n:
+            raw = self._raw[which] = bytearray(max(n, PIECE))
+        view = memoryview(raw)[:n]
+        span = w.ref.span
+        span.file.pread_into(view, span.offset + lo * w.itemsize)
+        return np.frombuffer(view, w.bits)
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
