@@ -310,3 +310,23 @@ def test_the_page_cache_probe_sees_a_file_read_and_one_let_go(tmp_path):
         assert readahead.cached_fraction(fd, 0, size) < readahead.CACHED
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("rows_read", [1 << 20, 1200, 64])
+def test_row_keys_read_from_the_file_in_bands_are_the_keys_of_the_rows_in_memory(tmp_path, monkeypatch, rows_read):
+    """Rows read into the thread's buffer a band at a time (1 MiB, or 1200 bytes: one row a read), or
+    longer than a read (64 bytes) and gathered from the file's pages with the pages let go every 2 KiB: the keys
+    are those of the same rows in memory, each the mix of its row's sampled elements."""
+    from statekit.structure import access
+
+    monkeypatch.setattr(access, "ROWS_READ", rows_read)
+    monkeypatch.setattr(access, "RELEASE_EVERY", 2048)
+    w = f32(37, 300)
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    expected = access.mix(w.view(np.uint32)[:, access.positions(300)], 300)
+    with io.open_checkpoint(str(tmp_path / "w.safetensors")) as ckpt:
+        (m,) = ckpt.model.params
+        on_file = access.row_keys(Weight("w", m.tensor))
+    in_memory = access.row_keys(Weight("w", TensorRef.from_array(w)))
+    assert on_file.tolist() == in_memory.tolist() == expected.tolist()
+    assert len(set(on_file.tolist())) == 37

@@ -27,6 +27,7 @@ from statekit.tensor import TensorRef
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
 ROWS_READ = 1 << 20  # bytes of rows read at once for their keys
+BUFFER_MIN = 1 << 20  # bytes a read buffer starts at
 RELEASE_EVERY = 16 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _M = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -176,42 +177,71 @@ def col_count(shape: tuple[int, ...]) -> int:
 
 def row_keys(w: Weight) -> np.ndarray:
     """A key per row (line along the last axis): the sampled columns of every row. Rows are read
-    :data:`ROWS_READ` bytes at a time into one reused buffer (it stays in the core's cache; the
-    samples are all that is kept, one tensor's worth, mixed at once); rows longer than that (a long
-    vector is one row) have their samples gathered from the file's pages."""
+    :data:`ROWS_READ` bytes at a time into the thread's reused buffer (it stays in the core's cache;
+    the samples are all that is kept, one tensor's worth, mixed at once); rows longer than that (a
+    long vector is one row) have their samples gathered from the file's pages, let go a band of rows
+    at a time."""
     length = w.shape[-1] if w.shape else 1
     if not length or not w.numel:
         return np.zeros(0, np.uint64)
     where = positions(length)
-    row_bytes = length * w.itemsize
-    span = w.ref.span
-    if span is None or w.ref.array_loader is not None:
-        return mix(w.flat().reshape(-1, length)[:, where], length)
-    if row_bytes > ROWS_READ:
-        with w.mapped(sequential=True) as m:
-            samples = m.array.reshape(-1, length)[:, where]
-        return mix(samples, length)
     rows = row_count(w.shape)
+    if not on_disk(w):
+        return mix(w.flat().reshape(-1, length)[:, where], length)
     samples = np.empty((rows, where.size), w.bits)
+    row_bytes = length * w.itemsize
+    if row_bytes > ROWS_READ:
+        per = max(1, RELEASE_EVERY // row_bytes)
+        with w.mapped(sequential=True) as m:
+            for first in range(0, rows, per):
+                n = min(per, rows - first)
+                samples[first : first + n] = m.array[first * length : (first + n) * length].reshape(n, length)[:, where]
+                m.touched(n * row_bytes)
+        return mix(samples, length)
     per = ROWS_READ // row_bytes
-    buffer = _row_buffer(per * row_bytes)
+    buffers = thread_buffers()
     for first in range(0, rows, per):
         n = min(per, rows - first)
-        view = buffer[: n * row_bytes]
-        span.file.pread_into(view, span.offset + first * row_bytes)
-        samples[first : first + n] = np.frombuffer(view, w.bits).reshape(n, length)[:, where]
+        bits = buffers.read(w, first * length, (first + n) * length - 1, 0)
+        samples[first : first + n] = bits.reshape(n, length)[:, where]
     return mix(samples, length)
 
 
-_ROW_BUFFERS = threading.local()
+def on_disk(w: Weight) -> bool:
+    """Whether ``w``'s bits lie in a file span (else they are in memory)."""
+    return w.ref.span is not None and w.ref.array_loader is None
 
 
-def _row_buffer(size: int) -> memoryview:
-    """The thread's buffer for rows (reused: fresh memory costs page faults)."""
-    raw = getattr(_ROW_BUFFERS, "raw", None)
-    if raw is None or len(raw) < size:
-        raw = _ROW_BUFFERS.raw = bytearray(size)
-    return memoryview(raw)
+_LOCAL = threading.local()
+
+
+def thread_buffers() -> Buffers:
+    """The thread's two reused read buffers (the proof's pool threads keep theirs for the process)."""
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = Buffers()
+    return buffers
+
+
+class Buffers:
+    """Two reused buffers (the new tensor's window, the old one's): no fresh memory, no page faults per
+    read."""
+
+    def __init__(self):
+        self._raw: list[bytearray | None] = [None, None]
+
+    def read(self, w: Weight, lo: int, hi: int, which: int) -> np.ndarray:
+        """Elements ``[lo, hi]`` of ``w`` as bits (a view of buffer ``which``, valid until its next read)."""
+        if not on_disk(w):
+            return w.flat()[lo : hi + 1]
+        n = (hi - lo + 1) * w.itemsize
+        raw = self._raw[which]
+        if raw is None or len(raw) < n:
+            raw = self._raw[which] = bytearray(max(n, BUFFER_MIN))
+        view = memoryview(raw)[:n]
+        span = w.ref.span
+        span.file.pread_into(view, span.offset + lo * w.itemsize)
+        return np.frombuffer(view, w.bits)
 
 
 def col_keys(w: Weight) -> np.ndarray:

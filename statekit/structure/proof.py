@@ -24,7 +24,7 @@ import threading
 
 from statekit import dtypes, stream
 from statekit.lazy import numpy as np
-from statekit.structure.access import Weight
+from statekit.structure.access import Weight, on_disk, thread_buffers
 from statekit.structure.pieces import Piece, TargetMap, unravel
 
 BLOCK = 1 << 18  # elements compared at once
@@ -106,10 +106,10 @@ def _compare_run(t: TargetMap, new: Weight, source: Weight, piece: Piece) -> tup
     so the threads compare at once — maps would serialise them on the process's memory map)."""
     nbytes = 2 * piece.numel * new.itemsize
     memcmp = stream._memcmp()
-    if memcmp is None or not (_on_disk(new) and _on_disk(source)):
+    if memcmp is None or not (on_disk(new) and on_disk(source)):
         return _compare_blocks(t, new, source, list(blocks(piece, BLOCK)))[0], nbytes
     size = new.itemsize
-    buffers = _thread_buffers()
+    buffers = thread_buffers()
     per = max(1, PIECE // size)
     for lo in range(0, piece.numel, per):
         n = min(per, piece.numel - lo)
@@ -127,7 +127,7 @@ def _compare_blocks(t: TargetMap, new: Weight, source: Weight, group: list[Piece
     and compared as strided views; a wider one (a column of a matrix, a transpose) over read-only maps
     of the files, whose pages are let go as the comparison moves on."""
     nbytes = 2 * sum(b.numel for b in group) * new.itemsize
-    buffers = _thread_buffers()
+    buffers = thread_buffers()
     wide = []
     for block in group:
         (dlo, dhi), (slo, shi) = block.dst_span(), block.src_span()
@@ -148,10 +148,6 @@ def _compare_blocks(t: TargetMap, new: Weight, source: Weight, group: list[Piece
                 src.touched(b.nbytes)
             a = b = None
     return None, nbytes
-
-
-def _on_disk(w: Weight) -> bool:
-    return w.ref.span is not None and w.ref.array_loader is None
 
 
 def _parallel(tasks: list, jobs: int):
@@ -197,38 +193,6 @@ def _pool(jobs: int):
 
             pool = _POOLS[jobs] = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="statekit-proof")
         return pool
-
-
-_LOCAL = threading.local()
-
-
-def _thread_buffers() -> _Buffers:
-    """The thread's two reused read buffers (the pool's threads keep theirs for the process: at most
-    :data:`WINDOW` bytes each)."""
-    buffers = getattr(_LOCAL, "buffers", None)
-    if buffers is None:
-        buffers = _LOCAL.buffers = _Buffers()
-    return buffers
-
-
-class _Buffers:
-    """Two reused buffers (the new tensor's window, the old one's): no fresh memory per block."""
-
-    def __init__(self):
-        self._raw: list[bytearray | None] = [None, None]
-
-    def read(self, w: Weight, lo: int, hi: int, which: int) -> np.ndarray:
-        """Elements ``[lo, hi]`` of ``w`` as bits (a view of the buffer, valid until its next read)."""
-        if not _on_disk(w):
-            return w.flat()[lo : hi + 1]
-        n = (hi - lo + 1) * w.itemsize
-        raw = self._raw[which]
-        if raw is None or len(raw) < n:
-            raw = self._raw[which] = bytearray(max(n, PIECE))
-        view = memoryview(raw)[:n]
-        span = w.ref.span
-        span.file.pread_into(view, span.offset + lo * w.itemsize)
-        return np.frombuffer(view, w.bits)
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
