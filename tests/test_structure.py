@@ -9,6 +9,8 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from statekit import io
@@ -284,13 +286,75 @@ def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tm
     real = readahead._read
     monkeypatch.setattr(readahead, "_read", spy)
     monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 0.0)
+    asked: list[list[int]] = []
+    real_will_need = readahead.will_need
+    monkeypatch.setattr(readahead, "will_need", lambda fd, at: (asked.append(list(at)), real_will_need(fd, at)))
     uncached = mapped(tmp_path, old, new)
     assert uncached.map == cached.map
     sizes = [(tmp_path / f"{name}.safetensors").stat().st_size for name in ("old", "new")]
     assert [hi for _, hi in read] == sizes  # both files, each to its last tensor's end
+    # the whole-tensor keys' samples asked for at once: q 48 elements, k and v 24 (all of them), qkv
+    # 64 of its 96 (every element: 96 // 64 = 1), four bytes apart
+    assert sorted(len(at) for at in asked) == [24, 24, 48, 64]
+    assert all(np.diff(at).tolist() == [4] * (len(at) - 1) for at in asked)
     monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 1.0)
     read.clear()
-    assert mapped(tmp_path, old, new).map == cached.map and read == []
+    asked.clear()
+    assert mapped(tmp_path, old, new).map == cached.map and read == [] and asked == []
+
+
+def test_pages_asked_for_are_each_asked_once(monkeypatch):
+    from statekit.structure import readahead
+
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, how: calls.append((at, n, how)))
+    page = readahead.mmap.PAGESIZE
+    readahead.will_need(3, [0, 10, page, page + 904, 2 * page + 4, 10])
+    assert calls == [(0, page, os.POSIX_FADV_WILLNEED), (page, page, os.POSIX_FADV_WILLNEED),
+                     (2 * page, page, os.POSIX_FADV_WILLNEED)]
+
+
+def test_keys_mix_each_row_a_little_endian_word_at_a_time():
+    """Four uint16 elements make one word; three are padded with zeros to one (hand-computed)."""
+    from statekit.structure import access
+
+    words = access._words(np.array([[1, 2, 3], [0xFFFF, 0, 0x8000]], np.uint16))
+    assert words.tolist() == [[0x0000_0003_0002_0001], [0x0000_8000_0000_FFFF]]
+    assert access._words(np.arange(8, dtype=np.uint32).reshape(1, 8)).tolist() == [
+        [1 << 32, 2 | 3 << 32, 4 | 5 << 32, 6 | 7 << 32]]
+    # the key of a row depends on every sampled element: change any one and it changes
+    rows = np.tile(np.arange(1, 17, dtype=np.uint16), (17, 1))
+    for j in range(16):
+        rows[j + 1, j] ^= 1
+    assert len(set(access.mix(rows, 2048).tolist())) == 17
+
+
+@given(st.lists(st.integers(0, 20), max_size=40), st.lists(st.integers(0, 22), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_candidates_are_the_ranges_of_equal_keys(old, new):
+    """Each new key's candidates are exactly the old entries with its key (none, one or several)."""
+    from statekit.structure.lines import LineIndex
+
+    index = LineIndex()
+    index._parts = [(np.array(old, np.uint64), 0, 0)]
+    lo, hi = index.candidates(np.array(new, np.uint64))
+    ordered = sorted(old)
+    assert [(int(a), int(b)) for a, b in zip(lo, hi, strict=True)] == [
+        (sum(x < k for x in ordered), sum(x <= k for x in ordered)) for k in new]
+
+
+def test_columns_are_not_keyed_when_no_old_line_is_as_long(tmp_path, monkeypatch):
+    """q, k, v [8|4|4, 6] joined into qkv [16, 6]: qkv's columns (16 long) match no old line (6, 8 and 4
+    long), so no column key is read; the map is the rows' map."""
+    from statekit.structure import access
+
+    calls = []
+    real = access.col_keys
+    monkeypatch.setattr(access, "col_keys", lambda w: (calls.append(w.path), real(w))[1])
+    q, k, v = f32(8, 6), f32(4, 6), f32(4, 6)
+    result = mapped(tmp_path, {"q": q, "k": k, "v": v}, {"qkv": np.concatenate([q, k, v])})
+    assert calls == []
+    assert result.map.targets["qkv"].sources == ["q", "k", "v"]
 
 
 def test_the_page_cache_probe_sees_a_file_read_and_one_let_go(tmp_path):
@@ -312,21 +376,60 @@ def test_the_page_cache_probe_sees_a_file_read_and_one_let_go(tmp_path):
         os.close(fd)
 
 
-@pytest.mark.parametrize("rows_read", [1 << 20, 1200, 64])
-def test_row_keys_read_from_the_file_in_bands_are_the_keys_of_the_rows_in_memory(tmp_path, monkeypatch, rows_read):
-    """Rows read into the thread's buffer a band at a time (1 MiB, or 1200 bytes: one row a read), or
-    longer than a read (64 bytes) and gathered from the file's pages with the pages let go every 2 KiB: the keys
-    are those of the same rows in memory, each the mix of its row's sampled elements."""
+@pytest.mark.parametrize("band", [1 << 20, 1200, 64])
+def test_row_keys_read_from_the_file_in_bands_are_the_keys_of_the_rows_in_memory(tmp_path, monkeypatch, band):
+    """Rows gathered from the file's pages a band at a time, the pages let go after each (1 MiB: the
+    whole tensor at once; 1200 bytes: one row a band; 64 bytes: less than a row, still a row a band):
+    the keys are those of the same rows in memory, each the mix of its row's sampled elements, which
+    lie at an even step from the first."""
     from statekit.structure import access
 
-    monkeypatch.setattr(access, "ROWS_READ", rows_read)
-    monkeypatch.setattr(access, "RELEASE_EVERY", 2048)
+    monkeypatch.setattr(access, "RELEASE_EVERY", band)
+    assert access.positions(300).tolist() == list(range(0, 16 * 18, 18))  # 300 // 16 = 18
+    assert access.positions(5).tolist() == [0, 1, 2, 3, 4]
     w = f32(37, 300)
     save_file({"w": w}, str(tmp_path / "w.safetensors"))
     expected = access.mix(w.view(np.uint32)[:, access.positions(300)], 300)
     with io.open_checkpoint(str(tmp_path / "w.safetensors")) as ckpt:
         (m,) = ckpt.model.params
         on_file = access.row_keys(Weight("w", m.tensor))
+        columns = access.col_keys(Weight("w", m.tensor))
     in_memory = access.row_keys(Weight("w", TensorRef.from_array(w)))
     assert on_file.tolist() == in_memory.tolist() == expected.tolist()
+    assert columns.tolist() == access.mix(w.view(np.uint32)[access.positions(37)].T, 37).tolist()
     assert len(set(on_file.tolist())) == 37
+
+
+def test_a_column_map_the_proof_refutes_is_followed_by_the_rows_map(tmp_path):
+    """Row 7 of a new [128, 8] tensor is row 3 of another old tensor: the new columns (128 long) sample
+    rows 0, 8, …, 120, so each has the key of a column of ``a``; that map is refuted by the proof, and
+    the rows' map (a's rows, b's row 3) is learned and proved instead of a refusal."""
+    a, b = f32(128, 8), f32(16, 8)
+    new = a.copy()
+    new[7] = b[3]
+    t = mapped(tmp_path, {"a": a, "b": b}, {"n": new}).map.targets["n"]
+    assert t.sources == ["a", "b"]
+    assert np.array_equal(build(t, {"a": a, "b": b}), new)
+
+
+def test_a_line_from_nowhere_is_refused_naming_its_first_element(tmp_path):
+    a = f32(128, 8)
+    new = a.copy()
+    new[7, 2] += 1.0
+    with pytest.raises(MappingError, match=r"n\[7, 2\] is .* in the new weights, but the map reads .* from a\[7, 2\]"):
+        mapped(tmp_path, {"a": a}, {"n": new})
+
+
+def test_tensors_proved_equal_are_not_proved_again(tmp_path, monkeypatch):
+    """Three all-ones norms before and after: the first new one is proved equal to each old one (3
+    proofs), the others to the first old one only (1 each): bit equality is transitive, 5 proofs in
+    all instead of 9; each is settled by its own name."""
+    from statekit.structure import proof
+
+    calls = []
+    real = proof.disagreement
+    monkeypatch.setattr(proof, "disagreement", lambda t, *a, **k: (calls.append(t.path), real(t, *a, **k))[1])
+    norms = {f"{m}.norm": np.ones(16, np.float32) for m in "abc"}
+    result = mapped(tmp_path, norms, dict(norms))
+    assert calls == ["a.norm"] * 3 + ["b.norm", "c.norm"]
+    assert {p: t.sources for p, t in result.map.targets.items()} == {p: [p] for p in norms}

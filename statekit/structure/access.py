@@ -26,7 +26,6 @@ from statekit.tensor import TensorRef
 
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
-ROWS_READ = 1 << 20  # bytes of rows read at once for their keys
 BUFFER_MIN = 1 << 20  # bytes a read buffer starts at
 RELEASE_EVERY = 16 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
@@ -128,22 +127,30 @@ class Mapped:
 
 
 def positions(length: int, samples: int = SAMPLES) -> np.ndarray:
-    """Where a line of ``length`` elements is sampled for its key (a function of the length alone)."""
-    if length <= samples:
-        return np.arange(length, dtype=np.int64)
-    at = np.linspace(0, length - 1, samples).round().astype(np.int64)  # (ascending: its repeats are neighbours)
-    return at[np.concatenate(([True], at[1:] != at[:-1]))]  # (np.unique would import numpy.ma: 20-30 ms)
+    """Where a line of ``length`` elements is sampled for its key (a function of the length alone):
+    ``samples`` elements at an even step from the first (:func:`sampled` as a slice)."""
+    at = sampled(length, samples)
+    return np.arange(at.start, at.stop, at.step, dtype=np.int64)
+
+
+def sampled(length: int, samples: int = SAMPLES) -> slice:
+    """:func:`positions` as a slice: gathered as a strided view, a sixth of the time of the same
+    elements gathered by index (numpy's fancy indexing)."""
+    k = min(samples, length)
+    step = length // k if k else 1
+    return slice(0, k * step, step)
 
 
 def mix(values: np.ndarray, length: int) -> np.ndarray:
-    """One 64-bit key per row of ``values`` (n × k element bits) for lines of ``length``."""
-    if values.shape[0] <= _FEW_ROWS:  # (per element, Python's integers beat numpy's calls on a few rows)
-        return np.array([_mix_row(row, length) for row in values.tolist()], np.uint64)
-    v = values.astype(np.uint64, copy=False)
+    """One 64-bit key per row of ``values`` (n × k element bits) for lines of ``length``: the row's
+    bits mixed a 64-bit word at a time (four bf16 elements a step)."""
+    words = _words(values)
+    if words.shape[0] <= _FEW_ROWS:  # (per element, Python's integers beat numpy's calls on a few rows)
+        return np.array([_mix_row(row, length) for row in words.tolist()], np.uint64)
     with np.errstate(over="ignore"):
-        h = np.full(v.shape[0], (length * _M[0]) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
-        for k in range(v.shape[1]):
-            h ^= v[:, k] + np.uint64(k + 1)
+        h = np.full(words.shape[0], (length * _M[0]) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
+        for k in range(words.shape[1]):
+            h ^= words[:, k] + np.uint64(k + 1)
             h *= np.uint64(_M[1])
             h ^= h >> np.uint64(29)
         h *= np.uint64(_M[2])
@@ -151,12 +158,22 @@ def mix(values: np.ndarray, length: int) -> np.ndarray:
     return h
 
 
+def _words(values: np.ndarray) -> np.ndarray:
+    """Each row's element bits as little-endian 64-bit words (the last zero-padded)."""
+    n, k = values.shape
+    size = values.dtype.itemsize
+    raw = np.ascontiguousarray(values).view(np.uint8).reshape(n, k * size)
+    if (k * size) % 8:
+        raw = np.concatenate([raw, np.zeros((n, -(k * size) % 8), np.uint8)], axis=1)
+    return raw.view("<u8")
+
+
 _FEW_ROWS = 4
 _MASK = (1 << 64) - 1
 
 
 def _mix_row(row: list[int], length: int) -> int:
-    """:func:`mix` of one row, the same bits."""
+    """:func:`mix` of one row of words, the same bits."""
     m1, m2, mask = _M[1], _M[2], _MASK
     h = (length * _M[0]) & mask
     for k, x in enumerate(row, 1):
@@ -176,34 +193,25 @@ def col_count(shape: tuple[int, ...]) -> int:
 
 
 def row_keys(w: Weight) -> np.ndarray:
-    """A key per row (line along the last axis): the sampled columns of every row. Rows are read
-    :data:`ROWS_READ` bytes at a time into the thread's reused buffer (it stays in the core's cache;
-    the samples are all that is kept, one tensor's worth, mixed at once); rows longer than that (a
-    long vector is one row) have their samples gathered from the file's pages, let go a band of rows
-    at a time."""
+    """A key per row (line along the last axis): the sampled columns of every row, gathered as a
+    strided view of the file's pages a band of :data:`RELEASE_EVERY` bytes at a time, the pages let go
+    after each band (only the samples are kept: one tensor's worth, mixed at once). Only the sampled
+    cache lines are read: copying the rows out cost five times as much."""
     length = w.shape[-1] if w.shape else 1
     if not length or not w.numel:
         return np.zeros(0, np.uint64)
-    where = positions(length)
+    where = sampled(length)
     rows = row_count(w.shape)
     if not on_disk(w):
         return mix(w.flat().reshape(-1, length)[:, where], length)
-    samples = np.empty((rows, where.size), w.bits)
+    samples = np.empty((rows, min(SAMPLES, length)), w.bits)
     row_bytes = length * w.itemsize
-    if row_bytes > ROWS_READ:
-        per = max(1, RELEASE_EVERY // row_bytes)
-        with w.mapped(sequential=True) as m:
-            for first in range(0, rows, per):
-                n = min(per, rows - first)
-                samples[first : first + n] = m.array[first * length : (first + n) * length].reshape(n, length)[:, where]
-                m.touched(n * row_bytes)
-        return mix(samples, length)
-    per = ROWS_READ // row_bytes
-    buffers = thread_buffers()
-    for first in range(0, rows, per):
-        n = min(per, rows - first)
-        bits = buffers.read(w, first * length, (first + n) * length - 1, 0)
-        samples[first : first + n] = bits.reshape(n, length)[:, where]
+    per = max(1, RELEASE_EVERY // row_bytes)
+    with w.mapped(sequential=True) as m:
+        for first in range(0, rows, per):
+            n = min(per, rows - first)
+            samples[first : first + n] = m.array[first * length : (first + n) * length].reshape(n, length)[:, where]
+            m.touched(n * row_bytes)
     return mix(samples, length)
 
 
@@ -249,10 +257,11 @@ def col_keys(w: Weight) -> np.ndarray:
     if len(w.shape) < 2 or not w.numel:
         return np.zeros(0, np.uint64)
     rows, cols = w.shape[-2], w.shape[-1]
-    where = positions(rows)
+    where = sampled(rows)
     with w.mapped() as m:
-        sampled = m.array.reshape(-1, rows, cols)[:, where, :]  # batches × k × cols
-    return mix(sampled.transpose(0, 2, 1).reshape(-1, where.size), rows)
+        picked = m.array.reshape(-1, rows, cols)[:, where, :]  # batches × k × cols: a view of the pages
+        picked = picked.transpose(0, 2, 1).reshape(-1, picked.shape[1]).copy()  # (copied before the map goes)
+    return mix(picked, rows)
 
 
 def whole_key(w: Weight, order: np.ndarray | None = None) -> int:

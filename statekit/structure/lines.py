@@ -70,6 +70,7 @@ class LineIndex:
     def __init__(self):
         self._parts: list[tuple[np.ndarray, int, int]] = []  # (keys, tensor number, orient)
         self.weights: list[Weight] = []
+        self.lengths: set[int] = set()  # of the lines indexed: a new line of another length has no candidate
         self._sorted: tuple | None = None
 
     def add(self, w: Weight, orients: tuple[int, ...]) -> None:
@@ -78,7 +79,9 @@ class LineIndex:
         for orient in orients:
             if orient == COL and len(w.shape) < 2:
                 continue
-            self._parts.append((Lines(w.shape, orient).keys(w), number, orient))
+            lines = Lines(w.shape, orient)
+            self._parts.append((lines.keys(w), number, orient))
+            self.lengths.add(lines.length)
         self._sorted = None
 
     def _build(self) -> tuple:
@@ -100,9 +103,18 @@ class LineIndex:
         sorted_keys = self._build()[0]
         order = np.argsort(keys)  # (sorted needles: each search starts where the last ended, in cache)
         needles = keys[order]
+        at = np.searchsorted(sorted_keys, needles, "left")
+        hi_sorted = at.copy()  # most keys match one entry or none: the right end searched only where more
+        inside = at < sorted_keys.size
+        hits = np.flatnonzero(inside)
+        hi_sorted[hits] += sorted_keys[at[hits]] == needles[hits]
+        more = hits[(hi_sorted[hits] < sorted_keys.size)
+                    & (sorted_keys[np.minimum(hi_sorted[hits], sorted_keys.size - 1)] == needles[hits])]
+        if more.size:
+            hi_sorted[more] = np.searchsorted(sorted_keys, needles[more], "right")
         lo, hi = np.empty(keys.size, np.int64), np.empty(keys.size, np.int64)
-        lo[order] = np.searchsorted(sorted_keys, needles, "left")
-        hi[order] = np.searchsorted(sorted_keys, needles, "right")
+        lo[order] = at
+        hi[order] = hi_sorted
         return lo, hi
 
     def entry(self, k: int) -> tuple[int, int, int]:

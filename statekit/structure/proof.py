@@ -10,10 +10,10 @@ let the GIL go, so threads compare at once (maps would serialise them on the pro
 Memory stays a few buffers, whatever the tensors' size. The first element that disagrees is named
 with both values.
 
-Above 16 MiB a target's comparisons run on the cores (``STATEKIT_JOBS``, else the CPUs the process may
-use), on threads kept for the process, each with its own buffers: a contiguous run in 32 MiB chunks,
-the blocks of another piece in tasks of about as many bytes, at most twice as many in flight as
-threads; the results are taken in the pieces' order, so the disagreement named is the one a single
+Above 4 MiB a target's comparisons run on the cores (``STATEKIT_JOBS``, else the CPUs the process may
+use), on threads kept for the process, each with its own buffers: a contiguous run in chunks, the
+blocks of another piece in tasks of about as many bytes (about four tasks a core, 1 to 32 MiB), at
+most twice as many in flight as threads; the results are taken in the pieces' order, so the disagreement named is the one a single
 thread would name.
 """
 
@@ -35,15 +35,24 @@ WINDOW = 4 << 20  # bytes of a tensor a block may span to be read into a buffer 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
     """None when every piece of ``t`` reads from ``old`` exactly what ``new`` holds; else where not
     (the first disagreement in the pieces' order, whichever thread found it)."""
-    tasks = list(_tasks(t, new, old))
-    jobs = min(stream.current_jobs(), len(tasks))
-    if jobs < 2 or sum(n for _, n in tasks) < PARALLEL_MIN:
+    cores = stream.current_jobs()
+    total = 2 * sum(p.numel for p in t.pieces) * new.itemsize
+    tasks = list(_tasks(t, new, old, task_bytes(total, cores)))
+    jobs = min(cores, len(tasks))
+    if jobs < 2 or total < PARALLEL_MIN:
         return _first((task() for task, _ in tasks), advance)
     return _first(_parallel(tasks, jobs), advance)
 
 
-PARALLEL_MIN = 16 << 20  # bytes compared below which one thread does it all
-RUN_CHUNK = 32 << 20  # bytes of a contiguous run (or of another piece's blocks) compared by one task
+PARALLEL_MIN = 4 << 20  # bytes compared (both sides) below which one thread does it all
+RUN_CHUNK = 32 << 20  # bytes (both sides) compared by one task at most
+
+
+def task_bytes(total: int, cores: int) -> int:
+    """Bytes (both sides) one task compares: a target cut into about four tasks a core (so that a
+    tensor of a few MiB, a bf16 matrix, keeps every core busy too), between :data:`PIECE` and
+    :data:`RUN_CHUNK`."""
+    return min(RUN_CHUNK, max(PIECE, total // (4 * max(1, cores))))
 
 
 def _first(results, advance) -> str | None:
@@ -55,21 +64,21 @@ def _first(results, advance) -> str | None:
     return None
 
 
-def _tasks(t: TargetMap, new: Weight, old: dict[str, Weight]):
+def _tasks(t: TargetMap, new: Weight, old: dict[str, Weight], size: int = RUN_CHUNK):
     """The comparisons, in order, as (task, bytes): a task returns (problem or None, bytes compared).
     A contiguous run is cut into chunks; another piece's blocks are grouped into tasks of about
-    :data:`RUN_CHUNK` bytes."""
+    ``size`` bytes (both sides)."""
     for name in t.sources:
         source = old[name]
         for piece in t.pieces:
             if piece.source != name:
                 continue
             if _contiguous(piece, new, source):
-                for part in _run_chunks(piece, new):
+                for part in _run_chunks(piece, new, size):
                     yield (lambda part=part, source=source: _compare_run(t, new, source, part)), \
                         2 * part.numel * new.itemsize
                 continue
-            for group in _block_groups(piece, new.itemsize):
+            for group in _block_groups(piece, new.itemsize, size):
                 yield (lambda group=group, source=source: _compare_blocks(t, new, source, group)), \
                     2 * sum(b.numel for b in group) * new.itemsize
 
@@ -78,8 +87,8 @@ def _contiguous(p: Piece, new: Weight, source: Weight) -> bool:
     return len(p.shape) == 1 and p.src_strides == (1,) and p.dst_strides == (1,) and new.itemsize == source.itemsize
 
 
-def _run_chunks(p: Piece, new: Weight):
-    step = max(1, RUN_CHUNK // max(1, new.itemsize))
+def _run_chunks(p: Piece, new: Weight, size: int):
+    step = max(1, size // (2 * max(1, new.itemsize)))
     if p.numel <= step:
         yield p
         return
@@ -88,14 +97,14 @@ def _run_chunks(p: Piece, new: Weight):
         yield Piece(p.source, (n,), p.src_offset + lo, (1,), p.dst_offset + lo, (1,))
 
 
-def _block_groups(p: Piece, itemsize: int):
-    group, size = [], 0
+def _block_groups(p: Piece, itemsize: int, size: int):
+    group, nbytes = [], 0
     for block in blocks(p, BLOCK):
         group.append(block)
-        size += 2 * block.numel * itemsize
-        if size >= RUN_CHUNK:
+        nbytes += 2 * block.numel * itemsize
+        if nbytes >= size:
             yield group
-            group, size = [], 0
+            group, nbytes = [], 0
     if group:
         yield group
 

@@ -5,7 +5,8 @@ Learning the map reads the weights out of order: a few elements of each tensor f
 sampled rows of the new ones, then every byte for the proof. From a cold page cache each of those reads
 waits for the disk, a page or a fault-around at a time. A thread that reads the files front to back in
 1 MiB pieces (into one reused buffer, so nothing is kept) lets the disk stream at its own speed; the
-map's reads then find the pages cached, or wait for a read already in flight. Files mostly cached
+map's reads then find the pages cached, or wait for a read already in flight; the few elements of
+every tensor its keys start from are asked for at once (:func:`will_need`). Files mostly cached
 (``mincore``) are left alone: there a second reader only takes a core from the comparisons.
 """
 
@@ -27,19 +28,33 @@ CACHED = 0.5  # the fraction of a file's pages in the page cache above which it 
 @contextlib.contextmanager
 def reading_ahead(files: list[tuple[int, int, int]]):
     """``files``: (fd, first byte, end) of each file the map reads; the uncached ones are read ahead until
-    the block ends (the thread stops at its next piece)."""
+    the block ends (the thread stops at its next piece). Yields the set of their fds (see :func:`will_need`)."""
     todo = [f for f in files if f[2] > f[1] and cached_fraction(*f) < CACHED]
     if not todo:
-        yield
+        yield set()
         return
     stop = threading.Event()
     thread = threading.Thread(target=_read, args=(todo, stop), name="statekit-readahead", daemon=True)
     thread.start()
     try:
-        yield
+        yield {fd for fd, _, _ in todo}
     finally:
         stop.set()
         thread.join()
+
+
+def will_need(fd: int, offsets) -> None:
+    """Ask the kernel for the pages holding ``offsets`` (bytes) at once, without waiting for them: a
+    few elements of every tensor of a file not in the page cache (the keys' samples) otherwise come a
+    disk latency each, one after the other (0.7 s of a 1 GiB pair, against 0.04 s asked at once)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    page = mmap.PAGESIZE
+    for first in sorted({int(at) // page for at in offsets}):
+        try:
+            os.posix_fadvise(fd, first * page, page, os.POSIX_FADV_WILLNEED)
+        except OSError:  # (only advice: the reads themselves say what is wrong)
+            return
 
 
 def _read(files: list[tuple[int, int, int]], stop: threading.Event) -> None:
