@@ -189,11 +189,46 @@ class _Inferrer:
         if not todo:
             return []
         index = self._index([o for p, o in self.old.items() if p not in self.used], todo)
-        left = []
-        for w in todo:
-            if not self._lines_of(w, index):
-                left.append(w)
+        left: list[Weight] = []
+        staged: list[tuple[Weight, object]] = []  # in order: outcomes, some with a proof under way
+        try:
+            for w in todo:
+                staged.append((w, self._line_stage(w, index) if w.numel else None))
+                while staged and (not _proving(staged[0][1]) or staged[0][1][-1].done()):  # (what is ready)
+                    self._settle_line(*staged.pop(0), index, left)
+            while staged:
+                self._settle_line(*staged.pop(0), index, left)
+        finally:  # (an error: the proofs still under way are stopped before the files may close)
+            for _, outcome in staged:
+                if _proving(outcome):
+                    outcome[-1].cancel()
         return left
+
+    def _line_stage(self, w: Weight, index: LineIndex):
+        """:meth:`_line_map` up to the proof, which is left under way: ("proving", target, lines, picked,
+        weights, proving), or the outcome when there is nothing to prove. The next tensor's keys are
+        read while the cores compare this one."""
+        found = self._line_choice(w, index)
+        if found is None or found[0] == "problem":
+            return found
+        _, lines, picked = found
+        t = self._line_target(w, index, lines, picked)
+        return ("proving", t, lines, picked, index.weights, proof.start(t, w, self.old, self.advance))
+
+    def _settle_line(self, w: Weight, staged, index: LineIndex, left: list[Weight]) -> None:
+        """A staged outcome taken, in the tensors' order; a proof that failed is made again the whole
+        way (:meth:`_line_map`: the rows' map after refuted columns, and the message)."""
+        outcome = staged
+        if _proving(staged):
+            outcome = ("proved", *staged[1:5]) if staged[5].result() is None else self._line_map(w, index)
+        if outcome is None:
+            left.append(w)
+        elif outcome[0] == "problem":
+            self.problems.append(outcome[1])
+        else:
+            _, t, lines, picked, weights = outcome
+            self.picked[w.path] = (lines, picked, weights)
+            self._keep(t)
 
     def _index(self, olds: list[Weight], todo: list[Weight]) -> LineIndex:
         """Old rows and columns of the lengths the new tensors' lines have (only those are read)."""
@@ -208,49 +243,16 @@ class _Inferrer:
                 index.add(o, orients)
         return index
 
-    def _lines_of(self, w: Weight, index: LineIndex) -> bool:
-        if not w.numel:
-            return False
-        outcome = self._line_map(w, index)
-        if outcome is None:
-            return False
-        if outcome[0] == "problem":
-            self.problems.append(outcome[1])
-            return True
-        _, t, lines, picked, weights = outcome
-        self.picked[w.path] = (lines, picked, weights)
-        self._keep(t)
-        return True
-
     def _line_map(self, w: Weight, index: LineIndex):
         """What ``w``'s lines make of it: None (nothing), ("problem", message), or ("proved", target,
         lines, picked, weights). Columns are tried first (only a few rows are read); a column map the
         proof refutes (rows changed off the sampled ones) is followed by the rows' map before refusing."""
-        modes = (COL, ROW) if len(w.shape) >= 2 else (ROW,)
-        best = partial = None
-        tried = []
-        for orient in modes:
-            found = self._lines_picked(w, index, orient)
-            tried.append(orient)
-            if found is None:
-                continue
-            if found[0] == "problem":
-                return found
-            lines, picked = found
-            covered = int(picked.covered.sum())
-            if covered == lines.count:
-                best = (lines, picked)
-                break
-            if covered and uncovered_tail(picked, lines) and (best is None or covered > int(best[1].covered.sum())):
-                best = (lines, picked)
-            elif covered and (partial is None or covered > int(partial[1].covered.sum())):
-                partial = (lines, picked)
-        if best is None and partial is not None and not self._declared(w.path):
-            return ("problem", self._same_name_difference(w) or _partly(w, *partial, index))
-        if best is None:
-            return None
-        outcome = self._proved(w, index, *best)
-        if outcome[0] == "proved" or len(tried) == len(modes):
+        found = self._line_choice(w, index)
+        if found is None or found[0] == "problem":
+            return found
+        tried, lines, picked = found
+        outcome = self._proved(w, index, lines, picked)
+        if outcome[0] == "proved" or tried == ROW:
             return outcome
         found = self._lines_picked(w, index, ROW)  # (the columns' map refuted: the rows')
         if found is None or found[0] == "problem":
@@ -262,6 +264,31 @@ class _Inferrer:
             if again[0] == "proved":
                 return again
         return outcome
+
+    def _line_choice(self, w: Weight, index: LineIndex):
+        """The lines to build ``w`` from, before any proof: (the last orientation tried, lines, picked)
+        — columns first, rows when the columns do not cover it —, ("problem", message), or None."""
+        modes = (COL, ROW) if len(w.shape) >= 2 else (ROW,)
+        best = partial = None
+        for orient in modes:
+            found = self._lines_picked(w, index, orient)
+            if found is None:
+                continue
+            if found[0] == "problem":
+                return found
+            lines, picked = found
+            covered = int(picked.covered.sum())
+            if covered == lines.count:
+                return orient, lines, picked
+            if covered and uncovered_tail(picked, lines) and (best is None or covered > int(best[1].covered.sum())):
+                best = (lines, picked)
+            elif covered and (partial is None or covered > int(partial[1].covered.sum())):
+                partial = (lines, picked)
+        if best is None and partial is not None and not self._declared(w.path):
+            return ("problem", self._same_name_difference(w) or _partly(w, *partial, index))
+        if best is None:
+            return None
+        return ROW, *best
 
     def _lines_picked(self, w: Weight, index: LineIndex, orient: int):
         """(lines, picked) for ``w`` cut as ``orient``, ("problem", message) when ambiguous, or None
@@ -277,11 +304,14 @@ class _Inferrer:
                                f"{_listed(names)} alike and its neighbours do not settle which")
         return lines, picked
 
-    def _proved(self, w: Weight, index: LineIndex, lines: Lines, picked: Picked):
-        cut = runs(picked)
-        t = TargetMap(w.path, w.shape, pieces_of(cut, lines, index.weights),
+    def _line_target(self, w: Weight, index: LineIndex, lines: Lines, picked: Picked) -> TargetMap:
+        t = TargetMap(w.path, w.shape, pieces_of(runs(picked), lines, index.weights),
                       new=(lines.count - int(picked.covered.sum())) * lines.length)
         t.kind = _kind(t, self.old, picked)
+        return t
+
+    def _proved(self, w: Weight, index: LineIndex, lines: Lines, picked: Picked):
+        t = self._line_target(w, index, lines, picked)
         problem = proof.disagreement(t, w, self.old, self.advance)
         if problem:
             return ("problem", problem)
@@ -399,6 +429,10 @@ def _files(weights: list[Weight]) -> list[tuple[int, int, int]]:
         lo, hi = spans.setdefault(fd, [span.offset, span.offset + span.length])
         spans[fd] = [min(lo, span.offset), max(hi, span.offset + span.length)]
     return [(fd, lo, hi) for fd, (lo, hi) in spans.items()]
+
+
+def _proving(staged) -> bool:
+    return staged is not None and staged[0] == "proving"
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

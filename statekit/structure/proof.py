@@ -44,6 +44,51 @@ def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None
     return _first(_parallel(tasks, jobs), advance)
 
 
+def start(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> Proving:
+    """The proof of ``t`` begun on the comparison threads, not awaited: the caller goes on (the keys of
+    the next tensor) while the cores compare; :meth:`Proving.result` is :func:`disagreement`'s answer.
+    A target below :data:`PARALLEL_MIN` bytes, or with one core, is proved at once."""
+    cores = stream.current_jobs()
+    total = 2 * sum(p.numel for p in t.pieces) * new.itemsize
+    tasks = list(_tasks(t, new, old, task_bytes(total, cores)))
+    if min(cores, len(tasks)) < 2 or total < PARALLEL_MIN:
+        return Proving(None, _first((task() for task, _ in tasks), advance), advance)
+    pool = _pool(cores)
+    return Proving([(pool.submit(task), n) for task, n in tasks], None, advance)
+
+
+class Proving:
+    """A proof under way: its tasks' futures in the pieces' order (or the answer, when made at once)."""
+
+    def __init__(self, futures: list | None, answer: str | None, advance):
+        self._futures = futures
+        self._answer = answer
+        self._advance = advance
+
+    def done(self) -> bool:
+        return self._futures is None or all(f.done() for f, _ in self._futures)
+
+    def result(self) -> str | None:
+        """None when every piece reads what the new tensor holds, else the first disagreement in the
+        pieces' order (the tasks after it are cancelled)."""
+        if self._futures is not None:
+            futures = self._futures
+            try:
+                self._answer = _first((f.result() for f, _ in futures), self._advance)
+            finally:
+                self.cancel()
+        return self._answer
+
+    def cancel(self) -> None:
+        """Tasks not started never are; those started are awaited (no thread is left reading)."""
+        futures, self._futures = self._futures or [], None
+        for f, _ in futures:
+            f.cancel()
+        for f, _ in futures:
+            if not f.cancelled():
+                f.exception()
+
+
 PARALLEL_MIN = 4 << 20  # bytes compared (both sides) below which one thread does it all
 RUN_CHUNK = 32 << 20  # bytes (both sides) compared by one task at most
 
