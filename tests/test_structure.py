@@ -485,3 +485,22 @@ def test_an_error_in_a_proof_under_way_stops_the_others(tmp_path, monkeypatch):
     with pytest.raises(FormatError, match="the file ends inside"):
         mapped(tmp_path, old, new)
     assert proof._POOLS[3]._work_queue.empty()
+
+
+@pytest.mark.parametrize("shape", [(8, 6), (300, 300)])
+def test_whole_keys_read_from_the_file_are_the_keys_in_memory(tmp_path, shape):
+    """A small tensor read whole, a larger one (360 KB) an element a read: the key, and the key of its
+    transpose's positions, are those of the same tensor in memory."""
+    from statekit.structure import access
+
+    w = f32(*shape)
+    save_file({"w": w}, str(tmp_path / "w.safetensors"))
+    order = access.transposed_positions(shape[::-1])
+    in_memory = Weight("w", TensorRef.from_array(w))
+    with io.open_checkpoint(str(tmp_path / "w.safetensors")) as ckpt:
+        (m,) = ckpt.model.params
+        on_file = Weight("w", m.tensor)
+        assert access.whole_key(on_file) == access.whole_key(in_memory)
+        assert access.whole_key(on_file, order) == access.whole_key(in_memory, order)
+    assert access.whole_key(in_memory, order) == access.whole_key(Weight("wt", TensorRef.from_array(
+        np.ascontiguousarray(w.T))))

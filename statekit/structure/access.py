@@ -27,6 +27,7 @@ from statekit.tensor import TensorRef
 SAMPLES = 16  # elements of a line hashed into its key
 WHOLE_SAMPLES = 64  # elements of a whole tensor hashed into its key
 BUFFER_MIN = 1 << 20  # bytes a read buffer starts at
+SMALL_READ = 256 << 10  # bytes of a tensor read whole for its whole-tensor key (else an element a read)
 RELEASE_EVERY = 16 << 20  # bytes of a mapped tensor touched before its pages are let go (madvise)
 _BITS = {1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 _M = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -272,9 +273,12 @@ def whole_key(w: Weight, order: np.ndarray | None = None) -> int:
     at = where if order is None else order
     if not w.numel:
         values = np.zeros(0, w.bits)
-    else:  # a few elements gathered from the file's pages (or from memory)
-        with w.mapped() as m:
-            values = m.array[at]
+    elif not on_disk(w) or w.numel * w.itemsize <= SMALL_READ:
+        values = w.read(0, w.numel)[at] if on_disk(w) else w.flat()[at]
+    else:  # an element a read (mapping the tensor for them cost twice as much)
+        span, size = w.ref.span, w.itemsize
+        raw = b"".join(span.read(int(i) * size, size) for i in at.tolist())
+        values = np.frombuffer(raw, w.bits)
     return int(mix(values.reshape(1, -1), w.numel)[0])
 
 
