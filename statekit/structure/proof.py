@@ -12,9 +12,10 @@ with both values.
 
 Above 4 MiB a target's comparisons run on the cores (``STATEKIT_JOBS``, else the CPUs the process may
 use), on threads kept for the process, each with its own buffers: a contiguous run in chunks, the
-blocks of another piece in tasks of about as many bytes (about four tasks a core, 1 to 32 MiB), at
-most twice as many in flight as threads; the results are taken in the pieces' order, so the disagreement named is the one a single
-thread would name.
+blocks of another piece in tasks of about as many bytes (about four tasks a core, 1 to 32 MiB). A
+proof may be left under way (:func:`start`) while the caller reads the next tensor's keys; its
+results are taken in the pieces' order, so the disagreement named is the one a single thread would
+name, and the tasks after it are cancelled.
 """
 
 from __future__ import annotations
@@ -35,13 +36,7 @@ WINDOW = 4 << 20  # bytes of a tensor a block may span to be read into a buffer 
 def disagreement(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> str | None:
     """None when every piece of ``t`` reads from ``old`` exactly what ``new`` holds; else where not
     (the first disagreement in the pieces' order, whichever thread found it)."""
-    cores = stream.current_jobs()
-    total = 2 * sum(p.numel for p in t.pieces) * new.itemsize
-    tasks = list(_tasks(t, new, old, task_bytes(total, cores)))
-    jobs = min(cores, len(tasks))
-    if jobs < 2 or total < PARALLEL_MIN:
-        return _first((task() for task, _ in tasks), advance)
-    return _first(_parallel(tasks, jobs), advance)
+    return start(t, new, old, advance).result()
 
 
 def start(t: TargetMap, new: Weight, old: dict[str, Weight], advance=None) -> Proving:
@@ -202,35 +197,6 @@ def _compare_blocks(t: TargetMap, new: Weight, source: Weight, group: list[Piece
                 src.touched(b.nbytes)
             a = b = None
     return None, nbytes
-
-
-def _parallel(tasks: list, jobs: int):
-    """The tasks' results in order, run on ``jobs`` threads (``pread``, ``memcmp`` and numpy's
-    comparisons let the GIL go), at most ``2 * jobs`` ahead of the one awaited; after a problem
-    nothing more is started."""
-    pool = _pool(jobs)
-    pending = []
-    it = iter(tasks)
-    try:
-        for task, _ in it:
-            pending.append(pool.submit(task))
-            if len(pending) >= 2 * jobs:
-                break
-        while pending:
-            result = pending.pop(0).result()
-            if result[0]:
-                yield result
-                return
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(nxt[0]))
-            yield result
-    finally:  # (a problem found, or the caller gone: what was not started never is; the rest are awaited)
-        for f in pending:
-            f.cancel()
-        for f in pending:
-            if not f.cancelled():
-                f.exception()
 
 
 _POOLS: dict[int, object] = {}
