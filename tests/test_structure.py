@@ -490,3 +490,18 @@ def test_whole_keys_read_from_the_file_are_the_keys_in_memory(tmp_path, shape):
         assert access.whole_key(on_file, order) == access.whole_key(in_memory, order)
     assert access.whole_key(in_memory, order) == access.whole_key(Weight("wt", TensorRef.from_array(
         np.ascontiguousarray(w.T))))
+
+
+def test_tensors_proved_equal_are_not_proved_again(tmp_path, monkeypatch):
+    """Three all-ones norms before and after: the first new one is proved equal to each old one (3
+    proofs), the others to the first old one only (1 each): bit equality is transitive, 5 proofs in
+    all instead of 9; each is settled by its own name."""
+    from statekit.structure import proof
+
+    calls = []
+    real = proof.disagreement
+    monkeypatch.setattr(proof, "disagreement", lambda t, *a, **k: (calls.append(t.path), real(t, *a, **k))[1])
+    norms = {f"{m}.norm": np.ones(16, np.float32) for m in "abc"}
+    result = mapped(tmp_path, norms, dict(norms))
+    assert calls == ["a.norm"] * 3 + ["b.norm", "c.norm"]
+    assert {p: t.sources for p, t in result.map.targets.items()} == {p: [p] for p in norms}
