@@ -5,6 +5,7 @@ GQA interleave)."""
 from __future__ import annotations
 
 import os
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -267,10 +268,12 @@ def test_a_key_of_a_few_rows_is_the_key_numpy_mixes_for_many(dtype):
     assert by_python[0] != by_python[1]
 
 
-def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tmp_path, monkeypatch):
-    """Files the page cache does not hold are read front to back on a thread while the map is learned
-    (every byte of both files, in 1 MiB pieces, stopping when the map is done); the map is the one
-    learned without it; files it holds are left alone."""
+@pytest.mark.parametrize("fits", [True, False])
+def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tmp_path, monkeypatch, fits):
+    """Files the page cache does not hold are read front to back (every byte of both files, in 1 MiB
+    pieces): first, each on its own thread, when they fit in half the available memory; else on a
+    thread while the map is learned, the whole-tensor keys' samples asked for at once. The map is the
+    one learned without it; files the cache holds are left alone."""
     from statekit.structure import readahead
 
     q, k, v = f32(8, 6), f32(4, 6), f32(4, 6)
@@ -278,29 +281,48 @@ def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tm
     new = {"qkv": np.concatenate([rope(q, 2), k, v])}
     cached = mapped(tmp_path, old, new)
     read: list[tuple[int, int]] = []
+    threads: set[str] = set()
 
     def spy(files, stop):
         read.extend((lo, hi) for _, lo, hi in files)
+        threads.add(threading.current_thread().name)
         real(files, stop)
 
     real = readahead._read
     monkeypatch.setattr(readahead, "_read", spy)
     monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 0.0)
+    monkeypatch.setattr(readahead, "available_memory", lambda: 1 << 40 if fits else 1000)
     asked: list[list[int]] = []
     real_will_need = readahead.will_need
     monkeypatch.setattr(readahead, "will_need", lambda fd, at: (asked.append(list(at)), real_will_need(fd, at)))
     uncached = mapped(tmp_path, old, new)
     assert uncached.map == cached.map
     sizes = [(tmp_path / f"{name}.safetensors").stat().st_size for name in ("old", "new")]
-    assert [hi for _, hi in read] == sizes  # both files, each to its last tensor's end
-    # the whole-tensor keys' samples asked for at once: q 48 elements, k and v 24 (all of them), qkv
-    # 64 of its 96 (every element: 96 // 64 = 1), four bytes apart
-    assert sorted(len(at) for at in asked) == [24, 24, 48, 64]
-    assert all(np.diff(at).tolist() == [4] * (len(at) - 1) for at in asked)
+    assert sorted(hi for _, hi in read) == sorted(sizes)  # both files, each to its last tensor's end
+    if fits:  # read first, a thread a file; nothing is cold after
+        assert threads == {"statekit-read"} and len(read) == 2 and asked == []
+    else:
+        assert threads == {"statekit-readahead"}
+        # the whole-tensor keys' samples asked for at once: q 48 elements, k and v 24 (all of them),
+        # qkv 64 of its 96 (every element: 96 // 64 = 1), four bytes apart
+        assert sorted(len(at) for at in asked) == [24, 24, 48, 64]
+        assert all(np.diff(at).tolist() == [4] * (len(at) - 1) for at in asked)
     monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 1.0)
     read.clear()
     asked.clear()
     assert mapped(tmp_path, old, new).map == cached.map and read == [] and asked == []
+
+
+def test_available_memory_is_read_from_the_system():
+    from statekit.structure import readahead
+
+    free = readahead.available_memory()
+    if not os.path.exists("/proc/meminfo"):
+        assert free is None
+        return
+    with open("/proc/meminfo") as fh:
+        total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemTotal:"))
+    assert 0 < free <= total
 
 
 def test_pages_asked_for_are_each_asked_once(monkeypatch):

@@ -1,13 +1,16 @@
-"""Weight files read once, in order, on a thread, while the map is learned from them — when they are not
-in the page cache already.
+"""Weight files not in the page cache read once, in order, before or while the map is learned from them.
 
 Learning the map reads the weights out of order: a few elements of each tensor for its keys, the
 sampled rows of the new ones, then every byte for the proof. From a cold page cache each of those reads
-waits for the disk, a page or a fault-around at a time. A thread that reads the files front to back in
-1 MiB pieces (into one reused buffer, so nothing is kept) lets the disk stream at its own speed; the
-map's reads then find the pages cached, or wait for a read already in flight; the few elements of
-every tensor its keys start from are asked for at once (:func:`will_need`). Files mostly cached
-(``mincore``) are left alone: there a second reader only takes a core from the comparisons.
+waits for the disk, a page or a fault-around at a time. Files that fit in the memory the system has
+free (half of ``MemAvailable``) are read front to back first, each on its own thread in 1 MiB pieces
+(into one reused buffer: nothing is kept but the page cache), and the map is then learned from cached
+pages: a 1.93 GiB pair written just before took 0.8-0.9 s against 1.2-2.2 s read alongside the
+map, whose threads took the cores from the reader. Larger files are read on one thread while the map
+is learned (their first pages would be gone before the map came back to them), the map's reads
+finding the pages cached or waiting for a read already in flight, and the few elements of every
+tensor its keys start from asked for at once (:func:`will_need`). Files mostly cached (``mincore``)
+are left alone.
 """
 
 from __future__ import annotations
@@ -23,14 +26,21 @@ from statekit.lazy import numpy as np
 PIECE = 1 << 20  # bytes read at once
 PROBES, PROBE = 64, 64 << 10  # windows of a file whose pages are looked up, and their size
 CACHED = 0.5  # the fraction of a file's pages in the page cache above which it is not read ahead
+FITS = 0.5  # the fraction of the system's available memory cold files may take to be read first
 
 
 @contextlib.contextmanager
 def reading_ahead(files: list[tuple[int, int, int]]):
-    """``files``: (fd, first byte, end) of each file the map reads; the uncached ones are read ahead until
-    the block ends (the thread stops at its next piece). Yields the set of their fds (see :func:`will_need`)."""
+    """``files``: (fd, first byte, end) of each file the map reads. The uncached ones are read first when
+    they fit in memory (yields an empty set: nothing is cold then), else read ahead on a thread until the
+    block ends (the thread stops at its next piece; yields the set of their fds, see :func:`will_need`)."""
     todo = [f for f in files if f[2] > f[1] and cached_fraction(*f) < CACHED]
     if not todo:
+        yield set()
+        return
+    free = available_memory()
+    if free is not None and sum(hi - lo for _, lo, hi in todo) <= free * FITS:
+        read_first(todo)
         yield set()
         return
     stop = threading.Event()
@@ -41,6 +51,34 @@ def reading_ahead(files: list[tuple[int, int, int]]):
     finally:
         stop.set()
         thread.join()
+
+
+def read_first(files: list[tuple[int, int, int]]) -> None:
+    """``files`` read into the page cache, each on its own thread (two streams keep a disk busier than
+    one), awaited; an interruption stops them at their next piece."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=_read, args=([f], stop), name="statekit-read", daemon=True) for f in files]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give without swapping (``MemAvailable``), None where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def will_need(fd: int, offsets) -> None:
