@@ -527,3 +527,56 @@ def test_tensors_proved_equal_are_not_proved_again(tmp_path, monkeypatch):
     result = mapped(tmp_path, norms, dict(norms))
     assert calls == ["a.norm"] * 3 + ["b.norm", "c.norm"]
     assert {p: t.sources for p, t in result.map.targets.items()} == {p: [p] for p in norms}
+
+
+def _fused_model():
+    q, k, v, o, w = f32(8, 6), f32(4, 6), f32(4, 6), f32(6, 8), f32(5, 7)
+    old = {"q": q, "k": k, "v": v, "o": o, "w": w}
+    new = {"qkv": np.concatenate([rope(q, 2), k, v]), "o": o.copy(), "wt": np.ascontiguousarray(w.T)}
+    return old, new
+
+
+def test_old_line_keys_read_early_are_the_ones_the_index_takes(tmp_path, monkeypatch):
+    """While the whole tensors are proved, a thread reads the line keys of the old tensors the whole
+    keys say no new tensor is (q, k, v; not o, equal to the new o, nor w, the new wt transposed); the
+    index takes them instead of reading them again, and the map is the one learned without it."""
+    from statekit.structure import infer as inference
+
+    old, new = _fused_model()
+    taken: list[tuple[str, bool]] = []
+    real_take = inference._EarlyKeys.take
+    monkeypatch.setattr(inference._EarlyKeys, "take",
+                        lambda self, w, orient: (lambda keys: (taken.append((w.path, keys is not None)), keys)[1])(
+                            real_take(self, w, orient)))
+    early = mapped(tmp_path, old, new)
+    assert sorted(taken) == [("k", True), ("q", True), ("v", True)]
+    monkeypatch.setattr(inference._Inferrer, "_likely_lines", lambda self, todo: [])
+    assert mapped(tmp_path, old, new).map == early.map
+
+
+def test_old_line_keys_guessed_wrong_change_nothing(tmp_path, monkeypatch):
+    """Every old tensor's rows and columns read early (o and w are whole sources, not line sources): the
+    index still takes only the tensors and lengths it would have read, and the map is the same."""
+    from statekit.structure import infer as inference
+    from statekit.structure.lines import COL, ROW
+
+    old, new = _fused_model()
+    plain = mapped(tmp_path, old, new)
+    monkeypatch.setattr(inference._Inferrer, "_likely_lines",
+                        lambda self, todo: [(o, d) for o in self.old.values() for d in (ROW, COL)])
+    assert mapped(tmp_path, old, new).map == plain.map
+
+
+def test_old_line_keys_that_fail_early_are_read_again_where_the_error_is_raised():
+    from statekit.structure import infer as inference
+    from statekit.structure.lines import ROW
+
+    class Broken(Weight):
+        def mapped(self, sequential=False):
+            raise OSError("gone")
+
+    w = Broken("w", TensorRef.from_array(f32(4, 6)))
+    w.ref = type("Ref", (), {"span": object(), "array_loader": None, "shape": (4, 6), "dtype": "F32"})()
+    early = inference._EarlyKeys([(w, ROW)])
+    assert early.take(w, ROW) is None  # (the thread's error: nothing kept, the index reads it itself)
+    early.stop()

@@ -21,6 +21,7 @@ that disagrees.
 from __future__ import annotations
 
 import fnmatch
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,8 +95,12 @@ class _Inferrer:
         todo = [w for w in self.new if self._comparable(w)]
         if cold:
             _ask_for_keys([*self.old.values(), *todo], cold)
-        todo = [w for w in todo if not self._whole(w)]
-        todo = self._by_lines(todo)
+        early = _EarlyKeys(self._likely_lines(todo))
+        try:
+            todo = [w for w in todo if not self._whole(w)]
+            todo = self._by_lines(todo, early)
+        finally:
+            early.stop()
         todo = [w for w in todo if not self._vector(w)]
         todo = [w for w in todo if not self._grown_in_place(w)]
         for w in todo:
@@ -111,6 +116,33 @@ class _Inferrer:
         ordered = {w.path: self.targets[w.path] for w in self.new if w.path in self.targets}
         unused = [p for p in self.old if p not in self.used]
         return Inference(StructureMap(ordered, "weights"), unused, self.settled)
+
+    def _likely_lines(self, todo: list[Weight]) -> list[tuple[Weight, int]]:
+        """(old tensor, orientation) whose line keys the line phase will want, as far as the whole-tensor
+        keys tell before any proof (the same keys the whole phase reads): old tensors no new one has
+        the key of (nor, transposed, the key of a new one of the reversed shape), cut along the lengths of the new tensors no old one has
+        the key of. Their keys are read on a thread while the whole tensors are proved
+        (:class:`_EarlyKeys`); a wrong guess costs a tensor's keys, never the map: the index takes only
+        what it would have read."""
+        olds = [o for o in self.old.values() if o.comparable and o.numel]
+        new_sizes, old_sizes = {(w.dtype, w.numel) for w in todo}, set(self._by_size)
+        new_keys = {self._key(w, None) for w in todo if (w.dtype, w.numel) in old_sizes}
+        old_keys = {self._key(o, None) for o in olds if (o.dtype, o.numel) in new_sizes}
+        lone = [w for w in todo if w.numel and ((w.dtype, w.numel) not in old_sizes
+                                                or self._key(w, None) not in old_keys)]
+        wanted = {w.shape[-1] if w.shape else 1 for w in lone} | {w.shape[-2] for w in lone if len(w.shape) >= 2}
+        flipped = {}  # old shape → the keys of the new 2-D tensors of that shape reversed
+        for w in todo:
+            if len(w.shape) == 2 and (w.dtype, w.numel) in old_sizes:
+                flipped.setdefault((w.dtype, w.shape[::-1]), []).append(w)
+
+        def transposable(o: Weight) -> bool:  # (the keys the whole phase's transposed candidates read)
+            return any(self._key(o, w.shape) == self._key(w, None) for w in flipped.get((o.dtype, o.shape), ()))
+
+        likely = [o for o in olds if not transposable(o) and ((o.dtype, o.numel) not in new_sizes
+                                                              or self._key(o, None) not in new_keys)]
+        return [(o, orient) for o in likely for orient in (ROW, COL)
+                if (len(o.shape) >= 2 or orient == ROW) and Lines(o.shape, orient).length in wanted]
 
     def _comparable(self, w: Weight) -> bool:
         if w.comparable:
@@ -185,10 +217,10 @@ class _Inferrer:
         return key
 
     # ------------------------------------------------------------------ 2. lines
-    def _by_lines(self, todo: list[Weight]) -> list[Weight]:
+    def _by_lines(self, todo: list[Weight], early: _EarlyKeys | None = None) -> list[Weight]:
         if not todo:
             return []
-        index = self._index([o for p, o in self.old.items() if p not in self.used], todo)
+        index = self._index([o for p, o in self.old.items() if p not in self.used], todo, early)
         left: list[Weight] = []
         staged: list[tuple[Weight, object]] = []  # in order: outcomes, some with a proof under way
         try:
@@ -230,8 +262,9 @@ class _Inferrer:
             self.picked[w.path] = (lines, picked, weights)
             self._keep(t)
 
-    def _index(self, olds: list[Weight], todo: list[Weight]) -> LineIndex:
-        """Old rows and columns of the lengths the new tensors' lines have (only those are read)."""
+    def _index(self, olds: list[Weight], todo: list[Weight], early: _EarlyKeys | None = None) -> LineIndex:
+        """Old rows and columns of the lengths the new tensors' lines have (only those are read; those
+        read early are taken from ``early``)."""
         wanted = {w.shape[-1] if w.shape else 1 for w in todo} | {w.shape[-2] for w in todo if len(w.shape) >= 2}
         index = LineIndex()
         for o in olds:
@@ -240,7 +273,7 @@ class _Inferrer:
             orients = tuple(orient for orient in (ROW, COL)
                             if (len(o.shape) >= 2 or orient == ROW) and Lines(o.shape, orient).length in wanted)
             if orients:
-                index.add(o, orients)
+                index.add(o, orients, early.take if early is not None else None)
         return index
 
     def _line_map(self, w: Weight, index: LineIndex):
@@ -405,6 +438,41 @@ def infer(old: list[Weight], new: list[Weight], *, names: Callable[[str], set[st
     """The map that builds every tensor of ``new`` from ``old``, proved; MappingError listing what cannot be."""
     with readahead.reading_ahead(_files(old) + _files(new)) as cold:
         return _Inferrer(old, new, names, list(declared_new), advance).run(where, cold)
+
+
+class _EarlyKeys:
+    """Line keys of old tensors read on a thread while the whole tensors are proved (the comparisons
+    wait on memory, the keys on the page tables: the two go on at once). :meth:`take` gives a tensor's
+    keys when they were read (waiting for the thread where it is still at them), else None."""
+
+    def __init__(self, wanted: list[tuple[Weight, int]]):
+        self._wanted = wanted
+        self._keys: dict[tuple[int, int], object] = {}
+        self._stop = threading.Event()
+        self._thread = None
+        if wanted:
+            self._thread = threading.Thread(target=self._run, name="statekit-keys", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        for w, orient in self._wanted:
+            if self._stop.is_set():
+                return
+            try:
+                self._keys[(id(w), orient)] = Lines(w.shape, orient).keys(w)
+            except Exception:  # noqa: BLE001 (read again where needed: the error is raised there)
+                return
+
+    def take(self, w: Weight, orient: int):
+        if self._thread is None or not any(o is w and d == orient for o, d in self._wanted):
+            return None
+        self._thread.join()
+        return self._keys.get((id(w), orient))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _ask_for_keys(weights: list[Weight], cold: set[int]) -> None:

@@ -73,14 +73,16 @@ class LineIndex:
         self.lengths: set[int] = set()  # of the lines indexed: a new line of another length has no candidate
         self._sorted: tuple | None = None
 
-    def add(self, w: Weight, orients: tuple[int, ...]) -> None:
+    def add(self, w: Weight, orients: tuple[int, ...], known=None) -> None:
+        """``w``'s lines cut each way of ``orients``; ``known(w, orient)``: their keys where already read."""
         number = len(self.weights)
         self.weights.append(w)
         for orient in orients:
             if orient == COL and len(w.shape) < 2:
                 continue
             lines = Lines(w.shape, orient)
-            self._parts.append((lines.keys(w), number, orient))
+            keys = known(w, orient) if known is not None else None
+            self._parts.append((lines.keys(w) if keys is None else keys, number, orient))
             self.lengths.add(lines.length)
         self._sorted = None
 
