@@ -96,7 +96,7 @@ class LineIndex:
                 tensor = np.concatenate([np.full(k.size, t, np.int64) for k, t, _ in self._parts])
                 orient = np.concatenate([np.full(k.size, o, np.int64) for k, _, o in self._parts])
                 line = np.concatenate([np.arange(k.size, dtype=np.int64) for k, _, _ in self._parts])
-                order = np.argsort(keys, kind="stable")
+                order = np.argsort(keys)  # (equal keys in any order: candidates are a set)
                 self._sorted = (keys[order], tensor[order], orient[order], line[order])
         return self._sorted
 
