@@ -120,10 +120,10 @@ class _Inferrer:
     def _likely_lines(self, todo: list[Weight]) -> list[tuple[Weight, int]]:
         """(old tensor, orientation) whose line keys the line phase will want, as far as the whole-tensor
         keys tell before any proof (the same keys the whole phase reads): old tensors no new one has
-        the key of (nor, transposed, the key of a new one of the reversed shape), cut along the lengths of the new tensors no old one has
-        the key of. Their keys are read on a thread while the whole tensors are proved
-        (:class:`_EarlyKeys`); a wrong guess costs a tensor's keys, never the map: the index takes only
-        what it would have read."""
+        the key of (nor, transposed, the key of a new one of the reversed shape), cut along the
+        lengths of the new tensors no old one has the key of. Their keys are read on a thread while the
+        whole tensors are proved (:class:`_EarlyKeys`); a wrong guess costs a tensor's keys, never the
+        map: the index takes only what it would have read."""
         olds = [o for o in self.old.values() if o.comparable and o.numel]
         new_sizes, old_sizes = {(w.dtype, w.numel) for w in todo}, set(self._by_size)
         new_keys = {self._key(w, None) for w in todo if (w.dtype, w.numel) in old_sizes}
@@ -447,6 +447,7 @@ class _EarlyKeys:
 
     def __init__(self, wanted: list[tuple[Weight, int]]):
         self._wanted = wanted
+        self._asked = {(id(w), orient) for w, orient in wanted}
         self._keys: dict[tuple[int, int], object] = {}
         self._stop = threading.Event()
         self._thread = None
@@ -464,7 +465,7 @@ class _EarlyKeys:
                 return
 
     def take(self, w: Weight, orient: int):
-        if self._thread is None or not any(o is w and d == orient for o, d in self._wanted):
+        if self._thread is None or (id(w), orient) not in self._asked:  # (a set: thousands of tensors)
             return None
         self._thread.join()
         return self._keys.get((id(w), orient))
