@@ -268,12 +268,12 @@ def test_a_key_of_a_few_rows_is_the_key_numpy_mixes_for_many(dtype):
     assert by_python[0] != by_python[1]
 
 
-@pytest.mark.parametrize("fits", [True, False])
-def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tmp_path, monkeypatch, fits):
+@pytest.mark.parametrize("room", ["fits", "memory short", "over the cap"])
+def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tmp_path, monkeypatch, room):
     """Files the page cache does not hold are read front to back (every byte of both files, in 1 MiB
-    pieces): first, each on its own thread, when they fit in half the available memory; else on a
-    thread while the map is learned, the whole-tensor keys' samples asked for at once. The map is the
-    one learned without it; files the cache holds are left alone."""
+    pieces): first, each on its own thread, when they fit in half the available memory and under
+    FIRST_MAX; else on a thread while the map is learned, the whole-tensor keys' samples asked for at
+    once. The map is the one learned without it; files the cache holds are left alone."""
     from statekit.structure import readahead
 
     q, k, v = f32(8, 6), f32(4, 6), f32(4, 6)
@@ -291,7 +291,10 @@ def test_weights_not_in_the_page_cache_are_read_ahead_and_the_map_is_the_same(tm
     real = readahead._read
     monkeypatch.setattr(readahead, "_read", spy)
     monkeypatch.setattr(readahead, "cached_fraction", lambda fd, lo, hi: 0.0)
-    monkeypatch.setattr(readahead, "available_memory", lambda: 1 << 40 if fits else 1000)
+    fits = room == "fits"
+    monkeypatch.setattr(readahead, "available_memory", lambda: 1000 if room == "memory short" else 1 << 40)
+    if room == "over the cap":
+        monkeypatch.setattr(readahead, "FIRST_MAX", 10)  # (bytes: the two files hold more)
     asked: list[list[int]] = []
     real_will_need = readahead.will_need
     monkeypatch.setattr(readahead, "will_need", lambda fd, at: (asked.append(list(at)), real_will_need(fd, at)))

@@ -3,7 +3,8 @@
 Learning the map reads the weights out of order: a few elements of each tensor for its keys, the
 sampled rows of the new ones, then every byte for the proof. From a cold page cache each of those reads
 waits for the disk, a page or a fault-around at a time. Files that fit in the memory the system has
-free (half of ``MemAvailable``) are read front to back first, each on its own thread in 1 MiB pieces
+free (half of ``MemAvailable``, and 8 GiB at most: the map's progress bar does not move while they
+are read, a few seconds) are read front to back first, each on its own thread in 1 MiB pieces
 (into one reused buffer: nothing is kept but the page cache), and the map is then learned from cached
 pages: a 1.93 GiB pair written just before took 0.8-0.9 s against 1.2-2.2 s read alongside the
 map, whose threads took the cores from the reader. Larger files are read on one thread while the map
@@ -27,6 +28,7 @@ PIECE = 1 << 20  # bytes read at once
 PROBES, PROBE = 64, 64 << 10  # windows of a file whose pages are looked up, and their size
 CACHED = 0.5  # the fraction of a file's pages in the page cache above which it is not read ahead
 FITS = 0.5  # the fraction of the system's available memory cold files may take to be read first
+FIRST_MAX = 8 << 30  # bytes of cold files read first at most (the progress bar stands while they are read)
 
 
 @contextlib.contextmanager
@@ -39,7 +41,8 @@ def reading_ahead(files: list[tuple[int, int, int]]):
         yield set()
         return
     free = available_memory()
-    if free is not None and sum(hi - lo for _, lo, hi in todo) <= free * FITS:
+    size = sum(hi - lo for _, lo, hi in todo)
+    if free is not None and size <= min(free * FITS, FIRST_MAX):
         read_first(todo)
         yield set()
         return
