@@ -385,3 +385,27 @@ def test_lightning_callback(tmp_path):
     with pytest.raises(guard.ResumeError) as e:
         fit(Module(), 5, tmp_path / "b.ckpt")
     assert sorted(kinds(e.value)["empty"]) == sorted(f"net.{n}" for n in NAMES)
+
+
+def test_state_landing_on_a_parameter_that_had_none_is_named(tmp_path):
+    """A frozen layer (no state at save) listed first in the new run: torch hands it the next one's state."""
+    model, _, _ = build()
+    first, second = model[0], model[2]
+    opt = torch.optim.AdamW([*first.parameters(), *second.parameters()], lr=1e-2)
+    first.requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        model(torch.randn(6, 4, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(opt.state) == 2
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save(opt.state_dict(), ckpt)
+    guard.save_fingerprint(opt, ckpt, model=model)
+    opt2 = torch.optim.AdamW([*second.parameters(), *first.parameters()], lr=1e-2)  # another order, same sizes
+    opt2.load_state_dict(torch.load(ckpt, weights_only=True))
+    with pytest.raises(guard.ResumeError) as e:
+        guard.check_resume(opt2, ckpt, model=model)
+    found = kinds(e.value)
+    assert sorted(found["empty"]) == ["2.bias", "2.weight"]
+    assert sorted(found["moved"]) == ["0.bias ← 2.bias", "0.weight ← 2.weight"], found

@@ -362,6 +362,12 @@ def _compare_optimizer(saved: dict, live: dict, expect: str, label: str) -> list
         came: dict[str, str] = {}  # field → the saved parameter whose state it holds
         s, lv = s_by[k].get("state"), l_by[k].get("state")
         if not s:
+            if lv and _has_state(l_by[k]):  # nothing was saved for it, yet it holds state: whose?
+                srcs = {o for f, lf in lv["fields"].items() for o in owners.get((f, lf.get("digest")), [])} - {k}
+                if len(srcs) == 1:
+                    moved.append(f"{k} ← {srcs.pop()}")
+                else:
+                    values.append(f"{k} (no state was saved for it)")
             continue
         if not lv or not lv["fields"] and s["fields"]:
             empty.append(k)
