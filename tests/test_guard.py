@@ -409,3 +409,18 @@ def test_state_landing_on_a_parameter_that_had_none_is_named(tmp_path):
     found = kinds(e.value)
     assert sorted(found["empty"]) == ["2.bias", "2.weight"]
     assert sorted(found["moved"]) == ["0.bias ← 2.bias", "0.weight ← 2.weight"], found
+
+
+def test_moments_cast_by_a_model_in_another_dtype_are_named(saved):
+    """torch's load_state_dict casts floating state to each parameter's dtype: a bf16 resume of a float32 run."""
+    model, opt, sched = build(seed=7)
+    sd = torch.load(saved, weights_only=True)
+    model.load_state_dict(sd["model"])
+    model.to(torch.bfloat16)
+    opt.load_state_dict(sd["optim"])
+    sched.load_state_dict(sd["sched"])
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+    with pytest.raises(guard.ResumeError) as e:
+        guard.check_resume(opt, saved, scheduler=sched, model=model)
+    assert sorted(kinds(e.value)["values"]) == sorted(f"{n}.{f} as bfloat16 (saved float32)" for n in NAMES
+                                                      for f in ("exp_avg", "exp_avg_sq"))

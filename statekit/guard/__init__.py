@@ -146,8 +146,8 @@ def _tensor_facts(torch, t, pending: list) -> dict:
     facts = {"dtype": dtype, "shape": list(t.shape)}
     if n == 0:
         return facts | {"digest": "", "sampled": 0}
-    flat = t.reshape(-1)  # under no_grad (fingerprint)
-    pending.append((facts, flat.index_select(0, _INDEX(torch, n, flat.device)) if n > SAMPLE else flat))
+    # torch.take reads flat (row-major) positions of any layout: one call, no reshape
+    pending.append((facts, torch.take(t, _INDEX(torch, n, t.device)) if n > SAMPLE else t.reshape(-1)))
     return facts
 
 
