@@ -6,7 +6,7 @@ Floors, bottom to top (``docs/architecture.md``):
   2 model       state, naming, hyper, structure/* (structural maps)
   3 frameworks  frameworks/*, and optim/* (the compute core)
   4 ops         ops/*
-  5 surface     cli, render*, output, api, the package itself
+  5 surface     cli, render*, output, api, guard/* (the training-loop guard), the package itself
 A module may import its own floor or lower ones (every import statement counts, also those
 inside functions), never a higher floor, and the import graph has no cycle.
 """
@@ -33,7 +33,8 @@ FLOORS = {
     2: ("statekit.state", "statekit.naming", "statekit.hyper", "statekit.structure"),
     3: ("statekit.frameworks", "statekit.optim"),
     4: ("statekit.ops",),
-    5: ("statekit.cli", "statekit.render", "statekit.output", "statekit.api", "statekit.__main__", "statekit"),
+    5: ("statekit.cli", "statekit.render", "statekit.output", "statekit.api", "statekit.guard", "statekit.__main__",
+        "statekit"),
 }
 
 

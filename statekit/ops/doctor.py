@@ -3,7 +3,8 @@
 Without a model: NaN / Inf in any field (counts), all-zero moments at step > 1, a step that is no
 whole count (NaN, Inf, negative, fractional), steps that differ between parameters, ranks above 8 (burn panics loading them), ``__rank`` disagreeing with the
 tensors' shape, fields of one parameter with different shapes, unrecognised layouts (burn drops
-them silently), duplicate module paths. With ``model``: state that matches no model parameter
+them silently), duplicate module paths. With ``model``: the orphaned ParamIds of earlier launches beside the
+model's own state for a path (burn #5130, :mod:`statekit.ops.orphans`) and the bytes they hold: state that matches no model parameter
 (orphans), model parameters without state, shape mismatches (a reversed shape is reported as a
 transposed match). Parameters are matched to the model like ``diff`` matches files: by burn
 ParamId when both sides have them, else by module path, else by torch parameter index.
@@ -27,6 +28,7 @@ from statekit import dtypes, io, naming
 from statekit.errors import MappingError
 from statekit.frameworks import bnb
 from statekit.frameworks.torch_state import BUFFER_SUFFIXES
+from statekit.ops import orphans
 from statekit.ops.diff import METHOD_WORDS
 from statekit.state import (
     Checkpoint,
@@ -73,6 +75,9 @@ WHY = {
     "opaque": "statekit does not understand this entry (a nested dict or an object), so the moments in it were "
               "not checked, and a reader that expects plain tensors (torch's own optimizers, burn) would drop "
               "or reject them",
+    "orphan-ids": "burn before PR #5177 gave every relaunch new ParamIds and kept the earlier launches' states "
+                  "beside the new ones (burn #5130): the record grows by one state set per relaunch, and the "
+                  "live state restarted fresh; remap --model keeps the model's own",
     "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
 }
 
@@ -147,9 +152,11 @@ def _field_label(p: ParamState, slot: str) -> str:
     return f"{slot} ({enc.field})"
 
 
-def _check_steps(params: list[ParamState], findings: list[dict]) -> None:
+def _check_steps(params: list[ParamState], findings: list[dict], skip: set[int] = frozenset()) -> None:
     counted = []
     for p in params:
+        if id(p) in skip:  # orphans of earlier launches (named by orphan-ids)
+            continue
         why = step_problem(p.step)
         if why is not None:
             findings.append(_finding("error", "step", p.label(), why))
@@ -171,15 +178,18 @@ def _check_steps(params: list[ParamState], findings: list[dict]) -> None:
     findings.append(_finding("warning", "steps", None, f"steps differ: {'; '.join(parts)}"))
 
 
-def _check_paths(params: list[ParamState], findings: list[dict]) -> None:
-    holders: dict[str, list[ParamState]] = {}
-    for p in params:
-        if p.path:
-            holders.setdefault(p.path, []).append(p)
-    for path, ps in holders.items():
-        if len(ps) > 1:
-            who = ", ".join(f"id {p.id}" if p.id is not None else f"#{p.key}" for p in ps)
-            findings.append(_finding("error", "duplicate-path", path, f"{len(ps)} states have this path ({who})"))
+def _check_paths(params: list[ParamState], findings: list[dict], shared: list[orphans.SharedPath]) -> None:
+    for s in shared:
+        if s.live is not None:  # the model names the live one: orphan-ids says it
+            continue
+        ps = s.holders
+        who = ", ".join(orphans.describe(p) for p in ps)
+        extra = sum(orphans.nbytes(p) for p in ps) - max(orphans.nbytes(p) for p in ps)
+        message = f"{len(ps)} states have this path ({who}); {extra:,} bytes beyond one state"
+        if all(p.id is not None for p in ps):
+            message += ("; give --model the model saved with this record to tell the live one from the orphans "
+                        "of earlier launches (burn #5130)")
+        findings.append(_finding("error", "duplicate-path", s.path, message))
     if params and any(p.id is not None for p in params):
         missing = [p for p in params if not p.path]
         if missing and len(missing) < len(params):  # all missing: a state never stepped since a load
@@ -219,7 +229,25 @@ def _model_method(params: list[ParamState], model: ModelInfo) -> str:
     return "index"
 
 
-def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict]) -> str:
+def _check_orphan_ids(shared: list[orphans.SharedPath], findings: list[dict], state_path: str,
+                      model_path: str) -> None:
+    resolved = [s for s in shared if s.live is not None]
+    for s in resolved:
+        findings.append(_finding("warning", "orphan-ids", s.path,
+                                 f"{len(s.orphans)} orphaned state{'s' if len(s.orphans) > 1 else ''} "
+                                 f"({', '.join(orphans.describe(p) for p in s.orphans)}; {s.wasted:,} bytes) beside "
+                                 f"the model's {orphans.describe(s.live)}"))
+    if resolved:
+        n = sum(len(s.orphans) for s in resolved)
+        ids = len({p.id for s in resolved for p in s.orphans})
+        findings.append(_finding("warning", "orphan-ids", None,
+                                 f"{n} orphaned states under {ids} ParamIds the model no longer has, "
+                                 f"{sum(s.wasted for s in resolved):,} bytes of tensor data: statekit remap "
+                                 f"{state_path} --model {model_path} -o OUT keeps the model's"))
+
+
+def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict], skip: set[int] = frozenset()
+                 ) -> str:
     method = _model_method(params, model)
     from statekit.frameworks.torch_names import tied_duplicates
 
@@ -235,6 +263,8 @@ def _check_model(params: list[ParamState], model: ModelInfo, findings: list[dict
     matched: set[int] = set()
     orphans: list[tuple[ParamState, object]] = []
     for p in params:
+        if id(p) in skip:  # an orphan of an earlier launch (orphan-ids names it)
+            continue
         want = p.id if method == "id" else p.path if method == "path" else (
             p.index if p.index is not None else int(p.key) if p.key.isdigit() else None)
         m = table.get(want)
@@ -313,11 +343,14 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
         glob = ParamState(key="(global state)", path="(global state)", slots=dict(state.global_slots))
         _check_param(glob, findings)
         notes.append(f"{state.family_label} keeps one global state; per-parameter checks do not apply to it")
-    _check_steps(state.params, findings)
-    _check_paths(state.params, findings)
-    method = None
-    if model_ckpt is not None and named:
-        method = _check_model(state.params, model, findings)
+    method = _model_method(state.params, model) if model_ckpt is not None and named else None
+    shared = orphans.shared_paths(state, model if method == "id" else None)
+    skip = {id(p) for s in shared for p in s.orphans}
+    _check_steps(state.params, findings, skip)
+    _check_paths(state.params, findings, shared)
+    if method is not None:
+        _check_orphan_ids(shared, findings, state_ckpt.path, model_ckpt.path)
+        _check_model(state.params, model, findings, skip)
     findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
     counts = {s: sum(1 for f in findings if f["severity"] == s) for s in SEVERITIES}
     steps = sorted(state.steps()) if state.params else []

@@ -9,6 +9,10 @@ When ``old_model`` and ``model`` both hold weights, the map from old tensors to 
 from their values and proved on them (:mod:`statekit.ops.structural`, :mod:`statekit.structure`):
 fused, split, permuted, stacked, transposed and grown tensors keep their state, element by element;
 ``--fuse/--split/--stack/--unstack`` rules say the same without the weights.
+
+A burn record that holds one path under several ParamIds (burn #5130: the states of earlier
+launches, orphaned) keeps the state under the model's id and drops the others
+(:mod:`statekit.ops.orphans` states the rule, and refuses candidates it cannot tell apart).
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
         opts.allow_drop = True
         name_source_params(ckpt.optimizer, opts, state_path, model_names_source=False)
         state, adapted = ckpt.optimizer, []
+        pruned: list = []
+        if plan_in is None and state.framework == "burn":
+            from statekit.ops import orphans
+
+            state, pruned, problems = orphans.resolve(state, opts.model)
+            if problems:
+                raise MappingError(f"{'; '.join(problems)}: {orphans.ADVICE}", state_path)
         if torch_thirdparty.is_foreign(state):  # transformers Adafactor, torchao, … as the optimizer continuing it
             state, adapted = torch_thirdparty.adapt(state, registry.framework_of(fmt), optimizer=opts.optimizer,
                                                      path=state_path)
@@ -58,6 +69,8 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
             opts = replace(opts, structure=smap)
             plan = build_plan(state, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
             plan.warnings.extend(adapted + why)
+            if pruned:
+                plan.warnings.append(orphans.summary(pruned))
         dropped = [a.src_path or a.src_key for a in plan.params if a.action == "drop"]
         new = [a.dst_path for a in plan.params if a.action == "new"]
         if dropped:
