@@ -92,7 +92,7 @@ COMMON = [
 
 MOE = [
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
     "--moe-aux-loss-coeff", "0.01",
 ]
 
