@@ -18,6 +18,10 @@ statekit's own environment; statekit never imports it)::
     /work/venvs/mcore-0.16.1/bin/python scripts/make_megatron_fixtures.py \
         --megatron-lm-src /work/venvs/src/Megatron-LM-core_v0.16.1 --out fixtures/megatron
 
+``--verify-resume gpt_torch_dist_dp_reshardable_tp1pp1dp2_next_step`` resumes
+that run from its iteration-3 save with Megatron's own ``load_checkpoint``,
+trains one step and compares every tensor with the run's own iteration-4 save.
+
 Setup of a venv: ``python3 -m venv /work/venvs/mcore-<ver>``, then
 ``pip install torch==2.13.0 numpy packaging psutil triton`` (psutil: the
 torch_dist writer's worker; triton: imported by 0.19's pipeline schedules) and
