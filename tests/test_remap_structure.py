@@ -238,9 +238,9 @@ def _edited(tmp_path, edit) -> None:
     torch.save(sd, tmp_path / "optim.pt")
 
 
-def _refused(cli, tmp_path, *words):
+def _refused(cli, tmp_path, *words, args=()):
     r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
-            "-o", tmp_path / "out.pt")
+            "-o", tmp_path / "out.pt", *args)
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and all(w in line for w in words), line
@@ -352,6 +352,44 @@ def test_unrelated_weights_fall_back_to_paths_unless_values_are_required(tmp_pat
     assert "share no values: the state is moved by path" in r.stderr
     r = cli("remap", *args, "--match", "values")
     assert r.returncode == 1 and "cannot be produced from the old ones" in r.stderr
+
+
+def _changed_source(row: int, col: int) -> str:
+    """The old element qkv.weight[row, col] was made from (q's rows RoPE-permuted, then k's, then v's)."""
+    nq, nk = NH * HD, NKV * HD
+    if row < nq:
+        return f"q.weight[{int(PERM[row])}, {col}]"
+    return f"k.weight[{row - nq}, {col}]" if row < nq + nk else f"v.weight[{row - nq - nk}, {col}]"
+
+
+@pytest.mark.parametrize("row, col, alone", [(0, 7, False), (31, 4, False), (5, 3, True), (20, 9, False)])
+def test_one_changed_element_of_a_fused_weight_is_refused_at_that_element(tmp_path, cli, row, col, alone):
+    """Issue 38: weights that share nearly all their values get the proved map or a refusal naming the
+    element — never a move by path (qkv alone: the old code said they share no values, dropped q, k, v
+    and started qkv fresh), nor fresh rows (qkv's last row: taken for a grown row, v's last row dropped),
+    nor another element (q's rows permuted per head: the old code named the row's first element)."""
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    if alone:
+        new_weights = {"qkv.weight": new_weights["qkv.weight"]}
+    new_weights["qkv.weight"][row, col] += 1.0
+    torch.save(new_weights, tmp_path / "new.pt")
+    value = new_weights["qkv.weight"][row, col].item()
+    for extra in ([], ["--resize"], ["--match", "values"]):
+        line = _refused(cli, tmp_path, args=extra)
+        assert f"qkv.weight[{row}, {col}] is {value!r} in the new weights, but {_changed_source(row, col)}" in line
+        assert "share no values" not in line
+
+
+def test_a_fused_bias_with_a_changed_element_is_refused_not_started_fresh(tmp_path, cli):
+    """Its matrix's rows lead to gate.bias and up.bias, the proof refutes them: the old code then started
+    gate_up.bias fresh and dropped both biases' state."""
+    _, _, weights, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    new_weights["gate_up.bias"][30] += 1.0
+    torch.save(new_weights, tmp_path / "new.pt")
+    line = _refused(cli, tmp_path, args=["--resize"])
+    want = weights["up.bias"][30 - INTER].item()
+    assert f"gate_up.bias[30] is {new_weights['gate_up.bias'][30].item()!r} in the new weights, but the map reads " \
+           f"{want!r} from up.bias[6]" in line
 
 
 def test_new_declares_a_tensor_fresh_and_lbfgs_is_refused_by_name(tmp_path, cli):

@@ -85,7 +85,9 @@ def rules_map(opts: Options, state: OptimizerState, where: str) -> StructureMap 
 def weights_map(opts: Options, state: OptimizerState, where: str, progress=None) -> tuple[StructureMap | None,
                                                                                             list[str]]:
     """The map learned from the old and the new model's weights, proved; (None, [why]) when the models
-    hold no values, or (in ``--match auto``) share none at all."""
+    hold no values, or (in ``--match auto``) share none at all: no new tensor but constant ones (untrained
+    norms, zero biases) found a candidate among the old tensors (:attr:`inference.Inference.related`).
+    Weights that share values and cannot be mapped are refused, naming what cannot be produced."""
     if opts.match == "paths" or opts.old_model is None or opts.model is None:
         return None, []
     sources = (opts.old_model.source, opts.model.source)
@@ -106,10 +108,10 @@ def weights_map(opts: Options, state: OptimizerState, where: str, progress=None)
                 found = inference.infer(old, new, names=rename_fn, declared_new=opts.new_params, advance=advance,
                                         where=sources[1])
             except inference.Unproduced as exc:
-                if opts.match == "auto" and not exc.matched:
+                if opts.match == "auto" and not exc.related:
                     return None, [_unrelated(sources)]
                 raise
-    if opts.match == "auto" and not any(t.pieces for t in found.map.targets.values()):
+    if opts.match == "auto" and not found.related:
         return None, [_unrelated(sources)]
     by_how: dict[str, list[str]] = {}
     for target, how in found.settled.items():
