@@ -354,12 +354,13 @@ def test_unrelated_weights_fall_back_to_paths_unless_values_are_required(tmp_pat
     assert r.returncode == 1 and "cannot be produced from the old ones" in r.stderr
 
 
-def _changed_source(row: int, col: int) -> str:
-    """The old element qkv.weight[row, col] was made from (q's rows RoPE-permuted, then k's, then v's)."""
+def _changed_source(row: int, col: int, name: str = "{}.weight") -> str:
+    """The old element qkv.weight[row, col] was made from (q's rows RoPE-permuted, then k's, then v's);
+    ``name``: the old tensors' names, of q, k or v."""
     nq, nk = NH * HD, NKV * HD
     if row < nq:
-        return f"q.weight[{int(PERM[row])}, {col}]"
-    return f"k.weight[{row - nq}, {col}]" if row < nq + nk else f"v.weight[{row - nq - nk}, {col}]"
+        return f"{name.format('q')}[{int(PERM[row])}, {col}]"
+    return f"{name.format('k')}[{row - nq}, {col}]" if row < nq + nk else f"{name.format('v')}[{row - nq - nk}, {col}]"
 
 
 @pytest.mark.parametrize("row, col, alone", [(0, 7, False), (31, 4, False), (5, 3, True), (20, 9, False)])
@@ -378,6 +379,26 @@ def test_one_changed_element_of_a_fused_weight_is_refused_at_that_element(tmp_pa
         line = _refused(cli, tmp_path, args=extra)
         assert f"qkv.weight[{row}, {col}] is {value!r} in the new weights, but {_changed_source(row, col)}" in line
         assert "share no values" not in line
+
+
+@pytest.mark.parametrize("fixture, row, col", [("phi3-qkv-edited.pt", 1, 7), ("phi3-qkv-last-row.pt", 31, 4)])
+def test_the_phi3_conversion_with_one_qkv_element_changed_is_refused_there(tmp_path, cli, fixture, row, col):
+    """fixtures/refactor (scripts/make_refactor_fixtures.py): transformers' Phi-3 made from the Llama, one
+    element of layer 0's qkv_proj changed; main took v's last row for a new row and wrote the file."""
+    from safetensors.torch import load_file
+
+    old = load_file("fixtures/refactor/llama.safetensors")
+    new = torch.load(f"fixtures/refactor/{fixture}", weights_only=True)
+    layer = "model.layers.0.self_attn"
+    source = _changed_source(row, col, layer + ".{}_proj.weight")  # (the Phi-3 fixture has the test's head sizes)
+    name, at = source.split("[")
+    held = old[name][tuple(int(i) for i in at.rstrip("]").split(", "))].item()
+    out = tmp_path / "out.pt"
+    r = cli("remap", "fixtures/refactor/llama-optim.pt", "--old-model", "fixtures/refactor/llama.safetensors",
+            "--model", f"fixtures/refactor/{fixture}", "-o", out, "--resize")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and not out.exists(), r.stderr
+    assert f"{layer}.qkv_proj.weight[{row}, {col}] is {new[f'{layer}.qkv_proj.weight'][row, col].item()!r} in the new " \
+           f"weights, but {source}" in r.stderr and f"holds {held!r}" in r.stderr
 
 
 def test_a_fused_bias_with_a_changed_element_is_refused_not_started_fresh(tmp_path, cli):
