@@ -497,3 +497,31 @@ def test_muon_buffer_moves_exactly_with_a_note(tmp_path, cli):
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     want = torch.cat([opt.state_dict()["state"][i]["momentum_buffer"] for i in range(3)])
     assert torch.equal(out["state"][0]["momentum_buffer"], want)
+
+
+def test_an_old_tensor_copied_into_two_new_ones_keeps_its_state_in_both(tmp_path, cli):
+    """A tie undone (the new model's head a copy of the old shared embedding): both new tensors are proved
+    whole copies of the old one, and both keep its state (main moved it into one and started the other
+    fresh)."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, D)
+    opt = torch.optim.AdamW(embed.named_parameters(prefix="embed"), lr=1e-2)
+    for x, _ in batches(2, 1):
+        opt.zero_grad()
+        embed(x).square().sum().backward()
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    w = embed.weight.detach().clone()
+    torch.save({"embed.weight": w}, tmp_path / "old.pt")
+    torch.save({"embed.weight": w.clone(), "head.weight": w.clone()}, tmp_path / "new.pt")
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt")
+    assert r.returncode == 0, r.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["param_groups"][0]["param_names"] == ["embed.weight", "head.weight"]
+    want = opt.state_dict()["state"][0]
+    for i in (0, 1):
+        assert set(out["state"][i]) == set(want) and all(torch.equal(out["state"][i][k], want[k]) for k in want)
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB, bias=False)
+    torch.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(out)

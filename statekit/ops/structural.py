@@ -184,7 +184,11 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
             problems.append(f"{t.path}: the map reads {', '.join(missing)}, which hold no optimizer state, beside "
                             f"{', '.join(p.path for p in stateful)}, which do")
             continue
-        a = _action(t, srcs, family, plan, problems)
+        # an old tensor moved whole into one target and read whole by another too (a tie undone, a layer
+        # copied): the second is assembled from it, so that both keep its state (a plan action per source
+        # key would leave the first to start fresh)
+        a = _action(t, srcs, family, plan, problems,
+                    whole=srcs[0].key not in {a.src_key for a in out if a.action != "assemble"})
         if a is None:
             continue
         out.append(a)
@@ -199,7 +203,10 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
     return out, into, set(readers)
 
 
-def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, problems: list[str]) -> ParamAction | None:
+def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, problems: list[str],
+            whole: bool = True) -> ParamAction | None:
+    """The target's plan action: the source's own action aimed at it where it is moved whole, transposed
+    or grown (``whole``: its source is not moved so already), else ``assemble``."""
     first = srcs[0]
     base = dict(src_key=first.key, src_path=first.path, src_shape=_shape(first), dst_path=t.path,
                 dst_shape=list(t.shape), group=first.group, structure=t.kind)
@@ -207,7 +214,7 @@ def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, probl
     if shape_problem:
         problems.append(shape_problem)
         return None
-    if len(srcs) == 1 and len(t.pieces) == 1:
+    if whole and len(srcs) == 1 and len(t.pieces) == 1:
         p = t.pieces[0]
         shape = tuple(first.shape)
         if p == Piece(first.path, (math.prod(shape),), 0, (1,), 0, (1,)) and shape == t.shape:
