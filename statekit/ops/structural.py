@@ -171,6 +171,7 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
     """``(target actions, into actions, consumed source keys)`` for the map's targets."""
     by_path = {p.path: p for p in state.params if p.path}
     out: list[ParamAction] = []
+    moved: set[str] = set()  # source keys an action moves whole (transposed, grown) already
     readers: dict[str, list[str]] = {}
     for t in smap.targets.values():
         if not t.pieces:
@@ -187,11 +188,12 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
         # an old tensor moved whole into one target and read whole by another too (a tie undone, a layer
         # copied): the second is assembled from it, so that both keep its state (a plan action per source
         # key would leave the first to start fresh)
-        a = _action(t, srcs, family, plan, problems,
-                    whole=srcs[0].key not in {a.src_key for a in out if a.action != "assemble"})
+        a = _action(t, srcs, family, plan, problems, whole=srcs[0].key not in moved)
         if a is None:
             continue
         out.append(a)
+        if a.action != "assemble":
+            moved.add(a.src_key)
         for s in srcs:
             readers.setdefault(s.key, []).append(t.path)
     into = []

@@ -482,10 +482,10 @@ class _Inferrer:
             missing = int(np.flatnonzero(~picked.covered)[0])
             word = "row" if lines.orient == ROW else "column"
             left = [f"{len(ls)} {word}{'s' if len(ls) > 1 else ''} of {weights[n].path}" for (n, _), ls in unread.items()]
+            verb = "goes" if len(unread) == 1 and len(next(iter(unread.values()))) == 1 else "go"
             said = (f"{int(picked.covered.sum())} of its {lines.count} {word}s come from "
                     f"{_listed(_sources_of(picked, weights))}, {word} {missing} from none of the old weights, while "
-                    f"{_listed(left)} go{'es' if left == [left[0]] and left[0].startswith('1 ') else ''} into none "
-                    "of the new tensors")
+                    f"{_listed(left)} {verb} into none of the new tensors")
             self.problems.append(_changed_line(w, lines, missing, _candidates(None, unread), weights, said)
                                  or f"{path}: {said}: a tensor grows only beside old tensors read whole; give it "
                                     "as --new GLOB only if it is meant to start fresh")
