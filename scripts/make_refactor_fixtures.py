@@ -7,7 +7,10 @@ transformers 5.x, tiny enough to commit (fixtures/refactor/):
 - ``phi3.pt``: the same model converted as a user converts it to ``Phi3ForCausalLM``: q and k
   permuted as transformers' ``convert_llama_weights_to_hf.py`` ``permute`` does, q/k/v joined into
   ``qkv_proj``, gate/up into ``gate_up_proj``, the vocabulary grown by 8 rows (checked: Phi-3 computes
-  the same logits on the old tokens); ``phi3-edited.pt``: one value changed;
+  the same logits on the old tokens); ``phi3-edited.pt``: one value changed; ``phi3-qkv-edited.pt`` and
+  ``phi3-qkv-last-row.pt``: ``phi3.pt`` with one element of a fused ``qkv_proj`` changed, in a q row the
+  RoPE permute moved and in v's last row (issue 38: refused at that element, never moved by path or
+  taken for a grown row);
   ``phi3.bpk``: the Phi-3 weights as a burn model (Linear weights [d_in, d_out], ParamIds);
 - ``mixtral-optim.pt``, ``mixtral-v4.safetensors``: a tiny Mixtral with per-expert weights
   (``experts.{e}.w1/w2/w3``, transformers v4's layout) after 4 AdamW steps; ``mixtral-v5.safetensors``:
@@ -108,6 +111,19 @@ def llama_to_phi3() -> None:
     burn_model(converted, "phi3.bpk")
 
 
+QKV_EDITS = {"phi3-qkv-edited.pt": (1, 7), "phi3-qkv-last-row.pt": (31, 4)}  # (row, column) of layer 0's qkv_proj
+
+
+def qkv_edited() -> None:
+    """phi3.pt (as written above) with one element of model.layers.0.self_attn.qkv_proj.weight changed."""
+    weights = torch.load(os.path.join(OUT, "phi3.pt"), weights_only=True)
+    for name, (row, col) in QKV_EDITS.items():
+        edited = dict(weights)
+        edited["model.layers.0.self_attn.qkv_proj.weight"] = weights["model.layers.0.self_attn.qkv_proj.weight"].clone()
+        edited["model.layers.0.self_attn.qkv_proj.weight"][row, col] += 0.5
+        save(edited, name)
+
+
 def burn_model(weights: dict, name: str) -> None:
     from statekit import paramid
     from statekit.formats.burnpack import PackTensor, write_burnpack
@@ -151,6 +167,7 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     np.random.seed(0)
     llama_to_phi3()
+    qkv_edited()
     mixtral_stacked()
 
 

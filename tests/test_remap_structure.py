@@ -238,9 +238,9 @@ def _edited(tmp_path, edit) -> None:
     torch.save(sd, tmp_path / "optim.pt")
 
 
-def _refused(cli, tmp_path, *words):
+def _refused(cli, tmp_path, *words, args=()):
     r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
-            "-o", tmp_path / "out.pt")
+            "-o", tmp_path / "out.pt", *args)
     assert r.returncode == 1, r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and all(w in line for w in words), line
@@ -354,6 +354,65 @@ def test_unrelated_weights_fall_back_to_paths_unless_values_are_required(tmp_pat
     assert r.returncode == 1 and "cannot be produced from the old ones" in r.stderr
 
 
+def _changed_source(row: int, col: int, name: str = "{}.weight") -> str:
+    """The old element qkv.weight[row, col] was made from (q's rows RoPE-permuted, then k's, then v's);
+    ``name``: the old tensors' names, of q, k or v."""
+    nq, nk = NH * HD, NKV * HD
+    if row < nq:
+        return f"{name.format('q')}[{int(PERM[row])}, {col}]"
+    return f"{name.format('k')}[{row - nq}, {col}]" if row < nq + nk else f"{name.format('v')}[{row - nq - nk}, {col}]"
+
+
+@pytest.mark.parametrize("row, col, alone", [(0, 7, False), (31, 4, False), (5, 3, True), (20, 9, False)])
+def test_one_changed_element_of_a_fused_weight_is_refused_at_that_element(tmp_path, cli, row, col, alone):
+    """Issue 38: weights that share nearly all their values get the proved map or a refusal naming the
+    element — never a move by path (qkv alone: the old code said they share no values, dropped q, k, v
+    and started qkv fresh), nor fresh rows (qkv's last row: taken for a grown row, v's last row dropped),
+    nor another element (q's rows permuted per head: the old code named the row's first element)."""
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    if alone:
+        new_weights = {"qkv.weight": new_weights["qkv.weight"]}
+    new_weights["qkv.weight"][row, col] += 1.0
+    torch.save(new_weights, tmp_path / "new.pt")
+    value = new_weights["qkv.weight"][row, col].item()
+    for extra in ([], ["--resize"], ["--match", "values"]):
+        line = _refused(cli, tmp_path, args=extra)
+        assert f"qkv.weight[{row}, {col}] is {value!r} in the new weights, but {_changed_source(row, col)}" in line
+        assert "share no values" not in line
+
+
+@pytest.mark.parametrize("fixture, row, col", [("phi3-qkv-edited.pt", 1, 7), ("phi3-qkv-last-row.pt", 31, 4)])
+def test_the_phi3_conversion_with_one_qkv_element_changed_is_refused_there(tmp_path, cli, fixture, row, col):
+    """fixtures/refactor (scripts/make_refactor_fixtures.py): transformers' Phi-3 made from the Llama, one
+    element of layer 0's qkv_proj changed; main took v's last row for a new row and wrote the file."""
+    from safetensors.torch import load_file
+
+    old = load_file("fixtures/refactor/llama.safetensors")
+    new = torch.load(f"fixtures/refactor/{fixture}", weights_only=True)
+    layer = "model.layers.0.self_attn"
+    source = _changed_source(row, col, layer + ".{}_proj.weight")  # (the Phi-3 fixture has the test's head sizes)
+    name, at = source.split("[")
+    held = old[name][tuple(int(i) for i in at.rstrip("]").split(", "))].item()
+    out = tmp_path / "out.pt"
+    r = cli("remap", "fixtures/refactor/llama-optim.pt", "--old-model", "fixtures/refactor/llama.safetensors",
+            "--model", f"fixtures/refactor/{fixture}", "-o", out, "--resize")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and not out.exists(), r.stderr
+    assert f"{layer}.qkv_proj.weight[{row}, {col}] is {new[f'{layer}.qkv_proj.weight'][row, col].item()!r} in the new " \
+           f"weights, but {source}" in r.stderr and f"holds {held!r}" in r.stderr
+
+
+def test_a_fused_bias_with_a_changed_element_is_refused_not_started_fresh(tmp_path, cli):
+    """Its matrix's rows lead to gate.bias and up.bias, the proof refutes them: the old code then started
+    gate_up.bias fresh and dropped both biases' state."""
+    _, _, weights, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    new_weights["gate_up.bias"][30] += 1.0
+    torch.save(new_weights, tmp_path / "new.pt")
+    line = _refused(cli, tmp_path, args=["--resize"])
+    want = weights["up.bias"][30 - INTER].item()
+    assert f"gate_up.bias[30] is {new_weights['gate_up.bias'][30].item()!r} in the new weights, but the map reads " \
+           f"{want!r} from up.bias[6]" in line
+
+
 def test_new_declares_a_tensor_fresh_and_lbfgs_is_refused_by_name(tmp_path, cli):
     _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"], grow=0)
     new_weights["head.weight"] = torch.randn_like(new_weights["head.weight"])  # a re-initialised head
@@ -438,3 +497,31 @@ def test_muon_buffer_moves_exactly_with_a_note(tmp_path, cli):
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     want = torch.cat([opt.state_dict()["state"][i]["momentum_buffer"] for i in range(3)])
     assert torch.equal(out["state"][0]["momentum_buffer"], want)
+
+
+def test_an_old_tensor_copied_into_two_new_ones_keeps_its_state_in_both(tmp_path, cli):
+    """A tie undone (the new model's head a copy of the old shared embedding): both new tensors are proved
+    whole copies of the old one, and both keep its state (main moved it into one and started the other
+    fresh)."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, D)
+    opt = torch.optim.AdamW(embed.named_parameters(prefix="embed"), lr=1e-2)
+    for x, _ in batches(2, 1):
+        opt.zero_grad()
+        embed(x).square().sum().backward()
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "optim.pt")
+    w = embed.weight.detach().clone()
+    torch.save({"embed.weight": w}, tmp_path / "old.pt")
+    torch.save({"embed.weight": w.clone(), "head.weight": w.clone()}, tmp_path / "new.pt")
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.pt",
+            "-o", tmp_path / "out.pt")
+    assert r.returncode == 0, r.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["param_groups"][0]["param_names"] == ["embed.weight", "head.weight"]
+    want = opt.state_dict()["state"][0]
+    for i in (0, 1):
+        assert set(out["state"][i]) == set(want) and all(torch.equal(out["state"][i][k], want[k]) for k in want)
+    model = nn.Module()
+    model.embed, model.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB, bias=False)
+    torch.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(out)

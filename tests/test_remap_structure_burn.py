@@ -103,3 +103,38 @@ def test_the_same_by_rules_along_burns_second_axis(tmp_path, cli):
         assert np.array_equal(got["qkv.weight"][0][slot], fused.numpy())
         stacked = torch.stack([old[f"experts.{e}.weight"][slot] for e in range(3)])
         assert np.array_equal(got["experts_w"][0][slot], stacked.numpy())
+
+
+def test_every_layout_onto_the_burn_model_comes_from_the_map(tmp_path, cli):
+    """Issue 38, item 2, as the user runs it: torch state onto a burn model with a grown embedding in one
+    command. No rank-2 parameter's layout is guessed from shapes: each one the map proves is laid out as
+    the map says (the embedding untransposed and grown, every Linear weight transposed or assembled)."""
+    import json
+
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    write_model(tmp_path / "new.bpk", burn_layout(new_weights), 1)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.bpk",
+            "-o", tmp_path / "out.bpk", "--plan-out", tmp_path / "plan.json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    rank2 = [a for a in plan["params"] if a["dst_shape"] and len(a["dst_shape"]) == 2]
+    assert {a["dst_path"] for a in rank2} == {k for k, v in new_weights.items() if v.dim() == 2}
+    for a in rank2:
+        assert a["structure"] and any("(inferred from the weights, proved)" in n for n in a["notes"]), a
+        assert not any(n.startswith(("layout:", "transposed: the target")) for n in a["notes"]), a
+    embed = next(a for a in rank2 if a["dst_path"] == "embed.weight")
+    assert (embed["structure"], embed["transpose"], embed["resize"]) == ("grown", False, True)
+    assert embed["src_shape"] == [12, 16] and embed["dst_shape"] == [14, 16]
+
+
+def test_a_move_by_path_onto_a_burn_model_says_why_the_weights_did_not_map_it(tmp_path, cli):
+    """Weights that share no values leave the layouts to shapes; the grown embedding's cannot be told,
+    and the refusal says why the weights did not answer it (main: the layout refusal alone)."""
+    _, _, _, new_weights = trained(tmp_path, OPTIMIZERS["adamw"])
+    torch.manual_seed(5)  # the new model saved before its weights were loaded
+    write_model(tmp_path / "new.bpk", burn_layout({k: torch.randn_like(v) for k, v in new_weights.items()}), 1)
+    r = cli("remap", tmp_path / "optim.pt", "--old-model", tmp_path / "old.pt", "--model", tmp_path / "new.bpk",
+            "-o", tmp_path / "out.bpk", "--resize")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and not (tmp_path / "out.bpk").exists(), r.stderr
+    assert "cannot tell which rank-2 parameters are Linear weights" in r.stderr and "embed.weight [12, 16]" in r.stderr
+    assert "share no values: the state is moved by path" in r.stderr

@@ -20,7 +20,7 @@ from statekit.structure import coverage
 from statekit.structure import rules as structure_rules
 from statekit.structure.access import Weight
 from statekit.structure.apply import assembled
-from statekit.structure.infer import infer
+from statekit.structure.infer import Unproduced, infer
 from statekit.structure.pieces import Piece, StructureMap, TargetMap, compress, describe
 from statekit.structure.settle import settle
 from statekit.tensor import TensorRef
@@ -202,6 +202,31 @@ def test_what_the_old_weights_cannot_produce_is_refused_or_new(tmp_path):
     q, k = f32(5, 3), f32(3, 3)
     with pytest.raises(MappingError, match=r"fused: 8 of its 9 rows come from k, q, row 5 from none of the old"):
         mapped(tmp_path, {"q": q, "k": k}, {"fused": np.concatenate([q, f32(1, 3), k])})
+
+
+def test_weights_are_related_when_a_tensor_that_is_not_constant_finds_old_candidates(tmp_path):
+    """Issue 38: the pair is moved by path only when it shares no values; an untrained norm (all ones in
+    both) is what any two initialisations share and says nothing, one row of a renamed tensor does."""
+    a, norm = f32(4, 3), np.ones(3, np.float32)
+    with pytest.raises(Unproduced) as unrelated:  # a model saved before its weights were loaded
+        mapped(tmp_path, {"a": a, "norm": norm}, {"a": f32(4, 3), "norm": norm})
+    assert not unrelated.value.related
+    changed = a.copy()
+    changed[1, 2] += 1
+    with pytest.raises(Unproduced, match=r"b\[1, 2\] is .* in the new weights, but a\[1, 2\]") as related:
+        mapped(tmp_path, {"a": a, "norm": f32(3)}, {"b": changed})
+    assert related.value.related
+    # a renamed vector whose whole key leads to an old one the proof refutes is no new tensor either
+    v = f32(100)
+    edited = v.copy()
+    from statekit.structure import access
+
+    at = min(set(access.positions(100, access.SAMPLES).tolist()) - set(access.positions(100, access.WHOLE_SAMPLES)
+                                                                       .tolist()))
+    edited[at] += 1  # (sampled by its row's key, not by the whole key: that one still leads to v)
+    with pytest.raises(Unproduced, match=rf"w\[{at}\] is .* but the map reads .* from v\[{at}\] \(its key is v's"):
+        mapped(tmp_path, {"v": v}, {"w": edited})
+    assert mapped(tmp_path, {"v": v}, {"w": f32(100)}).map.targets["w"].kind == "new"  # a new parameter
 
 
 def test_settle_uses_the_path_the_rules_and_the_siblings():

@@ -67,7 +67,12 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
 
             smap, why = structural.structure_for(opts, state, state_path, progress)
             opts = replace(opts, structure=smap)
-            plan = build_plan(state, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
+            try:
+                plan = build_plan(state, state_path, ckpt.format, out_path, fmt, opts, operation="remap")
+            except MappingError as exc:  # (a refusal of the move by path says why the weights did not map it)
+                if why:
+                    raise MappingError(f"{exc.message}; {'; '.join(why)}", exc.path) from None
+                raise
             plan.warnings.extend(adapted + why)
             if pruned:
                 plan.warnings.append(orphans.summary(pruned))

@@ -85,7 +85,9 @@ def rules_map(opts: Options, state: OptimizerState, where: str) -> StructureMap 
 def weights_map(opts: Options, state: OptimizerState, where: str, progress=None) -> tuple[StructureMap | None,
                                                                                             list[str]]:
     """The map learned from the old and the new model's weights, proved; (None, [why]) when the models
-    hold no values, or (in ``--match auto``) share none at all."""
+    hold no values, or (in ``--match auto``) share none at all: no new tensor but constant ones (untrained
+    norms, zero biases) found a candidate among the old tensors (:attr:`inference.Inference.related`).
+    Weights that share values and cannot be mapped are refused, naming what cannot be produced."""
     if opts.match == "paths" or opts.old_model is None or opts.model is None:
         return None, []
     sources = (opts.old_model.source, opts.model.source)
@@ -106,10 +108,10 @@ def weights_map(opts: Options, state: OptimizerState, where: str, progress=None)
                 found = inference.infer(old, new, names=rename_fn, declared_new=opts.new_params, advance=advance,
                                         where=sources[1])
             except inference.Unproduced as exc:
-                if opts.match == "auto" and not exc.matched:
+                if opts.match == "auto" and not exc.related:
                     return None, [_unrelated(sources)]
                 raise
-    if opts.match == "auto" and not any(t.pieces for t in found.map.targets.values()):
+    if opts.match == "auto" and not found.related:
         return None, [_unrelated(sources)]
     by_how: dict[str, list[str]] = {}
     for target, how in found.settled.items():
@@ -169,6 +171,7 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
     """``(target actions, into actions, consumed source keys)`` for the map's targets."""
     by_path = {p.path: p for p in state.params if p.path}
     out: list[ParamAction] = []
+    moved: set[str] = set()  # source keys an action moves whole (transposed, grown) already
     readers: dict[str, list[str]] = {}
     for t in smap.targets.values():
         if not t.pieces:
@@ -182,10 +185,15 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
             problems.append(f"{t.path}: the map reads {', '.join(missing)}, which hold no optimizer state, beside "
                             f"{', '.join(p.path for p in stateful)}, which do")
             continue
-        a = _action(t, srcs, family, plan, problems)
+        # an old tensor moved whole into one target and read whole by another too (a tie undone, a layer
+        # copied): the second is assembled from it, so that both keep its state (a plan action per source
+        # key would leave the first to start fresh)
+        a = _action(t, srcs, family, plan, problems, whole=srcs[0].key not in moved)
         if a is None:
             continue
         out.append(a)
+        if a.action != "assemble":
+            moved.add(a.src_key)
         for s in srcs:
             readers.setdefault(s.key, []).append(t.path)
     into = []
@@ -197,7 +205,10 @@ def actions(smap: StructureMap, state: OptimizerState, family: str, plan: Plan, 
     return out, into, set(readers)
 
 
-def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, problems: list[str]) -> ParamAction | None:
+def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, problems: list[str],
+            whole: bool = True) -> ParamAction | None:
+    """The target's plan action: the source's own action aimed at it where it is moved whole, transposed
+    or grown (``whole``: its source is not moved so already), else ``assemble``."""
     first = srcs[0]
     base = dict(src_key=first.key, src_path=first.path, src_shape=_shape(first), dst_path=t.path,
                 dst_shape=list(t.shape), group=first.group, structure=t.kind)
@@ -205,7 +216,7 @@ def _action(t: TargetMap, srcs: list[ParamState], family: str, plan: Plan, probl
     if shape_problem:
         problems.append(shape_problem)
         return None
-    if len(srcs) == 1 and len(t.pieces) == 1:
+    if whole and len(srcs) == 1 and len(t.pieces) == 1:
         p = t.pieces[0]
         shape = tuple(first.shape)
         if p == Piece(first.path, (math.prod(shape),), 0, (1,), 0, (1,)) and shape == t.shape:

@@ -47,20 +47,26 @@ MAX_PROBLEMS = 8
 
 
 class Unproduced(MappingError):
-    """Some new tensors cannot be produced from the old weights; ``matched``: how many could."""
+    """Some new tensors cannot be produced from the old weights; ``related``: whether the two sets of
+    weights share values at all (:attr:`Inference.related`)."""
 
-    def __init__(self, message: str, path: str | None, matched: int):
+    def __init__(self, message: str, path: str | None, related: bool):
         super().__init__(message, path)
-        self.matched = matched
+        self.related = related
 
 
 @dataclass
 class Inference:
-    """The inferred map, the old tensors nothing reads, and how each tie was settled."""
+    """The inferred map, the old tensors nothing reads, how each tie was settled, and whether the old
+    and the new weights are related: some new tensor that is not one value throughout (an untrained
+    norm, a zero bias: what any two initialisations share) was produced, or its keys found candidates
+    among the old tensors' whole tensors or lines. Weights that are not related share no values: the
+    only pairs a caller may move by path instead."""
 
     map: StructureMap
     unused: list[str] = field(default_factory=list)
     settled: dict[str, str] = field(default_factory=dict)
+    related: bool = True
 
 
 @dataclass
@@ -83,6 +89,8 @@ class _Inferrer:
         self.settled: dict[str, str] = {}
         self.problems: list[str] = []
         self.used: set[str] = set()
+        self.found: set[str] = set()  # new tensors whose keys found old candidates (or that were produced)
+        self.near: dict[str, tuple[TargetMap, str]] = {}  # new tensors a candidate's proof refuted: its map, why tried
         self._keys: dict[tuple, int] = {}
         self._equals: dict[int, int] = {}  # id of a tensor → id of one proved bit-equal to it (union-find)
         self._by_size: dict[tuple, list[Weight]] = {}  # (dtype, numel) → old tensors: candidates by size
@@ -105,17 +113,21 @@ class _Inferrer:
         todo = [w for w in todo if not self._grown_in_place(w)]
         for w in todo:
             self._unproduced(w)
+        self._grown_beside_unread_lines()
         if self.problems:
             more = f" (+{len(self.problems) - MAX_PROBLEMS} more)" if len(self.problems) > MAX_PROBLEMS else ""
             raise Unproduced("the new weights cannot be produced from the old ones: "
-                             + "; ".join(self.problems[:MAX_PROBLEMS]) + more, where,
-                             sum(1 for t in self.targets.values() if t.pieces))
+                             + "; ".join(self.problems[:MAX_PROBLEMS]) + more, where, self._related())
         sizes = {p: w.numel for p, w in self.old.items()}
         for t in self.targets.values():
             coverage.check(t, sizes, where)
         ordered = {w.path: self.targets[w.path] for w in self.new if w.path in self.targets}
         unused = [p for p in self.old if p not in self.used]
-        return Inference(StructureMap(ordered, "weights"), unused, self.settled)
+        return Inference(StructureMap(ordered, "weights"), unused, self.settled, self._related())
+
+    def _related(self) -> bool:
+        """Whether a new tensor that is not one value throughout found old candidates (see :class:`Inference`)."""
+        return any(not _constant(w) for w in self.new if w.path in self.found)
 
     def _likely_lines(self, todo: list[Weight]) -> list[tuple[Weight, int]]:
         """(old tensor, orientation) whose line keys the line phase will want, as far as the whole-tensor
@@ -152,12 +164,20 @@ class _Inferrer:
 
     # ------------------------------------------------------------------ 1. whole tensors
     def _whole(self, w: Weight) -> bool:
-        found = [(o, "whole") for o in self._whole_candidates(w) if self._equal(w, o, transposed_=False)]
+        candidates = [(o, "whole") for o in self._whole_candidates(w)]
+        found = [(o, how) for o, how in candidates if self._equal(w, o, transposed_=False)]
         if len(w.shape) == 2:
             flat = {o.path for o, _ in found}
-            found += [(o, "transposed") for o in self._transposed_candidates(w)
-                      if o.path not in flat and self._equal(w, o, transposed_=True)]
+            flipped = [(o, "transposed") for o in self._transposed_candidates(w)]
+            candidates += flipped
+            found += [(o, how) for o, how in flipped if o.path not in flat and self._equal(w, o, transposed_=True)]
+        if candidates:
+            self.found.add(w.path)
         if not found:
+            if candidates:  # (its key says it is one of them; the proof says not: remembered for the refusal)
+                o, how = candidates[0]
+                piece = transposed(o.path, o.shape) if how == "transposed" else whole(o.path, o.shape)
+                self.near.setdefault(w.path, (TargetMap(w.path, w.shape, [piece]), f"its key is {o.path}'s"))
             return False
         chosen = found[0]
         if len(found) > 1:
@@ -318,7 +338,8 @@ class _Inferrer:
             elif covered and (partial is None or covered > int(partial[1].covered.sum())):
                 partial = (lines, picked)
         if best is None and partial is not None and not self._declared(w.path):
-            return ("problem", self._same_name_difference(w) or _partly(w, *partial, index))
+            return ("problem", self._same_name_difference(w)
+                    or _partly(w, *partial, index, self._unread_lines(partial[1], index.weights)))
         if best is None:
             return None
         return ROW, *best
@@ -330,6 +351,8 @@ class _Inferrer:
         if lines.length not in index.lengths:  # (no old line is this long: its keys need not be read)
             return None
         picked = pick(index, lines.keys(w))
+        if picked.ambiguous or picked.covered.any():
+            self.found.add(w.path)
         if picked.ambiguous:
             line, cands = picked.ambiguous[0]
             names = sorted({index.weights[t].path for t, _, _ in cands})
@@ -379,6 +402,9 @@ class _Inferrer:
                 if problem is None:
                     self._keep(t)
                     return True
+                self.found.add(w.path)  # (its sibling's lines lead to old vectors it does not hold)
+                self.near.setdefault(w.path, (t, f"the {'rows' if lines.orient == ROW else 'columns'} of {path} "
+                                                 "lead there"))
         return False
 
     # ------------------------------------------------------------------ 4. grown in place
@@ -399,9 +425,17 @@ class _Inferrer:
         return any(fnmatch.fnmatchcase(path, g) for g in self.declared_new)
 
     def _unproduced(self, w: Weight) -> None:
+        """A new tensor nothing produced: new (fresh state) when declared so, or when no old tensor is
+        like it (none of its name, none a proof was tried on); else a problem naming where it differs."""
         o = self._same_name(w.path)
-        if self._declared(w.path) or o is None:
+        near = self.near.get(w.path)
+        if self._declared(w.path) or (o is None and near is None):
             self.targets[w.path] = TargetMap(w.path, w.shape, [], new=w.numel, kind="new")
+            return
+        if o is None:
+            problem = proof.disagreement(near[0], w, self.old, None)
+            self.problems.append(f"{problem} ({near[1]}; no part of the old weights produces it): the conversion "
+                                 "changed values; give it as --new GLOB only if it is meant to start fresh")
             return
         problem = self._same_name_difference(w)
         if problem:
@@ -431,6 +465,47 @@ class _Inferrer:
         self.targets[t.path] = t
         self.sources[t.path] = t.sources
         self.used.update(t.sources)
+        self.found.add(t.path)
+
+    def _grown_beside_unread_lines(self) -> None:
+        """A line-built tensor with lines from none of the old weights is grown only when the old tensors
+        it reads are read whole: lines of them that go into no new tensor beside new lines are a value the
+        conversion changed (qkv's last row edited leaves v's last row unread), refused naming the element."""
+        for path, (lines, picked, weights) in self.picked.items():
+            t = self.targets[path]
+            if not t.new:
+                continue
+            unread = self._unread_lines(picked, weights)
+            if not unread:
+                continue
+            w = next(n for n in self.new if n.path == path)
+            missing = int(np.flatnonzero(~picked.covered)[0])
+            word = "row" if lines.orient == ROW else "column"
+            left = [f"{len(ls)} {word}{'s' if len(ls) > 1 else ''} of {weights[n].path}" for (n, _), ls in unread.items()]
+            verb = "goes" if len(unread) == 1 and len(next(iter(unread.values()))) == 1 else "go"
+            said = (f"{int(picked.covered.sum())} of its {lines.count} {word}s come from "
+                    f"{_listed(_sources_of(picked, weights))}, {word} {missing} from none of the old weights, while "
+                    f"{_listed(left)} {verb} into none of the new tensors")
+            self.problems.append(_changed_line(w, lines, missing, _candidates(None, unread), weights, said)
+                                 or f"{path}: {said}: a tensor grows only beside old tensors read whole; give it "
+                                    "as --new GLOB only if it is meant to start fresh")
+
+    def _unread_lines(self, picked: Picked, weights: list[Weight]) -> dict[tuple[int, int], list[int]]:
+        """(tensor number, orientation) → the lines of the old tensors ``picked`` reads that no new tensor
+        reads (an old tensor some other target reads otherwise than by lines counts as read whole)."""
+        whole = {s for p, t in self.targets.items() if p not in self.picked for s in t.sources}
+        out = {}
+        for number in np.unique(picked.tensor[picked.covered]):
+            n = int(number)
+            orient = int(picked.orient[picked.tensor == n][0])
+            if weights[n].path in whole:
+                continue
+            read = np.zeros(Lines(weights[n].shape, orient).count, bool)
+            for other in [picked] + [q for _, q, ws in self.picked.values() if ws is weights]:
+                read[other.line[(other.tensor == n) & (other.orient == orient)]] = True
+            if not read.all():
+                out[(n, orient)] = [int(i) for i in np.flatnonzero(~read)]
+        return out
 
 
 def infer(old: list[Weight], new: list[Weight], *, names: Callable[[str], set[str]] | None = None,
@@ -512,28 +587,62 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _partly(w: Weight, lines: Lines, picked: Picked, index: LineIndex) -> str:
+MAX_COMPARED = 64  # old lines a changed line is compared with, to name the element that differs
+
+
+def _partly(w: Weight, lines: Lines, picked: Picked, index: LineIndex, unread: dict) -> str:
     """A new tensor some of whose lines come from the old weights and some from nowhere: the first such
-    line compared, element by element, with the old line its neighbours' run leads to."""
+    line compared, element by element, with the old line it is closest to among the one its neighbours'
+    run leads to and the old lines no new line was built from (``unread``), naming the element."""
     word = "row" if lines.orient == ROW else "column"
     missing = int(np.flatnonzero(~picked.covered)[0])
-    sources = sorted({index.weights[int(t)].path for t in np.unique(picked.tensor[picked.covered])})
-    said = (f"{int(picked.covered.sum())} of its {lines.count} {word}s come from {_listed(sources)}, {word} "
-            f"{missing} from none of the old weights")
+    said = (f"{int(picked.covered.sum())} of its {lines.count} {word}s come from "
+            f"{_listed(_sources_of(picked, index.weights))}, {word} {missing} from none of the old weights")
     guess = _expected_line(picked, missing)
+    changed = _changed_line(w, lines, missing, _candidates(guess, unread), index.weights, said, guess)
+    return changed or (f"{w.path}: {said}: the conversion changed values; give it as --new GLOB only if it is "
+                       "meant to start fresh")
+
+
+def _sources_of(picked: Picked, weights: list[Weight]) -> list[str]:
+    return sorted({weights[int(t)].path for t in np.unique(picked.tensor[picked.covered])})
+
+
+def _candidates(guess: tuple[int, int, int] | None, unread: dict) -> list[tuple[int, int, int]]:
+    """Old lines to compare a changed line with: ``guess`` first, then the unread lines, those of the
+    guess's tensor nearest to it first (at most :data:`MAX_COMPARED`)."""
+    out = [guess] if guess is not None else []
+    rest = [(n, orient, line) for (n, orient), ls in unread.items() for line in ls if (n, orient, line) != guess]
     if guess is not None:
-        src = index.weights[guess[0]]
-        src_lines = Lines(src.shape, guess[1])
-        if 0 <= guess[2] < src_lines.count and src_lines.length == lines.length:
-            new_line = _line_bits(w, lines, missing)
-            old_line = _line_bits(src, src_lines, guess[2])
-            at = int(np.flatnonzero(new_line != old_line)[0])
-            where_new = _element(lines, missing, at, w.shape)
-            where_old = _element(src_lines, guess[2], at, src.shape)
-            said = (f"{w.path}{where_new} is {_as_value(w, new_line[at])} in the new weights, but {src.path}"
-                    f"{where_old}, where its neighbours' {word}s lead, holds {_as_value(src, old_line[at])} ({said})")
-            return said + ": the conversion changed values; give it as --new GLOB only if it is meant to start fresh"
-    return f"{w.path}: {said}: the conversion changed values; give it as --new GLOB only if it is meant to start fresh"
+        rest.sort(key=lambda c: (c[:2] != guess[:2], abs(c[2] - guess[2])))
+    return (out + rest)[:MAX_COMPARED]
+
+
+def _changed_line(w: Weight, lines: Lines, missing: int, candidates, weights: list[Weight], said: str,
+                  guess: tuple[int, int, int] | None = None) -> str | None:
+    """Line ``missing`` of ``w`` beside the candidate old line that agrees with it in the most elements
+    (the first on a tie: ``guess``, where its neighbours' run leads): the first element where they differ,
+    with both values (None when no candidate is as long)."""
+    new_line = _line_bits(w, lines, missing)
+    best = None
+    for n, orient, line in candidates:
+        src = weights[n]
+        src_lines = Lines(src.shape, orient)
+        if not 0 <= line < src_lines.count or src_lines.length != lines.length:
+            continue
+        old_line = _line_bits(src, src_lines, line)
+        differ = np.flatnonzero(new_line != old_line)
+        if differ.size and (best is None or differ.size < best[0]):
+            best = (differ.size, src, src_lines, (n, orient, line), old_line, int(differ[0]))
+    if best is None:
+        return None
+    _, src, src_lines, chosen, old_line, at = best
+    word = "row" if lines.orient == ROW else "column"
+    which = f"where its neighbours' {word}s lead" if chosen == guess else f"in a {word} no new tensor reads"
+    return (f"{w.path}{_element(lines, missing, at, w.shape)} is {_as_value(w, new_line[at])} in the new weights, "
+            f"but {src.path}{_element(src_lines, chosen[2], at, src.shape)}, {which}, holds "
+            f"{_as_value(src, old_line[at])} ({said}): the conversion changed values; give it as --new GLOB only "
+            "if it is meant to start fresh")
 
 
 def _expected_line(p: Picked, i: int) -> tuple[int, int, int] | None:
@@ -549,8 +658,21 @@ def _expected_line(p: Picked, i: int) -> tuple[int, int, int] | None:
 
 def _line_bits(w: Weight, lines: Lines, line: int) -> np.ndarray:
     start, stride = lines.offset(line), lines.elem_stride
-    return np.array([w.read(start + e * stride, 1)[0] for e in range(lines.length)]) if stride != 1 else \
-        w.read(start, lines.length)
+    if stride == 1:
+        return w.read(start, lines.length)
+    with w.mapped() as m:  # (a column: one element a row, read from the file's pages)
+        return np.array(m.array[start : start + stride * (lines.length - 1) + 1 : stride])
+
+
+def _constant(w: Weight) -> bool:
+    """Whether every element of ``w`` has the same bits (an untrained norm, a zero bias)."""
+    first = None
+    for _, bits in w.chunks(1 << 18):
+        if first is None and bits.size:
+            first = bits[0]
+        if bits.size and (bits != first).any():
+            return False
+    return True
 
 
 def _element(lines: Lines, line: int, at: int, shape) -> list[int]:
