@@ -57,6 +57,11 @@ class Depth:
         self.label = {k: (k[1] or "(the layer's own)") if len(stacks) == 1 else f"{k[0]}: {k[1]}"
                       for k in self.kinds}
         self.layers = sorted({t["layer"] for t in self.layered})
+        # the heat map's columns: every index from the first layer to the last (a Sequential's
+        # 0, 2, 4 keeps cells of one width), unless the indices are too sparse for it
+        span = self.layers[-1] - self.layers[0] + 1 if self.layers else 0
+        self.columns = list(range(self.layers[0], self.layers[-1] + 1)) if span <= 4 * len(self.layers) \
+            else self.layers
 
 
 def _depth_panel(d: Depth, title: str, value, hover, *, unit: str, colorscale: str = "Viridis",
@@ -84,15 +89,16 @@ def _depth_panel(d: Depth, title: str, value, hover, *, unit: str, colorscale: s
 
     data = []
     has_layers = any(y_of(t) is not None for t in d.layered)
-    heat_h = max(150, 18 * len(d.kinds) + 30) if has_layers else 0
+    kinds = [k for k in d.kinds if any(y_of(t) is not None for t in d.layered if (t["stack"], t["kind"]) == k)]
+    heat_h = max(150, 18 * len(kinds) + 30) if has_layers else 0
     lines_h = 230 if has_layers else 0
     apart_only = not has_layers
     if has_layers:
-        col = {layer: i for i, layer in enumerate(d.layers)}
-        row = {k: i for i, k in enumerate(d.kinds)}
-        z = [[None] * len(d.layers) for _ in d.kinds]
-        text = [[""] * len(d.layers) for _ in d.kinds]
-        series: dict[tuple, list] = {k: [] for k in d.kinds}
+        col = {layer: i for i, layer in enumerate(d.columns)}
+        row = {k: i for i, k in enumerate(kinds)}
+        z = [[None] * len(d.columns) for _ in kinds]
+        text = [[""] * len(d.columns) for _ in kinds]
+        series: dict[tuple, list] = {k: [] for k in kinds}
         for t in d.layered:
             y = y_of(t)
             if y is None:
@@ -101,7 +107,7 @@ def _depth_panel(d: Depth, title: str, value, hover, *, unit: str, colorscale: s
             z[row[k]][col[t["layer"]]] = y
             text[row[k]][col[t["layer"]]] = text_of(t)
             series[k].append(t)
-        heat = {"type": "heatmap", "x": d.layers, "y": [d.label[k] for k in d.kinds], "z": z, "text": text,
+        heat = {"type": "heatmap", "x": d.columns, "y": [d.label[k] for k in kinds], "z": z, "text": text,
                 "hovertemplate": "%{text}<extra></extra>", "colorscale": colorscale, "xgap": 1, "ygap": 1,
                 "xaxis": "x", "yaxis": "y", "hoverongaps": False,
                 "colorbar": {"title": {"text": unit, "side": "right"}, "x": 0.755, "xanchor": "left",
@@ -111,7 +117,7 @@ def _depth_panel(d: Depth, title: str, value, hover, *, unit: str, colorscale: s
         if zrange is not None:
             heat["zmin"], heat["zmax"] = zrange
         data.append(heat)
-        for k in d.kinds:
+        for k in kinds:
             pts = series[k]
             if pts:
                 data.append({"type": "scatter", "mode": "lines+markers", "x": [t["layer"] for t in pts],
@@ -149,12 +155,12 @@ def _depth_layout(d: Depth, title: str, unit: str, data: list, heat_h: int, line
         lines_dom = [0.0, lines_h / plot]
         span = [d.layers[0] - 0.5, d.layers[-1] + 0.5]
         layout = {
-            "xaxis": {"domain": [0, 0.74], "anchor": "y", "showticklabels": True, "dtick": 1 if len(d.layers) <= 40
+            "xaxis": {"domain": [0, 0.74], "anchor": "y", "showticklabels": True, "dtick": 1 if len(d.columns) <= 40
                       else None, "tickfont": {"size": 10}, "zeroline": False, "range": span},
             "yaxis": {"domain": heat_dom, "anchor": "x", "autorange": "reversed", "automargin": True,
                       "tickfont": {"size": 11}, "type": "category"},
             "xaxis2": {"domain": [0, 0.74], "anchor": "y2", "matches": "x", "title": {"text": "layer"},
-                       "zeroline": False, "dtick": 1 if len(d.layers) <= 40 else None, "tickfont": {"size": 10}},
+                       "zeroline": False, "dtick": 1 if len(d.columns) <= 40 else None, "tickfont": {"size": 10}},
             "yaxis2": {"domain": lines_dom, "anchor": "x2", "title": {"text": unit}, "automargin": True},
             "legend": {"x": 0.86, "xanchor": "left", "y": lines_h / plot, "yanchor": "top", "font": {"size": 10},
                        "title": {"text": "per kind (click: hide)"}},
