@@ -413,3 +413,32 @@ def test_page_panels_are_laid_along_depth(qwen):
     assert sum(x != 0 for row in resets["z"] for x in row if x is not None) == 1
     hist = figs["hist"]["layout"]["yaxis"]
     assert len(hist["tickvals"]) == 35 and "model.layers.17" in hist["ticktext"]
+    fell = figs["compare-v"]["data"][0]["text"][QWEN2_KINDS.index("mlp.down_proj.weight")][17]
+    assert fell.startswith(f"<b>{RESET}</b>") and "v fell to 0" in fell
+
+
+@pytest.mark.hf
+def test_page_without_names_on_the_layer_pattern_is_drawn_along_the_order(qwen):
+    """A state whose names say nothing of layers (positions only): one chart along depth per panel."""
+    pytest.importorskip("plotly")
+    from statekit.render.report_html import figures
+
+    bare = {**qwen, "tensors": [{**t, "stack": None, "layer": None, "kind": None} for t in qwen["tensors"]]}
+    name_at = {t["depth"]: t["path"] for t in qwen["tensors"]}
+    figs = dict(figures(bare))
+    assert {"eff", "eps", "resets", "compare-v"} <= set(figs)
+    for key, fig in figs.items():
+        if key != "hist":
+            (trace,) = fig["data"]
+            assert trace["type"] == "scatter" and len(trace["x"]) <= 387, key
+            assert all(text.startswith(f"<b>{name_at[x]}</b>") for x, text in zip(trace["x"], trace["text"],
+                                                                                   strict=True)), key
+
+
+@pytest.mark.hf
+def test_terminal_rows_go_along_depth(cli):
+    r = cli("report", DEPTH / "checkpoint-6", env={"COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" (")[0] for line in r.stdout.splitlines() if " (" in line and line.startswith(("model", "lm"))]
+    layers = [f"model.layers.{i}" for i in range(32)]
+    assert rows[0] == "model.embed_tokens" and rows[1:33] == layers and set(rows[33:35]) == {"model.norm", "lm_head"}

@@ -60,8 +60,8 @@ class Depth:
         # the heat map's columns: every index from the first layer to the last (a Sequential's
         # 0, 2, 4 keeps cells of one width), unless the indices are too sparse for it
         span = self.layers[-1] - self.layers[0] + 1 if self.layers else 0
-        self.columns = list(range(self.layers[0], self.layers[-1] + 1)) if span <= 4 * len(self.layers) \
-            else self.layers
+        self.columns = list(range(self.layers[0], self.layers[-1] + 1)) if self.layers \
+            and span <= 4 * len(self.layers) else self.layers
 
 
 def _depth_panel(d: Depth, title: str, value, hover, *, unit: str, colorscale: str = "Viridis",
@@ -269,7 +269,8 @@ def _hist(d: Depth) -> dict | None:
                 ticks.append(at)
                 labels.append(html.escape(f"{t['stack']}.{t['layer']}" if t["stack"] else str(t["layer"])))
     trace = {"type": "heatmap", "x": centers, "y": ys, "z": z, "colorscale": "Viridis",
-             "text": [[_hover(t)] * (hi - lo) for t in rows], "hoverongaps": False,
+             "text": [[name if c is not None else "" for c in row] for name, row in
+                      zip((f"<b>{html.escape(t['path'])}</b>" for t in rows), z, strict=True)], "hoverongaps": False,
              "hovertemplate": "%{text}<br>log10 √v̂ ≈ %{x:.2f}: %{z:.3p} of coordinates<extra></extra>",
              "colorbar": {"title": {"text": "share"}}}
     layout = {"title": {"text": "Distribution of log10 √v̂ per tensor, along depth (zeros left out)", "x": 0,
