@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Draw docs/report.png: the top of ``statekit report``'s page for the shipped fixture
-``fixtures/report/b.pt`` (with ``--weights`` and ``--against``), in Debian's headless Chromium.
+"""Draw docs/report.png: the top of ``statekit report``'s page (the findings and the first two panels)
+for the shipped 32-layer Qwen2 Trainer folder ``fixtures/report/qwen2-32/checkpoint-6`` (with
+``--weights`` its model.safetensors and ``--against`` checkpoint-3), in Debian's headless Chromium.
 
-    python scripts/report_screenshot.py        # needs chromium, plotly and playwright
+    python scripts/report_screenshot.py        # needs chromium, plotly, playwright and transformers
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         page_path = Path(tmp) / "report.html"
-        fx = ROOT / "fixtures" / "report"
-        subprocess.run([sys.executable, "-m", "statekit", "report", "fixtures/report/b.pt", "--weights",
-                        str(fx / "model.pt"), "--against", str(fx / "a.pt"), "-o", str(page_path)],
-                       check=True, cwd=ROOT)
+        fx = ROOT / "fixtures" / "report" / "qwen2-32"
+        subprocess.run([sys.executable, "-m", "statekit", "report", "fixtures/report/qwen2-32/checkpoint-6",
+                        "--weights", str(fx / "checkpoint-6" / "model.safetensors"), "--against",
+                        str(fx / "checkpoint-3"), "-o", str(page_path)], check=True, cwd=ROOT)
         with sync_playwright() as pw:
             ctx = pw.chromium.launch_persistent_context(str(Path(tmp) / "profile"), executable_path="/usr/bin/chromium",
                                                         headless=True, args=FLAGS, offline=True,
-                                                        viewport={"width": 1200, "height": 1500})
+                                                        viewport={"width": 1200, "height": 1000})
             page = ctx.new_page()
             page.goto(page_path.as_uri())
             page.wait_for_function("() => [...document.querySelectorAll('[id^=panel-]')]"
                                    ".every(d => d.querySelector('.main-svg'))", timeout=60_000)
-            page.screenshot(path=str(ROOT / "docs" / "report.png"))
+            bottom = page.evaluate("() => document.querySelector('[data-panel=eps]').getBoundingClientRect().bottom")
+            page.screenshot(path=str(ROOT / "docs" / "report.png"), full_page=True,
+                            clip={"x": 0, "y": 0, "width": 1200, "height": bottom + 12})
             ctx.close()
 
 

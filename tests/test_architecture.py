@@ -195,9 +195,9 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
         seen.add(name)
         expected = {".bpk": {"burnpack"}, ".pt": {"torch"}, ".safetensors": {"safetensors"},
                     ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy"}}[path.suffix]
-        if path.relative_to(fixtures).parts[0] in ("clients", "trainer_like", "hf", "finetune") \
-                and path.suffix == ".bin":
-            expected = {"torch"}  # Accelerate's optimizer.bin, HF pytorch_model.bin: torch.save's
+        if (path.relative_to(fixtures).parts[0] in ("clients", "trainer_like", "hf", "finetune")
+                or (path.parent / "trainer_state.json").exists()) and path.suffix == ".bin":
+            expected = {"torch"}  # Accelerate's optimizer.bin, HF pytorch_model.bin, Trainer's training_args.bin
         assert name in expected, path
     assert {"burnpack", "torch", "safetensors"} <= seen
 

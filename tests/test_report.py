@@ -274,3 +274,171 @@ def test_python_api_is_the_json(full):
     assert r["findings"] == full["findings"]
     slower = statekit.report(REPORT / "b.pt", lr=1e-4, params=["inp.weight"])
     assert slower["tensors"][0]["eff_lr_log10"]["p50"] == pytest.approx(full["tensors"][0]["eff_lr_log10"]["p50"] - 1)
+
+
+# --- along depth: a real 32-layer Trainer folder (scripts/make_report_depth_fixture.py) -------------
+
+DEPTH = REPORT / "qwen2-32"
+RESET = "model.layers.17.mlp.down_proj.weight"
+# Qwen2's modules in a decoder layer, in the order they are defined; each Linear's bias beside its weight
+QWEN2_KINDS = ["self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+               "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+               "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+               "post_attention_layernorm.weight"]
+
+
+@pytest.fixture(scope="module")
+def qwen(cli_module):
+    pytest.importorskip("transformers")  # naming the Trainer folder's positions: the model's definition
+    return _json(cli_module, DEPTH / "checkpoint-6", "--weights", DEPTH / "checkpoint-6" / "model.safetensors",
+                 "--against", DEPTH / "checkpoint-3")
+
+
+@pytest.fixture(scope="module")
+def qwen_truth():
+    return json.loads((DEPTH / "truth.json").read_text())
+
+
+def test_place_reads_layer_and_kind_from_any_framework_names():
+    from statekit.ops.report.depth import place, places
+
+    assert place("model.layers.17.mlp.down_proj.weight") == ("model.layers", 17, "mlp.down_proj.weight")
+    assert place("transformer.h.3.attn.c_attn.weight") == ("transformer.h", 3, "attn.c_attn.weight")
+    assert place("blocks.11.ff.0.weight") == ("blocks", 11, "ff.0.weight")  # the first number is the layer
+    assert place("model.layers.2.mlp.experts.7.w1") == ("model.layers", 2, "mlp.experts.7.w1")
+    for apart in ("model.embed_tokens.weight", "lm_head.weight", "#5", "123 (0ABC)", "conv1.weight", "layers.x.w"):
+        assert place(apart) is None
+    # group order (weights, then biases) is not depth: biases sit beside their weights, the head after
+    order = ["emb.weight", "layers.0.q.weight", "layers.0.o.weight", "layers.1.q.weight", "layers.1.o.weight",
+             "head.weight", "layers.0.q.bias", "layers.1.q.bias", "norm.weight"]
+    got = places(order)
+    by_depth = [order[i] for i in sorted(range(len(order)), key=lambda i: got[i]["depth"])]
+    assert by_depth == ["emb.weight", "layers.0.q.weight", "layers.0.q.bias", "layers.0.o.weight",
+                        "layers.1.q.weight", "layers.1.q.bias", "layers.1.o.weight", "head.weight", "norm.weight"]
+
+
+@pytest.mark.hf
+def test_a_real_trainer_folder_is_placed_by_layer_and_kind(qwen, qwen_truth):
+    """Every tensor of the 32-layer Trainer state: its layer and kind from the live model's names,
+    the order along depth Qwen2's (the state's own order is Trainer's groups: weights, then the rest)."""
+    tensors = qwen["tensors"]
+    names = [n for g in qwen_truth["groups"] for n in g]
+    assert [t["path"] for t in tensors] == names  # the JSON keeps the state's order
+    for t in tensors:
+        parts = t["path"].split(".")
+        if parts[:2] == ["model", "layers"]:
+            assert (t["stack"], t["layer"], t["kind"]) == ("model.layers", int(parts[2]), ".".join(parts[3:]))
+        else:
+            assert t["path"] in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+            assert t["layer"] is None and t["kind"] is None
+    along = [t["path"] for t in sorted(tensors, key=lambda t: t["depth"])]
+    layered = [f"model.layers.{i}.{k}" for i in range(32) for k in QWEN2_KINDS]
+    assert along[0] == "model.embed_tokens.weight" and along[1:-2] == layered
+    assert set(along[-2:]) == {"model.norm.weight", "lm_head.weight"}
+    assert sorted(t["depth"] for t in tensors) == list(range(len(tensors))) and len(tensors) == 387
+
+
+@pytest.mark.hf
+def test_a_tensor_reset_to_step_0_is_a_reset_not_also_eps_dominated(qwen):
+    """torch's own fresh entry (step 0, zero moments) is one reset: its step-size numbers are
+    undefined (1 − βᵗ = 0), not "100 % of coordinates have √v̂ < ε"."""
+    torch = pytest.importorskip("torch")
+    state = torch.load(DEPTH / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    names = [t["path"] for t in qwen["tensors"]]
+    raw = state["state"][names.index(RESET)]
+    assert float(raw["step"]) == 0 and not raw["exp_avg"].any() and not raw["exp_avg_sq"].any()
+    found = [(f["path"], f["check"]) for f in qwen["findings"] if f["path"] == RESET]
+    assert ("reset", ) == tuple(c for _, c in found if c in ("reset", "eps", "zero-moments"))
+    assert not [f for f in qwen["findings"] if f["check"] == "eps"]
+    t = next(t for t in qwen["tensors"] if t["path"] == RESET)
+    assert t["step"] == 0 and t["m_zero_fraction"] == 1.0 and t["v_zero_fraction"] == 1.0
+    assert t["eps_fraction"] is None and t["eff_lr_log10"] is None and t["update_rms"] is None
+    assert t["update_weight_ratio"] is None and t["v_hat_sqrt_mean"] is None
+
+
+@pytest.mark.hf
+def test_v_that_fell_to_zero_reads_fell_to_0(qwen, cli_module):
+    drop = [f for f in qwen["findings"] if f["check"] == "v-drop"]
+    assert [f["path"] for f in drop] == [RESET]
+    assert "fell to 0" in drop[0]["message"] and "inf" not in drop[0]["message"]
+    assert not any("inf" in f["message"] for f in qwen["findings"])
+    r = cli_module("report", DEPTH / "checkpoint-6", "--against", DEPTH / "checkpoint-3", env={"COLUMNS": "100"})
+    row = next(line for line in r.stdout.splitlines() if line.startswith(RESET) and "-3" in line)
+    assert row.split()[1:3] == ["to", "0"] and "inf" not in r.stdout
+
+
+@pytest.mark.hf
+def test_outliers_are_against_the_same_module_kind(qwen):
+    """v_proj's biases are not outliers of "every bias": k_proj's (softmax cancels their gradient)
+    sit decades below, but each kind along the 32 layers stays within a decade or so of its median."""
+    torch = pytest.importorskip("torch")
+    state = torch.load(DEPTH / "checkpoint-6" / "optimizer.pt", weights_only=True)
+    b2 = state["param_groups"][0]["betas"][1]
+    names = [t["path"] for t in qwen["tensors"]]
+    spread: dict[str, list[float]] = {}
+    for i, name in enumerate(names):
+        s = state["state"][i]
+        if name.startswith("model.layers.") and float(s["step"]) > 0:
+            v = s["exp_avg_sq"].double().numpy() / (1 - b2 ** float(s["step"]))
+            spread.setdefault(name.split(".", 3)[3], []).append(math.log10(math.sqrt(v.mean())))
+    mid = {k: float(np.median(x)) for k, x in spread.items()}
+    assert mid["self_attn.v_proj.bias"] - mid["self_attn.k_proj.bias"] > 3  # across kinds: decades apart
+    assert all(max(abs(x - mid[k]) for x in xs) < 3 for k, xs in spread.items())  # within a kind: not
+    assert not [f for f in qwen["findings"] if f["check"] == "outlier"]
+
+
+@pytest.mark.hf
+def test_page_panels_are_laid_along_depth(qwen):
+    """No panel has an axis of one tick per tensor: a heat map of kinds × layers, a line per kind,
+    the three tensors off the layer pattern apart; hover names each tensor."""
+    pytest.importorskip("plotly")
+    from statekit.render.report_html import figures
+
+    figs = dict(figures(qwen))
+    assert {"eff", "eps", "update", "ratio", "hist", "resets", "zeros", "compare-v"} <= set(figs)
+    for key, fig in figs.items():
+        if key == "hist":
+            continue
+        heat, *lines = [tr for tr in fig["data"] if tr.get("yaxis") in ("y", "y2")]
+        apart = [tr for tr in fig["data"] if tr.get("yaxis") == "y3"]
+        assert heat["type"] == "heatmap" and heat["x"] == list(range(32)) and heat["y"] == QWEN2_KINDS, key
+        assert [tr["name"] for tr in lines] == QWEN2_KINDS and all(len(tr["x"]) <= 32 for tr in lines), key
+        assert set(apart[0]["y"]) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}, key
+        for i, kind in enumerate(QWEN2_KINDS):
+            for layer in range(32):
+                cell = heat["text"][i][layer]
+                assert not cell or cell.startswith(f"<b>model.layers.{layer}.{kind}</b>"), (key, cell)
+    resets = figs["resets"]["data"][0]
+    assert resets["z"][QWEN2_KINDS.index("mlp.down_proj.weight")][17] == -6
+    assert sum(x != 0 for row in resets["z"] for x in row if x is not None) == 1
+    hist = figs["hist"]["layout"]["yaxis"]
+    assert len(hist["tickvals"]) == 35 and "model.layers.17" in hist["ticktext"]
+    fell = figs["compare-v"]["data"][0]["text"][QWEN2_KINDS.index("mlp.down_proj.weight")][17]
+    assert fell.startswith(f"<b>{RESET}</b>") and "v fell to 0" in fell
+
+
+@pytest.mark.hf
+def test_page_without_names_on_the_layer_pattern_is_drawn_along_the_order(qwen):
+    """A state whose names say nothing of layers (positions only): one chart along depth per panel."""
+    pytest.importorskip("plotly")
+    from statekit.render.report_html import figures
+
+    bare = {**qwen, "tensors": [{**t, "stack": None, "layer": None, "kind": None} for t in qwen["tensors"]]}
+    name_at = {t["depth"]: t["path"] for t in qwen["tensors"]}
+    figs = dict(figures(bare))
+    assert {"eff", "eps", "resets", "compare-v"} <= set(figs)
+    for key, fig in figs.items():
+        if key != "hist":
+            (trace,) = fig["data"]
+            assert trace["type"] == "scatter" and len(trace["x"]) <= 387, key
+            assert all(text.startswith(f"<b>{name_at[x]}</b>") for x, text in zip(trace["x"], trace["text"],
+                                                                                   strict=True)), key
+
+
+@pytest.mark.hf
+def test_terminal_rows_go_along_depth(cli):
+    r = cli("report", DEPTH / "checkpoint-6", env={"COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" (")[0] for line in r.stdout.splitlines() if " (" in line and line.startswith(("model", "lm"))]
+    layers = [f"model.layers.{i}" for i in range(32)]
+    assert rows[0] == "model.embed_tokens" and rows[1:33] == layers and set(rows[33:35]) == {"model.norm", "lm_head"}

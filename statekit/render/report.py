@@ -36,13 +36,11 @@ def _cut(text: str, width: int) -> str:
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
-def _layer(path: str) -> str:
-    """The layer a tensor belongs to: its path up to the first number (``blocks.3``), else its module."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1]) or path
+def _layer(t: dict) -> str:
+    """The layer a tensor belongs to, as the report placed it (``model.layers.3``), else its module."""
+    if t.get("layer") is not None:
+        return f"{t['stack']}.{t['layer']}" if t["stack"] else str(t["layer"])
+    return t["path"].rpartition(".")[0] or t["path"]
 
 
 def _mean(items: list[tuple[float | None, int]]) -> float | None:
@@ -52,12 +50,13 @@ def _mean(items: list[tuple[float | None, int]]) -> float | None:
 
 
 def _rows(tensors: list[dict]) -> tuple[list[dict], bool]:
-    """One row per tensor, or per layer when there are more than :data:`MAX_ROWS` tensors."""
+    """One row per tensor along depth, or per layer when there are more than :data:`MAX_ROWS` tensors."""
+    tensors = sorted(tensors, key=lambda t: t.get("depth", 0))
     if len(tensors) <= MAX_ROWS:
         return tensors, False
     groups: dict[str, list[dict]] = {}
     for t in tensors:
-        groups.setdefault(_layer(t["path"]), []).append(t)
+        groups.setdefault(_layer(t), []).append(t)
     rows = []
     for name, members in groups.items():
         effs = [t["eff_lr_log10"] for t in members if t["eff_lr_log10"] and t["eff_lr_log10"]["p50"] is not None]
@@ -244,8 +243,11 @@ def _compare(r: dict, width: int) -> list[str]:
     name_w = max(10, min(max(len(c["path"]) for c in r["compare"]), width - 30))
     lines = ["", _cut(f"against {r['against']}: log2 RMS(v̂) now/then, cosine of m, step change", width),
              f"{'':<{name_w}} {'log2 v̂':>8} {'cos m':>7} {'Δstep':>8}"[:width]]
-    for c in r["compare"]:
-        lines.append(f"{_cut(c['path'], name_w):<{name_w}} {_fmt(c['v_rms_log2_ratio'], '+.2f'):>8} "
+    depth = {t["path"]: t.get("depth", 0) for t in r["tensors"]}
+    for c in sorted(r["compare"], key=lambda c: depth.get(c["path"], 0)):
+        ratio = c["v_rms_log2_ratio"]
+        ratio = "to 0" if ratio in (-math.inf, "-inf") else _fmt(ratio, "+.2f")  # v fell to 0: no factor
+        lines.append(f"{_cut(c['path'], name_w):<{name_w}} {ratio:>8} "
                      f"{_fmt(c['m_cosine'], '.3f'):>7} {_fmt(c['step_delta'], '+g'):>8}"[:width])
     return lines
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from statekit import hyper, io
 from statekit.errors import MappingError, UsageError
 from statekit.ops.report import findings as checks
+from statekit.ops.report.depth import places
 from statekit.ops.report.family_views import family_view
 from statekit.ops.report.formulas import Plan, plan_for
 from statekit.ops.report.measure import Job, measure
@@ -157,6 +158,8 @@ def report(ckpt: Checkpoint, *, weights: Checkpoint | None = None, against: Chec
             compare.append(_compare(job, numbers))
         if progress:
             progress()
+    for t, where in zip(tensors, places([t["path"] for t in tensors]), strict=True):
+        t.update(where)
     common = checks.common_step(tensors)
     found = checks.per_tensor(tensors, common) + checks.outliers(tensors)
     if compare:
@@ -185,19 +188,19 @@ def report(ckpt: Checkpoint, *, weights: Checkpoint | None = None, against: Chec
                   hyperparameters=_hyper_rows(plans, state))
 
 
-def _tensor(state: OptimizerState, job: Job, numbers: dict, depth: int) -> dict:
+def _tensor(state: OptimizerState, job: Job, numbers: dict, position: int) -> dict:
     p, plan = job.p, job.plan
     shape = p.shape
     v_mean = numbers["v_sqrt_mean"]
     out = {
-        "path": p.label(), "depth": depth, "family": plan.family, "step": None if p.step is None else float(p.step),
+        "path": p.label(), "depth": position, "stack": None, "layer": None, "kind": None, "family": plan.family, "step": None if p.step is None else float(p.step),
         "numel": numbers["numel"], "shape": None if shape is None else list(shape), "dtype": p.dtype,
         "group": p.group,
         "eff_lr_log10": numbers["eff_lr_log10"], "eps_fraction": numbers["eps_fraction"],
         "update_rms": numbers["update_rms"], "update_weight_ratio": numbers["update_weight_ratio"],
         "m_zero_fraction": numbers["m_zero_fraction"], "v_zero_fraction": numbers["v_zero_fraction"],
         "nonfinite": numbers["nonfinite"], "m_rms": numbers["m_rms"], "v_sqrt_mean": v_mean,
-        "v_hat_sqrt_mean": v_mean * math.sqrt(plan.v_scale) if v_mean is not None else None,
+        "v_hat_sqrt_mean": v_mean * math.sqrt(plan.v_scale) if v_mean is not None and plan.v_scale else None,
         "w_rms": numbers["w_rms"], "v_hat_sqrt_log10_hist": numbers["v_hat_sqrt_log10_hist"],
         "family_view": family_view(p, plan, job.weight),
         "formula": plan.formula,
@@ -214,12 +217,11 @@ def _compare(job: Job, numbers: dict) -> dict:
     delta = None if a.step is None or b.step is None else float(b.step) - float(a.step)
     row = {"path": b.label(), "v_rms_log2_ratio": None, "m_cosine": None, "step_delta": delta}
     if c:
-        rb = math.sqrt(c["v_sq"] / c["n"]) * job.plan.v_scale
-        ra = math.sqrt(c["a_v_sq"] / c["n"]) * job.other_plan.v_scale
-        if ra > 0 and rb > 0:
-            row["v_rms_log2_ratio"] = math.log2(rb / ra)
-        elif ra > 0:
-            row["v_rms_log2_ratio"] = -math.inf
+        rb, ra = math.sqrt(c["v_sq"] / c["n"]), math.sqrt(c["a_v_sq"] / c["n"])  # RMS(v), as stored
+        if ra > 0 and rb == 0:
+            row["v_rms_log2_ratio"] = -math.inf  # fell to 0 (whatever either bias correction)
+        elif ra > 0 and job.plan.v_scale and job.other_plan.v_scale:
+            row["v_rms_log2_ratio"] = math.log2(rb * job.plan.v_scale / (ra * job.other_plan.v_scale))
         if c["has_m"] and c["m_sq"] > 0 and c["a_m_sq"] > 0:
             row["m_cosine"] = c["mm"] / math.sqrt(c["m_sq"] * c["a_m_sq"])
     numbers.pop("_compare", None)

@@ -60,13 +60,18 @@ def per_tensor(tensors: list[dict], common: float | None) -> list[dict]:
 
 
 def _kind(t: dict) -> tuple:
+    """A tensor's peers: on the layer pattern, the same module kind in every layer of its stack
+    (``self_attn.v_proj.bias``: never ``k_proj.bias``, whose v is its own); off it, the other
+    tensors off it with the same last name, matrix or vector."""
+    if t.get("layer") is not None:
+        return (t["family"], "layer", t["stack"], t["kind"])
     shape = t.get("shape") or []
-    return (t["family"], (t["path"] or "").rsplit(".", 1)[-1], len(shape) > 1)
+    return (t["family"], "apart", (t["path"] or "").rsplit(".", 1)[-1], len(shape) > 1)
 
 
 def outliers(tensors: list[dict]) -> list[dict]:
-    """Tensors whose √mean(v̂) lies :data:`OUTLIER_DECADES` from the median of their kind (same
-    family, same last name such as ``weight`` or ``bias``, matrix or vector), along depth."""
+    """Tensors whose √mean(v̂) lies :data:`OUTLIER_DECADES` from the median of their kind (see
+    :func:`_kind`; kinds of three or more tensors), along depth."""
     groups: dict[tuple, list[tuple[dict, float]]] = {}
     for t in tensors:
         x = t.get("v_hat_sqrt_mean")
@@ -95,8 +100,8 @@ def compared(rows: list[dict]) -> list[dict]:
             out.append(finding("warning", "step-back", r["path"], f"step went back by {-delta:g} against the other "
                                "state: restarted between them"))
         if ratio is not None and ratio < -V_DROP:
-            out.append(finding("warning", "v-drop", r["path"], f"RMS(v̂) fell {2 ** -ratio:.3g}× against the other "
-                               "state"))
+            how = "to 0" if math.isinf(ratio) else f"{2 ** -ratio:.3g}×"  # against zero: no factor
+            out.append(finding("warning", "v-drop", r["path"], f"RMS(v̂) fell {how} against the other state"))
     return out
 
 

@@ -35,7 +35,7 @@ class Plan:
     hyper: dict[str, object]
     m: str | None = None
     v: str | None = None
-    v_scale: float = 1.0
+    v_scale: float | None = 1.0  # None: v̂ undefined (step 0)
     d_slots: tuple[str, ...] = ()
     d_fn: Callable | None = None  # arrays of d_slots → D (None: D is the first of d_slots)
     d_pow: float = 0.5
@@ -141,7 +141,20 @@ def plan_for(state: OptimizerState, p: ParamState, family: str | None, given: di
     plan.family, plan.hyper = fam, values
     if assumed and state.framework == "burn" and not state.hyperparams_stored:
         plan.assumed = sorted(assumed)
+    if step_of(p) == 0:
+        _unstepped(plan)
     return plan
+
+
+def _unstepped(plan: Plan) -> None:
+    """A tensor at step 0: its state was made and never stepped (a reset, or a state built before
+    the first step). Its moments hold no gradient and every bias correction ``1 − βᵗ`` is 0, so the
+    step-size numbers (effective step, ε share, update, v̂) are undefined: none is given, where a
+    step of 1 would make every coordinate "ε-dominated". The stored moments are still measured."""
+    plan.eff_num = plan.eff_const = plan.eps_pred = None
+    plan.u_kind = plan.u_slot = None
+    plan.v_scale = None
+    plan.formula = "step 0: never stepped since its state was made; no step-size numbers (moments as stored)"
 
 
 def _adam(p: ParamState, hp: dict) -> Plan:

@@ -266,7 +266,8 @@ def _result(job: Job, s: _Sums, names: list[str], has_d: bool, notes: list[str])
             ratio = plan.lr * _rms(s.uw_sq, finite) / out["w_rms"]
     out["update_weight_ratio"] = ratio
     hist = s.v_hist if s.v_hist is not None else (s.d_hist if has_d and _v_is_d(plan) else None)
-    out["v_hat_sqrt_log10_hist"] = bins.log10_histogram(hist, plan.v_scale, 0.5) if hist is not None else None
+    out["v_hat_sqrt_log10_hist"] = bins.log10_histogram(hist, plan.v_scale, 0.5) \
+        if hist is not None and plan.v_scale else None
     if "a_v" in names and has_v and finite:
         out["_compare"] = {"v_sq": s.v_sq, "a_v_sq": s.a_v_sq, "n": finite, "m_sq": s.m_sq,
                            "a_m_sq": s.a_m_sq, "mm": s.mm, "has_m": "a_m" in names and plan.m in names}
