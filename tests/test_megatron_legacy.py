@@ -99,6 +99,25 @@ def test_synthetic_non_distributed_optimizer(tmp_path):
     assert any("non-distributed" in n for n in ckpt.optimizer.notes)
 
 
+def test_synthetic_virtual_pipeline_chunks(tmp_path):
+    # PP 2 × VP 2, 8 layers: model0/model1 per rank, layers made global by chunk and rank
+    truth = synth.write(str(tmp_path), tp=2, pp=2, vp=2, dp=2, layers=8, overlap=True, bucket_size=300)
+    ckpt = io.open_checkpoint(str(tmp_path))
+    _check_against(ckpt, truth)
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_synthetic_moe_chained_optimizer_dense_and_expert(tmp_path, distributed):
+    # EP 2, 4 experts (2 per EP rank), dense DP 2 and expert DP 1: a ChainedOptimizer whose dense
+    # state is in the EP-rank-0 folder only; local experts 0-1 of EP rank 1 are experts 2-3
+    truth = synth.write(str(tmp_path), dp=2, ep=2, experts=4, distributed=distributed)
+    ckpt = io.open_checkpoint(str(tmp_path))
+    _check_against(ckpt, truth)
+    expert_groups = [g for g in ckpt.optimizer.groups if g.hyperparams.get("is_expert_parallel")]
+    assert len(expert_groups) == 1
+    assert set(expert_groups[0].keys) == {n for n in truth if ".experts." in n}
+
+
 def test_synthetic_joined_tp_shards_equal_torch_load_of_the_same_files(tmp_path):
     """The joined tensors against torch's own load of the rank files, joined by torch."""
     synth.write(str(tmp_path), tp=2, swiglu=True)

@@ -549,19 +549,26 @@ class _Reader:
         groups_out: list[dict] = []
         for rank in ranks:
             self.fill(rank, groups_out)
-        merged: dict[str, dict[int, Local]] = {}
-        order: list[str] = []
-        for rank in sorted(ranks, key=lambda r: (r.where.pp, r.where.ep, r.where.tp)):
+        # the whole model's order: chunk by chunk (virtual stage, then pipeline rank: ascending layers),
+        # each folder's registration order, an EP rank's experts after the lower EP ranks' of that layer
+        entries = []
+        for rank in ranks:
             for chunk in rank.chunks:
-                for p in chunk:
-                    vp_stage = p.chunk if cfg.vp else None
-                    name = names.globalize(p.name, cfg, rank.where.pp, vp_stage, rank.where.ep)
-                    slot = merged.setdefault(name, {})
-                    if name not in order:
-                        order.append(name)
-                    if rank.where.tp in slot:
-                        continue  # a dense parameter's replica in a later EP folder (EP rank 0's holds its state)
-                    slot[rank.where.tp] = p
+                blocks: dict[str, int] = {}
+                for q, p in enumerate(chunk):
+                    m = _EXPERT.search(p.name)
+                    block = blocks.setdefault(p.name[:m.end()], q) if m else q
+                    key = (p.chunk, rank.where.pp, block, rank.where.ep, q, rank.where.tp)
+                    entries.append((key, rank, p))
+        entries.sort(key=lambda e: e[0])
+        merged: dict[str, dict[int, Local]] = {}
+        for _key, rank, p in entries:
+            vp_stage = p.chunk if cfg.vp else None
+            name = names.globalize(p.name, cfg, rank.where.pp, vp_stage, rank.where.ep)
+            slot = merged.setdefault(name, {})
+            if rank.where.tp not in slot:  # (a dense parameter's replica in a later EP folder: EP rank 0's holds its state)
+                slot[rank.where.tp] = p
+        order = list(merged)
         state_params: list[ParamState] = []
         model = ModelInfo(order="named_parameters", source=self.path)
         tp = cfg.tp or 1
