@@ -135,7 +135,9 @@ def joined(parts: list[TensorRef], axis: int | None, swiglu: bool = False) -> Te
             b = min(outer, a + rows)
             blocks = [np.frombuffer(bytes(_read(p, a * w * item, (b - a) * w * item)), dtype=np_dtype).reshape(b - a, w)
                       for p, w in zip(parts, widths, strict=True)]
-            yield np.concatenate(blocks, axis=1).reshape(-1)
+            block = np.concatenate(blocks, axis=1).reshape(-1)
+            for lo in range(0, block.size, elements):  # (one row wider than a piece: cut)
+                yield block[lo:lo + elements]
 
     return TensorRef(dtype, tuple(shape), piece_source=pieces, info={"megatron_tp_join": f"axis {axis} of {len(parts)}"})
 
@@ -337,6 +339,9 @@ class _Reader:
         experts_separate = self.cfg.experts_in_own_buffer()
         dense = [p for p in params if not (p.expert and experts_separate)]
         expert = [p for p in params if p.expert and experts_separate]
+        if len(parts) > 1 and self.cfg.overlap_param_gather_with_optimizer_step:
+            raise FormatError("a ChainedOptimizer with overlap_param_gather_with_optimizer_step (one optimizer per "
+                              "model chunk): statekit reads dense (+ expert) chains only", file)
         if len(parts) == 1:
             members = [params]
         elif len(parts) == 2:
@@ -615,8 +620,10 @@ class _Reader:
         if name.endswith("linear_qkv.weight") and cfg.num_attention_heads and cfg.kv_channels:
             groups = cfg.num_query_groups or cfg.num_attention_heads
             want = ((cfg.num_attention_heads + 2 * groups) * cfg.kv_channels, 0)
-        elif _FC1.search(name) and name.endswith("weight") and cfg.ffn_hidden_size and not _EXPERT.search(name):
+        elif _FC1.search(name) and ".weight" in name and cfg.ffn_hidden_size and not _EXPERT.search(name):
             want = (cfg.ffn_hidden_size * (2 if cfg.swiglu else 1), 0)
+        elif _FC1.search(name) and ".weight" in name and cfg.moe_ffn_hidden_size and _EXPERT.search(name):
+            want = (cfg.moe_ffn_hidden_size * (2 if cfg.swiglu else 1), 0)
         elif name.endswith(("word_embeddings.weight", "output_layer.weight")) and cfg.padded_vocab_size:
             want = (cfg.padded_vocab_size, 0)
         if want is not None and shape[want[1]] != want[0]:
