@@ -437,3 +437,74 @@ def test_synthetic_joined_tensors_stream_in_bounded_pieces(tmp_path):
         import numpy as np
 
         assert np.array_equal(np.concatenate(pieces), truth[name]["exp_avg"].reshape(-1).numpy())
+
+
+REAL_TP2PP2 = os.path.join(FIXTURES, "0.19.2", "gpt_torch_distopt_tp2pp2dp1")
+
+
+def _real_copy(tmp_path):
+    import shutil
+
+    if not os.path.isdir(REAL_TP2PP2):
+        pytest.skip("fixture gpt_torch_distopt_tp2pp2dp1 not here")
+    dest = tmp_path / "ckpt"
+    shutil.copytree(REAL_TP2PP2, dest)
+    return dest
+
+
+def _distrib_entry(d):
+    ((_, entry),) = d[0].items()
+    return entry
+
+
+def test_megatron_written_states_swapped_between_parameters_are_refused(tmp_path):
+    """Two same-size parameters' states exchanged in megatron-core's own distrib_optim.pt: the
+    element counts all still fit; the proof names the first parameter whose master is not its weight."""
+    from statekit.frameworks.megatron import legacy
+
+    dest = _real_copy(tmp_path)
+    reader = legacy._Reader(str(dest))
+    reader.read()
+    rank = next(r for r in reader.rank_records if r.where.pp == 1 and r.where.tp == 0)
+    norms = [p for c in rank.chunks for p in c if p.name.endswith("layernorm.weight")][:2]
+    base = megatron_legacy.load(os.path.join(rank.folder, "distrib_optim.pt"))
+    start = _distrib_entry(base)["param"].span.offset
+    at = [(p.master.span.offset - start) // 4 for p in norms]
+    file = os.path.join(rank.folder, "distrib_optim.pt")
+    d = torch.load(file, weights_only=True)
+    entry = _distrib_entry(d)
+    n = norms[0].weight.numel
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        a, b = entry[key][at[0]:at[0] + n].clone(), entry[key][at[1]:at[1] + n].clone()
+        entry[key][at[0]:at[0] + n], entry[key][at[1]:at[1] + n] = b, a
+    torch.save(d, file)
+    with pytest.raises(ProofError, match=r"parameter decoder\.layers\.0\.\w+\.weight: its fp32 master rounded to BF16 "
+                                         r"is not the stored weight .* the bucket layout \(rule >=0\.8"):
+        io.open_checkpoint(str(dest))
+
+
+def test_megatron_written_shifted_state_is_refused(tmp_path):
+    """The state shifted by 64 elements (what mcore's fully_reshardable multi-bucket save does to
+    every parameter after bucket 0), total length kept: refused by the proof."""
+    dest = _real_copy(tmp_path)
+    file = dest / "iter_0000003" / "mp_rank_01_000" / "distrib_optim.pt"
+    d = torch.load(file, weights_only=True)
+    entry = _distrib_entry(d)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        entry[key] = torch.roll(entry[key], 64)
+    torch.save(d, file)
+    with pytest.raises(ProofError, match="does not hold"):
+        io.open_checkpoint(str(dest))
+
+
+def test_megatron_written_truncated_distrib_optim_is_refused(tmp_path):
+    dest = _real_copy(tmp_path)
+    file = dest / "iter_0000003" / "mp_rank_00_001" / "distrib_optim.pt"
+    d = torch.load(file, weights_only=True)
+    entry = _distrib_entry(d)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        entry[key] = entry[key][:-64].clone()
+    torch.save(d, file)
+    with pytest.raises(FormatError, match=r"mp_rank_00_001/distrib_optim.pt: buffer 0 .*: 'param' has \d+ elements, "
+                                          r"numel_unpadded is \d+"):
+        io.open_checkpoint(str(dest))
