@@ -168,7 +168,7 @@ def _distrib_entry(names, shards, size, dp, version_rule, coalesced):
 
 def write(root: str, *, tp=1, pp=1, dp=1, layers=2, swiglu=True, untie=True, distributed=True,
           bucket_size=None, overlap=False, version_rule=">=0.8", coalesced=True, step=5, seed=0,
-          extra_state=True, swap_order=False, vp=None, experts=0, ep=1):
+          extra_state=True, swap_order=False, vp=None, experts=0, ep=1, cp=1, release=False):
     """Write a SYNTHETIC legacy checkpoint (see the module docstring); returns the global tensors.
     ``dp`` is the dense DP size; with ``ep`` > 1 the expert DP size is ``dp // ep`` (TP = PP = 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -181,8 +181,10 @@ def write(root: str, *, tp=1, pp=1, dp=1, layers=2, swiglu=True, untie=True, dis
         truth[name] = {"master": master, "weight": master.to(torch.bfloat16),
                        "exp_avg": torch.randn(shape, generator=g) * 1e-3,
                        "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6}
-    iteration = os.path.join(root, "iter_0000005")
+    iteration = os.path.join(root, "release" if release else "iter_0000005")
     args = _args(tp, pp, dp, layers, swiglu, untie, distributed, bucket_size, overlap, version_rule, vp, experts, ep)
+    args.context_parallel_size = cp
+    args.world_size = tp * pp * dp * cp
     sched = {"max_lr": 3e-4, "lr_warmup_steps": 16, "num_steps": step * 8, "lr_decay_style": "cosine",
              "lr_decay_steps": 800, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
              "wd_incr_steps": 800}
@@ -229,7 +231,7 @@ def write(root: str, *, tp=1, pp=1, dp=1, layers=2, swiglu=True, untie=True, dis
                                         {"optimizer": {"param_groups": parts_groups[0]}, "grad_scaler": {}})
                     dkey = (torch.bfloat16, torch.float32)
                     states = []
-                    for members, part_dp, writes in ((dense, dp, er == 0), (expert, dp // ep, True)):
+                    for members, part_dp, writes in ((dense, dp * cp, er == 0), (expert, dp * cp // ep, True)):
                         if not members and states:
                             continue
                         state = {"buckets_coalesced": True} if coalesced else {}
@@ -272,5 +274,5 @@ def write(root: str, *, tp=1, pp=1, dp=1, layers=2, swiglu=True, untie=True, dis
                     obj["optimizer"] = parts if len(parts) > 1 else parts[0]
                 torch.save(obj, os.path.join(folder, "model_optim_rng.pt"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write(str(step))
+        fh.write("release" if release else str(step))
     return truth

@@ -508,3 +508,48 @@ def test_megatron_written_truncated_distrib_optim_is_refused(tmp_path):
     with pytest.raises(FormatError, match=r"mp_rank_00_001/distrib_optim.pt: buffer 0 .*: 'param' has \d+ elements, "
                                           r"numel_unpadded is \d+"):
         io.open_checkpoint(str(dest))
+
+
+def test_synthetic_context_parallel_shards_over_dp_times_cp(tmp_path):
+    # the distributed optimizer's group is DP × CP: DP 2 × CP 3 pads bucket ends to lcm(6, 128)
+    truth = synth.write(str(tmp_path), dp=2, cp=3)
+    ckpt = io.open_checkpoint(str(tmp_path))
+    _check_against(ckpt, truth)
+    assert any("DP×CP 6" in n for n in ckpt.optimizer.notes)
+
+
+def test_synthetic_release_folder(tmp_path):
+    truth = synth.write(str(tmp_path), tp=2, release=True)
+    assert megatron_legacy.iteration_dir(str(tmp_path)).endswith("release")
+    _check_against(io.open_checkpoint(str(tmp_path)), truth)
+
+
+def test_proof_rounding_per_dtype():
+    import ml_dtypes
+    import numpy as np
+
+    from statekit.frameworks.megatron import proof
+    from statekit.tensor import TensorRef
+
+    rng = np.random.default_rng(0)
+    master = np.concatenate([rng.standard_normal(5000).astype(np.float32),
+                             np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40], np.float32)])
+    for dtype, np_dtype in (("BF16", ml_dtypes.bfloat16), ("F16", np.float16), ("F32", np.float32)):
+        weight = master.astype(np_dtype)  # numpy's / ml_dtypes' round-to-nearest-even
+        assert proof.prove("w", TensorRef.from_array(master), TensorRef.from_array(weight, dtype), "r") == master.size
+        bad = weight.copy()
+        bad[17] = np_dtype(3.0)
+        with pytest.raises(proof.ProofError, match=rf"parameter w: .* rounded to {dtype} is not the stored weight at "
+                                                   r"element 17 of 5006 .*: rule X does not hold"):
+            proof.prove("w", TensorRef.from_array(master), TensorRef.from_array(bad, dtype), "rule X")
+    # torch's own rounding (what Megatron's copy into the model does), ties and subnormals included
+    ties = (np.arange(1 << 16, dtype=np.uint32) << 16 | 0x8000).view(np.float32)
+    for values in (master, ties, rng.standard_normal(1 << 16).astype(np.float32) * 1e-39):
+        t = torch.from_numpy(values.copy())
+        for dtype, tdt in (("BF16", torch.bfloat16), ("F16", torch.float16)):
+            want = t.to(tdt).view(torch.int16).numpy().view(np.uint16)
+            got = proof.rounded_bits(values, dtype)
+            nan = np.isnan(values)
+            assert np.array_equal(got[~nan], want[~nan]), dtype
+    with pytest.raises(proof.ProofError, match="its master has 5006 elements, the stored weight 5"):
+        proof.prove("w", TensorRef.from_array(master), TensorRef.from_array(master[:5]), "r")

@@ -42,7 +42,8 @@ def rounded_bits(values, dtype: str):
     if dtype == "F32":
         return f32.view(np.uint32)
     if dtype == "F16":
-        return f32.astype(np.float16).view(np.uint16)
+        with np.errstate(over="ignore"):  # beyond fp16's range: inf, as torch rounds it
+            return f32.astype(np.float16).view(np.uint16)
     if dtype == "BF16":
         bits = f32.view(np.uint32).astype(np.uint64)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
