@@ -553,3 +553,12 @@ def test_proof_rounding_per_dtype():
             assert np.array_equal(got[~nan], want[~nan]), dtype
     with pytest.raises(proof.ProofError, match="its master has 5006 elements, the stored weight 5"):
         proof.prove("w", TensorRef.from_array(master), TensorRef.from_array(master[:5]), "r")
+
+
+def test_one_rank_folder_or_file_reads_the_whole_checkpoint(tmp_path):
+    truth = synth.write(str(tmp_path), tp=2, dp=2)
+    rank = tmp_path / "iter_0000005" / "mp_rank_01"
+    for given in (rank, rank / "model_optim_rng.pt", rank / "distrib_optim.pt"):
+        ckpt = io.open_checkpoint(str(given))
+        assert ckpt.format == "megatron-legacy"
+        _check_against(ckpt, truth)

@@ -136,17 +136,33 @@ def read_tracker(root: str) -> str:
 
 
 def iteration_dir(path: str) -> str | None:
-    """The iteration folder ``path`` is, or the one its tracker file names (a save root)."""
+    """The iteration folder ``path`` is, the one its tracker file names (a save root), or the one a
+    rank folder lies in (one rank's files are read with the others, never alone)."""
     if not os.path.isdir(path):
         return None
     if is_iteration_dir(path):
         return path
+    parent = os.path.dirname(os.path.abspath(path))
+    if RANK_DIR.match(os.path.basename(os.path.abspath(path))) and is_iteration_dir(parent):
+        return parent
     if os.path.isfile(os.path.join(path, TRACKER)):
         try:
             inner = os.path.join(path, read_tracker(path))
         except (FormatError, OSError):
             return None
         return inner if is_iteration_dir(inner) else None
+    return None
+
+
+def directory_of(path: str) -> str | None:
+    """The iteration folder when ``path`` is a rank folder's ``model_optim_rng.pt`` or
+    ``distrib_optim.pt`` (read with the whole checkpoint: one rank's file names no parameter)."""
+    if os.path.basename(path) not in (MODEL_FILE, DISTRIB_FILE):
+        return None
+    rank = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(rank)
+    if RANK_DIR.match(os.path.basename(rank)) and is_iteration_dir(parent):
+        return parent
     return None
 
 
