@@ -19,10 +19,14 @@ statekit's own environment; statekit never imports it)::
         --megatron-lm-src /work/venvs/src/Megatron-LM-core_v0.16.1 --out fixtures/megatron
 
 Setup of a venv: ``python3 -m venv /work/venvs/mcore-<ver>``, then
-``pip install torch==2.13.0 numpy packaging`` and
-``pip install --no-deps megatron-core==<ver>`` (0.19.x wheels are tagged cp312
-only: unzip the wheel into the venv's site-packages, and ``pip install triton``,
-which 0.19's pipeline schedules import). Wheels before 0.19 carry only
+``pip install torch==2.13.0 numpy packaging psutil triton`` (psutil: the
+torch_dist writer's worker; triton: imported by 0.19's pipeline schedules) and
+``pip install --no-deps megatron-core==<ver>``. The 0.19.x wheels are tagged
+cp312 only: ``pip download --no-deps --python-version 3.12 --only-binary=:all:
+megatron-core==0.19.2`` and unzip the wheel into the venv's site-packages (its
+pure-Python code runs on 3.11 but for ``typing.override``, see the shim).
+Megatron-LM's 0.16 ``megatron/training`` also imports six, regex, pyyaml and
+pydantic (``pip install`` them). Wheels before 0.19 carry only
 ``megatron/core``; ``--megatron-lm-src`` then names a Megatron-LM source tree at
 the matching tag holding ``megatron/training`` (with its ``megatron/core``
 removed so that the wheel's is used): ``git archive core_v0.16.1 megatron``.
