@@ -284,49 +284,77 @@ def test_container_sniffer_ignores_other_folders(tmp_path):
 FIXTURES = os.path.join(ROOT, "fixtures", "megatron")
 
 
+# fixtures/megatron/ (the fixture generator's cases) and fixtures/megatron_buckets/ (two more legacy
+# cases with several buckets, scripts/make_megatron_legacy_buckets.py through the same driver)
+FIXTURE_ROOTS = (FIXTURES, os.path.join(ROOT, "fixtures", "megatron_buckets"))
+
+
+def _manifests() -> dict[str, tuple[str, dict]]:
+    import json
+
+    out = {}
+    for root in FIXTURE_ROOTS:
+        manifest = os.path.join(root, "manifest.json")
+        if os.path.isfile(manifest):
+            with open(manifest) as fh:
+                for key, case in json.load(fh)["cases"].items():
+                    out[f"{os.path.basename(root)}/{key}"] = (os.path.join(root, key), case)
+    return out
+
+
 def _legacy_fixtures() -> list[str]:
-    import json
-
-    manifest = os.path.join(FIXTURES, "manifest.json")
-    if not os.path.isfile(manifest):
-        return []
-    with open(manifest) as fh:
-        cases = json.load(fh)["cases"]
-    return sorted(k for k, v in cases.items() if v.get("format") == "torch"
-                  and os.path.isdir(os.path.join(FIXTURES, k)))
-
-
-def _fixture_case(key: str) -> dict:
-    import json
-
-    with open(os.path.join(FIXTURES, "manifest.json")) as fh:
-        return json.load(fh)["cases"][key]
+    return sorted(k for k, (path, v) in _manifests().items() if v.get("format") == "torch" and os.path.isdir(path))
 
 
 LEGACY = _legacy_fixtures()
 
 
-def _torch_load(file):
-    """torch's own load of a Megatron file; Megatron's classes (absent here) stand in as stubs."""
+class _Fake:
+    """A stand-in for a Megatron class (absent here) that pickles back as the same global."""
+
+    def __init__(self, *args):
+        self._args = args
+
+    def __reduce__(self):
+        import copyreg
+
+        state = {k: v for k, v in self.__dict__.items() if k != "_args"}
+        if "_args" in self.__dict__:  # made by REDUCE (an enum): called again with its arguments
+            return (type(self), self._args)
+        return (copyreg.__newobj__, (type(self),), state)  # NEWOBJ + BUILD (a dataclass)
+
+
+def _fake_modules():
+    """{module name: module} holding a :class:`_Fake` subclass for each Megatron global asked for."""
     import pickle
     import types
 
-    class _Stub:
-        def __init__(self, *a, **k):
-            pass
-
-        def __setstate__(self, state):
-            pass
+    modules: dict[str, types.ModuleType] = {}
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module, name):
             if module.startswith("megatron"):
-                return _Stub
+                parts = module.split(".")
+                for k in range(1, len(parts)):  # (the packages above it, for pickle's import when saving)
+                    modules.setdefault(".".join(parts[:k]), types.ModuleType(".".join(parts[:k])))
+                mod = modules.setdefault(module, types.ModuleType(module))
+                if not hasattr(mod, name):
+                    setattr(mod, name, type(name, (_Fake,), {"__module__": module, "__qualname__": name}))
+                return getattr(mod, name)
             return super().find_class(module, name)
 
-    module = types.ModuleType("megatron_stub_pickle")
-    module.Unpickler, module.load = Unpickler, pickle.load
-    return torch.load(file, weights_only=False, pickle_module=module)
+    pickle_module = types.ModuleType("megatron_fake_pickle")
+    pickle_module.Unpickler, pickle_module.load = Unpickler, pickle.load
+    return modules, pickle_module
+
+
+def _torch_load(file, modules=None):
+    """torch's own load of a Megatron file; Megatron's classes stand in as :class:`_Fake` s."""
+    found, pickle_module = _fake_modules()
+    obj = torch.load(file, weights_only=False, pickle_module=pickle_module)
+    if modules is not None:
+        modules.update(found)
+    return obj
 
 
 @pytest.mark.skipif(not LEGACY, reason="no legacy fixtures written by megatron-core yet")
@@ -337,8 +365,7 @@ def test_megatron_written_every_element_named_and_proved(key):
     weights torch loads from the same files."""
     from statekit.frameworks.megatron import legacy
 
-    case = _fixture_case(key)
-    path = os.path.join(FIXTURES, key)
+    path, case = _manifests()[key]
     reader = legacy._Reader(path)
     ckpt = reader.read()
     state = ckpt.optimizer
@@ -562,3 +589,38 @@ def test_one_rank_folder_or_file_reads_the_whole_checkpoint(tmp_path):
         ckpt = io.open_checkpoint(str(given))
         assert ckpt.format == "megatron-legacy"
         _check_against(ckpt, truth)
+
+
+REAL_2BUCKETS = os.path.join(ROOT, "fixtures", "megatron_buckets", "0.19.2", "legacy_distopt_dp2_2buckets")
+
+
+@pytest.mark.parametrize("change", [{"ddp_num_buckets": 3}, {"overlap_grad_reduce": False}])
+def test_megatron_written_coalesced_file_is_bucket_size_agnostic_at_64_element_sizes(tmp_path, monkeypatch, change):
+    """megatron-core's own 2-bucket save with its args' bucket settings changed (re-pickled with the
+    same globals). Every parameter of this model has a multiple of 64 elements, so no 64-element gap
+    is padded anywhere and the coalesced file is the same for any bucket size (mcore 0.7's
+    "agnostic to the bucket size"): it reads the same and proves. (Where a gap exists, a wrong setting
+    is refused: test_synthetic_wrong_bucket_size_in_args_is_refused.)"""
+    import shutil
+
+    import numpy as np
+
+    if not os.path.isdir(REAL_2BUCKETS):
+        pytest.skip("fixture legacy_distopt_dp2_2buckets not here")
+    dest = tmp_path / "ckpt"
+    shutil.copytree(REAL_2BUCKETS, dest)
+    file = dest / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    modules: dict = {}
+    obj = _torch_load(file, modules)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    assert all(p.numel() % 64 == 0 for p in obj["model"].values() if isinstance(p, torch.Tensor))
+    for k, v in change.items():
+        setattr(obj["args"], k, v)
+    torch.save(obj, file)
+    a, b = io.open_checkpoint(str(REAL_2BUCKETS)), io.open_checkpoint(str(dest))
+    assert "2 bucket(s)" in " ".join(a.optimizer.notes) and "2 bucket(s)" not in " ".join(b.optimizer.notes)
+    for p, q in zip(a.optimizer.params, b.optimizer.params, strict=True):
+        assert p.path == q.path
+        for slot in p.slots:
+            assert np.array_equal(p.slots[slot].numpy(), q.slots[slot].numpy())
