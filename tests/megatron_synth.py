@@ -168,7 +168,7 @@ def _distrib_entry(names, shards, size, dp, version_rule, coalesced):
 
 def write(root: str, *, tp=1, pp=1, dp=1, layers=2, swiglu=True, untie=True, distributed=True,
           bucket_size=None, overlap=False, version_rule=">=0.8", coalesced=True, step=5, seed=0,
-          extra_state=True, swap_order=False, vp=None, experts=0, ep=1, cp=1, release=False):
+          extra_state=True, swap_order=False, vp=None, experts=0, ep=1, cp=1, release=False, groups_reversed_last_stage=False):
     """Write a SYNTHETIC legacy checkpoint (see the module docstring); returns the global tensors.
     ``dp`` is the dense DP size; with ``ep`` > 1 the expert DP size is ``dp // ep`` (TP = PP = 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -223,7 +223,7 @@ def write(root: str, *, tp=1, pp=1, dp=1, layers=2, swiglu=True, untie=True, dis
                 dense = [k for k in names if not is_expert[k]]
                 expert = [k for k in names if is_expert[k]]
                 if distributed:
-                    parts_groups = [_groups(step)]
+                    parts_groups = [_groups(step)[::-1] if groups_reversed_last_stage and pr == pp - 1 else _groups(step)]
                     if expert:
                         parts_groups = [_groups(step), [dict(_groups(step)[0], is_expert_parallel=True)]]
                     obj["optimizer"] = ([{"optimizer": {"param_groups": gr}, "grad_scaler": {}} for gr in parts_groups]

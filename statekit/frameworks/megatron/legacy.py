@@ -50,6 +50,10 @@ SLOTS = ("exp_avg", "exp_avg_sq")
 BUFFER_ENDINGS = ("_extra_state", ".expert_bias", ".local_tokens_per_expert", ".inv_freq")
 _EXPERT = re.compile(r"\.mlp\.experts\.")
 
+# a param group's identifiers (how Megatron matches groups on load) and what must agree across folders
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+_GROUP_AGREE = ("lr", "weight_decay", "max_lr", "min_lr", "step", "betas", "eps")
+
 # a parameter's TP axis by the end of its Megatron name (None: replicated over TP); first match wins
 TP_AXES: tuple[tuple[re.Pattern, int | None], ...] = (
     (re.compile(r"\.layer_norm_(weight|bias)$"), None),
@@ -354,7 +358,6 @@ class _Reader:
             raise FormatError(f"args.use_distributed_optimizer is set but {container.DISTRIB_FILE} is missing",
                               rank.folder)
         distrib_parts = _distrib_parts(rank, len(parts)) if distributed else [None] * len(parts)
-        offset = 0
         for index, (part, mine, dpart) in enumerate(zip(parts, members, distrib_parts, strict=True)):
             expert_part = len(parts) == 2 and index == 1
             if part is None:
@@ -364,8 +367,7 @@ class _Reader:
             groups = inner.get("param_groups")
             if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
                 raise FormatError("optimizer.optimizer.param_groups is not a list of dicts", file)
-            self._record_groups(index, groups, groups_out)
-            offset = self._group_offset(index)
+            gmap = self._global_groups(index, groups, groups_out, file)
             if distributed:
                 if dpart is None:  # not this optimizer's DP-rank-0 folder: the dense state is EP rank 0's (§1.4)
                     if mine and (expert_part or rank.where.ep == 0):
@@ -373,33 +375,40 @@ class _Reader:
                                           "this folder has its parameters", rank.folder)
                     continue
                 for p in mine:
-                    p.group = _match_group(_group_identity(p, self.cfg, experts_separate), groups, offset, p.name, file)
-                    p.step = _group_step(groups[p.group - offset])
+                    local = _match_group(_group_identity(p, self.cfg, experts_separate), groups, 0, p.name, file)
+                    p.group, p.step = gmap[local], _group_step(groups[local])
                 self._distributed(rank, mine, _as_dict(dpart, container.DISTRIB_FILE, rank.folder),
                                   expert_part)
             else:
-                self._plain(rank, mine, part, inner, groups, offset, file, experts_separate)
+                self._plain(rank, mine, part, inner, groups, gmap, file, experts_separate)
 
-    def _group_offset(self, index: int) -> int:
-        return sum(len(self._groups_by_part[i]) for i in sorted(self._groups_by_part) if i < index)
-
-    def _record_groups(self, index: int, groups: list[dict], out: list[dict]) -> None:
-        known = self._groups_by_part.get(index)
-        shown = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        if known is None:
-            self._groups_by_part[index] = shown
-            out.clear()
-            for i in sorted(self._groups_by_part):
-                out.extend(self._groups_by_part[i])
-        else:
-            ident = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-            if [[g.get(k) for k in ident] for g in known] != [[g.get(k) for k in ident] for g in shown]:
-                raise FormatError(f"optimizer {index}'s param groups differ between rank folders "
-                                  f"({len(known)} and {len(shown)} groups, or other wd_mult / lr_mult): statekit "
-                                  "does not guess which group a parameter of the other folder is in", self.iteration)
+    def _global_groups(self, index: int, groups: list[dict], out: list[dict], file: str) -> list[int]:
+        """This folder's groups of optimizer ``index`` as indices into the run's group list ``out``,
+        matched by their identifiers (as Megatron matches groups on load, not by position); a group
+        first seen here is added."""
+        mapping = []
+        seen_here: set = set()
+        for g in groups:
+            ident = (index, *((k, g.get(k)) for k in _GROUP_IDENTITY))
+            if ident in seen_here:
+                raise FormatError(f"optimizer {index} has two param groups with {dict(ident[1:])}: statekit does not "
+                                  "guess which one a parameter is in", file)
+            seen_here.add(ident)
+            shown = {k: v for k, v in g.items() if k != "params"}
+            at = self._group_index.get(ident)
+            if at is None:
+                at = self._group_index[ident] = len(out)
+                out.append(shown)
+            else:
+                differ = [k for k in _GROUP_AGREE if out[at].get(k) != shown.get(k)]
+                if differ:
+                    raise FormatError(f"optimizer {index}'s param group {dict(ident[1:])} has other {differ} here than "
+                                      "in another rank folder", file)
+            mapping.append(at)
+        return mapping
 
     # ---- non-distributed (§1.3)
-    def _plain(self, rank: Rank, mine: list[Local], part: dict, inner: dict, groups: list[dict], offset: int,
+    def _plain(self, rank: Rank, mine: list[Local], part: dict, inner: dict, groups: list[dict], gmap: list[int],
                file: str, experts_separate: bool) -> None:
         self.forms.add("non-distributed optimizer (torch ids by param group, fp32_from_fp16_params)")
         state = _as_dict(inner.get("state", {}), "optimizer.optimizer.state", file)
@@ -424,7 +433,7 @@ class _Reader:
                 group_masters = iter(masters[g])
             step = _group_step(group)
             for pid, p in zip(ids, members[g], strict=True):
-                p.group = offset + g
+                p.group = gmap[g]
                 entry = state.get(pid, state.get(str(pid)))
                 p.master = next(group_masters) if p.weight.dtype != "F32" else p.weight
                 if not isinstance(p.master, TensorRef):
@@ -550,7 +559,7 @@ class _Reader:
         ranks = self.ranks()
         self.rank_records = ranks  # (kept: each rank's parameters with their pieces, for tests and tools)
         cfg = self.cfg
-        self._groups_by_part: dict[int, list[dict]] = {}
+        self._group_index: dict[tuple, int] = {}
         groups_out: list[dict] = []
         for rank in ranks:
             self.fill(rank, groups_out)
