@@ -219,7 +219,8 @@ def _group_identity(p: Local, cfg: config.MegatronConfig, experts_separate: bool
             "is_expert_parallel": bool(p.expert and experts_separate)}
 
 
-def _match_group(identity: dict, groups: list[dict], offset: int, name: str, path: str) -> int:
+def _match_group(identity: dict, groups: list[dict], name: str, path: str) -> int:
+    """The one saved group (index) whose identifiers are ``identity``'s (a lone group holds everything)."""
     hits = []
     for i, g in enumerate(groups):
         ok = True
@@ -236,7 +237,7 @@ def _match_group(identity: dict, groups: list[dict], offset: int, name: str, pat
                           f"{'no' if not hits else 'more than one'} saved param group has (groups: "
                           f"{[{k: g.get(k) for k in identity} for g in groups]}); statekit does not guess its group",
                           path)
-    return offset + hits[0]
+    return hits[0]
 
 
 # ------------------------------------------------------------------------- optimizer forms
@@ -375,7 +376,7 @@ class _Reader:
                                           "this folder has its parameters", rank.folder)
                     continue
                 for p in mine:
-                    local = _match_group(_group_identity(p, self.cfg, experts_separate), groups, 0, p.name, file)
+                    local = _match_group(_group_identity(p, self.cfg, experts_separate), groups, p.name, file)
                     p.group, p.step = gmap[local], _group_step(groups[local])
                 self._distributed(rank, mine, _as_dict(dpart, container.DISTRIB_FILE, rank.folder),
                                   expert_part)
@@ -415,7 +416,7 @@ class _Reader:
         masters = part.get("fp32_from_fp16_params")
         members: list[list[Local]] = [[] for _ in groups]
         for p in mine:
-            g = _match_group(_group_identity(p, self.cfg, experts_separate), groups, 0, p.name, file)
+            g = _match_group(_group_identity(p, self.cfg, experts_separate), groups, p.name, file)
             members[g].append(p)
         for g, group in enumerate(groups):
             ids = group.get("params")
