@@ -633,3 +633,16 @@ def test_megatron_written_coalesced_file_is_bucket_size_agnostic_at_64_element_s
         assert p.path == q.path
         for slot in p.slots:
             assert np.array_equal(p.slots[slot].numpy(), q.slots[slot].numpy())
+
+
+def test_synthetic_state_in_alignment_gaps_is_warned_of(tmp_path):
+    synth.write(str(tmp_path), dp=2)
+    file = tmp_path / "iter_0000005" / "mp_rank_00" / "distrib_optim.pt"
+    d = torch.load(file, weights_only=True)
+    entry = next(iter(d[0].values()))
+    gap = (entry["exp_avg"] == 0).nonzero()[0].item()  # the first zero: an alignment gap (moments are random)
+    entry["exp_avg"][gap] = 1.0
+    torch.save(d, file)
+    ckpt = io.open_checkpoint(str(tmp_path))
+    assert [w for w in ckpt.warnings if "1 exp_avg elements that no parameter owns" in w]
+    assert not io.open_checkpoint(str(REAL_TP2PP2)).warnings if os.path.isdir(REAL_TP2PP2) else True

@@ -297,6 +297,7 @@ class _Reader:
             raise FormatError("not a Megatron legacy checkpoint folder (no mp_rank_*/model_optim_rng.pt, no "
                               f"{container.TRACKER})", path)
         self.notes: list[str] = []
+        self.warnings: list[str] = []
         self.proved = 0
         self.proved_elements = 0
         self.forms: set[str] = set()
@@ -522,6 +523,8 @@ class _Reader:
             p.master = _slice(flat["param"], place.coalesced, shape, f"{what} param {name}")
             p.moments = {s: _slice(flat[s], place.coalesced, shape, f"{what} {s} {name}") for s in SLOTS}
         self._prove_all([by_name[n] for n in layout.placements], rule_text, file)
+        owned = sorted((pl.coalesced, pl.coalesced + pl.numel) for pl in layout.placements.values())
+        self._check_gaps(flat, [(0, owned, stored)], what, file)
 
     def _per_bucket(self, members, by_name, tensors, size, dp, what, file, dpart) -> None:
         layout = buckets.layout_buffer(members, size, dp, buckets.rule("<=0.6"))
@@ -547,6 +550,27 @@ class _Reader:
             p.moments = {s: _slice(lists[s][place.bucket], place.bucket_offset, shape, f"{what} {s} {name}")
                          for s in SLOTS}
         self._prove_all([by_name[n] for n in layout.placements], rule_text, file)
+        for b in layout.buckets:
+            owned = sorted((pl.bucket_offset, pl.bucket_offset + pl.numel) for pl in layout.placements.values()
+                           if pl.bucket == b.index)
+            self._check_gaps({k: v[b.index] for k, v in lists.items()}, [(0, owned, b.numel)], f"{what} bucket {b.index}",
+                             file)
+
+    def _check_gaps(self, tensors: dict[str, TensorRef], spans, what: str, file: str) -> None:
+        """The elements no parameter owns (alignment gaps, padding) are zeros in a legacy file (Megatron
+        fills its shards from ``torch.zeros``); a nonzero one is warned of, with how many."""
+        for key, ref in tensors.items():
+            nonzero = 0
+            for _, owned, end in spans:
+                at = 0
+                for lo, hi in [*owned, (end, end)]:
+                    if lo > at:
+                        piece = _slice(ref, at, (lo - at,), what).numpy()
+                        nonzero += int(np.count_nonzero(piece))
+                    at = max(at, hi)
+            if nonzero:
+                self.warnings.append(f"{file}: {what}: {nonzero} {key} elements that no parameter owns (alignment "
+                                     "gaps, padding) hold nonzero values; Megatron writes zeros there")
 
     def _prove_all(self, params: list[Local], rule_text: str, file: str) -> None:
         for p in params:
@@ -670,6 +694,7 @@ class _Reader:
         ckpt = Checkpoint(path=self.path, format=FORMAT, kind="optimizer", optimizer=state, model=model)
         ckpt.n_tensors = sum(len(p.slots) for p in params)
         ckpt.nbytes = sum(p.nbytes for p in params)
+        ckpt.warnings.extend(self.warnings)
         first = self.first
         iteration = first.get("iteration")
         ckpt.metadata.update({"megatron.iteration": str(iteration),
