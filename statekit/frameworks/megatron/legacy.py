@@ -298,6 +298,7 @@ class _Reader:
                               f"{container.TRACKER})", path)
         self.notes: list[str] = []
         self.warnings: list[str] = []
+        self._pending: list[tuple] = []
         self.proved = 0
         self.proved_elements = 0
         self.forms: set[str] = set()
@@ -573,11 +574,29 @@ class _Reader:
                                      "gaps, padding) hold nonzero values; Megatron writes zeros there")
 
     def _prove_all(self, params: list[Local], rule_text: str, file: str) -> None:
-        for p in params:
-            if p.master is None:
-                continue
-            self.proved_elements += proof.prove(p.name, p.master, p.weight, rule_text, file)
-            self.proved += 1
+        """Queue the proof of every parameter of ``params`` (run by :meth:`_run_proofs`)."""
+        self._pending.extend((p.name, p.master, p.weight, rule_text, file) for p in params if p.master is not None)
+
+    def _run_proofs(self) -> None:
+        """Every queued proof, ``--jobs`` at a time (threads: numpy and ``pread`` release the GIL);
+        the first failure in queue order is raised, so the message does not depend on timing."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from statekit.stream import current_jobs
+
+        pending, self._pending = self._pending, []
+        jobs = max(1, min(current_jobs(), 8, len(pending)))
+        if jobs == 1:
+            results = [proof.prove(*item) for item in pending]
+        else:
+            pool = ThreadPoolExecutor(jobs)
+            try:
+                futures = [pool.submit(proof.prove, *item) for item in pending]
+                results = [f.result() for f in futures]  # (in order: the first failure queued is raised)
+            finally:
+                pool.shutdown(cancel_futures=True)
+        self.proved += len(results)
+        self.proved_elements += sum(results)
 
     # ---- the whole model
     def read(self) -> Checkpoint:
@@ -588,6 +607,7 @@ class _Reader:
         groups_out: list[dict] = []
         for rank in ranks:
             self.fill(rank, groups_out)
+        self._run_proofs()  # before any state is called a parameter's
         # the whole model's order: chunk by chunk (virtual stage, then pipeline rank: ascending layers),
         # each folder's registration order, an EP rank's experts after the lower EP ranks' of that layer
         entries = []
