@@ -8,6 +8,7 @@ shards from; tests on files megatron-core itself wrote read fixtures/megatron/.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -646,3 +647,23 @@ def test_synthetic_state_in_alignment_gaps_is_warned_of(tmp_path):
     ckpt = io.open_checkpoint(str(tmp_path))
     assert [w for w in ckpt.warnings if "1 exp_avg elements that no parameter owns" in w]
     assert not io.open_checkpoint(str(REAL_TP2PP2)).warnings if os.path.isdir(REAL_TP2PP2) else True
+
+
+@pytest.mark.parametrize("tracker,message", [
+    ("zzz", "latest_checkpointed_iteration.txt holds 'zzz', not an iteration number or 'release'"),
+    ("9", "latest_checkpointed_iteration.txt names iter_0000009, which holds no mp_rank_"),
+])
+def test_synthetic_bad_tracker_is_refused_by_name(tmp_path, tracker, message):
+    synth.write(str(tmp_path))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(tracker)
+    assert registry.sniff(str(tmp_path)) == "megatron-legacy"
+    with pytest.raises(FormatError, match=re.escape(message)):
+        io.open_checkpoint(str(tmp_path))
+
+
+def test_synthetic_distrib_optim_not_a_dict_is_refused(tmp_path):
+    synth.write(str(tmp_path))
+    file = tmp_path / "iter_0000005" / "mp_rank_00" / "distrib_optim.pt"
+    torch.save(5, file)
+    with pytest.raises(FormatError, match=r"mp_rank_00/distrib_optim.pt: distrib_optim.pt holds an int, not a dict"):
+        io.open_checkpoint(str(tmp_path))

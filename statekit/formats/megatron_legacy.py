@@ -167,8 +167,17 @@ def directory_of(path: str) -> str | None:
 
 
 def claims(head: bytes, path: str) -> bool:
-    """Registry sniffer (directories): a save root or an iteration folder with rank folders."""
-    return iteration_dir(path) is not None
+    """Registry sniffer (directories): a save root or an iteration folder with rank folders (a save
+    root whose tracker names no such folder is claimed too, to be refused by name)."""
+    if iteration_dir(path) is not None:
+        return True
+    if not os.path.isfile(os.path.join(path, TRACKER)):
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any((ITER_DIR.match(n) or n == "release") and is_iteration_dir(os.path.join(path, n)) for n in names)
 
 
 def rank_dirs(iteration: str) -> list[str]:

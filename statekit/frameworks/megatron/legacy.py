@@ -174,7 +174,8 @@ class Rank:
 
 def _as_dict(value: object, what: str, path: str) -> dict:
     if not isinstance(value, dict):
-        raise FormatError(f"{what} is a {type(value).__name__}, not a dict", path)
+        kind = type(value).__name__
+        raise FormatError(f"{what} holds {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a dict", path)
     return value
 
 
@@ -293,6 +294,10 @@ class _Reader:
     def __init__(self, path: str):
         self.path = path
         self.iteration = container.iteration_dir(path)
+        if self.iteration is None and os.path.isfile(os.path.join(path, container.TRACKER)):
+            inner = os.path.join(path, container.read_tracker(path))  # (its own one-line refusal first)
+            raise FormatError(f"{container.TRACKER} names {os.path.basename(inner)}, which holds no "
+                              f"mp_rank_*/{container.MODEL_FILE}", path)
         if self.iteration is None:
             raise FormatError("not a Megatron legacy checkpoint folder (no mp_rank_*/model_optim_rng.pt, no "
                               f"{container.TRACKER})", path)
@@ -356,7 +361,8 @@ class _Reader:
         else:
             raise FormatError(f"a ChainedOptimizer of {len(parts)} members; statekit reads dense (+ expert) only",
                               file)
-        distributed = bool(self.cfg.use_distributed_optimizer)
+        distributed = (rank.distrib is not None if self.cfg.use_distributed_optimizer is None
+                       else self.cfg.use_distributed_optimizer)
         if distributed and rank.distrib is None:
             raise FormatError(f"args.use_distributed_optimizer is set but {container.DISTRIB_FILE} is missing",
                               rank.folder)
@@ -380,8 +386,8 @@ class _Reader:
                 for p in mine:
                     local = _match_group(_group_identity(p, self.cfg, experts_separate), groups, p.name, file)
                     p.group, p.step = gmap[local], _group_step(groups[local])
-                self._distributed(rank, mine, _as_dict(dpart, container.DISTRIB_FILE, rank.folder),
-                                  expert_part)
+                self._distributed(rank, mine, _as_dict(dpart, container.DISTRIB_FILE,
+                                                       os.path.join(rank.folder, container.DISTRIB_FILE)), expert_part)
             else:
                 self._plain(rank, mine, part, inner, groups, gmap, file, experts_separate)
 
