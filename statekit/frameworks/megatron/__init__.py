@@ -1,0 +1,1 @@
+"""Megatron-LM / Megatron-Core optimizer state (see docs/megatron.md)."""

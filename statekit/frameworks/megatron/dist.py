@@ -1,0 +1,481 @@
+"""Megatron-Core torch_dist checkpoints as Checkpoints: every parameter named as Megatron names it.
+
+The container (:mod:`statekit.formats.megatron_dist`) gives the DCP values, the common state and
+the ShardedObjects; this module finds the optimizer's part (``shared/docs/megatron-formats.md``
+§2.4) and turns it into one :class:`~statekit.state.ParamState` per parameter:
+
+- the sharding type: ``param_state_sharding_type`` in the common state's ``optimizer`` entry
+  (absent: the non-distributed optimizer); a ChainedOptimizer (dense + expert) is a dict of its
+  members there, ``{0: …, 1: …}``, whose tensor and object keys may carry ``chained_{i}.``;
+- model-space types (non-distributed, ``fully_sharded_model_space``, ``fully_reshardable``):
+  ``[chained_i.]optimizer.state.<slot>.<model key>`` per slot (``exp_avg``, ``exp_avg_sq``, the
+  fp32 master ``fp32_param`` or, for fully_reshardable, ``param``), stacked like the model key;
+  ``fully_sharded_model_space`` stores them N-D reformulated (:mod:`.regions`);
+- bucket-space types (``dp_reshardable``, ``fully_sharded_bucket_space``,
+  ``dp_zero_gather_scatter``) need the bucket layout rules and are refused for now, by name;
+- stacked keys are unstacked into ``decoder.layers.{i}.…`` and per-expert names (:mod:`.stacking`),
+  NeMo 2's ``module.`` prefix dropped;
+- param groups: each parameter's group by Megatron's own rule (``_get_param_groups``: no weight
+  decay for 1-D parameters and biases, expert-parallel parameters apart, decoupled lr for the
+  embedding and output layer), matched to the stored groups by those keys, never by position;
+  the step is the group's ``step`` (distributed optimizer) or ``common_step`` (the
+  non-distributed one);
+- the fp32 masters are the checkpoint's model (``Checkpoint.model``, F32), and **proved**: where
+  the checkpoint holds the model weight, the master rounded to the weight's dtype must equal it
+  bit for bit before any state is called that parameter's (:mod:`.dist_proof_adapter`). A
+  parameter that does not prove is refused, naming it and the rule; ``prove="report"`` (doctor)
+  keeps the state and records each failure in :attr:`MegatronDistCheckpoint.disproofs`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from statekit.errors import FormatError, MappingError
+from statekit.formats import dcp, megatron_dist
+from statekit.formats.torch_pickle import Record
+from statekit.frameworks.megatron import dist_proof_adapter as proof
+from statekit.frameworks.megatron import regions, stacking
+from statekit.frameworks.torch_state import describe_scheduler
+from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
+from statekit.tensor import TensorRef
+
+FORMAT = "megatron-dist"
+MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")
+BUCKET_SPACE = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
+MASTERS = ("fp32_param", "param")  # the fp32 master's slot name (fully_reshardable: param)
+_STATE_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*?)\.(.+)$")
+_BUCKET_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.")
+_STATE_SLOTS = ("exp_avg_sq", "exp_avg", "fp32_param", "param", "momentum_buffer")
+MULTI_BUCKET_FIX = "32a03b77c5"  # Megatron-LM's fix of the fully_reshardable save (#5077, after core 0.19.0)
+
+
+@dataclass
+class Disproved:
+    """A parameter whose master does not round to its stored weight."""
+
+    param: str
+    key: str
+    mismatched: int
+    numel: int
+    first: int
+    sharding: str
+
+
+@dataclass
+class MegatronDistCheckpoint:
+    """The container behind a Checkpoint: the torch_dist folder and what reading it found."""
+
+    dist: megatron_dist.MegatronDist
+    sharding: str = "non_distributed"
+    disproofs: list[Disproved] = field(default_factory=list)
+    padding: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> (true rows, stored rows)
+
+    def close(self) -> None:
+        self.dist.close()
+
+
+def _fields(value: object) -> dict:
+    if isinstance(value, Record):
+        return dict(value.fields)
+    return value if isinstance(value, dict) else {}
+
+
+def _members(common: dict, where: str) -> dict[int | None, dict]:
+    """The optimizer's members in the common state: {None: one} or a ChainedOptimizer's {i: …}."""
+    opt = common.get("optimizer")
+    if opt is None:
+        raise FormatError("the common state has no 'optimizer' entry: the checkpoint was saved without the "
+                          "optimizer (--no-save-optim)", where)
+    if not isinstance(opt, dict):
+        raise FormatError(f"the common state's optimizer is a {type(opt).__name__}, not a dict", where)
+    if opt and all(type(k) is int for k in opt):
+        if not all(isinstance(v, dict) for v in opt.values()):
+            raise FormatError("a ChainedOptimizer member in the common state is not a dict", where)
+        return dict(sorted(opt.items()))
+    return {None: opt}
+
+
+def _sharding(member: dict) -> str:
+    kind = member.get("param_state_sharding_type")
+    if kind is None:
+        return "non_distributed"
+    if not isinstance(kind, str):
+        raise FormatError(f"param_state_sharding_type is {kind!r}, not a name")
+    return kind
+
+
+def _chain(i: int | None) -> str:
+    return "" if i is None else f"chained_{i}."
+
+
+def _groups(dist: megatron_dist.MegatronDist, member: dict, i: int | None, sharding: str) -> list[dict]:
+    """The member's param groups: in the common state (non-distributed, fully-reshardable types)
+    or in the ShardedObject of each model-parallel rank (the others; all ranks must agree)."""
+    inner = member.get("optimizer")
+    if isinstance(inner, dict) and isinstance(inner.get("param_groups"), list):
+        groups = inner["param_groups"]
+    else:
+        found = dist.objects_like(f"{_chain(i)}optimizer.distributed.dp_group_idx_", ".optimizer")
+        if not found:
+            raise FormatError(f"no param groups for the {sharding} optimizer{'' if i is None else f' member {i}'}: "
+                              "neither in the common state nor as optimizer.distributed.dp_group_idx_*.optimizer",
+                              dist.directory)
+        values = [dist.object(k) for k in sorted(found)]
+        groups = None
+        for key, value in zip(sorted(found), values, strict=True):
+            got = value.get("param_groups") if isinstance(value, dict) else None
+            if not isinstance(got, list):
+                raise FormatError(f"{key}: holds no param_groups list", dist.directory)
+            if groups is None:
+                groups = got
+            elif [_identity(g) for g in got] != [_identity(g) for g in groups]:
+                raise FormatError(f"{key}: the model-parallel ranks' param groups differ; statekit cannot tell "
+                                  "which group a parameter of each rank is in", dist.directory)
+    if not all(isinstance(g, dict) for g in groups):
+        raise FormatError("a param group is not a dict", dist.directory)
+    return groups
+
+
+def _identity(group: dict) -> tuple:
+    """How Megatron identifies a group on load (``param_group_identifier_keys``)."""
+    return tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
+
+
+def _step(member: dict, groups: list[dict], where: str) -> int | float | None:
+    """The member's step: the groups' ``step`` (one value), else the non-distributed optimizer's
+    ``common_step``."""
+    steps = {g["step"] for g in groups if "step" in g and g["step"] is not None}
+    inner = member.get("optimizer")
+    common = inner.get("state", {}).get("common_step") if isinstance(inner, dict) and isinstance(
+        inner.get("state"), dict) else None
+    if isinstance(common, TensorRef):
+        if common.shape not in ((), (1,)):
+            raise FormatError(f"common_step has shape {list(common.shape)}, not a scalar", where)
+        common = common.numpy().reshape(-1)[0].item()
+    if common is not None:
+        steps.add(common)
+    values = {float(s) for s in steps if isinstance(s, int | float)}
+    if len(values) > 1:
+        raise FormatError(f"the param groups hold different steps {sorted(values)}", where)
+    if not values:
+        return None
+    value = values.pop()
+    return int(value) if value.is_integer() else value
+
+
+# ----------------------------------------------------------------------------- groups by rule
+
+
+def _group_of(name: str, shape: tuple[int, ...], groups: list[dict], args: dict, member: int | None) -> int:
+    """The index of ``name``'s param group, by Megatron's ``_get_param_groups`` rule."""
+    no_wd = name.endswith(".bias") or len(shape) == 1
+    if args.get("apply_wd_to_qk_layernorm") and re.search(r"\.(q|k)_layernorm\.", name):
+        no_wd = False
+    expert = ".mlp.experts." in name
+    decoupled = args.get("decoupled_lr") is not None and (
+        name.startswith("embedding.") or name.startswith("output_layer."))
+    fits = []
+    for g, group in enumerate(groups):
+        wd_mult = group.get("wd_mult")
+        if wd_mult is None:
+            continue
+        if (wd_mult == 0.0) != no_wd:
+            continue
+        if bool(group.get("is_expert_parallel", False)) != expert:
+            continue
+        if bool(group.get("is_decoupled_lr", False)) != decoupled:
+            continue
+        fits.append(g)
+    if len(fits) != 1:
+        what = (f"{'no' if no_wd else 'with'} weight decay, {'expert' if expert else 'dense'}"
+                f"{', decoupled lr' if decoupled else ''}")
+        raise MappingError(f"{name}: {len(fits)} of the optimizer{'' if member is None else f' member {member}'}'s "
+                           f"{len(groups)} param groups fit it ({what}); statekit cannot tell which group it is in")
+    return fits[0]
+
+
+def _family(args: dict, groups: list[dict]) -> str | None:
+    kind = args.get("optimizer", "adam")
+    if kind != "adam":
+        return "sgd" if kind == "sgd" else None
+    modes = {g.get("adam_w_mode") for g in groups if "adam_w_mode" in g}
+    if modes == {False} or args.get("decoupled_weight_decay") is False:
+        return "adam"
+    return "adamw"
+
+
+def _hyper(group: dict) -> dict:
+    """A group's hyperparameters: torch's names (lr, betas, eps, weight_decay) and Megatron's keys."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+# ----------------------------------------------------------------------------- the reader
+
+
+def _strip(key: str) -> tuple[str, bool]:
+    if key.startswith(stacking.NEMO_PREFIX):
+        return key[len(stacking.NEMO_PREFIX):], True
+    return key, False
+
+
+def _state_keys(entries: dict[str, dcp.TensorEntry], where: str) -> tuple[dict, dict, list[str]]:
+    """{(member, model key): {slot: entry}}, {model key: entry}, bucket-space keys."""
+    states: dict[tuple[int | None, str], dict[str, dcp.TensorEntry]] = {}
+    model: dict[str, dcp.TensorEntry] = {}
+    buckets: list[str] = []
+    for key, entry in entries.items():
+        if _BUCKET_KEY.match(key):
+            buckets.append(key)
+            continue
+        if key.startswith("optimizer.") or re.match(r"chained_\d+\.", key):
+            m = _STATE_KEY.match(key)
+            slot = None
+            if m:
+                rest = f"{m.group(2)}.{m.group(3)}"
+                slot = next((s for s in _STATE_SLOTS if rest.startswith(s + ".")), None)
+            if slot is None:
+                raise FormatError(f"{key}: an optimizer tensor statekit does not know (not optimizer.state.<slot>."
+                                  "<param> nor optimizer.distributed.*)", where)
+            member = None if m.group(1) is None else int(m.group(1))
+            target = rest[len(slot) + 1:]
+            states.setdefault((member, target), {})[slot] = entry
+            continue
+        model[key] = entry
+    return states, model, buckets
+
+
+def open_checkpoint(path: str, prove: str = "refuse", **options) -> Checkpoint:
+    """Read a torch_dist checkpoint (the ``iter_N`` folder, its save root, a NeMo 2 checkpoint).
+
+    ``prove``: ``"refuse"`` (default) raises on the first parameter whose master does not round
+    to its stored weight; ``"report"`` keeps it and records the failure (``doctor``)."""
+    if prove not in ("refuse", "report"):
+        raise MappingError(f"prove={prove!r}: 'refuse' or 'report'")
+    dist = megatron_dist.MegatronDist(path)
+    try:
+        return _read(dist, path, prove)
+    except BaseException:
+        dist.close()
+        raise
+
+
+def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint:
+    where = dist.directory
+    common = dist.common()
+    args = _fields(common.get("args"))
+    members = _members(common, where)
+    shardings = {i: _sharding(m) for i, m in members.items()}
+    kinds = set(shardings.values())
+    if len(kinds) > 1:
+        raise FormatError(f"the optimizer's members use different sharding types {sorted(kinds)}", where)
+    sharding = kinds.pop()
+    states, model_entries, bucket_keys = _state_keys(dist.tensor_entries(), where)
+    if sharding in BUCKET_SPACE or bucket_keys:
+        raise FormatError(f"the distributed optimizer's state is saved in bucket space ({sharding}); statekit "
+                          "does not read bucket-space torch_dist checkpoints yet (resave with "
+                          "--dist-ckpt-optim-fully-reshardable to read it)", where)
+    if sharding not in ("non_distributed", *MODEL_SPACE):
+        raise FormatError(f"optimizer sharding type {sharding!r} is not one statekit reads", where)
+    container = MegatronDistCheckpoint(dist, sharding)
+    nemo = any(k.startswith(stacking.NEMO_PREFIX) for k in model_entries)
+    grouped = args.get("moe_grouped_gemm")
+    grouped = None if grouped is None else bool(grouped)
+    per_member_groups = {i: _groups(dist, m, i, sharding) for i, m in members.items()}
+    member_of_target = _member_map(states, members, where)
+    family = _family(args, [g for gs in per_member_groups.values() for g in gs])
+    steps = {i: _step(m, per_member_groups[i], where) for i, m in members.items()}
+
+    params: list[ParamState] = []
+    model = ModelInfo(order="named_parameters", source=where)
+    weights: dict[str, tuple[str, TensorRef]] = {}
+    group_index: dict[tuple[int | None, int], int] = {}
+    groups: list[ParamGroup] = []
+    for i, gs in per_member_groups.items():
+        for g, group in enumerate(gs):
+            group_index[i, g] = len(groups)
+            groups.append(ParamGroup(hyperparams=_hyper(group), family=family))
+    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
+    true_vocab = args.get("vocab_size") if isinstance(args.get("vocab_size"), int) else None
+    for (member, target), slots in sorted(states.items(), key=lambda kv: _order(kv[0][1], model_entries)):
+        name_key, _ = _strip(target)
+        weight_entry = model_entries.get(target)
+        shapes = {}
+        for slot, entry in slots.items():
+            shapes[slot] = dist.reformulated_shape(entry.key) or entry.shape
+        if len(set(shapes.values())) != 1:
+            raise FormatError(f"{target}: its optimizer states have different global shapes "
+                              f"{ {s: list(v) for s, v in shapes.items()} }", where)
+        shape = next(iter(shapes.values()))
+        if weight_entry is not None and weight_entry.shape != shape:
+            raise FormatError(f"{target}: the optimizer state's global shape {list(shape)} is not the weight's "
+                              f"{list(weight_entry.shape)}", where)
+        _check_stack(name_key, shape, args, where)
+        for lead in stacking.indices(name_key, shape):
+            name = stacking.param_name(name_key, lead, grouped)
+            pshape = shape[len(lead):]
+            if name in origin:
+                raise FormatError(f"{name}: two state keys name this parameter ({origin[name][0]}, {target})", where)
+            origin[name] = (target, lead)
+            info = {"megatron_key": target, "stacked_index": list(lead)}
+            refs = {}
+            for slot, entry in slots.items():
+                g_shape = dist.reformulated_shape(entry.key)
+                refs[slot] = (regions.reformulated(dist.reader, entry, g_shape, lead, info) if g_shape
+                              else regions.plain(dist.reader, entry, lead, info))
+            master = next((refs.pop(s) for s in MASTERS if s in refs), None)
+            g = _group_of(name, pshape, per_member_groups[member_of_target[member, target]], args,
+                          member_of_target[member, target])
+            gi = group_index[member_of_target[member, target], g]
+            p = ParamState(key=name, path=name, index=len(params), step=steps[member_of_target[member, target]],
+                           slots=refs, group=gi, family=family)
+            p.rank = len(pshape)
+            params.append(p)
+            groups[gi].keys.append(p.key)
+            if weight_entry is not None:
+                weights[name] = (target, regions.plain(dist.reader, weight_entry, lead, info))
+            if master is not None:
+                model.params.append(ModelParam(name, pshape, master.dtype, index=p.index, tensor=master))
+            if true_vocab is not None and _is_vocab(name_key) and pshape and pshape[0] > true_vocab:
+                container.padding[name] = (true_vocab, pshape[0])
+    _named_order(params, model, list(model_entries), origin)
+    _prove(params, model, weights, container, prove, where)
+    state = OptimizerState(family=family, candidates=(family,) if family else (), params=params, groups=groups,
+                           hyperparams_stored=True, framework="torch", torch_names_in_file=True,
+                           names_from="megatron torch_dist keys")
+    state.notes.append(_note(sharding, dist, nemo, len(members)))
+    ckpt = Checkpoint(path=path, format=FORMAT, kind="optimizer", optimizer=state, model=model, container=container)
+    ckpt.n_tensors = sum(len(p.slots) for p in params) + len(model.params)
+    ckpt.nbytes = sum(p.nbytes for p in params) + sum(m.tensor.nbytes for m in model.params if m.tensor)
+    ckpt.metadata.update(_metadata(dist, common, args, sharding, members))
+    scheduler = common.get("opt_param_scheduler")
+    if isinstance(scheduler, dict):
+        ckpt.schedulers = [{"name": "opt_param_scheduler", **describe_scheduler(scheduler)}]
+    return ckpt
+
+
+def _named_order(params: list[ParamState], model: ModelInfo, keys: list[str], origin: dict) -> None:
+    """Parameters in ``named_parameters`` order: what comes before the decoder's layers, each
+    layer's parameters (in the order of their keys), what comes after."""
+    stacked = [i for i, k in enumerate(keys) if "layers." in k]
+    first, last = (stacked[0], stacked[-1]) if stacked else (len(keys), len(keys))
+
+    def rank(p: ParamState) -> tuple:
+        key, lead = origin[p.path]
+        pos = keys.index(key) if key in keys else len(keys)
+        layer = re.search(r"(?:^|\.)layers\.(\d+)\.", p.path)
+        section = 0 if pos < first else 2 if pos > last else 1
+        return (section, int(layer.group(1)) if layer and section == 1 else -1, pos, lead)
+
+    params.sort(key=rank)
+    for i, p in enumerate(params):
+        p.index = i
+    order = {p.path: p.index for p in params}
+    model.params.sort(key=lambda m: order.get(m.path, len(order)))
+    for m in model.params:
+        m.index = order.get(m.path)
+
+
+def _member_map(states: dict, members: dict, where: str) -> dict[tuple[int | None, str], int | None]:
+    """Which optimizer member each state key belongs to: its ``chained_i.`` prefix, or (without
+    prefixes, fully-reshardable types from core 0.14) dense vs expert parameters."""
+    out = {}
+    keys = sorted(members, key=lambda k: -1 if k is None else k)
+    for member, target in states:
+        if member is not None:
+            if member not in members:
+                raise FormatError(f"chained_{member}. keys, but the common state has no member {member}", where)
+            out[member, target] = member
+        elif keys == [None]:
+            out[member, target] = None
+        else:  # dense first, expert second (Megatron's get_megatron_optimizer order)
+            if len(keys) != 2:
+                raise FormatError(f"{target}: a ChainedOptimizer of {len(keys)} members and state keys without "
+                                  "chained_i. prefixes: statekit cannot tell which member holds it", where)
+            out[member, target] = keys[1] if stacking.EXPERTS in target else keys[0]
+    return out
+
+
+def _order(target: str, model_entries: dict) -> tuple[int, str]:
+    keys = list(model_entries)
+    return (keys.index(target) if target in model_entries else len(keys), target)
+
+
+def _is_vocab(key: str) -> bool:
+    return key in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _check_stack(key: str, shape: tuple[int, ...], args: dict, where: str) -> None:
+    axes = stacking.stack_axes(key)
+    for axis, (what, arg) in enumerate((a, {"layer": "num_layers", "expert": "num_experts"}[a]) for a in axes):
+        want = args.get(arg)
+        if key.startswith("mtp.") and what == "layer":
+            want = args.get("mtp_num_layers")
+        if isinstance(want, int) and shape[axis] != want:
+            raise FormatError(f"{key}: its stacked {what} axis has {shape[axis]} entries, args.{arg} is {want}", where)
+
+
+def _prove(params, model: ModelInfo, weights: dict, container: MegatronDistCheckpoint, prove: str,
+           where: str) -> None:
+    masters = {m.path: m.tensor for m in model.params}
+    for p in params:
+        if p.path not in weights or p.path not in masters:
+            continue
+        key, weight = weights[p.path]
+        if weight.dtype not in ("BF16", "F16", "F32"):
+            continue
+        found = proof.disproof(masters[p.path], weight)
+        if found is None:
+            continue
+        failed = Disproved(p.path, key, found.mismatched, found.numel, found.first, container.sharding)
+        if prove == "refuse":
+            raise MappingError(f"{p.path}: {found.mismatched} of {found.numel} elements of the fp32 master do not "
+                               f"round to the stored {weight.dtype} weight (first at flat index {found.first}); rule "
+                               f"{proof.RULE.split(':')[0]} fails, so its state is not this parameter's"
+                               f"{_cause(container.sharding)}", where)
+        container.disproofs.append(failed)
+
+
+def _cause(sharding: str) -> str:
+    if sharding == "fully_reshardable":
+        return (" (a fully_reshardable save of mcore 0.15-0.19 with more than one bucket shifts the states after "
+                f"bucket 0; fixed in Megatron-LM {MULTI_BUCKET_FIX}; `statekit doctor` lists every parameter hit)")
+    return ""
+
+
+def _note(sharding: str, dist: megatron_dist.MegatronDist, nemo: bool, members: int) -> str:
+    parts = [f"Megatron torch_dist checkpoint, distributed-optimizer sharding {sharding}"]
+    if members > 1:
+        parts.append(f"a ChainedOptimizer of {members} members")
+    if dist.mcore_data:
+        parts.append(f"{len(dist.mcore_data)} tensors N-D reformulated (mcore_data)")
+    if nemo:
+        parts.append("NeMo 2 'module.' prefix dropped from the names")
+    parts.append("stacked layers and experts unstacked; fp32 masters proved against the stored weights")
+    return "; ".join(parts)
+
+
+def _metadata(dist, common: dict, args: dict, sharding: str, members: dict) -> dict[str, str]:
+    out = {"megatron_sharding": sharding, "megatron_common": dist.common_source,
+           "megatron_folder": os.path.relpath(dist.directory, dist.path) if dist.directory != dist.path else "."}
+    for key in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far", "global_step"):
+        if key in common and isinstance(common[key], int | float | str):
+            out[f"megatron_{key}"] = str(common[key])
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                "context_parallel_size", "data_parallel_size", "num_layers", "num_experts", "padded_vocab_size",
+                "vocab_size"):
+        if args.get(key) is not None:
+            out[f"args.{key}"] = str(args[key])
+    content = common.get("content_metadata")
+    if isinstance(content, dict):
+        for k, v in content.items():
+            if isinstance(v, bool | int | float | str):
+                out[f"content_metadata.{k}"] = str(v)
+    backend = dist.backend
+    for k, v in backend.items():
+        out[f"metadata.json.{k}"] = str(v)
+    if len(members) > 1:
+        out["megatron_chained_members"] = str(len(members))
+    return out
