@@ -206,6 +206,8 @@ def write(out: str, case: str) -> None:
     words = case.split("-")
     sharding = words[0]
     moe, state19, shift, nemo = "moe" in words, "state" in words, "shift" in words, "nemo" in words
+    padstate = "padstate" in words  # state left in the vocabulary padding rows
+    zeros = "zeros" in words  # the final norm's moments all zero at step 5 (a load that filled nothing)
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     folder = os.path.join(out, case, "weights") if nemo else os.path.join(out, case, f"iter_{ITERATION:07d}")
     os.makedirs(folder, exist_ok=True)
@@ -227,7 +229,10 @@ def write(out: str, case: str) -> None:
         weights[key] = torch.from_numpy(m).to(torch.bfloat16)
         moments[key] = (rng.standard_normal(shape).astype(np.float32) * 1e-3,
                         np.abs(rng.standard_normal(shape)).astype(np.float32) * 1e-6)
-        if "word_embeddings" in key or key == "output_layer.weight":
+        if zeros and key == "decoder.final_layernorm.weight":
+            for arr in moments[key]:
+                arr[...] = 0.0
+        if "word_embeddings" in key and not padstate:  # never looked up: no gradient (the output layer's has)
             for arr in moments[key]:
                 arr[V:] = 0.0
         sd[prefix + key] = sharded(weights[key], boxes(key, shape, tp_axis, kind))
@@ -295,6 +300,10 @@ def write(out: str, case: str) -> None:
         json.dump(meta, fh)
     with open(os.path.join(out, case, "expected.json"), "w") as fh:
         json.dump({"shifted": sorted(shifted)}, fh)
+    # what was saved, model-shaped (stacked), for the tests: the values every reader must give back
+    torch.save({key: {"weight": weights[key], **{name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in
+                      zip(states, (master[key], *moments[key]), strict=True)}} for key, *_ in model},
+               os.path.join(out, case, "truth.pt"))
 
 
 def _shift(model, master, moments) -> set[str]:
@@ -331,7 +340,8 @@ def _shift(model, master, moments) -> set[str]:
 
 CASES = ("non_distributed", "fully_reshardable", "fully_sharded_model_space", "fully_reshardable-state",
          "fully_reshardable-shift", "non_distributed-moe", "fully_sharded_model_space-moe", "fully_reshardable-moe",
-         "fully_reshardable-nemo")
+         "fully_reshardable-nemo", "fully_reshardable-padstate",
+         "fully_reshardable-zeros")
 
 
 def main() -> None:

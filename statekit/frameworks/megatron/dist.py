@@ -45,10 +45,14 @@ from statekit.tensor import TensorRef
 FORMAT = "megatron-dist"
 MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")
 BUCKET_SPACE = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
-MASTERS = ("fp32_param", "param")  # the fp32 master's slot name (fully_reshardable: param)
+MASTERS = ("fp32_param", "param")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the fp32 master's slot name (fully_reshardable: param)
 _STATE_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*?)\.(.+)$")
 _BUCKET_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.")
 _STATE_SLOTS = ("exp_avg_sq", "exp_avg", "fp32_param", "param", "momentum_buffer")
+# the input embedding's padding rows (beyond args.vocab_size) are never looked up: no gradient, no
+# moments. Not so the output layer's (their logits enter the loss) nor a tied embedding's.
+INPUT_EMBEDDING = "embedding.word_embeddings.weight"
 MULTI_BUCKET_FIX = "32a03b77c5"  # Megatron-LM's fix of the fully_reshardable save (#5077, after core 0.19.0)
 
 
@@ -75,6 +79,46 @@ class MegatronDistCheckpoint:
 
     def close(self) -> None:
         self.dist.close()
+
+    def doctor_findings(self, params: list[ParamState]) -> list[tuple[str, str, str, str]]:
+        """What ``doctor`` reports beyond its generic checks, as (severity, check, parameter,
+        message): parameters whose master does not round to their weight (with the known cause
+        when the sharding type has one), and vocabulary padding rows that hold state."""
+        out = []
+        for d in self.disproofs:
+            cause = ""
+            if d.sharding == "fully_reshardable":
+                cause = ("; the known cause: the fully_reshardable save of mcore 0.15-0.19 cut every parameter "
+                         "after the buffer's first bucket at padded offsets (shifted states; fixed in Megatron-LM "
+                         f"{MULTI_BUCKET_FIX}), so these moments and this master belong to other elements")
+            out.append(("error", "megatron-master", d.param,
+                        f"the fp32 master rounded to the weight's dtype differs from the stored weight ({d.key}) at "
+                        f"{d.mismatched} of {d.numel} elements{cause}"))
+        by_path = {p.path: p for p in params}
+        for name, (rows, stored) in self.padding.items():
+            p = by_path.get(name)
+            if p is None:
+                continue
+            held = [slot for slot, ref in p.slots.items() if slot in MOMENTS and _rows_hold(ref, rows)]
+            if held:
+                out.append(("warning", "padding-state", name,
+                            f"{', '.join(held)} non-zero in the vocabulary padding rows {rows}..{stored - 1} "
+                            f"(args.vocab_size {rows}): no token looks them up, so no gradient ever reached them; "
+                            "the state there was left by something else"))
+        return out
+
+
+def _rows_hold(ref: TensorRef, rows: int) -> bool:
+    """Whether any element of rows ``rows:`` of ``ref`` is non-zero (read in pieces)."""
+    per_row = ref.numel // ref.shape[0] if ref.shape and ref.shape[0] else 0
+    start = rows * per_row
+    pos = 0
+    for piece in ref.pieces(1 << 20):
+        lo = max(0, start - pos)
+        if lo < piece.size and piece[lo:].any():
+            return True
+        pos += piece.size
+    return False
 
 
 def _fields(value: object) -> dict:
@@ -262,91 +306,128 @@ def open_checkpoint(path: str, prove: str = "refuse", **options) -> Checkpoint:
         raise
 
 
-def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint:
-    where = dist.directory
-    common = dist.common()
-    args = _fields(common.get("args"))
-    members = _members(common, where)
-    shardings = {i: _sharding(m) for i, m in members.items()}
-    kinds = set(shardings.values())
+def _one_sharding(members: dict, where: str) -> str:
+    kinds = {_sharding(m) for m in members.values()}
     if len(kinds) > 1:
         raise FormatError(f"the optimizer's members use different sharding types {sorted(kinds)}", where)
     sharding = kinds.pop()
-    states, model_entries, bucket_keys = _state_keys(dist.tensor_entries(), where)
-    if sharding in BUCKET_SPACE or bucket_keys:
+    if sharding in BUCKET_SPACE:
         raise FormatError(f"the distributed optimizer's state is saved in bucket space ({sharding}); statekit "
                           "does not read bucket-space torch_dist checkpoints yet (resave with "
                           "--dist-ckpt-optim-fully-reshardable to read it)", where)
     if sharding not in ("non_distributed", *MODEL_SPACE):
         raise FormatError(f"optimizer sharding type {sharding!r} is not one statekit reads", where)
-    container = MegatronDistCheckpoint(dist, sharding)
-    nemo = any(k.startswith(stacking.NEMO_PREFIX) for k in model_entries)
-    grouped = args.get("moe_grouped_gemm")
-    grouped = None if grouped is None else bool(grouped)
-    per_member_groups = {i: _groups(dist, m, i, sharding) for i, m in members.items()}
-    member_of_target = _member_map(states, members, where)
-    family = _family(args, [g for gs in per_member_groups.values() for g in gs])
-    steps = {i: _step(m, per_member_groups[i], where) for i, m in members.items()}
+    return sharding
 
-    params: list[ParamState] = []
-    model = ModelInfo(order="named_parameters", source=where)
-    weights: dict[str, tuple[str, TensorRef]] = {}
-    group_index: dict[tuple[int | None, int], int] = {}
-    groups: list[ParamGroup] = []
-    for i, gs in per_member_groups.items():
-        for g, group in enumerate(gs):
-            group_index[i, g] = len(groups)
-            groups.append(ParamGroup(hyperparams=_hyper(group), family=family))
-    origin: dict[str, tuple[str, tuple[int, ...]]] = {}
-    true_vocab = args.get("vocab_size") if isinstance(args.get("vocab_size"), int) else None
-    for (member, target), slots in sorted(states.items(), key=lambda kv: _order(kv[0][1], model_entries)):
+
+def _global_shape(dist: megatron_dist.MegatronDist, target: str, slots: dict, weight: dcp.TensorEntry | None,
+                  where: str) -> tuple[int, ...]:
+    """The model's global shape of ``target``'s states (reformulated ones by ``mcore_data``), the
+    same for every slot and the weight."""
+    shapes = {slot: dist.reformulated_shape(entry.key) or entry.shape for slot, entry in slots.items()}
+    if len(set(shapes.values())) != 1:
+        raise FormatError(f"{target}: its optimizer states have different global shapes "
+                          f"{ {s: list(v) for s, v in shapes.items()} }", where)
+    shape = next(iter(shapes.values()))
+    if weight is not None and weight.shape != shape:
+        raise FormatError(f"{target}: the optimizer state's global shape {list(shape)} is not the weight's "
+                          f"{list(weight.shape)}", where)
+    return shape
+
+
+@dataclass
+class _Reading:
+    """What reading one checkpoint builds, parameter by parameter."""
+
+    dist: megatron_dist.MegatronDist
+    args: dict
+    family: str | None
+    member_groups: dict[int | None, list[dict]]
+    steps: dict[int | None, int | float | None]
+    container: MegatronDistCheckpoint
+    params: list[ParamState] = field(default_factory=list)
+    model: ModelInfo = field(default_factory=lambda: ModelInfo(order="named_parameters"))
+    weights: dict[str, tuple[str, TensorRef]] = field(default_factory=dict)
+    groups: list[ParamGroup] = field(default_factory=list)
+    group_index: dict[tuple[int | None, int], int] = field(default_factory=dict)
+    origin: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for i, gs in self.member_groups.items():
+            for g, group in enumerate(gs):
+                self.group_index[i, g] = len(self.groups)
+                self.groups.append(ParamGroup(hyperparams=_hyper(group), family=self.family))
+
+    def add_key(self, target: str, member: int | None, slots: dict, weight: dcp.TensorEntry | None) -> None:
+        """Every parameter the (stacked) state key ``target`` holds."""
+        where = self.dist.directory
         name_key, _ = _strip(target)
-        weight_entry = model_entries.get(target)
-        shapes = {}
-        for slot, entry in slots.items():
-            shapes[slot] = dist.reformulated_shape(entry.key) or entry.shape
-        if len(set(shapes.values())) != 1:
-            raise FormatError(f"{target}: its optimizer states have different global shapes "
-                              f"{ {s: list(v) for s, v in shapes.items()} }", where)
-        shape = next(iter(shapes.values()))
-        if weight_entry is not None and weight_entry.shape != shape:
-            raise FormatError(f"{target}: the optimizer state's global shape {list(shape)} is not the weight's "
-                              f"{list(weight_entry.shape)}", where)
-        _check_stack(name_key, shape, args, where)
+        shape = _global_shape(self.dist, target, slots, weight, where)
+        _check_stack(name_key, shape, self.args, where)
+        grouped = self.args.get("moe_grouped_gemm")
         for lead in stacking.indices(name_key, shape):
-            name = stacking.param_name(name_key, lead, grouped)
-            pshape = shape[len(lead):]
-            if name in origin:
-                raise FormatError(f"{name}: two state keys name this parameter ({origin[name][0]}, {target})", where)
-            origin[name] = (target, lead)
+            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped))
+            if name in self.origin:
+                raise FormatError(f"{name}: two state keys name this parameter ({self.origin[name][0]}, {target})",
+                                  where)
+            self.origin[name] = (target, lead)
             info = {"megatron_key": target, "stacked_index": list(lead)}
             refs = {}
             for slot, entry in slots.items():
-                g_shape = dist.reformulated_shape(entry.key)
-                refs[slot] = (regions.reformulated(dist.reader, entry, g_shape, lead, info) if g_shape
-                              else regions.plain(dist.reader, entry, lead, info))
+                g_shape = self.dist.reformulated_shape(entry.key)
+                refs[slot] = (regions.reformulated(self.dist.reader, entry, g_shape, lead, info) if g_shape
+                              else regions.plain(self.dist.reader, entry, lead, info))
             master = next((refs.pop(s) for s in MASTERS if s in refs), None)
-            g = _group_of(name, pshape, per_member_groups[member_of_target[member, target]], args,
-                          member_of_target[member, target])
-            gi = group_index[member_of_target[member, target], g]
-            p = ParamState(key=name, path=name, index=len(params), step=steps[member_of_target[member, target]],
-                           slots=refs, group=gi, family=family)
-            p.rank = len(pshape)
-            params.append(p)
-            groups[gi].keys.append(p.key)
-            if weight_entry is not None:
-                weights[name] = (target, regions.plain(dist.reader, weight_entry, lead, info))
-            if master is not None:
-                model.params.append(ModelParam(name, pshape, master.dtype, index=p.index, tensor=master))
-            if true_vocab is not None and _is_vocab(name_key) and pshape and pshape[0] > true_vocab:
-                container.padding[name] = (true_vocab, pshape[0])
-    _named_order(params, model, list(model_entries), origin)
-    _prove(params, model, weights, container, prove, where)
-    state = OptimizerState(family=family, candidates=(family,) if family else (), params=params, groups=groups,
-                           hyperparams_stored=True, framework="torch", torch_names_in_file=True,
-                           names_from="megatron torch_dist keys")
+            self.add(name, name_key, shape[len(lead):], member, refs, master)
+            if weight is not None:
+                self.weights[name] = (target, regions.plain(self.dist.reader, weight, lead, info))
+
+    def add(self, name: str, key: str, shape: tuple[int, ...], member: int | None, slots: dict,
+            master: TensorRef | None) -> None:
+        g = _group_of(name, shape, self.member_groups[member], self.args, member)
+        gi = self.group_index[member, g]
+        p = ParamState(key=name, path=name, index=len(self.params), step=self.steps[member], slots=slots, group=gi,
+                       family=self.family)
+        p.rank = len(shape)
+        self.params.append(p)
+        self.groups[gi].keys.append(p.key)
+        if master is not None:
+            self.model.params.append(ModelParam(name, shape, master.dtype, index=p.index, tensor=master))
+        vocab = self.args.get("vocab_size")
+        if (key == INPUT_EMBEDDING and self.args.get("untie_embeddings_and_output_weights") is True
+                and isinstance(vocab, int) and shape and shape[0] > vocab):
+            self.container.padding[name] = (vocab, shape[0])
+
+
+def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint:
+    where = dist.directory
+    common = dist.common()
+    args = _fields(common.get("args"))
+    members = _members(common, where)
+    sharding = _one_sharding(members, where)
+    states, model_entries, bucket_keys = _state_keys(dist.tensor_entries(), where)
+    if bucket_keys:
+        raise FormatError(f"{bucket_keys[0]}: bucket-space optimizer state, but the common state says {sharding}",
+                          where)
+    member_groups = {i: _groups(dist, m, i, sharding) for i, m in members.items()}
+    family = _family(args, [g for gs in member_groups.values() for g in gs])
+    reading = _Reading(dist, args, family, member_groups,
+                       {i: _step(m, member_groups[i], where) for i, m in members.items()},
+                       MegatronDistCheckpoint(dist, sharding))
+    reading.model.source = where
+    member_of = _member_map(states, members, where)
+    for (member, target), slots in sorted(states.items(), key=lambda kv: _order(kv[0][1], model_entries)):
+        reading.add_key(target, member_of[member, target], slots, model_entries.get(target))
+    params, model = reading.params, reading.model
+    _named_order(params, model, list(model_entries), reading.origin)
+    _prove(params, model, reading.weights, reading.container, prove, where)
+    state = OptimizerState(family=family, candidates=(family,) if family else (), params=params,
+                           groups=reading.groups, hyperparams_stored=True, framework="torch",
+                           torch_names_in_file=True, names_from="megatron torch_dist keys")
+    nemo = any(k.startswith(stacking.NEMO_PREFIX) for k in model_entries)
     state.notes.append(_note(sharding, dist, nemo, len(members)))
-    ckpt = Checkpoint(path=path, format=FORMAT, kind="optimizer", optimizer=state, model=model, container=container)
+    ckpt = Checkpoint(path=path, format=FORMAT, kind="optimizer", optimizer=state, model=model,
+                      container=reading.container)
     ckpt.n_tensors = sum(len(p.slots) for p in params) + len(model.params)
     ckpt.nbytes = sum(p.nbytes for p in params) + sum(m.tensor.nbytes for m in model.params if m.tensor)
     ckpt.metadata.update(_metadata(dist, common, args, sharding, members))
@@ -401,10 +482,6 @@ def _member_map(states: dict, members: dict, where: str) -> dict[tuple[int | Non
 def _order(target: str, model_entries: dict) -> tuple[int, str]:
     keys = list(model_entries)
     return (keys.index(target) if target in model_entries else len(keys), target)
-
-
-def _is_vocab(key: str) -> bool:
-    return key in ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _check_stack(key: str, shape: tuple[int, ...], args: dict, where: str) -> None:

@@ -1,0 +1,268 @@
+"""Megatron-Core torch_dist checkpoints: read without torch, every parameter named as Megatron names it.
+
+SYNTHETIC folders (scripts/make_megatron_dist_synthetic.py): written by real torch 2.13's
+``torch.distributed.checkpoint.save`` in the key families, shapes, chunkings, ``MCoreMetadata``
+root, ``common.pt`` / ``common_state`` and ShardedObjects of megatron-core's torch_dist format
+(shared/docs/megatron-formats.md §2), not by megatron-core itself. Values are compared with what
+the generator saved (``truth.pt``) and with real torch's own ``dcp_to_torch_save`` of the same
+folder; names with Megatron's naming written out here by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from statekit import io
+from statekit.errors import FormatError, MappingError, UnsafePickleError
+from statekit.formats import megatron_dist, registry
+from statekit.ops.doctor import doctor_files
+from tests.conftest import ROOT
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+SCRIPT = ROOT / "scripts" / "make_megatron_dist_synthetic.py"
+ITER = "iter_0000005"
+L, E = 2, 4
+
+# Megatron's parameter names for the synthetic GPT (named_parameters of one model chunk)
+LAYER = ("self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
+         "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+         "mlp.linear_fc2.weight")
+DENSE = (["embedding.word_embeddings.weight"] + [f"decoder.layers.{i}.{n}" for i in range(L) for n in LAYER]
+         + ["decoder.final_layernorm.weight", "output_layer.weight"])
+MOE_LAYER = ["self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
+             "self_attention.linear_qkv.weight", "pre_mlp_layernorm.weight", "mlp.router.weight"]
+MOE = (["embedding.word_embeddings.weight"]
+       + [f"decoder.layers.{i}.{n}" for i in range(L) for n in
+          MOE_LAYER + [f"mlp.experts.linear_fc{k}.weight{e}" for k in (1, 2) for e in range(E)]]
+       + ["decoder.final_layernorm.weight", "output_layer.weight"])
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("make_megatron_dist_synthetic", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_megatron_dist_synthetic"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_dist")
+    subprocess.run([sys.executable, str(SCRIPT), str(out)], check=True, capture_output=True, timeout=300)
+    _generator()._mcore_module()  # torch's own loader unpickles MCoreMetadata by its Megatron name
+    return out
+
+
+def _truth(case_dir) -> dict:
+    return torch.load(case_dir / "truth.pt", weights_only=True)
+
+
+def _split(key: str, lead: tuple[int, ...]) -> str:
+    """The hand-written Megatron name of stacked element ``lead`` of ``key`` (grouped GEMM experts)."""
+    if key.startswith("decoder.layers.") and not key.split(".")[2].isdigit():
+        key = f"decoder.layers.{lead[0]}." + key[len("decoder.layers."):]
+        lead = lead[1:]
+    if lead:
+        head, rest = key.split(".experts.experts.")
+        key = f"{head}.experts.{rest}{lead[0]}"
+    return key
+
+
+def _stacked(key: str) -> int:
+    return (key.startswith("decoder.layers.")) + (".experts.experts." in key)
+
+
+def _expected(truth: dict) -> dict[str, dict[str, np.ndarray]]:
+    """Per parameter name: the saved values, unstacked by hand."""
+    out = {}
+    for key, values in truth.items():
+        n = _stacked(key)
+        shape = tuple(values["weight"].shape)
+        for lead in np.ndindex(*shape[:n]):
+            out[_split(key, tuple(lead))] = {k: v[tuple(lead)] for k, v in values.items()}
+    return out
+
+
+CASES = ["non_distributed", "fully_reshardable", "fully_sharded_model_space", "fully_reshardable-state",
+         "non_distributed-moe", "fully_sharded_model_space-moe", "fully_reshardable-moe"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_parameter_named_and_valued_as_saved(made, case):
+    root = made / case
+    with io.open_checkpoint(root) as ckpt:
+        assert ckpt.format == "megatron-dist"
+        state = ckpt.optimizer
+        names = [p.path for p in state.params]
+        assert names == (MOE if "moe" in case else DENSE)
+        assert state.family == "adamw" and {p.step for p in state.params} == {5}
+        expected = _expected(_truth(root))
+        masters = {m.path: m.tensor for m in ckpt.model.params}
+        master_slot = "param" if case.startswith("fully_reshardable") else "fp32_param"
+        for p in state.params:
+            want = expected[p.path]
+            assert tuple(p.shape) == tuple(want["weight"].shape), p.path
+            for slot in ("exp_avg", "exp_avg_sq"):
+                assert np.array_equal(p.slots[slot].numpy(), want[slot].numpy()), (p.path, slot)
+            assert np.array_equal(masters[p.path].numpy(), want[master_slot].numpy()), p.path
+        assert ckpt.metadata["megatron_iteration"] == "5"
+        assert ckpt.schedulers[0]["lr_decay_style"] == "cosine"
+
+
+@pytest.mark.parametrize("case", ["non_distributed", "fully_reshardable", "non_distributed-moe"])
+def test_values_equal_torch_own_dcp_load(made, case, tmp_path):
+    """Real torch's dcp_to_torch_save of the same folder, cut per parameter by hand."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = made / case / ITER
+    dcp_to_torch_save(str(folder), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    compared = 0
+    with io.open_checkpoint(folder) as ckpt:
+        by_name = {p.path: p for p in ckpt.optimizer.params}
+        for key, value in full.items():
+            if not key.startswith("optimizer.state.exp_avg."):
+                continue
+            target = key[len("optimizer.state.exp_avg."):]
+            n = _stacked(target)
+            for lead in np.ndindex(*value.shape[:n]):
+                p = by_name[_split(target, tuple(lead))]
+                assert np.array_equal(p.slots["exp_avg"].numpy(), value[tuple(lead)].numpy()), key
+                assert np.array_equal(p.slots["exp_avg_sq"].numpy(),
+                                      full["optimizer.state.exp_avg_sq." + target][tuple(lead)].numpy()), key
+                compared += 1
+    assert compared == len(by_name)
+
+
+def test_groups_by_megatron_rule(made):
+    with io.open_checkpoint(made / "fully_reshardable-moe") as ckpt:
+        state = ckpt.optimizer
+        group = {p.path: state.groups[p.group].hyperparams for p in state.params}
+    assert group["decoder.layers.0.pre_mlp_layernorm.weight"]["wd_mult"] == 0.0  # 1-D: no weight decay
+    assert group["decoder.layers.1.mlp.router.weight"]["wd_mult"] == 1.0
+    assert group["decoder.layers.1.mlp.router.weight"]["is_expert_parallel"] is False
+    assert group["decoder.layers.0.mlp.experts.linear_fc2.weight3"]["is_expert_parallel"] is True
+    assert group["output_layer.weight"]["weight_decay"] == 0.1
+
+
+def test_save_root_iteration_folder_and_nemo_open(made):
+    assert registry.sniff(str(made / "fully_reshardable")) == "megatron-dist"
+    assert registry.sniff(str(made / "fully_reshardable" / ITER)) == "megatron-dist"
+    with io.open_checkpoint(made / "fully_reshardable-nemo") as ckpt:
+        assert [p.path for p in ckpt.optimizer.params] == DENSE  # NeMo 2's module. prefix dropped
+        assert ckpt.metadata["megatron_folder"] == "weights"
+
+
+def test_plain_dcp_folder_stays_dcp(made, tmp_path):
+    folder = tmp_path / "plain"
+    shutil.copytree(made / "fully_reshardable" / ITER, folder)
+    os.unlink(folder / "metadata.json")
+    assert registry.sniff(str(folder)) == "dcp"
+
+
+def test_reformulated_shapes_come_from_mcore_data(made):
+    dist = megatron_dist.MegatronDist(made / "fully_sharded_model_space")
+    try:
+        key = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+        assert dist.meta.entries[key].shape == (2, 4, 1, 48)  # [L, 2*TP (SwiGLU W/V), 1, local numel]
+        assert dist.reformulated_shape(key) == (2, 24, 8)
+    finally:
+        dist.close()
+
+
+def test_doctor_finds_the_fully_reshardable_shift_and_only_there(made):
+    shifted = json.loads((made / "fully_reshardable-shift" / "expected.json").read_text())["shifted"]
+    want = sorted(_split(k, lead) for k in shifted for lead in
+                  (np.ndindex(L) if _stacked(k) else [()]))
+    report = doctor_files(made / "fully_reshardable-shift")
+    hit = sorted(f["param"] for f in report["findings"] if f["check"] == "megatron-master")
+    assert hit == want and want
+    assert all("32a03b77c5" in f["message"] for f in report["findings"] if f["check"] == "megatron-master")
+    for case in ("fully_reshardable", "fully_reshardable-moe", "fully_sharded_model_space", "non_distributed"):
+        assert doctor_files(made / case)["clean"], case
+
+
+def test_shifted_state_is_refused_naming_parameter_and_rule(made):
+    with pytest.raises(MappingError, match=r"embedding\.word_embeddings\.weight: .*master-vs-weight"):
+        io.open_checkpoint(made / "fully_reshardable-shift")
+
+
+def test_doctor_padding_rows_and_zero_moments(made):
+    pad = doctor_files(made / "fully_reshardable-padstate")["findings"]
+    assert [(f["check"], f["param"]) for f in pad] == [("padding-state", "embedding.word_embeddings.weight")]
+    zeros = doctor_files(made / "fully_reshardable-zeros")["findings"]
+    assert [(f["check"], f["param"]) for f in zeros] == [("zero-moments", "decoder.final_layernorm.weight")]
+
+
+# ------------------------------------------------------------------------------------------ refusals
+
+
+def _copy(made, case, tmp_path):
+    root = tmp_path / case
+    shutil.copytree(made / case, root)
+    return root
+
+
+def test_truncated_distcp_refused(made, tmp_path):
+    root = _copy(made, "fully_reshardable", tmp_path)
+    data = root / ITER / "__0_0.distcp"
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(FormatError, match="truncated"):
+        io.open_checkpoint(root)
+
+
+def test_missing_common_pt_refused(made, tmp_path):
+    root = _copy(made, "fully_reshardable", tmp_path)
+    os.unlink(root / ITER / "common.pt")
+    with pytest.raises(FormatError, match="neither common.pt nor a common_state"):
+        io.open_checkpoint(root)
+
+
+def test_unknown_pickle_global_refused(made, tmp_path):
+    root = _copy(made, "fully_reshardable", tmp_path)
+    common = torch.load(root / ITER / "common.pt", weights_only=False)
+    common["args"].hook = _Foreign()
+    torch.save(common, root / ITER / "common.pt")
+    with pytest.raises(UnsafePickleError, match="test_megatron_dist._Foreign"):
+        io.open_checkpoint(root)
+
+
+class _Foreign:
+    pass
+
+
+def test_bucket_space_refused_by_name(made, tmp_path):
+    root = _copy(made, "fully_reshardable", tmp_path)
+    common = torch.load(root / ITER / "common.pt", weights_only=False)
+    common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    torch.save(common, root / ITER / "common.pt")
+    with pytest.raises(FormatError, match="bucket space \\(dp_reshardable\\)"):
+        io.open_checkpoint(root)
+
+
+def test_group_that_does_not_fit_refused(made, tmp_path):
+    root = _copy(made, "fully_reshardable", tmp_path)
+    common = torch.load(root / ITER / "common.pt", weights_only=False)
+    del common["optimizer"]["optimizer"]["param_groups"][1]  # the no-weight-decay group
+    torch.save(common, root / ITER / "common.pt")
+    with pytest.raises(MappingError, match="decoder.layers.0.self_attention.linear_qkv.layer_norm_weight: 0 of"):
+        io.open_checkpoint(root)
+
+
+def test_cli_error_is_one_line(made, tmp_path):
+    root = _copy(made, "fully_reshardable", tmp_path)
+    os.unlink(root / ITER / "common.pt")
+    run = subprocess.run([sys.executable, "-m", "statekit", "inspect", str(root)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=120)
+    assert run.returncode != 0
+    assert len(run.stderr.strip().splitlines()) == 1 and "common.pt" in run.stderr
