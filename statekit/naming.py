@@ -154,6 +154,10 @@ CANDLE: tuple[Layout, ...] = (
            frozenset({"first_moment", "second_moment", "step_t"}), step="step_t"),
 )
 
+#: the slot of a mixed-precision optimizer's fp32 master copy of a parameter (Megatron's ``param`` /
+#: ``fp32_param`` / ``fp32_from_fp16_params``): state beside the optimizer's own, not Adam's arithmetic
+MASTER_SLOT = "fp32_master"
+
 FRAMEWORKS = {"burn": BURN, "torch": TORCH, "candle": CANDLE}
 
 # An Adafactor's factored second moment: row and column factors, not of the parameter's shape

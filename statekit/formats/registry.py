@@ -83,6 +83,9 @@ FORMATS: tuple[Format, ...] = (
            description="DeepSpeed ZeRO and universal checkpoint folders"),
     # the universal layout (ds_to_universal's output) is written on request (--to); read by the entry above.
     Format("deepspeed-universal", "torch", write="statekit.frameworks.deepspeed_io:save_universal", directory=True),
+    Format("megatron-legacy", "megatron", sniff="statekit.formats.megatron_legacy:claims",
+           open="statekit.frameworks.megatron.legacy:open_checkpoint", directory=True,
+           description="Megatron-LM legacy checkpoint folders (iter_N/mp_rank_*/model_optim_rng.pt)"),
     # HF Trainer checkpoint-N/ and Accelerate save_state folders: opened as the torch optimizer inside.
     Format("torch-folder", "torch", sniff="statekit.frameworks.wrappers:claims",
            open="statekit.frameworks.wrappers:open_checkpoint", directory=True,

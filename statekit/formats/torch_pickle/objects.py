@@ -23,9 +23,15 @@ def new_record(records: dict[int, RecordClass], cls: object, args: object) -> Re
 
 
 def built(records: dict[int, RecordClass], inst: object, state: object) -> object:
-    """BUILD ``inst`` with ``state``: what then stands where ``inst`` stood."""
+    """BUILD ``inst`` with ``state``: what then stands where ``inst`` stood. A :class:`Record`
+    that an allowed callable returned (REDUCE: numpy's ``_reconstruct``, a ``torch.Generator``)
+    keeps its state as pickled, under ``fields["state"]``."""
     if isinstance(inst, Record):
-        _build_record(inst, records[id(inst)], state)
+        rclass = records.get(id(inst))
+        if rclass is None:  # made by an allowed callable (REDUCE), not NEWOBJ: its state kept as pickled
+            inst.fields["state"] = state
+        else:
+            _build_record(inst, rclass, state)
     elif isinstance(inst, TensorRef):
         attributes = _python_state(state)
         if attributes:
