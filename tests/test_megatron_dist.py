@@ -193,7 +193,8 @@ def test_doctor_finds_the_fully_reshardable_shift_and_only_there(made):
 
 
 def test_shifted_state_is_refused_naming_parameter_and_rule(made):
-    with pytest.raises(MappingError, match=r"embedding\.word_embeddings\.weight: .*master-vs-weight"):
+    with pytest.raises(FormatError, match=r"parameter embedding\.word_embeddings\.weight: its fp32 master rounded "
+                                          r"to BF16 is not the stored weight .* master-vs-weight rule .* 32a03b77c5"):
         io.open_checkpoint(made / "fully_reshardable-shift")
 
 
@@ -244,9 +245,9 @@ class _Foreign:
 def test_bucket_space_refused_by_name(made, tmp_path):
     root = _copy(made, "fully_reshardable", tmp_path)
     common = torch.load(root / ITER / "common.pt", weights_only=False)
-    common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    common["optimizer"]["param_state_sharding_type"] = "dp_zero_gather_scatter"
     torch.save(common, root / ITER / "common.pt")
-    with pytest.raises(FormatError, match="bucket space \\(dp_reshardable\\)"):
+    with pytest.raises(FormatError, match="bucket space \\(dp_zero_gather_scatter\\)"):
         io.open_checkpoint(root)
 
 
@@ -266,3 +267,76 @@ def test_cli_error_is_one_line(made, tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=120)
     assert run.returncode != 0
     assert len(run.stderr.strip().splitlines()) == 1 and "common.pt" in run.stderr
+
+
+# ------------------------------------------------------------------ real fixtures (megatron-core itself)
+
+REAL = ROOT / "fixtures" / "megatron"
+DP_RESHARDABLE = REAL / "0.19.2" / "gpt_torch_dist_dp_reshardable_tp1pp1dp2"
+# the local spec's registration order (TransformerLayer: input_layernorm, self_attention.linear_proj,
+# linear_qkv, pre_mlp_layernorm, mlp), saved under TE's fused names
+LOCAL_LAYER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.weight",
+               "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+               "mlp.linear_fc2.weight")
+LOCAL = (["embedding.word_embeddings.weight"] + [f"decoder.layers.{i}.{n}" for i in range(2) for n in LOCAL_LAYER]
+         + ["decoder.final_layernorm.weight", "output_layer.weight"])
+H, VOCAB = 64, 112
+LOCAL_SHAPES = {"self_attention.linear_qkv.layer_norm_weight": (H,), "self_attention.linear_proj.weight": (H, H),
+                "self_attention.linear_qkv.weight": (128, H), "mlp.linear_fc1.layer_norm_weight": (H,),
+                "mlp.linear_fc1.weight": (128, H), "mlp.linear_fc2.weight": (H, H)}
+
+
+def _local_shape(name: str) -> tuple[int, ...]:
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (VOCAB, H)
+    if name == "decoder.final_layernorm.weight":
+        return (H,)
+    return LOCAL_SHAPES[name.split(".", 3)[3]]
+
+
+@pytest.mark.skipif(not DP_RESHARDABLE.exists(), reason="fixture not merged")
+def test_real_dp_reshardable_cut_by_hand_computed_offsets(tmp_path):
+    """megatron-core 0.19.2's own dp_reshardable save (TP1 PP1 DP2, one bucket): every parameter named,
+    proved, and its states equal the bucket tensors torch's own dcp.load gives, cut at offsets
+    computed here by hand (parameters reversed, 64-element starts: every size here is a multiple of 64)."""
+    import torch.distributed.checkpoint as tdcp
+
+    prefix = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0."
+    want = {s: torch.empty(63808, dtype=torch.float32) for s in ("param", "exp_avg", "exp_avg_sq")}
+    tdcp.load({prefix + s: t for s, t in want.items()}, checkpoint_id=str(DP_RESHARDABLE / "iter_0000003"),
+              no_dist=True)
+    offsets, at = {}, 0
+    for name in reversed(LOCAL):
+        offsets[name] = at
+        at += int(np.prod(_local_shape(name)))
+    assert at == 63808
+    with io.open_checkpoint(DP_RESHARDABLE) as ckpt:
+        assert ckpt.format == "megatron-dist" and ckpt.metadata["megatron_sharding"] == "dp_reshardable"
+        state = ckpt.optimizer
+        assert [p.path for p in state.params] == LOCAL
+        masters = {m.path: m.tensor for m in ckpt.model.params}
+        for p in state.params:
+            shape = _local_shape(p.path)
+            assert tuple(p.shape) == shape
+            lo, n = offsets[p.path], int(np.prod(shape))
+            for slot in ("exp_avg", "exp_avg_sq"):
+                assert np.array_equal(p.slots[slot].numpy().reshape(-1), want[slot][lo:lo + n].numpy()), p.path
+            assert np.array_equal(masters[p.path].numpy().reshape(-1), want["param"][lo:lo + n].numpy())
+            assert p.step == 3
+            wd = state.groups[p.group].hyperparams["wd_mult"]
+            assert wd == (0.0 if len(shape) == 1 else 1.0), p.path
+        assert ckpt.schedulers[0]["lr_decay_style"] == "cosine"
+    assert doctor_files(DP_RESHARDABLE)["clean"]
+
+
+@pytest.mark.skipif(not DP_RESHARDABLE.exists(), reason="fixture not merged")
+def test_real_dp_reshardable_wrong_order_is_refused(tmp_path, monkeypatch):
+    """A layout that does not prove is refused naming the parameter and the rule: the TE spec's
+    order (linear_proj before the fused norm) laid over the local spec's buffers."""
+    from statekit.frameworks.megatron import bucket_space
+
+    monkeypatch.setitem(bucket_space.LAYER_ORDER, "local", bucket_space.LAYER_ORDER["transformer_engine"])
+    with pytest.raises(FormatError, match=r"parameter decoder\.layers\.0\.self_attention\.linear_proj\.weight: its fp32 "
+                                          r"master rounded to BF16 is not the stored weight .*master-vs-weight rule "
+                                          r"\(dp_reshardable\) does not hold"):
+        io.open_checkpoint(DP_RESHARDABLE)

@@ -53,15 +53,20 @@ _ENUMS = (
     "megatron.core.transformer.enums.CudaGraphModule",
     "megatron.core.rerun_state_machine.RerunDiagnostic",
     "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
     "signal.Signals",
+    "torch.distributed.checkpoint.planner.WriteItemType",
 )
 # classes pickled as NEWOBJ + BUILD(dict): kept as records of their fields
 _RECORDS = (
     "argparse.Namespace",
     "types.SimpleNamespace",
     "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-    "megatron.core.rerun_state_machine.RerunState",
     MCORE_METADATA,
+    # core 0.19's .metadata keeps every rank's save plan (``all_local_plans``, for its cached plans)
+    "torch.distributed.checkpoint.planner.SavePlan",
+    "torch.distributed.checkpoint.planner.WriteItem",
+    "torch.distributed.checkpoint.planner.TensorWriteData",
 )
 
 

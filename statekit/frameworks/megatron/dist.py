@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from statekit.errors import FormatError, MappingError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import dist_proof_adapter as proof
-from statekit.frameworks.megatron import regions, stacking
+from statekit.frameworks.megatron import bucket_space, config, proof, regions, stacking
 from statekit.frameworks.torch_state import describe_scheduler
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
@@ -45,6 +44,7 @@ from statekit.tensor import TensorRef
 FORMAT = "megatron-dist"
 MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")
 BUCKET_SPACE = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
+BUCKETS_READ = ("dp_reshardable",)
 MASTERS = ("fp32_param", "param")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the fp32 master's slot name (fully_reshardable: param)
 _STATE_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*?)\.(.+)$")
@@ -53,6 +53,7 @@ _STATE_SLOTS = ("exp_avg_sq", "exp_avg", "fp32_param", "param", "momentum_buffer
 # the input embedding's padding rows (beyond args.vocab_size) are never looked up: no gradient, no
 # moments. Not so the output layer's (their logits enter the loss) nor a tied embedding's.
 INPUT_EMBEDDING = "embedding.word_embeddings.weight"
+PROOF_RULE = "the master-vs-weight rule"
 MULTI_BUCKET_FIX = "32a03b77c5"  # Megatron-LM's fix of the fully_reshardable save (#5077, after core 0.19.0)
 
 
@@ -62,9 +63,7 @@ class Disproved:
 
     param: str
     key: str
-    mismatched: int
-    numel: int
-    first: int
+    message: str  # the proof's own line (the first element that differs)
     sharding: str
 
 
@@ -91,9 +90,7 @@ class MegatronDistCheckpoint:
                 cause = ("; the known cause: the fully_reshardable save of mcore 0.15-0.19 cut every parameter "
                          "after the buffer's first bucket at padded offsets (shifted states; fixed in Megatron-LM "
                          f"{MULTI_BUCKET_FIX}), so these moments and this master belong to other elements")
-            out.append(("error", "megatron-master", d.param,
-                        f"the fp32 master rounded to the weight's dtype differs from the stored weight ({d.key}) at "
-                        f"{d.mismatched} of {d.numel} elements{cause}"))
+            out.append(("error", "megatron-master", d.param, f"{d.message} (weight {d.key}){cause}"))
         by_path = {p.path: p for p in params}
         for name, (rows, stored) in self.padding.items():
             p = by_path.get(name)
@@ -265,14 +262,14 @@ def _strip(key: str) -> tuple[str, bool]:
     return key, False
 
 
-def _state_keys(entries: dict[str, dcp.TensorEntry], where: str) -> tuple[dict, dict, list[str]]:
-    """{(member, model key): {slot: entry}}, {model key: entry}, bucket-space keys."""
+def _state_keys(entries: dict[str, dcp.TensorEntry], where: str) -> tuple[dict, dict, dict]:
+    """{(member, model key): {slot: entry}}, {model key: entry}, {bucket-space key: entry}."""
     states: dict[tuple[int | None, str], dict[str, dcp.TensorEntry]] = {}
     model: dict[str, dcp.TensorEntry] = {}
-    buckets: list[str] = []
+    buckets: dict[str, dcp.TensorEntry] = {}
     for key, entry in entries.items():
         if _BUCKET_KEY.match(key):
-            buckets.append(key)
+            buckets[key] = entry
             continue
         if key.startswith("optimizer.") or re.match(r"chained_\d+\.", key):
             m = _STATE_KEY.match(key)
@@ -311,11 +308,11 @@ def _one_sharding(members: dict, where: str) -> str:
     if len(kinds) > 1:
         raise FormatError(f"the optimizer's members use different sharding types {sorted(kinds)}", where)
     sharding = kinds.pop()
-    if sharding in BUCKET_SPACE:
+    if sharding in BUCKET_SPACE and sharding not in BUCKETS_READ:
         raise FormatError(f"the distributed optimizer's state is saved in bucket space ({sharding}); statekit "
-                          "does not read bucket-space torch_dist checkpoints yet (resave with "
+                          f"reads {', '.join(BUCKETS_READ)} of the bucket-space types only yet (resave with "
                           "--dist-ckpt-optim-fully-reshardable to read it)", where)
-    if sharding not in ("non_distributed", *MODEL_SPACE):
+    if sharding not in ("non_distributed", *MODEL_SPACE, *BUCKETS_READ):
         raise FormatError(f"optimizer sharding type {sharding!r} is not one statekit reads", where)
     return sharding
 
@@ -406,9 +403,11 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     members = _members(common, where)
     sharding = _one_sharding(members, where)
     states, model_entries, bucket_keys = _state_keys(dist.tensor_entries(), where)
-    if bucket_keys:
-        raise FormatError(f"{bucket_keys[0]}: bucket-space optimizer state, but the common state says {sharding}",
-                          where)
+    if bucket_keys and sharding not in BUCKET_SPACE:
+        raise FormatError(f"{next(iter(bucket_keys))}: bucket-space optimizer state, but the common state says "
+                          f"{sharding}", where)
+    if sharding in BUCKET_SPACE and states:
+        raise FormatError(f"{next(iter(states))[1]}: model-space optimizer state beside {sharding} buffers", where)
     member_groups = {i: _groups(dist, m, i, sharding) for i, m in members.items()}
     family = _family(args, [g for gs in member_groups.values() for g in gs])
     reading = _Reading(dist, args, family, member_groups,
@@ -418,8 +417,21 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     member_of = _member_map(states, members, where)
     for (member, target), slots in sorted(states.items(), key=lambda kv: _order(kv[0][1], model_entries)):
         reading.add_key(target, member_of[member, target], slots, model_entries.get(target))
+    if sharding in BUCKET_SPACE:
+        cfg = config.from_args(common.get("args"), where) if common.get("args") is not None else None
+        if cfg is None:
+            raise FormatError(f"no args in the common state: the {sharding} buffers cannot be cut into parameters "
+                              "without the run's settings", where)
+        for member in members:
+            chain = _chain(member)
+            mine = {k: e for k, e in bucket_keys.items() if k.startswith(chain + "optimizer.")}
+            for piece in bucket_space.read(dist, cfg, member, mine, model_entries):
+                reading.origin[piece.name] = (piece.key, piece.lead)
+                reading.add(piece.name, _strip(piece.key)[0], piece.shape, member, piece.slots, piece.master)
+                if piece.weight is not None:
+                    reading.weights[piece.name] = (piece.key, piece.weight)
     params, model = reading.params, reading.model
-    _named_order(params, model, list(model_entries), reading.origin)
+    _named_order(params, model, list(model_entries), reading.origin, args.get("transformer_impl") or "transformer_engine")
     _prove(params, model, reading.weights, reading.container, prove, where)
     state = OptimizerState(family=family, candidates=(family,) if family else (), params=params,
                            groups=reading.groups, hyperparams_stored=True, framework="torch",
@@ -437,18 +449,22 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     return ckpt
 
 
-def _named_order(params: list[ParamState], model: ModelInfo, keys: list[str], origin: dict) -> None:
-    """Parameters in ``named_parameters`` order: what comes before the decoder's layers, each
-    layer's parameters (in the order of their keys), what comes after."""
+def _named_order(params: list[ParamState], model: ModelInfo, keys: list[str], origin: dict, impl: str) -> None:
+    """Parameters in ``named_parameters`` order: Megatron's registration order where statekit
+    knows it (:func:`.bucket_space.rank_of`), else the embedding side, each layer's parameters in
+    the order of their keys, what comes after."""
     stacked = [i for i, k in enumerate(keys) if "layers." in k]
     first, last = (stacked[0], stacked[-1]) if stacked else (len(keys), len(keys))
 
     def rank(p: ParamState) -> tuple:
+        known = bucket_space.rank_of(p.path, impl)
+        if known is not None:
+            return known
         key, lead = origin[p.path]
         pos = keys.index(key) if key in keys else len(keys)
         layer = re.search(r"(?:^|\.)layers\.(\d+)\.", p.path)
         section = 0 if pos < first else 2 if pos > last else 1
-        return (section, int(layer.group(1)) if layer and section == 1 else -1, pos, lead)
+        return (section, int(layer.group(1)) if layer and section == 1 else -1, 1000 + pos, lead)
 
     params.sort(key=rank)
     for i, p in enumerate(params):
@@ -496,23 +512,20 @@ def _check_stack(key: str, shape: tuple[int, ...], args: dict, where: str) -> No
 
 def _prove(params, model: ModelInfo, weights: dict, container: MegatronDistCheckpoint, prove: str,
            where: str) -> None:
+    """Every master against its stored weight (:func:`.proof.prove`); refused, or recorded."""
     masters = {m.path: m.tensor for m in model.params}
+    rule = f"{PROOF_RULE} ({container.sharding})"
     for p in params:
         if p.path not in weights or p.path not in masters:
             continue
         key, weight = weights[p.path]
-        if weight.dtype not in ("BF16", "F16", "F32"):
-            continue
-        found = proof.disproof(masters[p.path], weight)
-        if found is None:
-            continue
-        failed = Disproved(p.path, key, found.mismatched, found.numel, found.first, container.sharding)
-        if prove == "refuse":
-            raise MappingError(f"{p.path}: {found.mismatched} of {found.numel} elements of the fp32 master do not "
-                               f"round to the stored {weight.dtype} weight (first at flat index {found.first}); rule "
-                               f"{proof.RULE.split(':')[0]} fails, so its state is not this parameter's"
-                               f"{_cause(container.sharding)}", where)
-        container.disproofs.append(failed)
+        try:
+            proof.prove(p.path, masters[p.path], weight, rule, where)
+        except proof.ProofError as exc:
+            if prove == "refuse":
+                raise proof.ProofError(f"{exc.message}, so its state is not this parameter's"
+                                       f"{_cause(container.sharding)}", where) from None
+            container.disproofs.append(Disproved(p.path, key, exc.message, container.sharding))
 
 
 def _cause(sharding: str) -> str:

@@ -1,0 +1,234 @@
+"""torch_dist's bucket-space optimizer state (``dp_reshardable``) cut back into parameters.
+
+``dp_reshardable`` (mcore >= 0.15's default, ``shared/docs/megatron-formats.md`` §2.4) stores the
+distributed optimizer's buffers as they are in memory: per model-parallel rank ``mp``, buffer
+``g`` (one per (param dtype, grad dtype)), bucket ``b`` and state ``s``, the 1-D tensor
+``optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_{g}.dtype_({pdt}, {gdt}).bucket_idx_{b}.{s}``
+of the bucket's ``numel_unpadded`` elements: the world bucket with its 64-element gaps, without
+its end padding; ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` beside it as ShardedObjects.
+
+Which elements are which parameter's follows from the parameters in registration order and the
+bucket rules (:mod:`.buckets`, the shared foundation). The registration order of a GPT model is
+not in a torch_dist checkpoint (its ``.metadata`` lists keys in whatever order the ranks' plans
+merged), so it is taken from Megatron's module definitions: the embedding, each layer's
+parameters in the order its modules register them (:data:`LAYER_ORDER`, per
+``args.transformer_impl``: the local spec registers ``input_layernorm`` before the attention, TE
+fuses it into ``linear_qkv`` after ``linear_proj``), the final norm, the output layer. That order
+is a proposal: every parameter's fp32 master is then proved against its stored weight
+(:mod:`.proof`) before any state is called that parameter's; a layout that does not prove is
+refused naming the parameter and the rule.
+
+Read here: one model-parallel rank (TP = PP = 1, EP = 1), dense models. Other layouts are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from statekit.errors import FormatError
+from statekit.formats import dcp, megatron_dist
+from statekit.formats.torch_pickle import TorchDtype
+from statekit.frameworks.megatron import buckets, regions, stacking
+from statekit.frameworks.megatron.config import MegatronConfig
+from statekit.tensor import TensorRef
+
+SLOTS = ("param", "exp_avg", "exp_avg_sq")
+_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                  r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
+
+# a layer's parameters in registration order, by their torch_dist key after "decoder.layers[.i]."
+# (the local spec saves input_layernorm / pre_mlp_layernorm under TE's fused names)
+_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+        "self_attention.k_layernorm.weight")
+_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+_NORM_IN = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.layer_norm_weight",
+            "self_attention.linear_qkv.layer_norm_bias")
+_NORM_MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_weight",
+             "mlp.linear_fc1.layer_norm_bias")
+LAYER_ORDER = {
+    # TransformerLayer: input_layernorm, self_attention (Attention: linear_proj; SelfAttention: linear_qkv,
+    # q/k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2)
+    "local": _NORM_IN + _ATTENTION + _QKV + _NORM_MLP + _MLP,
+    # TE spec: the norms live in TELayerNormColumnParallelLinear, which registers them before its weight
+    "transformer_engine": ("input_layernorm.weight", "input_layernorm.bias") + _ATTENTION
+                          + ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
+                          + _QKV + ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                                    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias") + _MLP,
+}
+BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+RULE = ">=0.8"  # dp_reshardable exists from core 0.15: 64-element starts, ends padded to lcm(DP, 128)
+
+
+@dataclass
+class Piece:
+    """One parameter out of the buffers: its states (lazy, the parameter's shape) and master."""
+
+    name: str
+    key: str  # the model's torch_dist key
+    lead: tuple[int, ...]
+    shape: tuple[int, ...]
+    slots: dict[str, TensorRef]
+    master: TensorRef
+    weight: TensorRef | None
+
+
+def _torch_dtype(name: str) -> str:
+    from statekit.formats import torch_pickle  # noqa: PLC0415 (same floor)
+
+    return torch_pickle.statekit_dtype(name.split(".", 1)[1])
+
+
+def registration_order(model: dict[str, dcp.TensorEntry], cfg: MegatronConfig, where: str) -> list[tuple]:
+    """(name, key, lead, shape, dtype) of every parameter, in ``named_parameters`` order."""
+    impl = cfg.transformer_impl or "transformer_engine"
+    table = LAYER_ORDER.get(impl)
+    if table is None:
+        raise FormatError(f"args.transformer_impl is {impl!r}: statekit knows the parameter order of "
+                          f"{', '.join(LAYER_ORDER)} only", where)
+    rows = []
+    for key, entry in model.items():
+        name_key, _ = _strip(key)
+        axes = stacking.stack_axes(name_key)
+        if "expert" in axes or ".experts." in name_key:
+            raise FormatError(f"{key}: MoE experts in bucket space are not read yet", where)
+        for lead in stacking.indices(name_key, entry.shape):
+            name = stacking.param_name(name_key, lead, None)
+            rows.append((_rank(name, table, where), name, key, lead, entry.shape[len(lead):], entry.dtype))
+    rows.sort()
+    return [r[1:] for r in rows]
+
+
+def _strip(key: str) -> tuple[str, bool]:
+    if key.startswith(stacking.NEMO_PREFIX):
+        return key[len(stacking.NEMO_PREFIX):], True
+    return key, False
+
+
+def rank_of(name: str, impl: str) -> tuple | None:
+    """Where ``name`` comes in Megatron's registration order (a sort key), None when unknown."""
+    table = LAYER_ORDER.get(impl)
+    try:
+        return None if table is None else _rank(name, table, "")
+    except FormatError:
+        return None
+
+
+def _rank(name: str, table: tuple[str, ...], where: str) -> tuple:
+    if name in BEFORE:
+        return (0, BEFORE.index(name))
+    if name in AFTER:
+        return (2, AFTER.index(name))
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+    if m and m.group(2) in table:
+        return (1, int(m.group(1)), table.index(m.group(2)))
+    raise FormatError(f"{name}: statekit does not know where Megatron registers this parameter, so the "
+                      "bucket-space state cannot be cut for it", where)
+
+
+def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | None,
+         states: dict[str, dcp.TensorEntry], model: dict[str, dcp.TensorEntry]) -> list[Piece]:
+    """Every parameter's state out of one optimizer member's bucket tensors (``states``: their keys)."""
+    where = dist.directory
+    for what, value in (("tensor", cfg.tp), ("pipeline", cfg.pp), ("expert", cfg.ep)):
+        if (value or 1) != 1:
+            raise FormatError(f"args say {what}-model-parallel size {value}: statekit reads bucket-space torch_dist "
+                              "state of one model-parallel rank only yet", where)
+    if cfg.vp:
+        raise FormatError(f"args say virtual pipeline size {cfg.vp}: not read in bucket space yet", where)
+    order = registration_order(model, cfg, where)
+    params = [buckets.LayoutParam(name, shape, dtype) for name, _, _, shape, dtype in order]
+    grad_fp32 = cfg.grad_reduce_in_fp32
+    if grad_fp32 is None:
+        grad_fp32 = bool(cfg.need("grad_reduce_in_fp32", "the distributed optimizer's buffer keys"))
+    split = buckets.split_buffers(params, grad_fp32, experts_separate=False)
+    found = _found(states, where)
+    chain = "" if member is None else f"chained_{member}."
+    prefix = f"{chain}optimizer.distributed.dp_group_idx_0"
+    per_bucket = _per_bucket(dist, prefix)
+    dp = cfg.dp_cp_size()
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
+    origin = {name: (key, lead) for name, key, lead, _, _ in order}
+    pieces: list[Piece] = []
+    if sorted(found) != list(range(len(split))):
+        raise FormatError(f"the checkpoint holds buffers {sorted(found)}, the model's parameters make "
+                          f"{len(split)} ({', '.join(f'{k.param_dtype}/{k.grad_dtype}' for k in split)})", where)
+    for g, (bkey, members) in enumerate(split.items()):
+        dtype_key, tensors = found[g]
+        if dtype_key != (bkey.param_dtype, bkey.grad_dtype):
+            raise FormatError(f"buffer {g} is stored as {dtype_key}, the model's parameters make "
+                              f"({bkey.param_dtype}, {bkey.grad_dtype})", where)
+        layout = buckets.layout_buffer(members, size, dp, buckets.rule(RULE),
+                                       bool(cfg.pad_buckets_for_high_nccl_busbw))
+        what = f"{prefix}.gbuf_idx_{g}"
+        if per_bucket is not None:
+            numel, unpadded = per_bucket
+            layout.check_buckets(_for(numel, g, bkey), _for(unpadded, g, bkey), what)
+        if sorted(tensors) != list(range(len(layout.buckets))):
+            raise FormatError(f"{what}: buckets {sorted(tensors)} stored, the layout has {len(layout.buckets)} "
+                              f"({layout.describe()})", where)
+        for b in layout.buckets:
+            for entry in tensors[b.index].values():
+                if entry.shape != (b.numel_unpadded,):
+                    raise FormatError(f"{entry.key}: {list(entry.shape)} elements, the layout's bucket {b.index} has "
+                                      f"{b.numel_unpadded} ({layout.describe()})", where)
+        for p in members:
+            place = layout.placements[p.name]
+            slots = {slot: _slice(dist, entry, place.bucket_offset, p.shape, p.name)
+                     for slot, entry in tensors[place.bucket].items()}
+            if "param" not in slots:
+                raise FormatError(f"{what}: no fp32 master ('param') stored beside the moments", where)
+            key, lead = origin[p.name]
+            weight = regions.plain(dist.reader, model[key], lead, {"megatron_key": key})
+            pieces.append(Piece(p.name, key, lead, p.shape, slots, slots.pop("param"), weight))
+    rank = {name: i for i, (name, *_rest) in enumerate(order)}
+    pieces.sort(key=lambda x: rank[x.name])
+    return pieces
+
+
+def _found(states: dict[str, dcp.TensorEntry], where: str) -> dict[int, tuple[tuple[str, str], dict]]:
+    """gbuf index -> ((param dtype, grad dtype), {bucket: {slot: entry}})."""
+    out: dict[int, tuple[tuple[str, str], dict]] = {}
+    for key, entry in states.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise FormatError(f"{key}: not a bucket-space tensor key statekit knows", where)
+        if m.group(2) != "0":
+            raise FormatError(f"{key}: model-parallel rank {m.group(2)}; statekit reads one model-parallel rank yet",
+                              where)
+        g, b, slot = int(m.group(3)), int(m.group(6)), m.group(7)
+        dtype_key = (_torch_dtype(m.group(4)), _torch_dtype(m.group(5)))
+        have = out.setdefault(g, (dtype_key, {}))
+        if have[0] != dtype_key:
+            raise FormatError(f"{key}: buffer {g} stored under two dtype keys", where)
+        have[1].setdefault(b, {})[slot] = entry
+    return out
+
+
+def _per_bucket(dist: megatron_dist.MegatronDist, prefix: str):
+    keys = [f"{prefix}.per_bucket_numel", f"{prefix}.per_bucket_numel_unpadded"]
+    if any(dist.object_key(k) is None for k in keys):
+        return None
+    return tuple(dist.object(k) for k in keys)
+
+
+def _for(stored: object, g: int, bkey: buckets.BufferKey) -> list[int] | None:
+    """The bucket sizes stored for buffer ``g`` (a list per buffer of {dtype tuple: [sizes]})."""
+    if not isinstance(stored, list) or g >= len(stored) or not isinstance(stored[g], dict):
+        return None
+    for dtypes, sizes in stored[g].items():
+        if isinstance(dtypes, tuple) and all(isinstance(d, TorchDtype) for d in dtypes):
+            return list(sizes)
+    return None
+
+
+def _slice(dist: megatron_dist.MegatronDist, entry: dcp.TensorEntry, start: int, shape: tuple[int, ...],
+           name: str) -> TensorRef:
+    numel = math.prod(shape)
+    box = ((start, start + numel),)
+    return TensorRef(entry.dtype, shape, array_loader=lambda: regions.read_box(dist.reader, entry, box).reshape(shape),
+                     info={"dcp_key": entry.key, "bucket_offset": start, "param": name})
