@@ -295,6 +295,7 @@ def _local_shape(name: str) -> tuple[int, ...]:
 
 
 @pytest.mark.skipif(not DP_RESHARDABLE.exists(), reason="fixture not merged")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_real_dp_reshardable_cut_by_hand_computed_offsets(tmp_path):
     """megatron-core 0.19.2's own dp_reshardable save (TP1 PP1 DP2, one bucket): every parameter named,
     proved, and its states equal the bucket tensors torch's own dcp.load gives, cut at offsets

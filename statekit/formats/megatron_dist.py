@@ -18,11 +18,11 @@ the distributed optimizer's param groups per model-parallel rank ...) are DCP by
 ``{key}/shard_{offset}_{shape}`` whose bytes are ``torch.save`` of the object (Megatron's save
 planner writes them untransformed).
 
-Every pickle here is read by statekit's allow-listing reader with :data:`MEGATRON_GLOBALS`, the
-classes of Megatron's own ``safe_globals`` list (``megatron/core/safe_globals.py``) as plain
-records, enums as their names: nothing of Megatron or torch is imported or run, and any other
-global is refused by name. numpy arrays (Megatron allows ``_reconstruct``) are not among them:
-they only occur in the RNG state, which statekit does not read.
+Every pickle here is read by statekit's allow-listing reader with :data:`MEGATRON_GLOBALS`: DCP's
+classes, Megatron's own ``safe_globals`` list (``megatron/core/safe_globals.py``; the table is
+:data:`statekit.formats.megatron_legacy.MEGATRON_GLOBALS`) and the few classes torch_dist adds
+(``MCoreMetadata``, core 0.19's save plans), all as plain records or values: nothing of Megatron
+or torch is imported or run, and any other global is refused by name.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import os
 import re
 
 from statekit.errors import FormatError
-from statekit.formats import dcp, limits, torch_pickle, torch_pt
+from statekit.formats import dcp, limits, megatron_legacy, torch_pickle, torch_pt
 from statekit.formats.torch_pickle import RecordClass
 
 METADATA_JSON = "metadata.json"
@@ -44,51 +44,32 @@ BACKEND = "torch_dist"
 MCORE_METADATA = "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata"
 METADATA_KINDS = ("Metadata", "MCoreMetadata")
 
-# Megatron's enums (pickled as ``cls(value)``) by the module that defines them
-_ENUMS = (
-    "megatron.core.enums.ModelType",
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-    "megatron.core.transformer.enums.CudaGraphModule",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "signal.Signals",
-    "torch.distributed.checkpoint.planner.WriteItemType",
-)
-# classes pickled as NEWOBJ + BUILD(dict): kept as records of their fields
+# beyond Megatron's own allow-list (megatron_legacy.MEGATRON_GLOBALS, the one table of it) and DCP's
+# classes: .metadata's root class, and core 0.19's save plans kept in it (``all_local_plans``)
 _RECORDS = (
-    "argparse.Namespace",
-    "types.SimpleNamespace",
-    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
     MCORE_METADATA,
-    # core 0.19's .metadata keeps every rank's save plan (``all_local_plans``, for its cached plans)
     "torch.distributed.checkpoint.planner.SavePlan",
     "torch.distributed.checkpoint.planner.WriteItem",
     "torch.distributed.checkpoint.planner.TensorWriteData",
 )
+_ENUMS = ("torch.distributed.checkpoint.planner.WriteItemType",)
 
 
 def _enum(full: str):
-    short = full.rsplit(".", 1)[-1]
-
-    def make(value: object = None) -> str:
-        if not isinstance(value, int | str | float | bool | type(None)):
+    def make(value: object = None) -> object:
+        if not isinstance(value, int | str):
             raise FormatError(f"{full}({limits.short(value)}) is not an enum value")
-        return f"{short}({value!r})"
+        return value
 
     return torch_pickle.allowed_callable(full, make)
 
 
 def _globals() -> dict[str, object]:
-    allowed: dict[str, object] = dict(dcp.DCP_GLOBALS)
+    allowed: dict[str, object] = {**dcp.DCP_GLOBALS, **megatron_legacy.MEGATRON_GLOBALS}
     for name in _RECORDS:
         allowed[name] = RecordClass(name)
     for name in _ENUMS:
         allowed[name] = _enum(name)
-    # io.BytesIO pickles as NEWOBJ(_io.BytesIO, ()) + BUILD((value, position, __dict__))
-    allowed["_io.BytesIO"] = RecordClass("_io.BytesIO", ("value", "position", "attributes"))
     return allowed
 
 
