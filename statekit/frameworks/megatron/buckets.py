@@ -159,7 +159,7 @@ class BufferLayout:
         return sum(b.numel_unpadded for b in self.buckets)
 
     def describe(self) -> str:
-        size = "one bucket" if self.bucket_size is None else f"bucket size {self.bucket_size}"
+        size = "no bucket size" if self.bucket_size is None else f"bucket size {self.bucket_size}"
         return f"rule {self.rule.name}, DP×CP {self.dp}, {size}, {len(self.buckets)} bucket(s)"
 
     def rank_pieces(self, name: str) -> list[tuple[int, int, int, int, int]]:

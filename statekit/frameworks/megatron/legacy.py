@@ -543,6 +543,7 @@ class _Reader:
     # ---- the whole model
     def read(self) -> Checkpoint:
         ranks = self.ranks()
+        self.rank_records = ranks  # (kept: each rank's parameters with their pieces, for tests and tools)
         cfg = self.cfg
         self._groups_by_part: dict[int, list[dict]] = {}
         groups_out: list[dict] = []
