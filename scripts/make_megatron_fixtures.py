@@ -92,7 +92,7 @@ COMMON = [
 
 MOE = [
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-token-dispatcher-type", "allgather", "--moe-router-load-balancing-type", "aux_loss",
     "--moe-aux-loss-coeff", "0.01",
 ]
 
@@ -283,6 +283,30 @@ def _worker(ns: argparse.Namespace) -> None:
         return out, loss_func
 
     config = get_model_config(model[0])
+    # what megatron.training.training.train() sets up before its loop
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    for chunk in model:
+        chunk.train()
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = mtrain.get_timers()
+    if isinstance(model[0], DDP) and args.overlap_grad_reduce:
+        config.no_sync_func = [c.no_sync for c in model]
+        if len(model) == 1:
+            config.no_sync_func = config.no_sync_func[0]
+        if args.align_grad_reduce:
+            config.grad_sync_func = [c.start_grad_sync for c in model]
+            if len(model) == 1:
+                config.grad_sync_func = config.grad_sync_func[0]
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = [c.start_param_sync for c in model]
+        if len(model) == 1:
+            config.param_sync_func = config.param_sync_func[0]
+    if getattr(config, "finalize_model_grads_func", None) is None:
+        config.finalize_model_grads_func = finalize_model_grads
+    get_rerun_state_machine().current_iteration = 0
     fb = get_forward_backward_func()
     from megatron.core.rerun_state_machine import RerunDataIterator
 

@@ -13,6 +13,9 @@ the CPU. What each redirect is, and why it changes no layout of what is saved:
 * ``torch.cuda.current_device`` returns 0 (then rewritten to the CPU by the
   mode); ``device_count`` returns 1 so that Megatron sets up its model-parallel
   RNG tracker as on a GPU; ``set_device`` does nothing.
+* ``get_device_capability``/``get_device_properties`` describe an sm_90 device
+  (H100): ``validate_args`` asks for the architecture only to decide whether to
+  warn about ``CUDA_DEVICE_MAX_CONNECTIONS`` with tensor parallelism.
 * Streams, events, ``synchronize``, ``empty_cache``, memory statistics: no-ops
   (on the CPU every op is already complete when it returns). They order work,
   never place or shape it.
@@ -36,6 +39,7 @@ Nothing here touches what Megatron computes, names or writes.
 from __future__ import annotations
 
 import contextlib
+import types
 import typing
 
 if not hasattr(typing, "override"):  # Python 3.11: megatron 0.19 imports it
@@ -146,6 +150,10 @@ def install() -> DeviceToCPU:
     c.current_device = lambda: 0
     c.device_count = lambda: 1
     c.set_device = lambda *a, **k: None
+    c.get_device_capability = lambda *a, **k: (9, 0)
+    c.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        major=9, minor=0, name="cpu (mcore_cpu_shim)", total_memory=80 << 30,
+        multi_processor_count=132)
     c.synchronize = lambda *a, **k: None
     c.empty_cache = lambda *a, **k: None
     c.Stream = _NullStream
