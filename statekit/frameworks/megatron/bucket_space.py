@@ -18,8 +18,9 @@ is a proposal: every parameter's fp32 master is then proved against its stored w
 (:mod:`.proof`) before any state is called that parameter's; a layout that does not prove is
 refused naming the parameter and the rule.
 
-Read here: one model-parallel rank (TP = PP = 1, EP = 1), dense models. Other layouts are
-refused by name.
+Read here: TP = PP = 1 (and ETP = 1), dense models and MoE models whose ChainedOptimizer keeps
+the experts apart (one model-parallel index per EP rank, each with its local experts; expert DP
+= world / (EP × PP × ETP)). Other layouts are refused by name.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ _NORM_MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_f
 LAYER_ORDER = {
     # TransformerLayer: input_layernorm, self_attention (Attention: linear_proj; SelfAttention: linear_qkv,
     # q/k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2)
-    "local": _NORM_IN + _ATTENTION + _QKV + _NORM_MLP + _MLP,
+    "local": _NORM_IN + _ATTENTION + _QKV + _NORM_MLP + ("mlp.router.weight",) + _MLP,
     # TE spec: the norms live in TELayerNormColumnParallelLinear, which registers them before its weight
     "transformer_engine": ("input_layernorm.weight", "input_layernorm.bias") + _ATTENTION
                           + ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
                           + _QKV + ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-                                    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias") + _MLP,
+                                    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+                                    "mlp.router.weight") + _MLP,
 }
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
@@ -86,19 +88,22 @@ def _torch_dtype(name: str) -> str:
 def registration_order(model: dict[str, dcp.TensorEntry], cfg: MegatronConfig, where: str) -> list[tuple]:
     """(name, key, lead, shape, dtype) of every parameter, in ``named_parameters`` order."""
     impl = cfg.transformer_impl or "transformer_engine"
-    table = LAYER_ORDER.get(impl)
-    if table is None:
+    if impl not in LAYER_ORDER:
         raise FormatError(f"args.transformer_impl is {impl!r}: statekit knows the parameter order of "
                           f"{', '.join(LAYER_ORDER)} only", where)
+    grouped = cfg.raw.get("moe_grouped_gemm")
     rows = []
     for key, entry in model.items():
         name_key, _ = _strip(key)
-        axes = stacking.stack_axes(name_key)
-        if "expert" in axes or ".experts." in name_key:
-            raise FormatError(f"{key}: MoE experts in bucket space are not read yet", where)
+        if name_key.endswith(".expert_bias"):  # a buffer, not a parameter (no optimizer state)
+            continue
         for lead in stacking.indices(name_key, entry.shape):
-            name = stacking.param_name(name_key, lead, None)
-            rows.append((_rank(name, table, where), name, key, lead, entry.shape[len(lead):], entry.dtype))
+            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped))
+            known = rank_of(name, impl)
+            if known is None:
+                raise FormatError(f"{name}: statekit does not know where Megatron registers this parameter, so the "
+                                  "bucket-space state cannot be cut for it", where)
+            rows.append((known, name, key, lead, entry.shape[len(lead):], entry.dtype))
     rows.sort()
     return [r[1:] for r in rows]
 
@@ -109,65 +114,126 @@ def _strip(key: str) -> tuple[str, bool]:
     return key, False
 
 
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)|"
+                     r"(linear_fc[12])\.(weight|bias)(\d+))$")
+
+
 def rank_of(name: str, impl: str) -> tuple | None:
-    """Where ``name`` comes in Megatron's registration order (a sort key), None when unknown."""
+    """Where ``name`` comes in Megatron's registration order (a sort key), None when unknown.
+    A MoE layer registers its router, then its experts: SequentialMLP expert by expert (fc1, fc2
+    each), TEGroupedMLP all fc1 weights then all fc2 weights."""
     table = LAYER_ORDER.get(impl)
-    try:
-        return None if table is None else _rank(name, table, "")
-    except FormatError:
+    if table is None:
         return None
-
-
-def _rank(name: str, table: tuple[str, ...], where: str) -> tuple:
     if name in BEFORE:
         return (0, BEFORE.index(name))
     if name in AFTER:
         return (2, AFTER.index(name))
     m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-    if m and m.group(2) in table:
-        return (1, int(m.group(1)), table.index(m.group(2)))
-    raise FormatError(f"{name}: statekit does not know where Megatron registers this parameter, so the "
-                      "bucket-space state cannot be cut for it", where)
+    if m is None:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if rest in table:
+        return (1, layer, table.index(rest))
+    e = _EXPERT.match(rest)
+    if e is None:
+        return None
+    at = table.index("mlp.router.weight")
+    if e.group(1) is not None:  # local_experts.{i}.linear_fcK.weight
+        return (1, layer, at, int(e.group(1)), e.group(2), e.group(3) == "bias")
+    return (1, layer, at, -1, e.group(4), int(e.group(6)), e.group(5) == "bias")
 
 
-def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | None,
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _local_experts(cfg: MegatronConfig, rank: int, where: str) -> range:
+    experts = cfg.need("num_experts", "which experts each expert-parallel rank holds")
+    ep = cfg.ep or 1
+    if experts % ep:
+        raise FormatError(f"args say {experts} experts over expert-parallel size {ep}", where)
+    n = experts // ep
+    return range(rank * n, (rank + 1) * n)
+
+
+def _expert_index(name: str) -> int:
+    m = re.search(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)", name)
+    if m is None:
+        raise FormatError(f"{name}: no expert index in the name")
+    return int(m.group(1) if m.group(1) is not None else m.group(2))
+
+
+def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | None, expert: bool,
          states: dict[str, dcp.TensorEntry], model: dict[str, dcp.TensorEntry]) -> list[Piece]:
-    """Every parameter's state out of one optimizer member's bucket tensors (``states``: their keys)."""
+    """Every parameter's state out of one optimizer member's bucket tensors (``states``: their
+    keys). ``expert``: the member holds the expert parameters (the ChainedOptimizer's expert part:
+    one model-parallel index per expert-parallel rank, each with its local experts)."""
     where = dist.directory
-    for what, value in (("tensor", cfg.tp), ("pipeline", cfg.pp), ("expert", cfg.ep)):
+    for what, value in (("tensor", cfg.tp), ("pipeline", cfg.pp)):
         if (value or 1) != 1:
             raise FormatError(f"args say {what}-model-parallel size {value}: statekit reads bucket-space torch_dist "
-                              "state of one model-parallel rank only yet", where)
+                              "state of TP = PP = 1 only yet", where)
     if cfg.vp:
         raise FormatError(f"args say virtual pipeline size {cfg.vp}: not read in bucket space yet", where)
+    if (cfg.etp or 1) != 1:
+        raise FormatError(f"args say expert-tensor-parallel size {cfg.etp}: not read in bucket space yet", where)
     order = registration_order(model, cfg, where)
-    params = [buckets.LayoutParam(name, shape, dtype) for name, _, _, shape, dtype in order]
+    chain = "" if member is None else f"chained_{member}."
+    found = _found(states, where)
+    ranks = sorted(found)
+    want = list(range(cfg.ep or 1)) if expert else [0]
+    if not expert and member is None and any(_is_expert(r[0]) for r in order):
+        raise FormatError("expert parameters but a single optimizer: not a layout statekit knows", where)
+    if ranks != want:
+        raise FormatError(f"{chain}optimizer.distributed: model-parallel indices {ranks} stored, the run's "
+                          f"{'expert-parallel' if expert else 'model-parallel'} ranks are {want}", where)
+    origin = {name: (key, lead, shape, dtype) for name, key, lead, shape, dtype in order}
+    pieces: list[Piece] = []
+    for mp in ranks:
+        if expert:
+            mine = _local_experts(cfg, mp, where)
+            names = [r[0] for r in order if _is_expert(r[0]) and _expert_index(r[0]) in mine]
+            dp = cfg.expert_dp_size()
+        else:
+            names = [r[0] for r in order if not _is_expert(r[0])]
+            dp = cfg.dp_cp_size()
+        prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp}"
+        pieces += _cut(dist, cfg, prefix, [(*origin[n], n) for n in names], found[mp], dp, model)
+    rank = {row[0]: i for i, row in enumerate(order)}
+    pieces.sort(key=lambda x: rank[x.name])
+    return pieces
+
+
+def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, rows: list[tuple],
+         found: dict, dp: int, model: dict[str, dcp.TensorEntry]) -> list[Piece]:
+    """One model-parallel index's buffers cut into its parameters ``rows`` (key, lead, shape,
+    dtype, name; registration order)."""
+    where = dist.directory
+    params = [buckets.LayoutParam(name, shape, dtype, expert=_is_expert(name))
+              for _key, _lead, shape, dtype, name in rows]
     grad_fp32 = cfg.grad_reduce_in_fp32
     if grad_fp32 is None:
         grad_fp32 = bool(cfg.need("grad_reduce_in_fp32", "the distributed optimizer's buffer keys"))
     split = buckets.split_buffers(params, grad_fp32, experts_separate=False)
-    found = _found(states, where)
-    chain = "" if member is None else f"chained_{member}."
-    prefix = f"{chain}optimizer.distributed.dp_group_idx_0"
-    per_bucket = _per_bucket(dist, prefix)
-    dp = cfg.dp_cp_size()
-    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
-    origin = {name: (key, lead) for name, key, lead, _, _ in order}
-    pieces: list[Piece] = []
     if sorted(found) != list(range(len(split))):
-        raise FormatError(f"the checkpoint holds buffers {sorted(found)}, the model's parameters make "
-                          f"{len(split)} ({', '.join(f'{k.param_dtype}/{k.grad_dtype}' for k in split)})", where)
+        raise FormatError(f"{prefix}: buffers {sorted(found)} stored, the model's parameters make {len(split)} "
+                          f"({', '.join(f'{k.param_dtype}/{k.grad_dtype}' for k in split)})", where)
+    per_bucket = _per_bucket(dist, prefix)
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
+    where_of = {row[4]: row for row in rows}
+    pieces: list[Piece] = []
     for g, (bkey, members) in enumerate(split.items()):
         dtype_key, tensors = found[g]
         if dtype_key != (bkey.param_dtype, bkey.grad_dtype):
-            raise FormatError(f"buffer {g} is stored as {dtype_key}, the model's parameters make "
+            raise FormatError(f"{prefix}: buffer {g} is stored as {dtype_key}, the model's parameters make "
                               f"({bkey.param_dtype}, {bkey.grad_dtype})", where)
         layout = buckets.layout_buffer(members, size, dp, buckets.rule(RULE),
                                        bool(cfg.pad_buckets_for_high_nccl_busbw))
         what = f"{prefix}.gbuf_idx_{g}"
         if per_bucket is not None:
             numel, unpadded = per_bucket
-            layout.check_buckets(_for(numel, g, bkey), _for(unpadded, g, bkey), what)
+            layout.check_buckets(_for(numel, g), _for(unpadded, g), what)
         if sorted(tensors) != list(range(len(layout.buckets))):
             raise FormatError(f"{what}: buckets {sorted(tensors)} stored, the layout has {len(layout.buckets)} "
                               f"({layout.describe()})", where)
@@ -182,27 +248,22 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
                      for slot, entry in tensors[place.bucket].items()}
             if "param" not in slots:
                 raise FormatError(f"{what}: no fp32 master ('param') stored beside the moments", where)
-            key, lead = origin[p.name]
+            key, lead = where_of[p.name][0], where_of[p.name][1]
             weight = regions.plain(dist.reader, model[key], lead, {"megatron_key": key})
             pieces.append(Piece(p.name, key, lead, p.shape, slots, slots.pop("param"), weight))
-    rank = {name: i for i, (name, *_rest) in enumerate(order)}
-    pieces.sort(key=lambda x: rank[x.name])
     return pieces
 
 
-def _found(states: dict[str, dcp.TensorEntry], where: str) -> dict[int, tuple[tuple[str, str], dict]]:
-    """gbuf index -> ((param dtype, grad dtype), {bucket: {slot: entry}})."""
-    out: dict[int, tuple[tuple[str, str], dict]] = {}
+def _found(states: dict[str, dcp.TensorEntry], where: str) -> dict[int, dict[int, tuple[tuple[str, str], dict]]]:
+    """model-parallel index -> gbuf index -> ((param dtype, grad dtype), {bucket: {slot: entry}})."""
+    out: dict[int, dict[int, tuple[tuple[str, str], dict]]] = {}
     for key, entry in states.items():
         m = _KEY.match(key)
         if m is None:
             raise FormatError(f"{key}: not a bucket-space tensor key statekit knows", where)
-        if m.group(2) != "0":
-            raise FormatError(f"{key}: model-parallel rank {m.group(2)}; statekit reads one model-parallel rank yet",
-                              where)
-        g, b, slot = int(m.group(3)), int(m.group(6)), m.group(7)
+        mp, g, b, slot = int(m.group(2)), int(m.group(3)), int(m.group(6)), m.group(7)
         dtype_key = (_torch_dtype(m.group(4)), _torch_dtype(m.group(5)))
-        have = out.setdefault(g, (dtype_key, {}))
+        have = out.setdefault(mp, {}).setdefault(g, (dtype_key, {}))
         if have[0] != dtype_key:
             raise FormatError(f"{key}: buffer {g} stored under two dtype keys", where)
         have[1].setdefault(b, {})[slot] = entry
@@ -216,7 +277,7 @@ def _per_bucket(dist: megatron_dist.MegatronDist, prefix: str):
     return tuple(dist.object(k) for k in keys)
 
 
-def _for(stored: object, g: int, bkey: buckets.BufferKey) -> list[int] | None:
+def _for(stored: object, g: int) -> list[int] | None:
     """The bucket sizes stored for buffer ``g`` (a list per buffer of {dtype tuple: [sizes]})."""
     if not isinstance(stored, list) or g >= len(stored) or not isinstance(stored[g], dict):
         return None

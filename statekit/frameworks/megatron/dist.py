@@ -425,7 +425,8 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
         for member in members:
             chain = _chain(member)
             mine = {k: e for k, e in bucket_keys.items() if k.startswith(chain + "optimizer.")}
-            for piece in bucket_space.read(dist, cfg, member, mine, model_entries):
+            expert = any(g.get("is_expert_parallel") for g in member_groups[member])
+            for piece in bucket_space.read(dist, cfg, member, expert, mine, model_entries):
                 reading.origin[piece.name] = (piece.key, piece.lead)
                 reading.add(piece.name, _strip(piece.key)[0], piece.shape, member, piece.slots, piece.master)
                 if piece.weight is not None:
