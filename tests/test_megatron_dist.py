@@ -341,3 +341,106 @@ def test_real_dp_reshardable_wrong_order_is_refused(tmp_path, monkeypatch):
                                           r"master rounded to BF16 is not the stored weight .*master-vs-weight rule "
                                           r"\(dp_reshardable\) does not hold"):
         io.open_checkpoint(DP_RESHARDABLE)
+
+
+def _torch_load(folder, keys) -> dict:
+    """Real torch's own dcp.load of tensor ``keys`` (whole, as allocated from its own metadata)."""
+    import torch.distributed.checkpoint as tdcp
+
+    meta = tdcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
+    tdcp.load(out, checkpoint_id=str(folder), no_dist=True)
+    return out
+
+
+TWO_BUCKETS = REAL / "0.19.2" / "gpt_torch_dist_fully_reshardable_2buckets_tp1pp1dp2"
+TP2 = REAL / "0.19.2" / "gpt_torch_dist_fully_reshardable_tp2pp1dp2"
+NO_DISTOPT = REAL / "0.19.2" / "gpt_torch_dist_no_distopt_tp1pp1dp2"
+MOE_EP2 = REAL / "0.19.2" / "moe_torch_dist_dp_reshardable_ep2dp2"
+TIED = LOCAL[:-1]  # tied embeddings: no output_layer.weight
+
+
+@pytest.mark.skipif(not TWO_BUCKETS.exists(), reason="fixture not merged")
+def test_real_fully_reshardable_two_buckets_shift_found_by_doctor_only_there():
+    """megatron-core 0.19.2's fully_reshardable save with --ddp-num-buckets 2: bucket size
+    63808 // 2 = 31904 elements; laid out reversed, bucket 0 closes after the first element that
+    reaches it: output 7168 + final norm 64 + layer 1 (4096 + 8192 + 64 + 8192 + 4096 + 64) = 31936.
+    Every parameter after it (layer 0 and the embedding) was saved shifted."""
+    sizes = {n: int(np.prod(_local_shape(n))) for n in LOCAL}
+    at, bucket0 = 0, set()
+    for name in reversed(LOCAL):
+        bucket0.add(name)
+        at += sizes[name]
+        if at >= 63808 // 2:
+            break
+    shifted = sorted(set(LOCAL) - bucket0)
+    assert len(shifted) == 7
+    with pytest.raises(FormatError, match=r"parameter embedding\.word_embeddings\.weight: .*32a03b77c5"):
+        io.open_checkpoint(TWO_BUCKETS)
+    report = doctor_files(TWO_BUCKETS)
+    assert sorted(f["param"] for f in report["findings"] if f["check"] == "megatron-master") == shifted
+    for healthy in (DP_RESHARDABLE, TP2, NO_DISTOPT, MOE_EP2):
+        assert doctor_files(healthy)["clean"], healthy
+
+
+@pytest.mark.skipif(not TP2.exists(), reason="fixture not merged")
+@pytest.mark.parametrize("folder,master", [(TP2, "param"), (NO_DISTOPT, "fp32_param")])
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_real_model_space_values_equal_torch_own_load(folder, master):
+    it = next(folder.glob("iter_*"))
+    keys = [f"optimizer.state.{s}.{k}" for s in ("exp_avg", "exp_avg_sq", master) for k in _model_keys(it)]
+    full = _torch_load(it, keys)
+    with io.open_checkpoint(folder) as ckpt:
+        state = ckpt.optimizer
+        assert [p.path for p in state.params] == TIED
+        masters = {m.path: m.tensor for m in ckpt.model.params}
+        seen = 0
+        for key in _model_keys(it):
+            value = full[f"optimizer.state.exp_avg.{key}"]
+            n = _stacked(key)
+            for lead in np.ndindex(*value.shape[:n]):
+                name = _split(key, tuple(lead))
+                p = next(x for x in state.params if x.path == name)
+                for slot in ("exp_avg", "exp_avg_sq"):
+                    assert np.array_equal(p.slots[slot].numpy(),
+                                          full[f"optimizer.state.{slot}.{key}"][tuple(lead)].numpy()), name
+                assert np.array_equal(masters[name].numpy(), full[f"optimizer.state.{master}.{key}"][tuple(lead)].numpy())
+                seen += 1
+        assert seen == len(TIED) and {p.step for p in state.params} == {3}
+
+
+def _model_keys(folder) -> list[str]:
+    dist = megatron_dist.MegatronDist(folder)
+    try:
+        return [k for k in dist.tensor_entries() if not k.startswith("optimizer.")]
+    finally:
+        dist.close()
+
+
+@pytest.mark.skipif(not MOE_EP2.exists(), reason="fixture not merged")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_real_moe_ep2_experts_cut_by_hand_computed_offsets():
+    """The expert part of megatron-core 0.19.2's EP2 dp_reshardable save: EP rank r's buffer holds its
+    local experts 2r, 2r+1 of both layers (SequentialMLP: fc1 [64, 64] then fc2 [64, 32] each),
+    laid out reversed; expert DP 1."""
+    rows = [(layer, e, fc) for layer in range(2) for e in range(4) for fc in (1, 2)]
+    size = {1: 64 * 64, 2: 64 * 32}
+    it = MOE_EP2 / "iter_0000003"
+    pre = "chained_1.optimizer.distributed.dp_group_idx_{}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32)" \
+          ".bucket_idx_0.{}"
+    full = _torch_load(it, [pre.format(r, s) for r in range(2) for s in ("exp_avg", "param")])
+    with io.open_checkpoint(MOE_EP2) as ckpt:
+        by_name = {p.path: p for p in ckpt.optimizer.params}
+        masters = {m.path: m.tensor for m in ckpt.model.params}
+        assert len(by_name) == 29
+        for r in range(2):
+            at = 0
+            for layer, e, fc in reversed([x for x in rows if x[1] in (2 * r, 2 * r + 1)]):
+                name = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"
+                got = by_name[name]
+                want = full[pre.format(r, "exp_avg")][at:at + size[fc]]
+                assert np.array_equal(got.slots["exp_avg"].numpy().reshape(-1), want.numpy()), name
+                assert np.array_equal(masters[name].numpy().reshape(-1),
+                                      full[pre.format(r, "param")][at:at + size[fc]].numpy()), name
+                assert ckpt.optimizer.groups[got.group].hyperparams["is_expert_parallel"] is True
+                at += size[fc]
