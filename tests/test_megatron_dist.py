@@ -107,7 +107,7 @@ def test_every_parameter_named_and_valued_as_saved(made, case):
         assert names == (MOE if "moe" in case else DENSE)
         assert state.family == "adamw" and {p.step for p in state.params} == {5}
         expected = _expected(_truth(root))
-        masters = {m.path: m.tensor for m in ckpt.model.params}
+        masters = {p.path: p.slots["fp32_master"] for p in ckpt.optimizer.params}
         master_slot = "param" if case.startswith("fully_reshardable") else "fp32_param"
         for p in state.params:
             want = expected[p.path]
@@ -115,7 +115,11 @@ def test_every_parameter_named_and_valued_as_saved(made, case):
             for slot in ("exp_avg", "exp_avg_sq"):
                 assert np.array_equal(p.slots[slot].numpy(), want[slot].numpy()), (p.path, slot)
             assert np.array_equal(masters[p.path].numpy(), want[master_slot].numpy()), p.path
-        assert ckpt.metadata["megatron_iteration"] == "5"
+        assert ckpt.metadata["megatron.iteration"] == "5" and ckpt.metadata["megatron.tp"] == "2"
+        weights = {m.path: m for m in ckpt.model.params}  # the model: the stored weights
+        assert [m.path for m in ckpt.model.params] == names and all(m.dtype == "BF16" for m in weights.values())
+        assert all(np.array_equal(weights[n].tensor.numpy(), expected[n]["weight"].view(torch.uint16).numpy()
+                                  .view(weights[n].tensor.numpy().dtype)) for n in names)
         assert ckpt.schedulers[0]["lr_decay_style"] == "cosine"
 
 
@@ -160,7 +164,7 @@ def test_save_root_iteration_folder_and_nemo_open(made):
     assert registry.sniff(str(made / "fully_reshardable" / ITER)) == "megatron-dist"
     with io.open_checkpoint(made / "fully_reshardable-nemo") as ckpt:
         assert [p.path for p in ckpt.optimizer.params] == DENSE  # NeMo 2's module. prefix dropped
-        assert ckpt.metadata["megatron_folder"] == "weights"
+        assert ckpt.metadata["megatron.folder"] == "weights"
 
 
 def test_plain_dcp_folder_stays_dcp(made, tmp_path):
@@ -312,10 +316,10 @@ def test_real_dp_reshardable_cut_by_hand_computed_offsets(tmp_path):
         at += int(np.prod(_local_shape(name)))
     assert at == 63808
     with io.open_checkpoint(DP_RESHARDABLE) as ckpt:
-        assert ckpt.format == "megatron-dist" and ckpt.metadata["megatron_sharding"] == "dp_reshardable"
+        assert ckpt.format == "megatron-dist" and ckpt.metadata["megatron.sharding"] == "dp_reshardable"
         state = ckpt.optimizer
         assert [p.path for p in state.params] == LOCAL
-        masters = {m.path: m.tensor for m in ckpt.model.params}
+        masters = {p.path: p.slots["fp32_master"] for p in ckpt.optimizer.params}
         for p in state.params:
             shape = _local_shape(p.path)
             assert tuple(p.shape) == shape
@@ -393,7 +397,7 @@ def test_real_model_space_values_equal_torch_own_load(folder, master):
     with io.open_checkpoint(folder) as ckpt:
         state = ckpt.optimizer
         assert [p.path for p in state.params] == TIED
-        masters = {m.path: m.tensor for m in ckpt.model.params}
+        masters = {p.path: p.slots["fp32_master"] for p in ckpt.optimizer.params}
         seen = 0
         for key in _model_keys(it):
             value = full[f"optimizer.state.exp_avg.{key}"]
@@ -431,7 +435,7 @@ def test_real_moe_ep2_experts_cut_by_hand_computed_offsets():
     full = _torch_load(it, [pre.format(r, s) for r in range(2) for s in ("exp_avg", "param")])
     with io.open_checkpoint(MOE_EP2) as ckpt:
         by_name = {p.path: p for p in ckpt.optimizer.params}
-        masters = {m.path: m.tensor for m in ckpt.model.params}
+        masters = {p.path: p.slots["fp32_master"] for p in ckpt.optimizer.params}
         assert len(by_name) == 29
         for r in range(2):
             at = 0

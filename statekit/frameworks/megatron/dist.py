@@ -20,7 +20,8 @@ the ShardedObjects; this module finds the optimizer's part (``shared/docs/megatr
   embedding and output layer), matched to the stored groups by those keys, never by position;
   the step is the group's ``step`` (distributed optimizer) or ``common_step`` (the
   non-distributed one);
-- the fp32 masters are the checkpoint's model (``Checkpoint.model``, F32), and **proved**: where
+- the fp32 master is slot ``fp32_master`` (:data:`statekit.naming.MASTER_SLOT`, as the legacy
+  reader names it), the stored weights the checkpoint's model; every master is **proved**: where
   the checkpoint holds the model weight, the master rounded to the weight's dtype must equal it
   bit for bit before any state is called that parameter's (:mod:`.dist_proof_adapter`). A
   parameter that does not prove is refused, naming it and the rule; ``prove="report"`` (doctor)
@@ -33,6 +34,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from statekit import naming
 from statekit.errors import FormatError, MappingError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
@@ -389,7 +391,7 @@ class _Reading:
         self.params.append(p)
         self.groups[gi].keys.append(p.key)
         if master is not None:
-            self.model.params.append(ModelParam(name, shape, master.dtype, index=p.index, tensor=master))
+            p.slots[naming.MASTER_SLOT] = master
         vocab = self.args.get("vocab_size")
         if (key == INPUT_EMBEDDING and self.args.get("untie_embeddings_and_output_weights") is True
                 and isinstance(vocab, int) and shape and shape[0] > vocab):
@@ -432,7 +434,8 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
                 if piece.weight is not None:
                     reading.weights[piece.name] = (piece.key, piece.weight)
     params, model = reading.params, reading.model
-    _named_order(params, model, list(model_entries), reading.origin, args.get("transformer_impl") or "transformer_engine")
+    _named_order(params, model, reading.weights, list(model_entries), reading.origin,
+                 args.get("transformer_impl") or "transformer_engine")
     _prove(params, model, reading.weights, reading.container, prove, where)
     state = OptimizerState(family=family, candidates=(family,) if family else (), params=params,
                            groups=reading.groups, hyperparams_stored=True, framework="torch",
@@ -441,19 +444,22 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     state.notes.append(_note(sharding, dist, nemo, len(members)))
     ckpt = Checkpoint(path=path, format=FORMAT, kind="optimizer", optimizer=state, model=model,
                       container=reading.container)
-    ckpt.n_tensors = sum(len(p.slots) for p in params) + len(model.params)
-    ckpt.nbytes = sum(p.nbytes for p in params) + sum(m.tensor.nbytes for m in model.params if m.tensor)
+    ckpt.n_tensors = sum(len(p.slots) for p in params)
+    ckpt.nbytes = sum(p.nbytes for p in params)
     ckpt.metadata.update(_metadata(dist, common, args, sharding, members))
     scheduler = common.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
-        ckpt.schedulers = [{"name": "opt_param_scheduler", **describe_scheduler(scheduler)}]
+        ckpt.schedulers = [{"kind": "megatron opt_param_scheduler (units: samples)", **describe_scheduler(scheduler)}]
+    if isinstance(common.get("iteration"), int):
+        ckpt.scalars["iteration"] = common["iteration"]
     return ckpt
 
 
-def _named_order(params: list[ParamState], model: ModelInfo, keys: list[str], origin: dict, impl: str) -> None:
+def _named_order(params: list[ParamState], model: ModelInfo, weights: dict, keys: list[str], origin: dict,
+                 impl: str) -> None:
     """Parameters in ``named_parameters`` order: Megatron's registration order where statekit
     knows it (:func:`.bucket_space.rank_of`), else the embedding side, each layer's parameters in
-    the order of their keys, what comes after."""
+    the order of their keys, what comes after; the model (the stored weights) in the same order."""
     stacked = [i for i, k in enumerate(keys) if "layers." in k]
     first, last = (stacked[0], stacked[-1]) if stacked else (len(keys), len(keys))
 
@@ -470,10 +476,8 @@ def _named_order(params: list[ParamState], model: ModelInfo, keys: list[str], or
     params.sort(key=rank)
     for i, p in enumerate(params):
         p.index = i
-    order = {p.path: p.index for p in params}
-    model.params.sort(key=lambda m: order.get(m.path, len(order)))
-    for m in model.params:
-        m.index = order.get(m.path)
+    model.params = [ModelParam(p.path, tuple(weights[p.path][1].shape), weights[p.path][1].dtype, index=p.index,
+                               tensor=weights[p.path][1]) for p in params if p.path in weights]
 
 
 def _member_map(states: dict, members: dict, where: str) -> dict[tuple[int | None, str], int | None]:
@@ -514,14 +518,14 @@ def _check_stack(key: str, shape: tuple[int, ...], args: dict, where: str) -> No
 def _prove(params, model: ModelInfo, weights: dict, container: MegatronDistCheckpoint, prove: str,
            where: str) -> None:
     """Every master against its stored weight (:func:`.proof.prove`); refused, or recorded."""
-    masters = {m.path: m.tensor for m in model.params}
     rule = f"{PROOF_RULE} ({container.sharding})"
     for p in params:
-        if p.path not in weights or p.path not in masters:
+        master = p.slots.get(naming.MASTER_SLOT)
+        if p.path not in weights or master is None:
             continue
         key, weight = weights[p.path]
         try:
-            proof.prove(p.path, masters[p.path], weight, rule, where)
+            proof.prove(p.path, master, weight, rule, where)
         except proof.ProofError as exc:
             if prove == "refuse":
                 raise proof.ProofError(f"{exc.message}, so its state is not this parameter's"
@@ -549,24 +553,30 @@ def _note(sharding: str, dist: megatron_dist.MegatronDist, nemo: bool, members: 
 
 
 def _metadata(dist, common: dict, args: dict, sharding: str, members: dict) -> dict[str, str]:
-    out = {"megatron_sharding": sharding, "megatron_common": dist.common_source,
-           "megatron_folder": os.path.relpath(dist.directory, dist.path) if dist.directory != dist.path else "."}
-    for key in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far", "global_step"):
+    """What ``inspect`` shows of the run, keyed as the legacy reader keys it (``megatron.*``)."""
+    out = {"megatron.format": "torch_dist", "megatron.sharding": sharding, "megatron.common": dist.common_source,
+           "megatron.folder": os.path.relpath(dist.directory, dist.path) if dist.directory != dist.path else "."}
+    for key, name in (("iteration", "iteration"), ("checkpoint_version", "checkpoint_version"),
+                      ("num_floating_point_operations_so_far", "flops_so_far"), ("global_step", "global_step")):
         if key in common and isinstance(common[key], int | float | str):
-            out[f"megatron_{key}"] = str(common[key])
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                "context_parallel_size", "data_parallel_size", "num_layers", "num_experts", "padded_vocab_size",
-                "vocab_size"):
-        if args.get(key) is not None:
-            out[f"args.{key}"] = str(args[key])
+            out[f"megatron.{name}"] = str(common[key])
+    if common.get("args") is not None:
+        cfg = config.from_args(common["args"], dist.directory)
+        out.update(cfg.facts())
+        for arg, since in cfg.version_signals().items():
+            out[f"megatron.signal.{arg}"] = since
     content = common.get("content_metadata")
     if isinstance(content, dict):
         for k, v in content.items():
             if isinstance(v, bool | int | float | str):
-                out[f"content_metadata.{k}"] = str(v)
-    backend = dist.backend
-    for k, v in backend.items():
-        out[f"metadata.json.{k}"] = str(v)
+                out[f"megatron.content_metadata.{k}"] = str(v)
+    for k, v in dist.backend.items():
+        out[f"megatron.metadata_json.{k}"] = str(v)
     if len(members) > 1:
-        out["megatron_chained_members"] = str(len(members))
+        out["megatron.chained_members"] = str(len(members))
+    scheduler = common.get("opt_param_scheduler")
+    if isinstance(scheduler, dict):
+        for k in ("num_steps", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
+            if k in scheduler:
+                out[f"megatron.scheduler.{k}"] = str(scheduler[k])
     return out
