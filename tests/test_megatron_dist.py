@@ -278,15 +278,14 @@ def test_cli_error_is_one_line(made, tmp_path):
 REAL = ROOT / "fixtures" / "megatron"
 DP_RESHARDABLE = REAL / "0.19.2" / "gpt_torch_dist_dp_reshardable_tp1pp1dp2"
 # the local spec's registration order (TransformerLayer: input_layernorm, self_attention.linear_proj,
-# linear_qkv, pre_mlp_layernorm, mlp), saved under TE's fused names
-LOCAL_LAYER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_proj.weight",
-               "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
-               "mlp.linear_fc2.weight")
+# linear_qkv, pre_mlp_layernorm, mlp), named as its modules name them (saved under TE's fused names)
+LOCAL_LAYER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+               "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 LOCAL = (["embedding.word_embeddings.weight"] + [f"decoder.layers.{i}.{n}" for i in range(2) for n in LOCAL_LAYER]
          + ["decoder.final_layernorm.weight", "output_layer.weight"])
 H, VOCAB = 64, 112
-LOCAL_SHAPES = {"self_attention.linear_qkv.layer_norm_weight": (H,), "self_attention.linear_proj.weight": (H, H),
-                "self_attention.linear_qkv.weight": (128, H), "mlp.linear_fc1.layer_norm_weight": (H,),
+LOCAL_SHAPES = {"input_layernorm.weight": (H,), "self_attention.linear_proj.weight": (H, H),
+                "self_attention.linear_qkv.weight": (128, H), "pre_mlp_layernorm.weight": (H,),
                 "mlp.linear_fc1.weight": (128, H), "mlp.linear_fc2.weight": (H, H)}
 
 
@@ -336,12 +335,15 @@ def test_real_dp_reshardable_cut_by_hand_computed_offsets(tmp_path):
 
 @pytest.mark.skipif(not DP_RESHARDABLE.exists(), reason="fixture not merged")
 def test_real_dp_reshardable_wrong_order_is_refused(tmp_path, monkeypatch):
-    """A layout that does not prove is refused naming the parameter and the rule: the TE spec's
-    order (linear_proj before the fused norm) laid over the local spec's buffers."""
+    """A layout that does not prove is refused naming the parameter and the rule: linear_qkv
+    registered before linear_proj (it is after) moves layer 0's attention weights."""
     from statekit.frameworks.megatron import bucket_space
 
-    monkeypatch.setitem(bucket_space.LAYER_ORDER, "local", bucket_space.LAYER_ORDER["transformer_engine"])
-    with pytest.raises(FormatError, match=r"parameter decoder\.layers\.0\.self_attention\.linear_proj\.weight: its fp32 "
+    order = list(bucket_space.LAYER_ORDER["local"])
+    qkv, proj = order.index("self_attention.linear_qkv.weight"), order.index("self_attention.linear_proj.weight")
+    order[qkv], order[proj] = order[proj], order[qkv]
+    monkeypatch.setitem(bucket_space.LAYER_ORDER, "local", tuple(order))
+    with pytest.raises(FormatError, match=r"parameter decoder\.layers\.0\.self_attention\.linear_qkv\.weight: its fp32 "
                                           r"master rounded to BF16 is not the stored weight .*master-vs-weight rule "
                                           r"\(dp_reshardable\) does not hold"):
         io.open_checkpoint(DP_RESHARDABLE)
@@ -403,7 +405,7 @@ def test_real_model_space_values_equal_torch_own_load(folder, master):
             value = full[f"optimizer.state.exp_avg.{key}"]
             n = _stacked(key)
             for lead in np.ndindex(*value.shape[:n]):
-                name = _split(key, tuple(lead))
+                name = _local_name(_split(key, tuple(lead)))
                 p = next(x for x in state.params if x.path == name)
                 for slot in ("exp_avg", "exp_avg_sq"):
                     assert np.array_equal(p.slots[slot].numpy(),
@@ -411,6 +413,12 @@ def test_real_model_space_values_equal_torch_own_load(folder, master):
                 assert np.array_equal(masters[name].numpy(), full[f"optimizer.state.{master}.{key}"][tuple(lead)].numpy())
                 seen += 1
         assert seen == len(TIED) and {p.step for p in state.params} == {3}
+
+
+def _local_name(name: str) -> str:
+    """The local spec's own parameter names for the two keys it saves under TE's names."""
+    return (name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+            .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
 
 
 def _model_keys(folder) -> list[str]:
@@ -448,3 +456,20 @@ def test_real_moe_ep2_experts_cut_by_hand_computed_offsets():
                                       full[pre.format(r, "param")][at:at + size[fc]].numpy()), name
                 assert ckpt.optimizer.groups[got.group].hyperparams["is_expert_parallel"] is True
                 at += size[fc]
+
+
+LEGACY_SAME_RUN = REAL / "0.19.2" / "gpt_torch_no_distopt_tp1pp1dp2"
+
+
+@pytest.mark.skipif(not LEGACY_SAME_RUN.exists(), reason="fixture not merged")
+def test_real_torch_dist_agrees_with_the_legacy_reader_on_the_same_run():
+    """The same seeded run saved as torch_dist dp_reshardable and as legacy torch files (no distributed
+    optimizer: no bucket space there) gives the same names and the same values bit for bit, read by
+    the two readers independently."""
+    with io.open_checkpoint(DP_RESHARDABLE) as a, io.open_checkpoint(LEGACY_SAME_RUN) as b:
+        assert [p.path for p in a.optimizer.params] == [p.path for p in b.optimizer.params] == LOCAL
+        for pa, pb in zip(a.optimizer.params, b.optimizer.params, strict=True):
+            assert set(pa.slots) == set(pb.slots)
+            for slot in pa.slots:
+                assert np.array_equal(pa.slots[slot].numpy(), pb.slots[slot].numpy()), (pa.path, slot)
+            assert pa.step == pb.step == 3

@@ -40,16 +40,14 @@ SLOTS = ("param", "exp_avg", "exp_avg_sq")
 _KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
                   r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
 
-# a layer's parameters in registration order, by their torch_dist key after "decoder.layers[.i]."
-# (the local spec saves input_layernorm / pre_mlp_layernorm under TE's fused names)
+# a layer's parameters in registration order, by their names after "decoder.layers.{i}." (the local
+# spec's input_layernorm / pre_mlp_layernorm are saved under TE's fused names, stacking.LOCAL_SPEC_KEYS)
 _ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
 _QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
         "self_attention.k_layernorm.weight")
 _MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
-_NORM_IN = ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.layer_norm_weight",
-            "self_attention.linear_qkv.layer_norm_bias")
-_NORM_MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_weight",
-             "mlp.linear_fc1.layer_norm_bias")
+_NORM_IN = ("input_layernorm.weight", "input_layernorm.bias")
+_NORM_MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias")
 LAYER_ORDER = {
     # TransformerLayer: input_layernorm, self_attention (Attention: linear_proj; SelfAttention: linear_qkv,
     # q/k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2)
@@ -98,7 +96,7 @@ def registration_order(model: dict[str, dcp.TensorEntry], cfg: MegatronConfig, w
         if name_key.endswith(".expert_bias"):  # a buffer, not a parameter (no optimizer state)
             continue
         for lead in stacking.indices(name_key, entry.shape):
-            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped))
+            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped), impl)
             known = rank_of(name, impl)
             if known is None:
                 raise FormatError(f"{name}: statekit does not know where Megatron registers this parameter, so the "

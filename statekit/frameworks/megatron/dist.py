@@ -365,7 +365,8 @@ class _Reading:
         _check_stack(name_key, shape, self.args, where)
         grouped = self.args.get("moe_grouped_gemm")
         for lead in stacking.indices(name_key, shape):
-            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped))
+            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped),
+                                       self.args.get("transformer_impl"))
             if name in self.origin:
                 raise FormatError(f"{name}: two state keys name this parameter ({self.origin[name][0]}, {target})",
                                   where)

@@ -33,6 +33,28 @@ EXPERT_NAMES = {
 }
 
 
+# Megatron's local spec (``get_gpt_layer_local_spec``: ``sharded_state_dict_keys_map``) saves two of
+# its layer's parameters under TE's fused names; the parameters themselves keep their modules' names
+LOCAL_SPEC_KEYS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
+
+
+def module_name(name: str, transformer_impl: str | None) -> str:
+    """The parameter's own name for a key saved under the local spec's mapped names
+    (``args.transformer_impl == "local"``); others as they are."""
+    if transformer_impl != "local":
+        return name
+    m = re.match(r"^(decoder\.layers\.\d+\.)(.+)$", name)
+    if m is None:
+        return name
+    for saved, own in LOCAL_SPEC_KEYS.items():
+        if m.group(2).startswith(saved):
+            return m.group(1) + own + m.group(2)[len(saved):]
+    return name
+
+
 def stack_axes(key: str) -> tuple[str, ...]:
     """The leading axes the key's stored tensor has beyond the parameter's: ``("layer",)``,
     ``("layer", "expert")``, ``("expert",)`` or ``()``."""
@@ -44,8 +66,10 @@ def stack_axes(key: str) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def param_name(key: str, index: tuple[int, ...], grouped_experts: bool | None) -> str:
-    """The Megatron parameter name of element ``index`` of the stacked axes of ``key``."""
+def param_name(key: str, index: tuple[int, ...], grouped_experts: bool | None,
+               transformer_impl: str | None = None) -> str:
+    """The Megatron parameter name of element ``index`` of the stacked axes of ``key``
+    (``transformer_impl``: ``args.transformer_impl``, for the local spec's mapped names)."""
     axes = stack_axes(key)
     if len(axes) != len(index):
         raise FormatError(f"{key}: {len(index)} stacked indices for the axes {axes}")
@@ -59,7 +83,7 @@ def param_name(key: str, index: tuple[int, ...], grouped_experts: bool | None) -
                               "checkpoint, so its per-expert parameters cannot be named")
         head, _, rest = name.partition(EXPERTS)
         name = EXPERT_NAMES[grouped_experts].format(head=head, rest=rest, e=values["expert"])
-    return name
+    return module_name(name, transformer_impl)
 
 
 def indices(key: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
