@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 
 L, H, NQ, NG, D, FFN, V, VPAD, E, TP = 2, 8, 2, 1, 4, 12, 40, 48, 4, 2
 STEP, ITERATION = 5, 5
@@ -58,9 +59,14 @@ def _mcore_module():
     class MCoreMetadata(Metadata):
         mcore_data: dict | None = None
 
-    MCoreMetadata.__module__ = MODULE
-    MCoreMetadata.__qualname__ = "MCoreMetadata"
-    module.MCoreMetadata = MCoreMetadata
+    @dataclasses.dataclass(frozen=True)
+    class MCoreSavePlan(SavePlan):  # (what megatron-core 0.14 keeps in .metadata's all_local_plans)
+        mcore_data: dict | None = None
+
+    for cls in (MCoreMetadata, MCoreSavePlan):
+        cls.__module__ = MODULE
+        cls.__qualname__ = cls.__name__
+        setattr(module, cls.__name__, cls)
     return module
 
 

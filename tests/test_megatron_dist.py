@@ -249,9 +249,9 @@ class _Foreign:
 def test_bucket_space_refused_by_name(made, tmp_path):
     root = _copy(made, "fully_reshardable", tmp_path)
     common = torch.load(root / ITER / "common.pt", weights_only=False)
-    common["optimizer"]["param_state_sharding_type"] = "dp_zero_gather_scatter"
+    common["optimizer"]["param_state_sharding_type"] = "fully_sharded_bucket_space"
     torch.save(common, root / ITER / "common.pt")
-    with pytest.raises(FormatError, match="bucket space \\(dp_zero_gather_scatter\\)"):
+    with pytest.raises(FormatError, match="bucket space \\(fully_sharded_bucket_space\\)"):
         io.open_checkpoint(root)
 
 
@@ -473,3 +473,94 @@ def test_real_torch_dist_agrees_with_the_legacy_reader_on_the_same_run():
             for slot in pa.slots:
                 assert np.array_equal(pa.slots[slot].numpy(), pb.slots[slot].numpy()), (pa.path, slot)
             assert pa.step == pb.step == 3
+
+
+OLD = REAL / "0.14.0"
+FSMS = OLD / "torch_dist-fsms-tp2-dp2"
+DPZERO = OLD / "torch_dist-dpzero-tp1-dp2"
+FFN = 96
+OLD_SHAPES = {"input_layernorm.weight": (H,), "self_attention.linear_proj.weight": (H, H),
+              "self_attention.linear_qkv.weight": (128, H), "pre_mlp_layernorm.weight": (H,),
+              "mlp.linear_fc1.weight": (2 * FFN, H), "mlp.linear_fc2.weight": (H, FFN)}
+
+
+def _old_shape(name: str, vocab: int) -> tuple[int, ...]:
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (vocab, H)
+    if name == "decoder.final_layernorm.weight":
+        return (H,)
+    return OLD_SHAPES[name.split(".", 3)[3]]
+
+
+@pytest.mark.skipif(not FSMS.exists(), reason="fixture not merged")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_real_fully_sharded_model_space_decoded_as_section_2_5():
+    """megatron-core 0.14.0's fully_sharded_model_space save (TP2 DP2): the N-D reformulated tensors
+    torch's own dcp.load gives, decoded here by hand with mcore_data's global shape (fragment t of
+    the local shape G / fragments, flattened, placed at t * local), equal statekit's parameters."""
+    import torch.distributed.checkpoint as tdcp
+
+    _generator()._mcore_module()  # torch's own unpickling of .metadata needs Megatron's class names
+    it = FSMS / "iter_0000003"
+    meta = tdcp.FileSystemReader(str(it)).read_metadata()
+    mcore = meta.mcore_data
+    keys = [k for k in mcore if k.startswith("optimizer.state.exp_avg.")]
+    assert keys
+    full = _torch_load(it, keys)
+    with io.open_checkpoint(FSMS) as ckpt:
+        state = ckpt.optimizer
+        assert [p.path for p in state.params] == LOCAL
+        assert ckpt.metadata["megatron.sharding"] == "fully_sharded_model_space"
+        by_name = {p.path: p for p in state.params}
+        seen = 0
+        for key in keys:
+            g = tuple(mcore[key]["nd_reformulated_orig_global_shape"])
+            stored = full[key]
+            frag = tuple(stored.shape[:-1])
+            local = tuple(a // b for a, b in zip(g, frag, strict=True))
+            decoded = torch.empty(g, dtype=stored.dtype)
+            for t in np.ndindex(*frag):
+                box = tuple(slice(i * n, (i + 1) * n) for i, n in zip(t, local, strict=True))
+                decoded[box] = stored[t].reshape(local)
+            target = key[len("optimizer.state.exp_avg."):]
+            for lead in np.ndindex(*g[:_stacked(target)]):
+                name = _local_name(_split(target, tuple(lead)))
+                assert tuple(by_name[name].shape) == _old_shape(name, 128)  # vocab 100 padded to 16 x TP 2
+                assert np.array_equal(by_name[name].slots["exp_avg"].numpy(), decoded[tuple(lead)].numpy()), name
+                seen += 1
+        assert seen == len(LOCAL)
+    assert doctor_files(FSMS)["clean"]
+
+
+@pytest.mark.skipif(not DPZERO.exists(), reason="fixture not merged")
+def test_real_dp_zero_gather_scatter_cut_by_hand_computed_offsets():
+    """megatron-core 0.14.0's dp_zero_gather_scatter save (TP1 DP2, tied embeddings): the coalesced
+    state in the param_state object, as torch.load reads its bytes, cut at offsets computed here
+    (parameters reversed; every size is a multiple of 64, so no gaps)."""
+    import torch.distributed.checkpoint as tdcp
+
+    _generator()._mcore_module()
+    it = DPZERO / "iter_0000003"
+    meta = tdcp.FileSystemReader(str(it)).read_metadata()
+    key = "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1"
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == key)
+    raw = (it / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    import io as _io
+
+    coalesced = torch.load(_io.BytesIO(raw), weights_only=True)[0]
+    (dtypes, flat), = coalesced[0].items()
+    names = LOCAL[:-1]  # tied: no output layer
+    offsets, at = {}, 0
+    for name in reversed(names):
+        offsets[name] = at
+        at += int(np.prod(_old_shape(name, 112)))  # vocab 100 padded to a multiple of 16 x TP 1
+    assert at == flat["numel_unpadded"]
+    with io.open_checkpoint(DPZERO) as ckpt:
+        state = ckpt.optimizer
+        assert [p.path for p in state.params] == names
+        for p in state.params:
+            n = int(np.prod(p.shape))
+            for slot, stored in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("fp32_master", "param")):
+                want = flat[stored][offsets[p.path]:offsets[p.path] + n]
+                assert np.array_equal(p.slots[slot].numpy().reshape(-1), want.numpy()), (p.path, slot)
+    assert doctor_files(DPZERO)["clean"]

@@ -45,9 +45,11 @@ MCORE_METADATA = "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadat
 METADATA_KINDS = ("Metadata", "MCoreMetadata")
 
 # beyond Megatron's own allow-list (megatron_legacy.MEGATRON_GLOBALS, the one table of it) and DCP's
-# classes: .metadata's root class, and core 0.19's save plans kept in it (``all_local_plans``)
+# classes: .metadata's root class, and the save plans kept in it (``all_local_plans``: core 0.14's
+# MCoreSavePlan, 0.19's SavePlan)
 _RECORDS = (
     MCORE_METADATA,
+    "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan",
     "torch.distributed.checkpoint.planner.SavePlan",
     "torch.distributed.checkpoint.planner.WriteItem",
     "torch.distributed.checkpoint.planner.TensorWriteData",

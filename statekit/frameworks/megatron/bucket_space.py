@@ -29,6 +29,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from statekit import dtypes
 from statekit.errors import FormatError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import TorchDtype
@@ -163,10 +164,13 @@ def _expert_index(name: str) -> int:
 
 
 def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | None, expert: bool,
-         states: dict[str, dcp.TensorEntry], model: dict[str, dcp.TensorEntry]) -> list[Piece]:
-    """Every parameter's state out of one optimizer member's bucket tensors (``states``: their
-    keys). ``expert``: the member holds the expert parameters (the ChainedOptimizer's expert part:
-    one model-parallel index per expert-parallel rank, each with its local experts)."""
+         states: dict[str, dcp.TensorEntry], model: dict[str, dcp.TensorEntry],
+         sharding: str = "dp_reshardable") -> list[Piece]:
+    """Every parameter's state out of one optimizer member's bucket space: the bucket tensors
+    (``states``: their keys; ``dp_reshardable``) or each model-parallel rank's ``param_state``
+    object (``dp_zero_gather_scatter``: the legacy coalesced dict). ``expert``: the member holds
+    the expert parameters (the ChainedOptimizer's expert part: one model-parallel index per
+    expert-parallel rank, each with its local experts)."""
     where = dist.directory
     for what, value in (("tensor", cfg.tp), ("pipeline", cfg.pp)):
         if (value or 1) != 1:
@@ -178,7 +182,11 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
         raise FormatError(f"args say expert-tensor-parallel size {cfg.etp}: not read in bucket space yet", where)
     order = registration_order(model, cfg, where)
     chain = "" if member is None else f"chained_{member}."
-    found = _found(states, where)
+    if sharding == "dp_zero_gather_scatter":
+        objects = dist.objects_like(f"{chain}optimizer.distributed.dp_group_idx_", ".param_state")
+        found = {int(k.rsplit("dp_group_idx_", 1)[1].split(".", 1)[0]): k for k in objects}
+    else:
+        found = _found(states, where)
     ranks = sorted(found)
     want = list(range(cfg.ep or 1)) if expert else [0]
     if not expert and member is None and any(_is_expert(r[0]) for r in order):
@@ -197,7 +205,11 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
             names = [r[0] for r in order if not _is_expert(r[0])]
             dp = cfg.dp_cp_size()
         prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp}"
-        pieces += _cut(dist, cfg, prefix, [(*origin[n], n) for n in names], found[mp], dp, model)
+        rows = [(*origin[n], n) for n in names]
+        if sharding == "dp_zero_gather_scatter":
+            pieces += _cut_coalesced(dist, cfg, found[mp], rows, dp, model)
+        else:
+            pieces += _cut(dist, cfg, prefix, rows, found[mp], dp, model)
     rank = {row[0]: i for i, row in enumerate(order)}
     pieces.sort(key=lambda x: rank[x.name])
     return pieces
@@ -208,12 +220,7 @@ def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, row
     """One model-parallel index's buffers cut into its parameters ``rows`` (key, lead, shape,
     dtype, name; registration order)."""
     where = dist.directory
-    params = [buckets.LayoutParam(name, shape, dtype, expert=_is_expert(name))
-              for _key, _lead, shape, dtype, name in rows]
-    grad_fp32 = cfg.grad_reduce_in_fp32
-    if grad_fp32 is None:
-        grad_fp32 = bool(cfg.need("grad_reduce_in_fp32", "the distributed optimizer's buffer keys"))
-    split = buckets.split_buffers(params, grad_fp32, experts_separate=False)
+    params, split = _buffers(cfg, rows)
     if sorted(found) != list(range(len(split))):
         raise FormatError(f"{prefix}: buffers {sorted(found)} stored, the model's parameters make {len(split)} "
                           f"({', '.join(f'{k.param_dtype}/{k.grad_dtype}' for k in split)})", where)
@@ -252,6 +259,87 @@ def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, row
     return pieces
 
 
+def _buffers(cfg: MegatronConfig, rows: list[tuple]) -> tuple[list, dict]:
+    params = [buckets.LayoutParam(name, shape, dtype, expert=_is_expert(name))
+              for _key, _lead, shape, dtype, name in rows]
+    grad_fp32 = cfg.grad_reduce_in_fp32
+    if grad_fp32 is None:
+        grad_fp32 = bool(cfg.need("grad_reduce_in_fp32", "the distributed optimizer's buffer keys"))
+    return params, buckets.split_buffers(params, grad_fp32, experts_separate=False)
+
+
+def _cut_coalesced(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, key: str, rows: list[tuple], dp: int,
+                   model: dict[str, dcp.TensorEntry]) -> list[Piece]:
+    """``dp_zero_gather_scatter``: the ShardedObject ``key`` holds what the legacy ``distrib_optim.pt``
+    holds, in the coalesced form of mcore >= 0.7 (``{"buckets_coalesced": True, g: {(param dtype,
+    grad dtype): {"param", "exp_avg", "exp_avg_sq": 1-D, "numel_unpadded"}}}``): each buffer's
+    buckets back to back without their end padding. A parameter sits at its coalesced offset. Of
+    the 0.7 and >= 0.8 rules the one whose total is the stored ``numel_unpadded`` is taken (they
+    agree where no gap is padded), then proved like every layout."""
+    where = dist.directory
+    state = dist.object(key)
+    if not isinstance(state, dict) or state.get("buckets_coalesced") is not True:
+        raise FormatError(f"{key}: not the coalesced distributed-optimizer state (mcore >= 0.7) statekit reads",
+                          where)
+    params, split = _buffers(cfg, rows)
+    stored = {g: v for g, v in state.items() if g != "buckets_coalesced"}
+    if sorted(stored) != list(range(len(split))):
+        raise FormatError(f"{key}: buffers {sorted(stored)} stored, the model's parameters make {len(split)}", where)
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
+    where_of = {row[4]: row for row in rows}
+    pieces: list[Piece] = []
+    for g, (bkey, members) in enumerate(split.items()):
+        by_dtype = stored[g]
+        if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+            raise FormatError(f"{key}: buffer {g} is not one (param dtype, grad dtype) entry", where)
+        dtype_key, tensors = next(iter(by_dtype.items()))
+        names = tuple(_statekit(d) for d in dtype_key) if isinstance(dtype_key, tuple) else None
+        if names != (bkey.param_dtype, bkey.grad_dtype):
+            raise FormatError(f"{key}: buffer {g} is stored as {dtype_key}, the model's parameters make "
+                              f"({bkey.param_dtype}, {bkey.grad_dtype})", where)
+        unpadded = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+        layout = None
+        for rule in (RULE, "0.7"):
+            candidate = buckets.layout_buffer(members, size, dp, buckets.rule(rule),
+                                              bool(cfg.pad_buckets_for_high_nccl_busbw))
+            if candidate.numel_unpadded == unpadded:
+                layout = candidate
+                break
+        if layout is None:
+            buckets.layout_buffer(members, size, dp, buckets.rule(RULE)).check_numel_unpadded(
+                unpadded, f"{key} buffer {g}")
+        flats = {s: t for s, t in tensors.items() if isinstance(t, TensorRef)}
+        if "param" not in flats or any(t.shape != (unpadded,) for t in flats.values()):
+            raise FormatError(f"{key}: buffer {g} holds {sorted(flats)}, not 1-D tensors of {unpadded} elements "
+                              "with the fp32 master 'param'", where)
+        for p in members:
+            lo = layout.placements[p.name].coalesced
+            slots = {s: _flat_slice(t, lo, p.shape, p.name) for s, t in flats.items()}
+            row = where_of[p.name]
+            weight = regions.plain(dist.reader, model[row[0]], row[1], {"megatron_key": row[0]})
+            pieces.append(Piece(p.name, row[0], row[1], p.shape, slots, slots.pop("param"), weight))
+    return pieces
+
+
+def _statekit(dtype: object) -> str | None:
+    from statekit.formats import torch_pickle  # noqa: PLC0415 (same floor)
+
+    return torch_pickle.statekit_dtype(dtype.name) if isinstance(dtype, TorchDtype) else None
+
+
+def _flat_slice(flat: TensorRef, lo: int, shape: tuple[int, ...], name: str) -> TensorRef:
+    """Elements ``[lo, lo + numel)`` of a lazy 1-D tensor, as ``shape`` (read from its file span)."""
+    numel = math.prod(shape)
+    item = dtypes.itemsize(flat.dtype)
+    if flat.span is None:
+        raise FormatError(f"{name}: the coalesced state is not a plain span of its file")
+    span = flat.span
+    from statekit.tensor import FileSpan  # noqa: PLC0415 (floor 0)
+
+    part = FileSpan.at(span.file, span.offset + lo * item, numel * item)
+    return TensorRef(flat.dtype, shape, span=part, info={"coalesced_offset": lo, "param": name})
+
+
 def _found(states: dict[str, dcp.TensorEntry], where: str) -> dict[int, dict[int, tuple[tuple[str, str], dict]]]:
     """model-parallel index -> gbuf index -> ((param dtype, grad dtype), {bucket: {slot: entry}})."""
     out: dict[int, dict[int, tuple[tuple[str, str], dict]]] = {}
@@ -279,8 +367,8 @@ def _for(stored: object, g: int) -> list[int] | None:
     """The bucket sizes stored for buffer ``g`` (a list per buffer of {dtype tuple: [sizes]})."""
     if not isinstance(stored, list) or g >= len(stored) or not isinstance(stored[g], dict):
         return None
-    for dtypes, sizes in stored[g].items():
-        if isinstance(dtypes, tuple) and all(isinstance(d, TorchDtype) for d in dtypes):
+    for key, sizes in stored[g].items():
+        if isinstance(key, tuple) and all(isinstance(d, TorchDtype) for d in key):
             return list(sizes)
     return None
 

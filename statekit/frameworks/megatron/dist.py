@@ -46,7 +46,7 @@ from statekit.tensor import TensorRef
 FORMAT = "megatron-dist"
 MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")
 BUCKET_SPACE = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
-BUCKETS_READ = ("dp_reshardable",)
+BUCKETS_READ = ("dp_reshardable", "dp_zero_gather_scatter")
 MASTERS = ("fp32_param", "param")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the fp32 master's slot name (fully_reshardable: param)
 _STATE_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*?)\.(.+)$")
@@ -429,7 +429,7 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
             chain = _chain(member)
             mine = {k: e for k, e in bucket_keys.items() if k.startswith(chain + "optimizer.")}
             expert = any(g.get("is_expert_parallel") for g in member_groups[member])
-            for piece in bucket_space.read(dist, cfg, member, expert, mine, model_entries):
+            for piece in bucket_space.read(dist, cfg, member, expert, mine, model_entries, sharding):
                 reading.origin[piece.name] = (piece.key, piece.lead)
                 reading.add(piece.name, _strip(piece.key)[0], piece.shape, member, piece.slots, piece.master)
                 if piece.weight is not None:
