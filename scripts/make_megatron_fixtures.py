@@ -18,11 +18,19 @@ statekit's own environment; statekit never imports it)::
     /work/venvs/mcore-0.16.1/bin/python scripts/make_megatron_fixtures.py \
         --megatron-lm-src /work/venvs/src/Megatron-LM-core_v0.16.1 --out fixtures/megatron
 
+``--verify-resume gpt_torch_dist_dp_reshardable_tp1pp1dp2_next_step`` resumes
+that run from its iteration-3 save with Megatron's own ``load_checkpoint``,
+trains one step and compares every tensor with the run's own iteration-4 save.
+
 Setup of a venv: ``python3 -m venv /work/venvs/mcore-<ver>``, then
-``pip install torch==2.13.0 numpy packaging`` and
-``pip install --no-deps megatron-core==<ver>`` (0.19.x wheels are tagged cp312
-only: unzip the wheel into the venv's site-packages, and ``pip install triton``,
-which 0.19's pipeline schedules import). Wheels before 0.19 carry only
+``pip install torch==2.13.0 numpy packaging psutil triton`` (psutil: the
+torch_dist writer's worker; triton: imported by 0.19's pipeline schedules) and
+``pip install --no-deps megatron-core==<ver>``. The 0.19.x wheels are tagged
+cp312 only: ``pip download --no-deps --python-version 3.12 --only-binary=:all:
+megatron-core==0.19.2`` and unzip the wheel into the venv's site-packages (its
+pure-Python code runs on 3.11 but for ``typing.override``, see the shim).
+Megatron-LM's 0.16 ``megatron/training`` also imports six, regex, pyyaml and
+pydantic (``pip install`` them). Wheels before 0.19 carry only
 ``megatron/core``; ``--megatron-lm-src`` then names a Megatron-LM source tree at
 the matching tag holding ``megatron/training`` (with its ``megatron/core``
 removed so that the wheel's is used): ``git archive core_v0.16.1 megatron``.
@@ -254,6 +262,28 @@ def _worker(ns: argparse.Namespace) -> None:
             **kwargs,
         )
 
+    if args.load:
+        # --verify-resume only. Without TE/Apex, DistributedOptimizer.state_dict() asserts that
+        # torch Adam holds exactly one 'step' value, which is false before the first step, and
+        # the torch_dist loading path (sharded_state_dict(is_loading=True)) calls it first: a
+        # resume with torch Adam fails at that assert (on GPUs TE's FusedAdam takes the other
+        # branch). The states are filled first with Megatron's own dummy fill (the one its
+        # fsdp_dtensor load uses); the load then overwrites every moment and master, and the
+        # step is set from the loaded param groups below.
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        orig_ssd = DistributedOptimizer.sharded_state_dict
+
+        ssd_sig = inspect.signature(orig_ssd)
+
+        def sharded_state_dict(self, *a, **k):
+            is_loading = ssd_sig.bind(self, *a, **k).arguments.get("is_loading", False)
+            if is_loading and not self.optimizer.state:
+                self._init_optimizer_states_with_dummy_values()
+            return orig_ssd(self, *a, **k)
+
+        DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
     smo = mtrain.setup_model_and_optimizer
     params = list(inspect.signature(smo).parameters)
     if params[0] == "model_type":
@@ -261,11 +291,28 @@ def _worker(ns: argparse.Namespace) -> None:
     else:
         model, optimizer, scheduler = smo(model_provider, ModelType.encoder_or_decoder)
 
+    if args.load:
+        # --verify-resume only. On the same torch-Adam path the per-parameter 'step' that torch
+        # Adam uses is not restored: after the load every parameter's state shares one step
+        # tensor left from the dummy fill (1, not the checkpoint's), while the checkpoint's step
+        # is in each param group's 'step' (one step per group is what Megatron saves). Each
+        # parameter gets its own copy of its group's loaded step, as an unresumed run has.
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            for group in getattr(inner, "param_groups", []):
+                for p in group["params"]:
+                    st = inner.state.get(p)
+                    if st is not None and "step" in st and "step" in group:
+                        st["step"] = torch.tensor(float(group["step"]), dtype=st["step"].dtype)
+
     dp_rank = mpu.get_data_parallel_rank()
     mbs, seq, vocab = args.micro_batch_size, args.seq_length, args.vocab_size
 
+    start = args.iteration  # 0, or the iteration a --load resumed from
+    n_micro = args.global_batch_size // (mbs * args.data_parallel_size)
+
     def batches():
-        step = 0
+        step = start * n_micro  # the batches an uninterrupted run would see next
         while True:
             g = torch.Generator().manual_seed(1000 * step + dp_rank)
             tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=g)
@@ -306,13 +353,13 @@ def _worker(ns: argparse.Namespace) -> None:
             config.param_sync_func = config.param_sync_func[0]
     if getattr(config, "finalize_model_grads_func", None) is None:
         config.finalize_model_grads_func = finalize_model_grads
-    get_rerun_state_machine().current_iteration = 0
+    get_rerun_state_machine().current_iteration = start
     fb = get_forward_backward_func()
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     data = RerunDataIterator(batches())  # as Megatron's own data iterators are wrapped
-    flops = 0
-    iteration = 0
+    flops = args.num_floating_point_operations_so_far
+    iteration = start
     gbs = args.global_batch_size
     ts_params = inspect.signature(mtrain.train_step).parameters
     for target in saves:
@@ -423,6 +470,66 @@ def run_case(name: str, version: str, out_root: Path, src: str | None, port: int
     }
 
 
+_COMPARE = r"""
+import sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+a, b, tmp = sys.argv[1:4]
+dcp_to_torch_save(a, tmp + "/a.pt")
+dcp_to_torch_save(b, tmp + "/b.pt")
+sa = torch.load(tmp + "/a.pt", weights_only=False)
+sb = torch.load(tmp + "/b.pt", weights_only=False)
+ta = {k for k, v in sa.items() if isinstance(v, torch.Tensor)}
+tb = {k for k, v in sb.items() if isinstance(v, torch.Tensor)}
+assert ta == tb, sorted(ta ^ tb)
+bad = [k for k in sorted(ta) if not torch.equal(sa[k], sb[k])]
+print(f"{len(ta)} tensors compared, {len(bad)} differ")
+for k in bad:
+    print("  differs:", k)
+sys.exit(1 if bad else 0)
+"""
+
+
+def verify_resume(name: str, version: str, out_root: Path, src: str | None, port: int) -> None:
+    """Resume the saved run at its first iteration with Megatron's own load, train one step,
+    save, and compare every tensor with the run's own next save (bit for bit)."""
+    tp, pp, ep, dp, extra, saves, _ = CASES[name]
+    if len(saves) < 2 or "torch_dist" not in extra:
+        raise SystemExit(f"{name}: not a torch_dist case saved twice")
+    first, second = saves[0], saves[1]
+    fixture = (out_root / version / name).resolve()
+    tmp = Path(tempfile.gettempdir()) / "mcore-fixtures-run" / version / f"{name}-resume"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "load").mkdir(parents=True)
+    shutil.copytree(fixture / f"iter_{first:07d}", tmp / "load" / f"iter_{first:07d}")
+    (tmp / "load" / "latest_checkpointed_iteration.txt").write_text(str(first))
+    world, argv = case_argv(name, str(tmp / "ckpt"))
+    argv += ["--load", str(tmp / "load")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+           f"--master-port={port}", str(Path(__file__).resolve()), "--worker",
+           "--saves", str(second), "--facts", str(tmp / "facts.json"),
+           "--megatron-args", shlex.join(argv)]
+    if src:
+        cmd += ["--megatron-lm-src", src]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    with open(tmp / "log.txt", "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                            cwd=tempfile.gettempdir()).returncode
+    if rc:
+        raise SystemExit(f"resume of {name} failed (rc {rc}); log {tmp / 'log.txt'}")
+    rc = subprocess.run([sys.executable, "-c", _COMPARE,
+                         str(tmp / "ckpt" / f"iter_{second:07d}"),
+                         str(fixture / f"iter_{second:07d}"), str(tmp)],
+                        cwd=tempfile.gettempdir()).returncode
+    print(f"[{version}] {name}: resumed from {first} and stepped once: "
+          + ("bit for bit the run's own save at " if rc == 0 else "DIFFERS from the save at ")
+          + str(second), flush=True)
+    if rc:
+        raise SystemExit(1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="fixtures/megatron")
@@ -430,6 +537,8 @@ def main() -> None:
     p.add_argument("--megatron-lm-src", help="Megatron-LM source tree with megatron/training "
                    "(needed when the megatron-core wheel lacks it, i.e. before 0.19)")
     p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--verify-resume", metavar="CASE", help="resume CASE (a case saved twice) "
+                   "from its first save with Megatron's load, step once, compare with its second")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--saves", help=argparse.SUPPRESS)
     p.add_argument("--facts", help=argparse.SUPPRESS)
@@ -446,6 +555,9 @@ def main() -> None:
     if not names:
         raise SystemExit(f"no cases for megatron-core {version}")
     out_root = Path(ns.out)
+    if ns.verify_resume:
+        verify_resume(ns.verify_resume, version, out_root, ns.megatron_lm_src, ns.port)
+        return
     manifest_path = out_root / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     manifest.setdefault("about", "How each checkpoint under fixtures/megatron/ was made "

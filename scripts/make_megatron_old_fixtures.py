@@ -273,8 +273,11 @@ def install_cpu_shim() -> None:
     CpuDeviceMode().__enter__()
 
 
-def patch_megatron_rng() -> None:
-    """Megatron's RNG tracker reads and writes the CUDA generator: make it the CPU one."""
+def patch_megatron() -> None:
+    """Megatron's RNG tracker reads and writes the CUDA generator: make it the CPU one.
+
+    Also skips two start-up build steps and fills one name the no-TE path lacks (below).
+    """
     import torch
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -290,13 +293,19 @@ def patch_megatron_rng() -> None:
     from megatron.legacy import fused_kernels
 
     fused_kernels.load = lambda *a, **k: None
+    # mcore 0.14's MoE router tests `te_general_gemm is not None` to pick its torch.mm path,
+    # but the name exists only when Transformer Engine imports: define it as absent.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def worker(mlm_src: str, argv: list[str]) -> None:
     install_cpu_shim()
     # The wheel's megatron.core first; the source tree only adds megatron.training.
     sys.path.append(mlm_src)
-    patch_megatron_rng()
+    patch_megatron()
     script = os.path.join(mlm_src, "pretrain_gpt.py")
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")

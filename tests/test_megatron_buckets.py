@@ -3,7 +3,9 @@ element-by-element simulation of the rules of docs/megatron-formats.md §1.5 (hy
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -169,3 +171,26 @@ def test_layout_matches_brute_force(case):
             got.append((plo, n))
         assert sum(n for _, n in got) == p.numel
         assert [lo for lo, _ in got] == [sum(n for _, n in got[:i]) for i in range(len(got))]
+
+
+# ------------------------------------------------------- against megatron-core's own layout code
+
+LAYOUTS = sorted((Path(__file__).resolve().parent.parent / "fixtures" / "megatron_layouts").glob("mcore-*.json"))
+
+
+@pytest.mark.parametrize("file", LAYOUTS, ids=lambda p: p.stem)
+def test_layout_equals_megatron_cores_own(file):
+    """fixtures/megatron_layouts/ holds layouts megatron-core computed itself
+    (scripts/make_megatron_layouts.py): every parameter's (start, end, bucket), every bucket's
+    (start, end) and numel_unpadded must be statekit's."""
+    data = json.loads(file.read_text())
+    assert len(data["cases"]) > 50
+    for case in data["cases"]:
+        params = [LayoutParam(f"p{i}", (n,), "BF16", shared_embedding=s)
+                  for i, (n, s) in enumerate(zip(case["sizes"], case["shared"], strict=True))]
+        lay = layout_buffer(params, case["bucket_size"], case["dp"], buckets.rule(">=0.8"), pad_for_busbw=case["busbw"])
+        got = [[lay.placements[p.name].start, lay.placements[p.name].end, lay.placements[p.name].bucket]
+               for p in params]
+        assert got == case["params"], case
+        assert [[b.start, b.end] for b in lay.buckets] == case["buckets"], case
+        assert [b.numel_unpadded for b in lay.buckets] == case["numel_unpadded"], case

@@ -136,11 +136,15 @@ def read_tracker(root: str) -> str:
 
 
 def iteration_dir(path: str) -> str | None:
-    """The iteration folder ``path`` is, or the one its tracker file names (a save root)."""
+    """The iteration folder ``path`` is, the one its tracker file names (a save root), or the one a
+    rank folder lies in (one rank's files are read with the others, never alone)."""
     if not os.path.isdir(path):
         return None
     if is_iteration_dir(path):
         return path
+    parent = os.path.dirname(os.path.abspath(path))
+    if RANK_DIR.match(os.path.basename(os.path.abspath(path))) and is_iteration_dir(parent):
+        return parent
     if os.path.isfile(os.path.join(path, TRACKER)):
         try:
             inner = os.path.join(path, read_tracker(path))
@@ -150,9 +154,30 @@ def iteration_dir(path: str) -> str | None:
     return None
 
 
+def directory_of(path: str) -> str | None:
+    """The iteration folder when ``path`` is a rank folder's ``model_optim_rng.pt`` or
+    ``distrib_optim.pt`` (read with the whole checkpoint: one rank's file names no parameter)."""
+    if os.path.basename(path) not in (MODEL_FILE, DISTRIB_FILE):
+        return None
+    rank = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(rank)
+    if RANK_DIR.match(os.path.basename(rank)) and is_iteration_dir(parent):
+        return parent
+    return None
+
+
 def claims(head: bytes, path: str) -> bool:
-    """Registry sniffer (directories): a save root or an iteration folder with rank folders."""
-    return iteration_dir(path) is not None
+    """Registry sniffer (directories): a save root or an iteration folder with rank folders (a save
+    root whose tracker names no such folder is claimed too, to be refused by name)."""
+    if iteration_dir(path) is not None:
+        return True
+    if not os.path.isfile(os.path.join(path, TRACKER)):
+        return False
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any((ITER_DIR.match(n) or n == "release") and is_iteration_dir(os.path.join(path, n)) for n in names)
 
 
 def rank_dirs(iteration: str) -> list[str]:

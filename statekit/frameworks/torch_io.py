@@ -25,10 +25,10 @@ UNNAMED = "parameters left unnamed:"  # how a reader's warning starts when namin
 
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
-    from statekit.formats import dcp, deepspeed
+    from statekit.formats import dcp, deepspeed, megatron_legacy
 
-    # one chunk file of a DCP checkpoint, one rank's shard of a DeepSpeed one: read the whole checkpoint
-    directory = dcp.directory_of(path) or deepspeed.directory_of(path)
+    # one chunk file of a DCP checkpoint, one rank's shard of a DeepSpeed or Megatron one: read the whole checkpoint
+    directory = dcp.directory_of(path) or deepspeed.directory_of(path) or megatron_legacy.directory_of(path)
     if directory is not None:
         from statekit.formats import registry
 

@@ -50,6 +50,10 @@ SLOTS = ("exp_avg", "exp_avg_sq")
 BUFFER_ENDINGS = ("_extra_state", ".expert_bias", ".local_tokens_per_expert", ".inv_freq")
 _EXPERT = re.compile(r"\.mlp\.experts\.")
 
+# a param group's identifiers (how Megatron matches groups on load) and what must agree across folders
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+_GROUP_AGREE = ("lr", "weight_decay", "max_lr", "min_lr", "step", "betas", "eps")
+
 # a parameter's TP axis by the end of its Megatron name (None: replicated over TP); first match wins
 TP_AXES: tuple[tuple[re.Pattern, int | None], ...] = (
     (re.compile(r"\.layer_norm_(weight|bias)$"), None),
@@ -135,7 +139,9 @@ def joined(parts: list[TensorRef], axis: int | None, swiglu: bool = False) -> Te
             b = min(outer, a + rows)
             blocks = [np.frombuffer(bytes(_read(p, a * w * item, (b - a) * w * item)), dtype=np_dtype).reshape(b - a, w)
                       for p, w in zip(parts, widths, strict=True)]
-            yield np.concatenate(blocks, axis=1).reshape(-1)
+            block = np.concatenate(blocks, axis=1).reshape(-1)
+            for lo in range(0, block.size, elements):  # (one row wider than a piece: cut)
+                yield block[lo:lo + elements]
 
     return TensorRef(dtype, tuple(shape), piece_source=pieces, info={"megatron_tp_join": f"axis {axis} of {len(parts)}"})
 
@@ -168,7 +174,8 @@ class Rank:
 
 def _as_dict(value: object, what: str, path: str) -> dict:
     if not isinstance(value, dict):
-        raise FormatError(f"{what} is a {type(value).__name__}, not a dict", path)
+        kind = type(value).__name__
+        raise FormatError(f"{what} holds {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a dict", path)
     return value
 
 
@@ -213,7 +220,8 @@ def _group_identity(p: Local, cfg: config.MegatronConfig, experts_separate: bool
             "is_expert_parallel": bool(p.expert and experts_separate)}
 
 
-def _match_group(identity: dict, groups: list[dict], offset: int, name: str, path: str) -> int:
+def _match_group(identity: dict, groups: list[dict], name: str, path: str) -> int:
+    """The one saved group (index) whose identifiers are ``identity``'s (a lone group holds everything)."""
     hits = []
     for i, g in enumerate(groups):
         ok = True
@@ -230,7 +238,7 @@ def _match_group(identity: dict, groups: list[dict], offset: int, name: str, pat
                           f"{'no' if not hits else 'more than one'} saved param group has (groups: "
                           f"{[{k: g.get(k) for k in identity} for g in groups]}); statekit does not guess its group",
                           path)
-    return offset + hits[0]
+    return hits[0]
 
 
 # ------------------------------------------------------------------------- optimizer forms
@@ -286,10 +294,16 @@ class _Reader:
     def __init__(self, path: str):
         self.path = path
         self.iteration = container.iteration_dir(path)
+        if self.iteration is None and os.path.isfile(os.path.join(path, container.TRACKER)):
+            inner = os.path.join(path, container.read_tracker(path))  # (its own one-line refusal first)
+            raise FormatError(f"{container.TRACKER} names {os.path.basename(inner)}, which holds no "
+                              f"mp_rank_*/{container.MODEL_FILE}", path)
         if self.iteration is None:
             raise FormatError("not a Megatron legacy checkpoint folder (no mp_rank_*/model_optim_rng.pt, no "
                               f"{container.TRACKER})", path)
         self.notes: list[str] = []
+        self.warnings: list[str] = []
+        self._pending: list[tuple] = []
         self.proved = 0
         self.proved_elements = 0
         self.forms: set[str] = set()
@@ -337,6 +351,9 @@ class _Reader:
         experts_separate = self.cfg.experts_in_own_buffer()
         dense = [p for p in params if not (p.expert and experts_separate)]
         expert = [p for p in params if p.expert and experts_separate]
+        if len(parts) > 1 and self.cfg.overlap_param_gather_with_optimizer_step:
+            raise FormatError("a ChainedOptimizer with overlap_param_gather_with_optimizer_step (one optimizer per "
+                              "model chunk): statekit reads dense (+ expert) chains only", file)
         if len(parts) == 1:
             members = [params]
         elif len(parts) == 2:
@@ -344,12 +361,12 @@ class _Reader:
         else:
             raise FormatError(f"a ChainedOptimizer of {len(parts)} members; statekit reads dense (+ expert) only",
                               file)
-        distributed = bool(self.cfg.use_distributed_optimizer)
+        distributed = (rank.distrib is not None if self.cfg.use_distributed_optimizer is None
+                       else self.cfg.use_distributed_optimizer)
         if distributed and rank.distrib is None:
             raise FormatError(f"args.use_distributed_optimizer is set but {container.DISTRIB_FILE} is missing",
                               rank.folder)
         distrib_parts = _distrib_parts(rank, len(parts)) if distributed else [None] * len(parts)
-        offset = 0
         for index, (part, mine, dpart) in enumerate(zip(parts, members, distrib_parts, strict=True)):
             expert_part = len(parts) == 2 and index == 1
             if part is None:
@@ -359,8 +376,7 @@ class _Reader:
             groups = inner.get("param_groups")
             if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
                 raise FormatError("optimizer.optimizer.param_groups is not a list of dicts", file)
-            self._record_groups(index, groups, groups_out)
-            offset = self._group_offset(index)
+            gmap = self._global_groups(index, groups, groups_out, file)
             if distributed:
                 if dpart is None:  # not this optimizer's DP-rank-0 folder: the dense state is EP rank 0's (§1.4)
                     if mine and (expert_part or rank.where.ep == 0):
@@ -368,40 +384,47 @@ class _Reader:
                                           "this folder has its parameters", rank.folder)
                     continue
                 for p in mine:
-                    p.group = _match_group(_group_identity(p, self.cfg, experts_separate), groups, offset, p.name, file)
-                    p.step = _group_step(groups[p.group - offset])
-                self._distributed(rank, mine, _as_dict(dpart, container.DISTRIB_FILE, rank.folder),
-                                  expert_part)
+                    local = _match_group(_group_identity(p, self.cfg, experts_separate), groups, p.name, file)
+                    p.group, p.step = gmap[local], _group_step(groups[local])
+                self._distributed(rank, mine, _as_dict(dpart, container.DISTRIB_FILE,
+                                                       os.path.join(rank.folder, container.DISTRIB_FILE)), expert_part)
             else:
-                self._plain(rank, mine, part, inner, groups, offset, file, experts_separate)
+                self._plain(rank, mine, part, inner, groups, gmap, file, experts_separate)
 
-    def _group_offset(self, index: int) -> int:
-        return sum(len(self._groups_by_part[i]) for i in sorted(self._groups_by_part) if i < index)
-
-    def _record_groups(self, index: int, groups: list[dict], out: list[dict]) -> None:
-        known = self._groups_by_part.get(index)
-        shown = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        if known is None:
-            self._groups_by_part[index] = shown
-            out.clear()
-            for i in sorted(self._groups_by_part):
-                out.extend(self._groups_by_part[i])
-        else:
-            ident = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
-            if [[g.get(k) for k in ident] for g in known] != [[g.get(k) for k in ident] for g in shown]:
-                raise FormatError(f"optimizer {index}'s param groups differ between rank folders "
-                                  f"({len(known)} and {len(shown)} groups, or other wd_mult / lr_mult): statekit "
-                                  "does not guess which group a parameter of the other folder is in", self.iteration)
+    def _global_groups(self, index: int, groups: list[dict], out: list[dict], file: str) -> list[int]:
+        """This folder's groups of optimizer ``index`` as indices into the run's group list ``out``,
+        matched by their identifiers (as Megatron matches groups on load, not by position); a group
+        first seen here is added."""
+        mapping = []
+        seen_here: set = set()
+        for g in groups:
+            ident = (index, *((k, g.get(k)) for k in _GROUP_IDENTITY))
+            if ident in seen_here:
+                raise FormatError(f"optimizer {index} has two param groups with {dict(ident[1:])}: statekit does not "
+                                  "guess which one a parameter is in", file)
+            seen_here.add(ident)
+            shown = {k: v for k, v in g.items() if k != "params"}
+            at = self._group_index.get(ident)
+            if at is None:
+                at = self._group_index[ident] = len(out)
+                out.append(shown)
+            else:
+                differ = [k for k in _GROUP_AGREE if out[at].get(k) != shown.get(k)]
+                if differ:
+                    raise FormatError(f"optimizer {index}'s param group {dict(ident[1:])} has other {differ} here than "
+                                      "in another rank folder", file)
+            mapping.append(at)
+        return mapping
 
     # ---- non-distributed (§1.3)
-    def _plain(self, rank: Rank, mine: list[Local], part: dict, inner: dict, groups: list[dict], offset: int,
+    def _plain(self, rank: Rank, mine: list[Local], part: dict, inner: dict, groups: list[dict], gmap: list[int],
                file: str, experts_separate: bool) -> None:
         self.forms.add("non-distributed optimizer (torch ids by param group, fp32_from_fp16_params)")
         state = _as_dict(inner.get("state", {}), "optimizer.optimizer.state", file)
         masters = part.get("fp32_from_fp16_params")
         members: list[list[Local]] = [[] for _ in groups]
         for p in mine:
-            g = _match_group(_group_identity(p, self.cfg, experts_separate), groups, 0, p.name, file)
+            g = _match_group(_group_identity(p, self.cfg, experts_separate), groups, p.name, file)
             members[g].append(p)
         for g, group in enumerate(groups):
             ids = group.get("params")
@@ -419,7 +442,7 @@ class _Reader:
                 group_masters = iter(masters[g])
             step = _group_step(group)
             for pid, p in zip(ids, members[g], strict=True):
-                p.group = offset + g
+                p.group = gmap[g]
                 entry = state.get(pid, state.get(str(pid)))
                 p.master = next(group_masters) if p.weight.dtype != "F32" else p.weight
                 if not isinstance(p.master, TensorRef):
@@ -507,6 +530,8 @@ class _Reader:
             p.master = _slice(flat["param"], place.coalesced, shape, f"{what} param {name}")
             p.moments = {s: _slice(flat[s], place.coalesced, shape, f"{what} {s} {name}") for s in SLOTS}
         self._prove_all([by_name[n] for n in layout.placements], rule_text, file)
+        owned = sorted((pl.coalesced, pl.coalesced + pl.numel) for pl in layout.placements.values())
+        self._check_gaps(flat, [(0, owned, stored)], what, file)
 
     def _per_bucket(self, members, by_name, tensors, size, dp, what, file, dpart) -> None:
         layout = buckets.layout_buffer(members, size, dp, buckets.rule("<=0.6"))
@@ -532,36 +557,83 @@ class _Reader:
             p.moments = {s: _slice(lists[s][place.bucket], place.bucket_offset, shape, f"{what} {s} {name}")
                          for s in SLOTS}
         self._prove_all([by_name[n] for n in layout.placements], rule_text, file)
+        for b in layout.buckets:
+            owned = sorted((pl.bucket_offset, pl.bucket_offset + pl.numel) for pl in layout.placements.values()
+                           if pl.bucket == b.index)
+            self._check_gaps({k: v[b.index] for k, v in lists.items()}, [(0, owned, b.numel)], f"{what} bucket {b.index}",
+                             file)
+
+    def _check_gaps(self, tensors: dict[str, TensorRef], spans, what: str, file: str) -> None:
+        """The elements no parameter owns (alignment gaps, padding) are zeros in a legacy file (Megatron
+        fills its shards from ``torch.zeros``); a nonzero one is warned of, with how many."""
+        for key, ref in tensors.items():
+            nonzero = 0
+            for _, owned, end in spans:
+                at = 0
+                for lo, hi in [*owned, (end, end)]:
+                    if lo > at:
+                        piece = _slice(ref, at, (lo - at,), what).numpy()
+                        nonzero += int(np.count_nonzero(piece))
+                    at = max(at, hi)
+            if nonzero:
+                self.warnings.append(f"{file}: {what}: {nonzero} {key} elements that no parameter owns (alignment "
+                                     "gaps, padding) hold nonzero values; Megatron writes zeros there")
 
     def _prove_all(self, params: list[Local], rule_text: str, file: str) -> None:
-        for p in params:
-            if p.master is None:
-                continue
-            self.proved_elements += proof.prove(p.name, p.master, p.weight, rule_text, file)
-            self.proved += 1
+        """Queue the proof of every parameter of ``params`` (run by :meth:`_run_proofs`)."""
+        self._pending.extend((p.name, p.master, p.weight, rule_text, file) for p in params if p.master is not None)
+
+    def _run_proofs(self) -> None:
+        """Every queued proof, ``--jobs`` at a time (threads: numpy and ``pread`` release the GIL);
+        the first failure in queue order is raised, so the message does not depend on timing."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from statekit.stream import current_jobs
+
+        pending, self._pending = self._pending, []
+        jobs = max(1, min(current_jobs(), 8, len(pending)))
+        if jobs == 1:
+            results = [proof.prove(*item) for item in pending]
+        else:
+            pool = ThreadPoolExecutor(jobs)
+            try:
+                futures = [pool.submit(proof.prove, *item) for item in pending]
+                results = [f.result() for f in futures]  # (in order: the first failure queued is raised)
+            finally:
+                pool.shutdown(cancel_futures=True)
+        self.proved += len(results)
+        self.proved_elements += sum(results)
 
     # ---- the whole model
     def read(self) -> Checkpoint:
         ranks = self.ranks()
         self.rank_records = ranks  # (kept: each rank's parameters with their pieces, for tests and tools)
         cfg = self.cfg
-        self._groups_by_part: dict[int, list[dict]] = {}
+        self._group_index: dict[tuple, int] = {}
         groups_out: list[dict] = []
         for rank in ranks:
             self.fill(rank, groups_out)
-        merged: dict[str, dict[int, Local]] = {}
-        order: list[str] = []
-        for rank in sorted(ranks, key=lambda r: (r.where.pp, r.where.ep, r.where.tp)):
+        self._run_proofs()  # before any state is called a parameter's
+        # the whole model's order: chunk by chunk (virtual stage, then pipeline rank: ascending layers),
+        # each folder's registration order, an EP rank's experts after the lower EP ranks' of that layer
+        entries = []
+        for rank in ranks:
             for chunk in rank.chunks:
-                for p in chunk:
-                    vp_stage = p.chunk if cfg.vp else None
-                    name = names.globalize(p.name, cfg, rank.where.pp, vp_stage, rank.where.ep)
-                    slot = merged.setdefault(name, {})
-                    if name not in order:
-                        order.append(name)
-                    if rank.where.tp in slot:
-                        continue  # a dense parameter's replica in a later EP folder (EP rank 0's holds its state)
-                    slot[rank.where.tp] = p
+                blocks: dict[str, int] = {}
+                for q, p in enumerate(chunk):
+                    m = _EXPERT.search(p.name)
+                    block = blocks.setdefault(p.name[:m.end()], q) if m else q
+                    key = (p.chunk, rank.where.pp, block, rank.where.ep, q, rank.where.tp)
+                    entries.append((key, rank, p))
+        entries.sort(key=lambda e: e[0])
+        merged: dict[str, dict[int, Local]] = {}
+        for _key, rank, p in entries:
+            vp_stage = p.chunk if cfg.vp else None
+            name = names.globalize(p.name, cfg, rank.where.pp, vp_stage, rank.where.ep)
+            slot = merged.setdefault(name, {})
+            if rank.where.tp not in slot:  # (a dense parameter's replica in a later EP folder: EP rank 0's holds its state)
+                slot[rank.where.tp] = p
+        order = list(merged)
         state_params: list[ParamState] = []
         model = ModelInfo(order="named_parameters", source=self.path)
         tp = cfg.tp or 1
@@ -608,8 +680,10 @@ class _Reader:
         if name.endswith("linear_qkv.weight") and cfg.num_attention_heads and cfg.kv_channels:
             groups = cfg.num_query_groups or cfg.num_attention_heads
             want = ((cfg.num_attention_heads + 2 * groups) * cfg.kv_channels, 0)
-        elif _FC1.search(name) and name.endswith("weight") and cfg.ffn_hidden_size and not _EXPERT.search(name):
+        elif _FC1.search(name) and ".weight" in name and cfg.ffn_hidden_size and not _EXPERT.search(name):
             want = (cfg.ffn_hidden_size * (2 if cfg.swiglu else 1), 0)
+        elif _FC1.search(name) and ".weight" in name and cfg.moe_ffn_hidden_size and _EXPERT.search(name):
+            want = (cfg.moe_ffn_hidden_size * (2 if cfg.swiglu else 1), 0)
         elif name.endswith(("word_embeddings.weight", "output_layer.weight")) and cfg.padded_vocab_size:
             want = (cfg.padded_vocab_size, 0)
         if want is not None and shape[want[1]] != want[0]:
@@ -646,6 +720,7 @@ class _Reader:
         ckpt = Checkpoint(path=self.path, format=FORMAT, kind="optimizer", optimizer=state, model=model)
         ckpt.n_tensors = sum(len(p.slots) for p in params)
         ckpt.nbytes = sum(p.nbytes for p in params)
+        ckpt.warnings.extend(self.warnings)
         first = self.first
         iteration = first.get("iteration")
         ckpt.metadata.update({"megatron.iteration": str(iteration),

@@ -28,7 +28,7 @@ from statekit.errors import FormatError
 from statekit.lazy import numpy as np
 from statekit.tensor import TensorRef
 
-PIECE_ELEMENTS = 1 << 20  # elements compared at a time (4 MiB of fp32 per side)
+PIECE_ELEMENTS = 1 << 18  # elements compared at a time (1 MiB of fp32 per side)
 
 
 class ProofError(FormatError):
@@ -42,10 +42,12 @@ def rounded_bits(values, dtype: str):
     if dtype == "F32":
         return f32.view(np.uint32)
     if dtype == "F16":
-        return f32.astype(np.float16).view(np.uint16)
+        with np.errstate(over="ignore"):  # beyond fp16's range: inf, as torch rounds it
+            return f32.astype(np.float16).view(np.uint16)
     if dtype == "BF16":
-        bits = f32.view(np.uint32).astype(np.uint64)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        bits = f32.view(np.uint32)
+        with np.errstate(over="ignore"):  # (only a NaN's bits can wrap: NaNs are set below)
+            rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
         nan = np.isnan(f32)
         if nan.any():
             rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
