@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -367,7 +368,8 @@ TIED = LOCAL[:-1]  # tied embeddings: no output_layer.weight
 
 
 @pytest.mark.skipif(not TWO_BUCKETS.exists(), reason="fixture not merged")
-def test_real_fully_reshardable_two_buckets_shift_found_by_doctor_only_there():
+@pytest.mark.parametrize("version", ["0.16.1", "0.19.2"])
+def test_real_fully_reshardable_two_buckets_shift_found_by_doctor_only_there(version):
     """megatron-core 0.19.2's fully_reshardable save with --ddp-num-buckets 2: bucket size
     63808 // 2 = 31904 elements; laid out reversed, bucket 0 closes after the first element that
     reaches it: output 7168 + final norm 64 + layer 1 (4096 + 8192 + 64 + 8192 + 4096 + 64) = 31936.
@@ -381,9 +383,10 @@ def test_real_fully_reshardable_two_buckets_shift_found_by_doctor_only_there():
             break
     shifted = sorted(set(LOCAL) - bucket0)
     assert len(shifted) == 7
+    folder = REAL / version / TWO_BUCKETS.name
     with pytest.raises(FormatError, match=r"parameter embedding\.word_embeddings\.weight: .*32a03b77c5"):
-        io.open_checkpoint(TWO_BUCKETS)
-    report = doctor_files(TWO_BUCKETS)
+        io.open_checkpoint(folder)
+    report = doctor_files(folder)
     assert sorted(f["param"] for f in report["findings"] if f["check"] == "megatron-master") == shifted
     for healthy in (DP_RESHARDABLE, TP2, NO_DISTOPT, MOE_EP2):
         assert doctor_files(healthy)["clean"], healthy
@@ -564,3 +567,32 @@ def test_real_dp_zero_gather_scatter_cut_by_hand_computed_offsets():
                 want = flat[stored][offsets[p.path]:offsets[p.path] + n]
                 assert np.array_equal(p.slots[slot].numpy().reshape(-1), want.numpy()), (p.path, slot)
     assert doctor_files(DPZERO)["clean"]
+
+
+def _torch_dist_cases() -> list:
+    return sorted({p.parent.parent for p in REAL.glob("*/*/*/metadata.json")})
+
+
+@pytest.mark.parametrize("case", _torch_dist_cases(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_real_torch_dist_fixture_reads_proved(case):
+    """Every torch_dist save megatron-core wrote for the fixtures opens with each parameter once,
+    its states of its weight's shape, every master proved — but the 2-bucket fully_reshardable
+    saves, refused and found by doctor."""
+    if "2buckets" in case.name:
+        with pytest.raises(FormatError, match="32a03b77c5"):
+            io.open_checkpoint(case)
+        assert not doctor_files(case)["clean"]
+        return
+    with io.open_checkpoint(case) as ckpt:
+        assert ckpt.format == "megatron-dist"
+        state = ckpt.optimizer
+        names = [p.path for p in state.params]
+        assert len(set(names)) == len(names) and names
+        weights = {m.path: m for m in ckpt.model.params}
+        assert set(weights) == set(names)
+        for p in state.params:
+            assert set(p.slots) == {"exp_avg", "exp_avg_sq", "fp32_master"}, p.path
+            assert all(tuple(r.shape) == tuple(weights[p.path].shape) for r in p.slots.values()), p.path
+            assert re.fullmatch(r"(embedding\.|output_layer\.|decoder\.final_layernorm\.|decoder\.layers\.\d+\.).+",
+                                p.path), p.path
+    assert doctor_files(case)["clean"]
