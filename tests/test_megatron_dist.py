@@ -590,6 +590,7 @@ def test_every_real_torch_dist_fixture_reads_proved(case):
         assert len(set(names)) == len(names) and names
         weights = {m.path: m for m in ckpt.model.params}
         assert set(weights) == set(names)
+        assert f"proved: {len(names)} of {len(names)} parameters" in " ".join(state.notes)
         for p in state.params:
             assert set(p.slots) == {"exp_avg", "exp_avg_sq", "fp32_master"}, p.path
             assert all(tuple(r.shape) == tuple(weights[p.path].shape) for r in p.slots.values()), p.path

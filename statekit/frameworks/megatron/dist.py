@@ -437,12 +437,16 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     params, model = reading.params, reading.model
     _named_order(params, model, reading.weights, list(model_entries), reading.origin,
                  args.get("transformer_impl") or "transformer_engine")
-    _prove(params, model, reading.weights, reading.container, prove, where)
+    proved, elements = _prove(params, model, reading.weights, reading.container, prove, where)
     state = OptimizerState(family=family, candidates=(family,) if family else (), params=params,
                            groups=reading.groups, hyperparams_stored=True, framework="torch",
-                           torch_names_in_file=True, names_from="megatron torch_dist keys")
+                           torch_names_in_file=True, names_from=("parameter names from the torch_dist keys (stacked layers and experts unstacked with "
+                                       "global indices); every fp32 master proved against its stored weight bit for bit"))
     nemo = any(k.startswith(stacking.NEMO_PREFIX) for k in model_entries)
     state.notes.append(_note(sharding, dist, nemo, len(members)))
+    state.notes.append(f"proved: {proved} of {len(params)} parameters, {elements} elements (fp32 master rounded to "
+                       "the weight's dtype == the stored weight)"
+                       + (f"; {len(reading.container.disproofs)} did not prove" if reading.container.disproofs else ""))
     ckpt = Checkpoint(path=path, format=FORMAT, kind="optimizer", optimizer=state, model=model,
                       container=reading.container)
     ckpt.n_tensors = sum(len(p.slots) for p in params)
@@ -517,21 +521,25 @@ def _check_stack(key: str, shape: tuple[int, ...], args: dict, where: str) -> No
 
 
 def _prove(params, model: ModelInfo, weights: dict, container: MegatronDistCheckpoint, prove: str,
-           where: str) -> None:
-    """Every master against its stored weight (:func:`.proof.prove`); refused, or recorded."""
+           where: str) -> tuple[int, int]:
+    """Every master against its stored weight (:func:`.proof.prove`); refused, or recorded.
+    Returns the parameters and elements proved."""
     rule = f"{PROOF_RULE} ({container.sharding})"
+    proved = elements = 0
     for p in params:
         master = p.slots.get(naming.MASTER_SLOT)
         if p.path not in weights or master is None:
             continue
         key, weight = weights[p.path]
         try:
-            proof.prove(p.path, master, weight, rule, where)
+            elements += proof.prove(p.path, master, weight, rule, where)
+            proved += 1
         except proof.ProofError as exc:
             if prove == "refuse":
                 raise proof.ProofError(f"{exc.message}, so its state is not this parameter's"
                                        f"{_cause(container.sharding)}", where) from None
             container.disproofs.append(Disproved(p.path, key, exc.message, container.sharding))
+    return proved, elements
 
 
 def _cause(sharding: str) -> str:
@@ -549,7 +557,6 @@ def _note(sharding: str, dist: megatron_dist.MegatronDist, nemo: bool, members: 
         parts.append(f"{len(dist.mcore_data)} tensors N-D reformulated (mcore_data)")
     if nemo:
         parts.append("NeMo 2 'module.' prefix dropped from the names")
-    parts.append("stacked layers and experts unstacked; fp32 masters proved against the stored weights")
     return "; ".join(parts)
 
 
