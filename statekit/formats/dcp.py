@@ -155,6 +155,8 @@ class DcpMetadata:
     paths: dict[str, tuple]  # flat key -> nested path (planner_data), every key present
     version: str | None = None
     files: list[str] = field(default_factory=list)
+    # fields of the pickled Metadata beyond torch's own (Megatron's ``mcore_data``), as read
+    attributes: dict[str, object] = field(default_factory=dict)
 
 
 def is_dcp_dir(path: str | os.PathLike) -> bool:
@@ -188,9 +190,13 @@ def _record(value: object, kind: str, where: str) -> Record:
     return value
 
 
-def read_metadata(directory: str | os.PathLike) -> DcpMetadata:
+def read_metadata(directory: str | os.PathLike, extra_globals: dict | None = None,
+                  metadata_kinds: tuple[str, ...] = ("Metadata",)) -> DcpMetadata:
     """Parse ``directory/.metadata`` and check it against the data files; FormatError naming the
-    file and the offending key on any inconsistency."""
+    file and the offending key on any inconsistency. ``extra_globals``: more globals allowed in
+    the pickle than DCP's own (a writer that added attributes of its own classes);
+    ``metadata_kinds``: the class names the pickled root may have (a writer's subclass of
+    ``Metadata``, allowed by ``extra_globals``)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, METADATA)
     try:
@@ -199,8 +205,9 @@ def read_metadata(directory: str | os.PathLike) -> DcpMetadata:
     except OSError as exc:
         raise FormatError(f"cannot read DCP metadata: {exc.strerror}", path) from None
     try:
-        obj, end = torch_pickle.loads(data, 0, None, DCP_GLOBALS)
-        meta = _record(obj, "Metadata", "the pickle")
+        obj, end = torch_pickle.loads(data, 0, None, {**DCP_GLOBALS, **(extra_globals or {})})
+        kind = obj.kind if isinstance(obj, Record) else None
+        meta = _record(obj, kind if kind in metadata_kinds else "Metadata", "the pickle")
         return _interpret(meta, directory)
     except FormatError as exc:
         if exc.path is None:
@@ -286,7 +293,11 @@ def _interpret(meta: Record, directory: str) -> DcpMetadata:
         entries[key] = TensorEntry(key, dtype, shape, chunks)
     paths = _paths(meta.get("planner_data"), entries)
     version = meta.get("version")
-    return DcpMetadata(entries, paths, version if isinstance(version, str) else None, sorted(sizes))
+    attributes = {k: v for k, v in meta.fields.items() if k not in _METADATA_FIELDS}
+    return DcpMetadata(entries, paths, version if isinstance(version, str) else None, sorted(sizes), attributes)
+
+
+_METADATA_FIELDS = frozenset({"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"})
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
@@ -329,9 +340,13 @@ def _paths(planner: object, entries: dict) -> dict[str, tuple]:
 class DcpReader:
     """Lazy access to a DCP checkpoint's values; data files are memory-mapped on first use."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, extra_globals: dict | None = None,
+                 metadata_kinds: tuple[str, ...] = ("Metadata",)):
+        """``extra_globals``: globals allowed in the non-tensor values' pickles (and in
+        ``.metadata``) besides torch's own, for one writer's checkpoints (Megatron's classes)."""
         self.directory = os.fspath(directory)
-        self.meta = read_metadata(self.directory)
+        self.extra_globals = extra_globals
+        self.meta = read_metadata(self.directory, extra_globals, metadata_kinds)
         self._maps: dict[str, mmap.mmap] = {}
         self._sources: dict[str, SourceFile] = {}
 
@@ -355,7 +370,7 @@ class DcpReader:
         """The torch.save archive at ``file[offset:offset + length]``: its zip directory and pickle
         are parsed from the map, tensor bytes read later with pread."""
         try:
-            return torch_pt.load_pt_region(self._map(file), offset, length, self._source(file))
+            return torch_pt.load_pt_region(self._map(file), offset, length, self._source(file), self.extra_globals)
         except FormatError as exc:
             raise FormatError(f"{key}: {exc.message}", os.path.join(self.directory, file)) from None
 

@@ -70,6 +70,11 @@ FORMATS: tuple[Format, ...] = (
     Format("torch", "torch", (".pt", ".pth"), sniff="statekit.formats.torch_pt:claims",
            open="statekit.frameworks.torch_io:open_checkpoint", write="statekit.frameworks.torch_io:save_optimizer",
            write_model="statekit.frameworks.torch_io:save_model", description="PyTorch .pt"),
+    # before the plain DCP entry: a torch_dist folder is a DCP folder with metadata.json; also its save
+    # root (latest_checkpointed_iteration.txt) and a NeMo 2 checkpoint (weights/)
+    Format("megatron-dist", "megatron", sniff="statekit.formats.megatron_dist:claims",
+           open="statekit.frameworks.megatron.dist:open_checkpoint", directory=True,
+           description="Megatron-Core torch_dist checkpoints"),
     Format("dcp", "torch", sniff="statekit.formats.dcp:claims", open="statekit.frameworks.dcp_io:open_checkpoint",
            write="statekit.frameworks.dcp_io:save_optimizer", directory=True,
            description="torch.distributed checkpoint (DCP) directories"),

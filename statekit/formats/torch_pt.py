@@ -207,7 +207,8 @@ class _ViewFile(io.RawIOBase):
         return len(data)
 
 
-def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int, source: SourceFile) -> object:
+def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int, source: SourceFile,
+                   extra_globals: dict | None = None) -> object:
     """The object a ``torch.save`` zip archive lying at ``buffer[offset:offset + length]`` holds.
 
     DCP's ``.distcp`` files hold such archives back to back. ``source`` is the same file, from
@@ -219,7 +220,7 @@ def load_pt_region(buffer: mmap.mmap | memoryview, offset: int, length: int, sou
     view = memoryview(buffer)[offset : offset + length]
     if bytes(view[:4]) != ZIP_MAGIC:
         raise FormatError(f"no torch.save archive at offset {offset} (starts with {bytes(view[:4]).hex(' ')})")
-    return _load_zip_buffer(view, _zip_records(_ViewFile(view)), source, offset)
+    return _load_zip_buffer(view, _zip_records(_ViewFile(view)), source, offset, extra_globals)
 
 
 def _load_zip_buffer(buffer: mmap.mmap | memoryview, records: dict[str, zipfile.ZipInfo], source: SourceFile,

@@ -44,6 +44,7 @@ from statekit.stream import nonfinite
 from statekit.tensor import TensorRef
 
 BLOCK = 1 << 20
+REPORTING_READERS = frozenset({"megatron-dist"})  # formats whose reader takes prove="report"
 BURN_MAX_RANK = 8
 SEVERITIES = ("error", "warning", "info")
 # Model tensors that no optimizer updates (batch-norm statistics): never "missing state".
@@ -79,6 +80,12 @@ WHY = {
                   "beside the new ones (burn #5130): the record grows by one state set per relaunch, and the "
                   "live state restarted fresh; remap --model keeps the model's own",
     "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
+    "megatron-master": "a mixed-precision run's weight is its fp32 master rounded to the weight's dtype; where they "
+                       "disagree the state was cut at the wrong offsets, and resuming trains every such parameter "
+                       "with another parameter's moments and master",
+    "padding-state": "an input embedding's padding rows are never looked up, so their gradient is zero: moments "
+                     "there were written by something else (a resharding or conversion that moved rows), and the "
+                     "rows they belong to resume without them",
 }
 
 
@@ -348,6 +355,9 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     skip = {id(p) for s in shared for p in s.orphans}
     _check_steps(state.params, findings, skip)
     _check_paths(state.params, findings, shared)
+    reader_checks = getattr(state_ckpt.container, "doctor_findings", None)
+    if reader_checks is not None:  # what only the reader of a format can see (megatron-dist: the master proof)
+        findings.extend(_finding(*f) for f in reader_checks(state.params))
     if method is not None:
         _check_orphan_ids(shared, findings, state_ckpt.path, model_ckpt.path)
         _check_model(state.params, model, findings, skip)
@@ -375,7 +385,9 @@ def doctor_files(state_path: str | os.PathLike, model_path: str | os.PathLike | 
                  names_order: str | None = None) -> dict:
     """``names`` / ``names_order``: name a torch state's positions (with ``model_path``'s shapes)."""
     with contextlib.ExitStack() as stack:
-        state_ckpt = stack.enter_context(io.open_checkpoint(state_path))
+        # readers that refuse a state they cannot prove (megatron-dist) report it to doctor instead
+        options = {"prove": "report"} if io.sniff(state_path) in REPORTING_READERS else {}
+        state_ckpt = stack.enter_context(io.open_checkpoint(state_path, **options))
         if names is not None and state_ckpt.optimizer is not None and state_ckpt.optimizer.framework == "torch":
             from statekit.ops.convert import name_source_params
             from statekit.ops.options import make_options

@@ -10,7 +10,9 @@
 - :mod:`.proof`: every parameter's fp32 master proved against the stored weight before any state
   is called that parameter's;
 - :mod:`.legacy`: ``model_optim_rng.pt`` (+ ``distrib_optim.pt``) folders as an
-  :class:`~statekit.state.OptimizerState`.
+  :class:`~statekit.state.OptimizerState`;
+- :mod:`.dist`: torch_dist folders (model-space sharding types), with :mod:`.stacking` (stacked
+  layers and experts unstacked) and :mod:`.regions` (one parameter's box, the N-D reformulation).
 
 See ``docs/megatron.md``.
 """

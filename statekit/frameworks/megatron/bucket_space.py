@@ -1,0 +1,381 @@
+"""torch_dist's bucket-space optimizer state (``dp_reshardable``) cut back into parameters.
+
+``dp_reshardable`` (mcore >= 0.15's default, ``shared/docs/megatron-formats.md`` §2.4) stores the
+distributed optimizer's buffers as they are in memory: per model-parallel rank ``mp``, buffer
+``g`` (one per (param dtype, grad dtype)), bucket ``b`` and state ``s``, the 1-D tensor
+``optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_{g}.dtype_({pdt}, {gdt}).bucket_idx_{b}.{s}``
+of the bucket's ``numel_unpadded`` elements: the world bucket with its 64-element gaps, without
+its end padding; ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` beside it as ShardedObjects.
+
+Which elements are which parameter's follows from the parameters in registration order and the
+bucket rules (:mod:`.buckets`, the shared foundation). The registration order of a GPT model is
+not in a torch_dist checkpoint (its ``.metadata`` lists keys in whatever order the ranks' plans
+merged), so it is taken from Megatron's module definitions: the embedding, each layer's
+parameters in the order its modules register them (:data:`LAYER_ORDER`, per
+``args.transformer_impl``: the local spec registers ``input_layernorm`` before the attention, TE
+fuses it into ``linear_qkv`` after ``linear_proj``), the final norm, the output layer. That order
+is a proposal: every parameter's fp32 master is then proved against its stored weight
+(:mod:`.proof`) before any state is called that parameter's; a layout that does not prove is
+refused naming the parameter and the rule.
+
+Read here: TP = PP = 1 (and ETP = 1), dense models and MoE models whose ChainedOptimizer keeps
+the experts apart (one model-parallel index per EP rank, each with its local experts; expert DP
+= world / (EP × PP × ETP)). Other layouts are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from statekit import dtypes
+from statekit.errors import FormatError
+from statekit.formats import dcp, megatron_dist
+from statekit.formats.torch_pickle import TorchDtype
+from statekit.frameworks.megatron import buckets, regions, stacking
+from statekit.frameworks.megatron.config import MegatronConfig
+from statekit.tensor import TensorRef
+
+SLOTS = ("param", "exp_avg", "exp_avg_sq")
+_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
+                  r"dtype_\((torch\.\w+), (torch\.\w+)\)\.bucket_idx_(\d+)\.(\w+)$")
+
+# a layer's parameters in registration order, by their names after "decoder.layers.{i}." (the local
+# spec's input_layernorm / pre_mlp_layernorm are saved under TE's fused names, stacking.LOCAL_SPEC_KEYS)
+_ATTENTION = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias")
+_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+        "self_attention.k_layernorm.weight")
+_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+_NORM_IN = ("input_layernorm.weight", "input_layernorm.bias")
+_NORM_MLP = ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias")
+LAYER_ORDER = {
+    # TransformerLayer: input_layernorm, self_attention (Attention: linear_proj; SelfAttention: linear_qkv,
+    # q/k_layernorm), pre_mlp_layernorm, mlp (linear_fc1, linear_fc2)
+    "local": _NORM_IN + _ATTENTION + _QKV + _NORM_MLP + ("mlp.router.weight",) + _MLP,
+    # TE spec: the norms live in TELayerNormColumnParallelLinear, which registers them before its weight
+    "transformer_engine": ("input_layernorm.weight", "input_layernorm.bias") + _ATTENTION
+                          + ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias")
+                          + _QKV + ("pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                                    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+                                    "mlp.router.weight") + _MLP,
+}
+BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
+RULE = ">=0.8"  # dp_reshardable exists from core 0.15: 64-element starts, ends padded to lcm(DP, 128)
+
+
+@dataclass
+class Piece:
+    """One parameter out of the buffers: its states (lazy, the parameter's shape) and master."""
+
+    name: str
+    key: str  # the model's torch_dist key
+    lead: tuple[int, ...]
+    shape: tuple[int, ...]
+    slots: dict[str, TensorRef]
+    master: TensorRef
+    weight: TensorRef | None
+
+
+def _torch_dtype(name: str) -> str:
+    from statekit.formats import torch_pickle  # noqa: PLC0415 (same floor)
+
+    return torch_pickle.statekit_dtype(name.split(".", 1)[1])
+
+
+def registration_order(model: dict[str, dcp.TensorEntry], cfg: MegatronConfig, where: str) -> list[tuple]:
+    """(name, key, lead, shape, dtype) of every parameter, in ``named_parameters`` order."""
+    impl = cfg.transformer_impl or "transformer_engine"
+    if impl not in LAYER_ORDER:
+        raise FormatError(f"args.transformer_impl is {impl!r}: statekit knows the parameter order of "
+                          f"{', '.join(LAYER_ORDER)} only", where)
+    grouped = cfg.raw.get("moe_grouped_gemm")
+    rows = []
+    for key, entry in model.items():
+        name_key, _ = _strip(key)
+        if name_key.endswith(".expert_bias"):  # a buffer, not a parameter (no optimizer state)
+            continue
+        for lead in stacking.indices(name_key, entry.shape):
+            name = stacking.param_name(name_key, lead, None if grouped is None else bool(grouped), impl)
+            known = rank_of(name, impl)
+            if known is None:
+                raise FormatError(f"{name}: statekit does not know where Megatron registers this parameter, so the "
+                                  "bucket-space state cannot be cut for it", where)
+            rows.append((known, name, key, lead, entry.shape[len(lead):], entry.dtype))
+    rows.sort()
+    return [r[1:] for r in rows]
+
+
+def _strip(key: str) -> tuple[str, bool]:
+    if key.startswith(stacking.NEMO_PREFIX):
+        return key[len(stacking.NEMO_PREFIX):], True
+    return key, False
+
+
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)|"
+                     r"(linear_fc[12])\.(weight|bias)(\d+))$")
+
+
+def rank_of(name: str, impl: str) -> tuple | None:
+    """Where ``name`` comes in Megatron's registration order (a sort key), None when unknown.
+    A MoE layer registers its router, then its experts: SequentialMLP expert by expert (fc1, fc2
+    each), TEGroupedMLP all fc1 weights then all fc2 weights."""
+    table = LAYER_ORDER.get(impl)
+    if table is None:
+        return None
+    if name in BEFORE:
+        return (0, BEFORE.index(name))
+    if name in AFTER:
+        return (2, AFTER.index(name))
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
+    if m is None:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if rest in table:
+        return (1, layer, table.index(rest))
+    e = _EXPERT.match(rest)
+    if e is None:
+        return None
+    at = table.index("mlp.router.weight")
+    if e.group(1) is not None:  # local_experts.{i}.linear_fcK.weight
+        return (1, layer, at, int(e.group(1)), e.group(2), e.group(3) == "bias")
+    return (1, layer, at, -1, e.group(4), int(e.group(6)), e.group(5) == "bias")
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _local_experts(cfg: MegatronConfig, rank: int, where: str) -> range:
+    experts = cfg.need("num_experts", "which experts each expert-parallel rank holds")
+    ep = cfg.ep or 1
+    if experts % ep:
+        raise FormatError(f"args say {experts} experts over expert-parallel size {ep}", where)
+    n = experts // ep
+    return range(rank * n, (rank + 1) * n)
+
+
+def _expert_index(name: str) -> int:
+    m = re.search(r"\.mlp\.experts\.(?:local_experts\.(\d+)\.|linear_fc[12]\.(?:weight|bias)(\d+)$)", name)
+    if m is None:
+        raise FormatError(f"{name}: no expert index in the name")
+    return int(m.group(1) if m.group(1) is not None else m.group(2))
+
+
+def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | None, expert: bool,
+         states: dict[str, dcp.TensorEntry], model: dict[str, dcp.TensorEntry],
+         sharding: str = "dp_reshardable") -> list[Piece]:
+    """Every parameter's state out of one optimizer member's bucket space: the bucket tensors
+    (``states``: their keys; ``dp_reshardable``) or each model-parallel rank's ``param_state``
+    object (``dp_zero_gather_scatter``: the legacy coalesced dict). ``expert``: the member holds
+    the expert parameters (the ChainedOptimizer's expert part: one model-parallel index per
+    expert-parallel rank, each with its local experts)."""
+    where = dist.directory
+    for what, value in (("tensor", cfg.tp), ("pipeline", cfg.pp)):
+        if (value or 1) != 1:
+            raise FormatError(f"args say {what}-model-parallel size {value}: statekit reads bucket-space torch_dist "
+                              "state of TP = PP = 1 only yet", where)
+    if cfg.vp:
+        raise FormatError(f"args say virtual pipeline size {cfg.vp}: not read in bucket space yet", where)
+    if (cfg.etp or 1) != 1:
+        raise FormatError(f"args say expert-tensor-parallel size {cfg.etp}: not read in bucket space yet", where)
+    order = registration_order(model, cfg, where)
+    chain = "" if member is None else f"chained_{member}."
+    if sharding == "dp_zero_gather_scatter":
+        objects = dist.objects_like(f"{chain}optimizer.distributed.dp_group_idx_", ".param_state")
+        found = {int(k.rsplit("dp_group_idx_", 1)[1].split(".", 1)[0]): k for k in objects}
+    else:
+        found = _found(states, where)
+    ranks = sorted(found)
+    want = list(range(cfg.ep or 1)) if expert else [0]
+    if not expert and member is None and any(_is_expert(r[0]) for r in order):
+        raise FormatError("expert parameters but a single optimizer: not a layout statekit knows", where)
+    if ranks != want:
+        raise FormatError(f"{chain}optimizer.distributed: model-parallel indices {ranks} stored, the run's "
+                          f"{'expert-parallel' if expert else 'model-parallel'} ranks are {want}", where)
+    origin = {name: (key, lead, shape, dtype) for name, key, lead, shape, dtype in order}
+    pieces: list[Piece] = []
+    for mp in ranks:
+        if expert:
+            mine = _local_experts(cfg, mp, where)
+            names = [r[0] for r in order if _is_expert(r[0]) and _expert_index(r[0]) in mine]
+            dp = cfg.expert_dp_size()
+        else:
+            names = [r[0] for r in order if not _is_expert(r[0])]
+            dp = cfg.dp_cp_size()
+        prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp}"
+        rows = [(*origin[n], n) for n in names]
+        if sharding == "dp_zero_gather_scatter":
+            pieces += _cut_coalesced(dist, cfg, found[mp], rows, dp, model)
+        else:
+            pieces += _cut(dist, cfg, prefix, rows, found[mp], dp, model)
+    rank = {row[0]: i for i, row in enumerate(order)}
+    pieces.sort(key=lambda x: rank[x.name])
+    return pieces
+
+
+def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, rows: list[tuple],
+         found: dict, dp: int, model: dict[str, dcp.TensorEntry]) -> list[Piece]:
+    """One model-parallel index's buffers cut into its parameters ``rows`` (key, lead, shape,
+    dtype, name; registration order)."""
+    where = dist.directory
+    params, split = _buffers(cfg, rows)
+    if sorted(found) != list(range(len(split))):
+        raise FormatError(f"{prefix}: buffers {sorted(found)} stored, the model's parameters make {len(split)} "
+                          f"({', '.join(f'{k.param_dtype}/{k.grad_dtype}' for k in split)})", where)
+    per_bucket = _per_bucket(dist, prefix)
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
+    where_of = {row[4]: row for row in rows}
+    pieces: list[Piece] = []
+    for g, (bkey, members) in enumerate(split.items()):
+        dtype_key, tensors = found[g]
+        if dtype_key != (bkey.param_dtype, bkey.grad_dtype):
+            raise FormatError(f"{prefix}: buffer {g} is stored as {dtype_key}, the model's parameters make "
+                              f"({bkey.param_dtype}, {bkey.grad_dtype})", where)
+        layout = buckets.layout_buffer(members, size, dp, buckets.rule(RULE),
+                                       bool(cfg.pad_buckets_for_high_nccl_busbw))
+        what = f"{prefix}.gbuf_idx_{g}"
+        if per_bucket is not None:
+            numel, unpadded = per_bucket
+            layout.check_buckets(_for(numel, g), _for(unpadded, g), what)
+        if sorted(tensors) != list(range(len(layout.buckets))):
+            raise FormatError(f"{what}: buckets {sorted(tensors)} stored, the layout has {len(layout.buckets)} "
+                              f"({layout.describe()})", where)
+        for b in layout.buckets:
+            for entry in tensors[b.index].values():
+                if entry.shape != (b.numel_unpadded,):
+                    raise FormatError(f"{entry.key}: {list(entry.shape)} elements, the layout's bucket {b.index} has "
+                                      f"{b.numel_unpadded} ({layout.describe()})", where)
+        for p in members:
+            place = layout.placements[p.name]
+            slots = {slot: _slice(dist, entry, place.bucket_offset, p.shape, p.name)
+                     for slot, entry in tensors[place.bucket].items()}
+            if "param" not in slots:
+                raise FormatError(f"{what}: no fp32 master ('param') stored beside the moments", where)
+            key, lead = where_of[p.name][0], where_of[p.name][1]
+            weight = regions.plain(dist.reader, model[key], lead, {"megatron_key": key})
+            pieces.append(Piece(p.name, key, lead, p.shape, slots, slots.pop("param"), weight))
+    return pieces
+
+
+def _buffers(cfg: MegatronConfig, rows: list[tuple]) -> tuple[list, dict]:
+    params = [buckets.LayoutParam(name, shape, dtype, expert=_is_expert(name))
+              for _key, _lead, shape, dtype, name in rows]
+    grad_fp32 = cfg.grad_reduce_in_fp32
+    if grad_fp32 is None:
+        grad_fp32 = bool(cfg.need("grad_reduce_in_fp32", "the distributed optimizer's buffer keys"))
+    return params, buckets.split_buffers(params, grad_fp32, experts_separate=False)
+
+
+def _cut_coalesced(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, key: str, rows: list[tuple], dp: int,
+                   model: dict[str, dcp.TensorEntry]) -> list[Piece]:
+    """``dp_zero_gather_scatter``: the ShardedObject ``key`` holds what the legacy ``distrib_optim.pt``
+    holds, in the coalesced form of mcore >= 0.7 (``{"buckets_coalesced": True, g: {(param dtype,
+    grad dtype): {"param", "exp_avg", "exp_avg_sq": 1-D, "numel_unpadded"}}}``): each buffer's
+    buckets back to back without their end padding. A parameter sits at its coalesced offset. Of
+    the 0.7 and >= 0.8 rules the one whose total is the stored ``numel_unpadded`` is taken (they
+    agree where no gap is padded), then proved like every layout."""
+    where = dist.directory
+    state = dist.object(key)
+    if not isinstance(state, dict) or state.get("buckets_coalesced") is not True:
+        raise FormatError(f"{key}: not the coalesced distributed-optimizer state (mcore >= 0.7) statekit reads",
+                          where)
+    params, split = _buffers(cfg, rows)
+    stored = {g: v for g, v in state.items() if g != "buckets_coalesced"}
+    if sorted(stored) != list(range(len(split))):
+        raise FormatError(f"{key}: buffers {sorted(stored)} stored, the model's parameters make {len(split)}", where)
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
+    where_of = {row[4]: row for row in rows}
+    pieces: list[Piece] = []
+    for g, (bkey, members) in enumerate(split.items()):
+        by_dtype = stored[g]
+        if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+            raise FormatError(f"{key}: buffer {g} is not one (param dtype, grad dtype) entry", where)
+        dtype_key, tensors = next(iter(by_dtype.items()))
+        names = tuple(_statekit(d) for d in dtype_key) if isinstance(dtype_key, tuple) else None
+        if names != (bkey.param_dtype, bkey.grad_dtype):
+            raise FormatError(f"{key}: buffer {g} is stored as {dtype_key}, the model's parameters make "
+                              f"({bkey.param_dtype}, {bkey.grad_dtype})", where)
+        unpadded = tensors.get("numel_unpadded") if isinstance(tensors, dict) else None
+        layout = None
+        for rule in (RULE, "0.7"):
+            candidate = buckets.layout_buffer(members, size, dp, buckets.rule(rule),
+                                              bool(cfg.pad_buckets_for_high_nccl_busbw))
+            if candidate.numel_unpadded == unpadded:
+                layout = candidate
+                break
+        if layout is None:
+            buckets.layout_buffer(members, size, dp, buckets.rule(RULE)).check_numel_unpadded(
+                unpadded, f"{key} buffer {g}")
+        flats = {s: t for s, t in tensors.items() if isinstance(t, TensorRef)}
+        if "param" not in flats or any(t.shape != (unpadded,) for t in flats.values()):
+            raise FormatError(f"{key}: buffer {g} holds {sorted(flats)}, not 1-D tensors of {unpadded} elements "
+                              "with the fp32 master 'param'", where)
+        for p in members:
+            lo = layout.placements[p.name].coalesced
+            slots = {s: _flat_slice(t, lo, p.shape, p.name) for s, t in flats.items()}
+            row = where_of[p.name]
+            weight = regions.plain(dist.reader, model[row[0]], row[1], {"megatron_key": row[0]})
+            pieces.append(Piece(p.name, row[0], row[1], p.shape, slots, slots.pop("param"), weight))
+    return pieces
+
+
+def _statekit(dtype: object) -> str | None:
+    from statekit.formats import torch_pickle  # noqa: PLC0415 (same floor)
+
+    return torch_pickle.statekit_dtype(dtype.name) if isinstance(dtype, TorchDtype) else None
+
+
+def _flat_slice(flat: TensorRef, lo: int, shape: tuple[int, ...], name: str) -> TensorRef:
+    """Elements ``[lo, lo + numel)`` of a lazy 1-D tensor, as ``shape`` (read from its file span)."""
+    numel = math.prod(shape)
+    item = dtypes.itemsize(flat.dtype)
+    if flat.span is None:
+        raise FormatError(f"{name}: the coalesced state is not a plain span of its file")
+    span = flat.span
+    from statekit.tensor import FileSpan  # noqa: PLC0415 (floor 0)
+
+    part = FileSpan.at(span.file, span.offset + lo * item, numel * item)
+    return TensorRef(flat.dtype, shape, span=part, info={"coalesced_offset": lo, "param": name})
+
+
+def _found(states: dict[str, dcp.TensorEntry], where: str) -> dict[int, dict[int, tuple[tuple[str, str], dict]]]:
+    """model-parallel index -> gbuf index -> ((param dtype, grad dtype), {bucket: {slot: entry}})."""
+    out: dict[int, dict[int, tuple[tuple[str, str], dict]]] = {}
+    for key, entry in states.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise FormatError(f"{key}: not a bucket-space tensor key statekit knows", where)
+        mp, g, b, slot = int(m.group(2)), int(m.group(3)), int(m.group(6)), m.group(7)
+        dtype_key = (_torch_dtype(m.group(4)), _torch_dtype(m.group(5)))
+        have = out.setdefault(mp, {}).setdefault(g, (dtype_key, {}))
+        if have[0] != dtype_key:
+            raise FormatError(f"{key}: buffer {g} stored under two dtype keys", where)
+        have[1].setdefault(b, {})[slot] = entry
+    return out
+
+
+def _per_bucket(dist: megatron_dist.MegatronDist, prefix: str):
+    keys = [f"{prefix}.per_bucket_numel", f"{prefix}.per_bucket_numel_unpadded"]
+    if any(dist.object_key(k) is None for k in keys):
+        return None
+    return tuple(dist.object(k) for k in keys)
+
+
+def _for(stored: object, g: int) -> list[int] | None:
+    """The bucket sizes stored for buffer ``g`` (a list per buffer of {dtype tuple: [sizes]})."""
+    if not isinstance(stored, list) or g >= len(stored) or not isinstance(stored[g], dict):
+        return None
+    for key, sizes in stored[g].items():
+        if isinstance(key, tuple) and all(isinstance(d, TorchDtype) for d in key):
+            return list(sizes)
+    return None
+
+
+def _slice(dist: megatron_dist.MegatronDist, entry: dcp.TensorEntry, start: int, shape: tuple[int, ...],
+           name: str) -> TensorRef:
+    numel = math.prod(shape)
+    box = ((start, start + numel),)
+    return TensorRef(entry.dtype, shape, array_loader=lambda: regions.read_box(dist.reader, entry, box).reshape(shape),
+                     info={"dcp_key": entry.key, "bucket_offset": start, "param": name})
