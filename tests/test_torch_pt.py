@@ -614,3 +614,22 @@ def test_legacy_extra_storage_key(tmp_path):
     path = tmp_path / "keys.pt"
     path.write_bytes(data[:keys_at] + pickle.dumps(["94081730766256", "1"], protocol=2) + tail)
     assert_refused(path, "does not match the storages the pickle uses")
+
+
+@pytest.mark.torch
+def test_tensors_outside_any_state_dict_are_refused_not_shown_as_none(tmp_path, cli):
+    """A file whose tensors sit where no optimizer or model state_dict is (Megatron's distrib_optim.pt
+    read on its own: buffers keyed by dtype tuples) was shown as '0 tensors'; it is refused, naming
+    where the first tensor is. A dict of plain scalars still inspects as holding none."""
+    torch = pytest.importorskip("torch")
+    odd = tmp_path / "distrib_optim.pt"
+    torch.save({"buckets_coalesced": True, 0: {(torch.bfloat16, torch.float32): {
+        "param": torch.ones(8), "exp_avg": torch.zeros(8), "numel_unpadded": 8}}}, odd)
+    r = cli("inspect", odd)
+    assert r.returncode == 1, r.stdout
+    assert "holds 2 tensors but neither an optimizer state_dict nor a model state_dict" in r.stderr
+    assert "'param'" in r.stderr and "Traceback" not in r.stderr
+    plain = tmp_path / "plain.pt"
+    torch.save({"epoch": 3, "note": "x"}, plain)
+    r = cli("inspect", plain, "--json")
+    assert r.returncode == 0, r.stderr

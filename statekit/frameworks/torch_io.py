@@ -106,7 +106,35 @@ def checkpoint_from_object(obj: object, path: str, key: str | None, fmt: str) ->
     ckpt.schedulers = torch_state.schedulers_of(obj)
     if ckpt.kind == "tensors" and not (isinstance(obj, dict) and obj):
         raise FormatError("holds neither an optimizer state_dict nor a model state_dict", path)
+    if ckpt.kind == "tensors":
+        _refuse_unread_tensors(obj, path)
     return ckpt
+
+
+def _first_tensor(value: object, where: tuple = ()) -> tuple | None:
+    """The key path of the first tensor inside ``value`` (dicts, lists, tuples), or None."""
+    from statekit.tensor import TensorRef
+
+    if isinstance(value, TensorRef):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for k, v in items:
+        found = _first_tensor(v, (*where, k))
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_unread_tensors(obj: object, path: str) -> None:
+    """A file whose tensors sit where no optimizer or model state_dict is never shown as holding none."""
+    from statekit.state import nested_tensors
+
+    where = _first_tensor(obj)
+    if where is not None:
+        n = len(nested_tensors(obj))
+        raise FormatError(f"holds {n} tensor{'s' * (n != 1)} but neither an optimizer state_dict nor a model "
+                          f"state_dict (the first under {' → '.join(map(repr, where))}): statekit does not "
+                          "know what they are", path)
 
 
 def name_from_model(ckpt: Checkpoint, *, ordered: bool | None = None, source: str) -> None:
