@@ -3,7 +3,7 @@
 Floors, bottom to top (``docs/architecture.md``):
   0 base        errors, dtypes, atomic, paramid, tensor, stream, versions
   1 formats     formats/* (containers and the format registry), io (the registry's door)
-  2 model       state, naming, hyper, structure/* (structural maps)
+  2 model       state, naming, hyper, structure/* (structural maps), schedule/* (LR schedules)
   3 frameworks  frameworks/*, and optim/* (the compute core)
   4 ops         ops/*
   5 surface     cli, render*, output, api, the package itself
@@ -30,7 +30,7 @@ FLOORS = {
     0: ("statekit.errors", "statekit.lazy", "statekit.dtypes", "statekit.atomic", "statekit.paramid", "statekit.tensor",
         "statekit.stream", "statekit.versions"),
     1: ("statekit.formats", "statekit.io"),
-    2: ("statekit.state", "statekit.naming", "statekit.hyper", "statekit.structure"),
+    2: ("statekit.state", "statekit.naming", "statekit.hyper", "statekit.structure", "statekit.schedule"),
     3: ("statekit.frameworks", "statekit.optim"),
     4: ("statekit.ops",),
     5: ("statekit.cli", "statekit.render", "statekit.output", "statekit.api", "statekit.__main__", "statekit"),

@@ -1,0 +1,97 @@
+"""torch LR-scheduler files (``scheduler.pt``, Accelerate's ``scheduler.bin``) read as a schedule, no torch.
+
+A scheduler's ``state_dict()`` is its ``__dict__`` less the optimizer: plain numbers and lists, a
+``collections.Counter`` (MultiStepLR's milestones: the one global beyond a state dict's, allowed
+here as a dict and for these files only), children's dicts (SequentialLR, ChainedScheduler). The
+class is not saved; it is told by its keys (:func:`statekit.schedule.torch_lr.class_of`). The
+optimizer file beside it gives the groups' ``lr`` (where a chainable scheduler steps from),
+``initial_lr`` and OneCycleLR's ``max_lr`` / ``min_lr``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from statekit.errors import FormatError, StatekitError
+from statekit.formats import torch_pickle, torch_pt
+from statekit.schedule import model, torch_lr
+from statekit.tensor import TensorRef
+
+GLOBALS = {"collections.Counter": torch_pickle.allowed_callable(
+    "collections.Counter", lambda counts=None: dict(counts or {}))}
+OPTIMIZER_FILES = {"scheduler.pt": "optimizer.pt", "scheduler.bin": "optimizer.bin"}
+GROUP_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum")
+
+
+def _plain(value, depth: int = 0):
+    """Tensor lrs (a 0-dim tensor) as floats; containers walked."""
+    if isinstance(value, TensorRef):
+        if value.numel == 1 and value.dtype != "QFloat":
+            return float(value.numpy().reshape(-1)[0])
+        raise FormatError(f"holds a tensor of shape {list(value.shape)} where a scheduler keeps a number")
+    if isinstance(value, dict) and depth < 8:
+        return {k: _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple) and depth < 8:
+        return [_plain(v, depth + 1) for v in value]
+    return value
+
+
+def load(path: str) -> object:
+    """The object a scheduler file holds (globals: a state dict's, and Counter)."""
+    return torch_pt.load_pt(path, extra_globals=GLOBALS)
+
+
+def schedule_of(sd: object, path: str) -> model.Schedule:
+    """A scheduler state_dict as a Schedule (FormatError: it is none)."""
+    cls = torch_lr.class_of(sd)
+    if cls is None:
+        raise FormatError("holds no torch LR-scheduler state_dict (no scheduler's keys)", path)
+    try:
+        return model.build_torch(cls, _plain(sd))
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise FormatError(f"a {cls} state_dict with a malformed entry ({type(exc).__name__}: {exc})", path) from None
+
+
+def optimizer_groups(path: str) -> tuple[list[dict] | None, float | None]:
+    """The saved param groups (their lr keys only) and the optimizer's step count, from an optimizer file."""
+    obj = torch_pt.load_pt(path)
+    if isinstance(obj, dict) and "optimizer" in obj and isinstance(obj["optimizer"], dict):
+        obj = obj["optimizer"]
+    if not isinstance(obj, dict) or not isinstance(obj.get("param_groups"), list):
+        return None, None
+    groups = [{k: _plain(g[k]) for k in GROUP_KEYS if k in g} for g in obj["param_groups"] if isinstance(g, dict)]
+    steps = set()
+    for entry in (obj.get("state") or {}).values():
+        if isinstance(entry, dict) and "step" in entry:
+            try:
+                steps.add(float(_plain(entry["step"])))
+            except (FormatError, TypeError, ValueError):
+                continue
+    step = max(steps) if steps else None
+    return groups, step
+
+
+def read_file(path: str, optimizer: str | None = None) -> model.ScheduleState:
+    """A scheduler file, with the optimizer file beside it (``optimizer.pt`` for ``scheduler.pt``) when there."""
+    sched = schedule_of(load(path), path)
+    ss = model.ScheduleState(sched, files={"scheduler": os.path.basename(path)})
+    if optimizer is None:
+        candidate = os.path.join(os.path.dirname(os.path.abspath(path)),
+                                 OPTIMIZER_FILES.get(os.path.basename(path), "optimizer.pt"))
+        optimizer = candidate if os.path.isfile(candidate) else None
+    if optimizer is not None:
+        try:
+            ss.groups, ss.optimizer_step = optimizer_groups(optimizer)
+            ss.files["optimizer"] = os.path.basename(optimizer)
+        except StatekitError as exc:
+            ss.notes.append(f"{os.path.basename(optimizer)} not read ({exc.message}): lrs from the scheduler alone")
+    if ss.groups is not None and sched.lr_now is not None and len(ss.groups) != len(sched.lr_now):
+        ss.notes.append(f"the optimizer has {len(ss.groups)} param groups, the scheduler {len(sched.lr_now)}: "
+                        "they are not one run's")
+        ss.groups = None
+    return ss
+
+
+def same(a, b) -> bool:
+    return isinstance(a, int | float) and isinstance(b, int | float) and math.isclose(a, b, rel_tol=1e-12)
