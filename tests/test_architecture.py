@@ -194,7 +194,7 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
         seen.add(name)
         expected = {".bpk": {"burnpack"}, ".pt": {"torch"}, ".safetensors": {"safetensors"},
                     ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy"}}[path.suffix]
-        if path.relative_to(fixtures).parts[0] in ("clients", "trainer_like", "hf", "finetune") \
+        if path.relative_to(fixtures).parts[0] in ("clients", "trainer_like", "hf", "finetune", "schedule") \
                 and path.suffix == ".bin":
             expected = {"torch"}  # Accelerate's optimizer.bin, HF pytorch_model.bin: torch.save's
         assert name in expected, path

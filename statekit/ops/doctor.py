@@ -74,6 +74,19 @@ WHY = {
               "not checked, and a reader that expects plain tensors (torch's own optimizers, burn) would drop "
               "or reject them",
     "no-path": "burn picks a parameter group's optimizer by path; without one only the catch-all group applies",
+    "schedule-lr": "the next update uses the param group's lr; a chainable torch scheduler (StepLR, ExponentialLR, "
+                   "CosineAnnealingLR …) computes every later lr from it, so each is off by the same factor "
+                   "(a closed-form one, LambdaLR / HF, is back on its schedule one update later)",
+    "schedule-args": "Trainer rebuilds the λ from the arguments of the resumed run: arguments that do not rebuild "
+                     "the saved lr continue another schedule from this position",
+    "initial-lr": "a scheduler built with last_epoch >= 0 raises KeyError 'initial_lr' (pytorch#140900), and "
+                  "OneCycleLR computes every lr from it; the scheduler's base lrs cannot be checked against it",
+    "no-scheduler": "HF Trainer loads optimizer.pt only when scheduler.pt is beside it: without it the optimizer "
+                    "state is silently ignored on resume (fresh moments) and the schedule restarts at step 0",
+    "counters": "the trainer's global step, the scheduler's position and the optimizer's step count one update "
+                "each; when they disagree the schedule resumes at another point of training than the optimizer",
+    "warmup-again": "the scheduler stands before the end of its warm-up while the optimizer has taken more updates "
+                    "than the warm-up: the lr ramps up again from near zero on a trained model",
 }
 
 
@@ -315,6 +328,9 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
         notes.append(f"{state.family_label} keeps one global state; per-parameter checks do not apply to it")
     _check_steps(state.params, findings)
     _check_paths(state.params, findings)
+    from statekit.ops import doctor_schedule
+
+    doctor_schedule.check(state_ckpt, _finding, findings, notes)
     method = None
     if model_ckpt is not None and named:
         method = _check_model(state.params, model, findings)

@@ -40,6 +40,7 @@ class Schedule:
     warmup: int | None = None  # updates of warm-up (the lr rises until this position)
     horizon: int | None = None  # the position where the schedule ends (its decay reaches its end)
     lam: object = None  # HF: the rebuilt λ (torch LambdaLR's function)
+    children: list[Schedule] = field(default_factory=list)  # burn: per param group / composite children
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -224,6 +225,8 @@ def describe(ss: ScheduleState) -> dict:
             out["lr_next_why"] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         if sched.unknown:
             out["unknown"] = sched.unknown
+        if sched.children:
+            out["children"] = [_child(c) for c in sched.children]
         out["notes"] = list(sched.notes)
     c = ss.counters
     out["counters"] = {k: getattr(c, k) for k in ("global_step", "epoch", "skip_batches", "consumed_samples",
@@ -233,6 +236,13 @@ def describe(ss: ScheduleState) -> dict:
     if ss.optimizer_step is not None:
         out["optimizer_step"] = ss.optimizer_step
     out["notes"] = out.get("notes", []) + list(ss.notes)
+    return out
+
+
+def _child(sched: Schedule) -> dict:
+    out = {"kind": sched.kind, "position": sched.position, "state": _plain(sched.state)}
+    if sched.children:
+        out["children"] = [_child(c) for c in sched.children]
     return out
 
 
