@@ -245,3 +245,36 @@ def test_doctor_explains_updates_the_fp16_scaler_skipped(fixtures):
     found, notes = schedule_findings(fixtures / "schedule" / "planted" / "fp16-skipped" / "checkpoint-7")
     assert found == []
     assert any("2 updates skipped by the fp16 loss scaler" in n for n in notes)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("sd", [
+    {"step_size": "three", "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 2, "_step_count": 3, "_last_lr": [0.1]},
+    {"gamma": 0.5, "base_lrs": "0.1", "last_epoch": 2, "_step_count": 3, "_last_lr": [0.1]},
+    {"T_max": 0, "eta_min": 0.0, "base_lrs": [0.1], "last_epoch": 2, "_step_count": 3, "_last_lr": [0.1]},
+    {"_milestones": [3], "_schedulers": "nothing", "last_epoch": 1, "_last_lr": [0.1]},
+])
+def test_a_malformed_scheduler_is_one_line_never_a_traceback(tmp_path, cli, sd):
+    path = tmp_path / "scheduler.pt"
+    torch_pt.save_pt(sd, path)
+    res = cli("inspect", str(path))
+    assert "Traceback" not in res.stdout + res.stderr
+    if res.returncode == 0:  # read, with the next lr said to be unknown
+        assert "lr next: not known" in res.stdout
+    else:
+        assert len(res.stderr.strip().splitlines()) == 1 and "scheduler.pt" in res.stderr
+
+
+def test_an_lr_past_float_range_is_shown_as_torch_computes_it(tmp_path, cli):
+    torch_pt.save_pt({"gamma": 1e300, "base_lrs": [0.1], "last_epoch": 2, "_step_count": 3, "_last_lr": [1e300]},
+                     tmp_path / "scheduler.pt")
+    res = cli("inspect", str(tmp_path / "scheduler.pt"), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["schedule"]["lr_next"] == ["inf"]  # 1e300 * 1e300 in floats, as torch steps it
+
+
+def test_a_burn_record_of_no_scheduler_is_a_warning(tmp_path):
+    with io.open_checkpoint(_record(tmp_path / "scheduler-1.bpk", {"0.mystery": Scalar("UInt", 3)})) as ckpt:
+        assert ckpt.schedule is None and any("no burn scheduler keeps it" in w for w in ckpt.warnings)

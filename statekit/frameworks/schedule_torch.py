@@ -47,10 +47,30 @@ def schedule_of(sd: object, path: str) -> model.Schedule:
     cls = torch_lr.class_of(sd)
     if cls is None:
         raise FormatError("holds no torch LR-scheduler state_dict (no scheduler's keys)", path)
+    _check(sd, path, cls)
     try:
         return model.build_torch(cls, _plain(sd))
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise FormatError(f"a {cls} state_dict with a malformed entry ({type(exc).__name__}: {exc})", path) from None
+
+
+def _check(sd: dict, path: str, cls: str, depth: int = 0) -> None:
+    """The entries every step reads have the types torch gives them (a child's too)."""
+    def bad(key, want):
+        raise FormatError(f"a {cls} state_dict whose {key!r} is {type(sd[key]).__name__}, not {want}", path)
+
+    if "last_epoch" in sd and (isinstance(sd["last_epoch"], bool) or not isinstance(sd["last_epoch"], int)):
+        bad("last_epoch", "an int")
+    for key in ("base_lrs", "_last_lr", "_milestones", "_schedulers", "min_lrs", "max_lrs"):
+        if key in sd and not isinstance(sd[key], list):
+            bad(key, "a list")
+    if "milestones" in sd and not isinstance(sd["milestones"], dict):
+        bad("milestones", "a Counter")
+    for child in sd.get("_schedulers", ()):
+        child_cls = torch_lr.class_of(child)
+        if child_cls is None or depth > 4:
+            raise FormatError(f"a {cls} whose child is no torch scheduler's state_dict", path)
+        _check(child, path, child_cls, depth + 1)
 
 
 def optimizer_groups(path: str) -> tuple[list[dict] | None, float | None]:

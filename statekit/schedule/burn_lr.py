@@ -35,7 +35,16 @@ def kind_of(key: str, scalar_kind: str, has_children: bool) -> str | None:
 
 
 def position(kind: str, value, params: dict) -> int | None:
-    """The position a record's counter stands for (None: it needs the config)."""
+    """The position a record's counter stands for (None: it needs the config, or the value is no count)."""
+    try:
+        return _position(kind, value, params)
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError):
+        return None
+
+
+def _position(kind: str, value, params: dict) -> int | None:
+    if isinstance(value, float) and not value.is_integer() and kind in ("noam", "sequential"):
+        return None
     if kind == "cosine":
         return (int(value) + 1) % U64
     if kind == "step":

@@ -128,15 +128,15 @@ def lr_at(sched: Schedule, t: int, groups: list[dict] | None = None) -> list[flo
     """The closed-form lr per group at position ``t`` (None: the kind has none, or it is unknown)."""
     if sched.unknown:
         return None
-    if sched.framework == "hf" and sched.lam is not None:
-        return [base * sched.lam(t) for base in sched.base_lrs]
-    if sched.framework == "torch":
-        try:
+    try:
+        if sched.framework == "hf" and sched.lam is not None:
+            return [base * sched.lam(t) for base in sched.base_lrs]
+        if sched.framework == "torch":
             return torch_lr.closed_form(sched.name, sched.state, t, groups)
-        except (MappingError, KeyError, TypeError, ZeroDivisionError):
-            return None
-    if sched.framework == "burn":
-        return burn_lr.lr_at(sched, t)
+        if sched.framework == "burn":
+            return burn_lr.lr_at(sched, t)
+    except (MappingError, KeyError, TypeError, ZeroDivisionError, ValueError, OverflowError, IndexError):
+        return None
     return None
 
 
@@ -213,15 +213,15 @@ def describe(ss: ScheduleState) -> dict:
     sched = ss.schedule
     out: dict = {"files": dict(ss.files)}
     if sched is not None:
-        out.update({"kind": sched.kind, "params": _plain(sched.params), "base_lrs": sched.base_lrs,
+        out.update({"kind": sched.kind, "params": _plain(sched.params), "base_lrs": _plain(sched.base_lrs),
                     "position": sched.position, "warmup": sched.warmup, "horizon": sched.horizon,
-                    "steps_left": sched.steps_left, "lr_now": sched.lr_now, "lr_next": None})
+                    "steps_left": sched.steps_left, "lr_now": _plain(sched.lr_now), "lr_next": None})
         try:
             if sched.name in ("ReduceLROnPlateau", "reduce_lr_on_plateau"):
-                out["lr_next_if"] = plateau_next(sched, ss.groups)
+                out["lr_next_if"] = _plain(plateau_next(sched, ss.groups))
             else:
-                out["lr_next"] = next_lrs(sched, ss.groups)[0]
-        except (MappingError, KeyError, TypeError, ZeroDivisionError, ValueError) as exc:
+                out["lr_next"] = _plain(next_lrs(sched, ss.groups)[0])
+        except (MappingError, KeyError, TypeError, ZeroDivisionError, ValueError, OverflowError, IndexError) as exc:
             out["lr_next_why"] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         if sched.unknown:
             out["unknown"] = sched.unknown
