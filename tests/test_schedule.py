@@ -278,3 +278,37 @@ def test_an_lr_past_float_range_is_shown_as_torch_computes_it(tmp_path, cli):
 def test_a_burn_record_of_no_scheduler_is_a_warning(tmp_path):
     with io.open_checkpoint(_record(tmp_path / "scheduler-1.bpk", {"0.mystery": Scalar("UInt", 3)})) as ckpt:
         assert ckpt.schedule is None and any("no burn scheduler keeps it" in w for w in ckpt.warnings)
+
+
+# ------------------------------------------------------------------------------------ Lightning, Accelerate
+
+
+def _torch_next(sched_sd: dict, groups: list[dict]) -> list[float]:
+    """Real torch: a StepLR over the saved groups' lrs, its saved state loaded, stepped once."""
+    torch = pytest.importorskip("torch")
+    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": g["initial_lr"]} for g in groups])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    for group, saved in zip(opt.param_groups, groups, strict=True):
+        group["lr"] = saved["lr"]  # (what optimizer.load_state_dict restores)
+    sched.load_state_dict(sched_sd)
+    opt.step()
+    sched.step()
+    return sched.get_last_lr()
+
+
+@pytest.mark.parametrize(("path", "where"), [
+    ("clients/lightning/epoch=0-step=4.ckpt", "lightning"), ("clients/accelerate", "accelerate")])
+def test_lightning_and_accelerate_schedules_step_as_torch_does(fixtures, path, where):
+    torch = pytest.importorskip("torch")
+    if where == "lightning":
+        obj = torch.load(fixtures / path, weights_only=False)
+        sd, groups = obj["lr_schedulers"][0], obj["optimizer_states"][0]["param_groups"]
+    else:
+        sd = torch.load(fixtures / path / "scheduler.bin", weights_only=True)
+        groups = torch.load(fixtures / path / "optimizer.bin", weights_only=True)["param_groups"]
+    s = described(fixtures / path)
+    assert s["kind"] == "torch:StepLR" and s["position"] == sd["last_epoch"]
+    assert s["lr_now"] == sd["_last_lr"] and s["lr_next"] == _torch_next(sd, groups)
+    if where == "lightning":
+        assert s["counters"]["global_step"] == obj["global_step"] and s["optimizer_step"] == obj["global_step"]
+    assert schedule_findings(fixtures / path)[0] == []

@@ -78,18 +78,7 @@ def optimizer_groups(path: str) -> tuple[list[dict] | None, float | None]:
     obj = torch_pt.load_pt(path)
     if isinstance(obj, dict) and "optimizer" in obj and isinstance(obj["optimizer"], dict):
         obj = obj["optimizer"]
-    if not isinstance(obj, dict) or not isinstance(obj.get("param_groups"), list):
-        return None, None
-    groups = [{k: _plain(g[k]) for k in GROUP_KEYS if k in g} for g in obj["param_groups"] if isinstance(g, dict)]
-    steps = set()
-    for entry in (obj.get("state") or {}).values():
-        if isinstance(entry, dict) and "step" in entry:
-            try:
-                steps.add(float(_plain(entry["step"])))
-            except (FormatError, TypeError, ValueError):
-                continue
-    step = max(steps) if steps else None
-    return groups, step
+    return _optimizer_sd_groups(obj)
 
 
 def read_file(path: str, optimizer: str | None = None) -> model.ScheduleState:
@@ -115,3 +104,44 @@ def read_file(path: str, optimizer: str | None = None) -> model.ScheduleState:
 
 def same(a, b) -> bool:
     return isinstance(a, int | float) and isinstance(b, int | float) and math.isclose(a, b, rel_tol=1e-12)
+
+
+def _optimizer_sd_groups(sd: object) -> tuple[list[dict] | None, float | None]:
+    if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list):
+        return None, None
+    groups = [{k: _plain(g[k]) for k in GROUP_KEYS if k in g} for g in sd["param_groups"] if isinstance(g, dict)]
+    steps = set()
+    for entry in (sd.get("state") or {}).values():
+        if isinstance(entry, dict) and "step" in entry:
+            try:
+                steps.add(float(_plain(entry["step"])))
+            except (FormatError, TypeError, ValueError):
+                continue
+    return groups, (max(steps) if steps else None)
+
+
+def from_lightning(obj: dict, path: str) -> model.ScheduleState | None:
+    """A Lightning ``.ckpt``'s first LR scheduler (``lr_schedulers[0]``) over ``optimizer_states[0]``, and
+    its counters (``global_step``: optimizer steps; epochs completed from ``loops``). None without one."""
+    schedulers = obj.get("lr_schedulers")
+    if not isinstance(schedulers, list) or not schedulers:
+        return None
+    ss = model.ScheduleState(schedule_of(schedulers[0], path), files={
+        "scheduler": "lr_schedulers[0]", "optimizer": "optimizer_states[0]", "lightning": os.path.basename(path)})
+    states = obj.get("optimizer_states")
+    if isinstance(states, list) and states:
+        ss.groups, ss.optimizer_step = _optimizer_sd_groups(states[0])
+    c = ss.counters
+    c.source = os.path.basename(path)
+    if isinstance(obj.get("global_step"), int):
+        c.global_step = obj["global_step"]
+    progress = ((obj.get("loops") or {}).get("fit_loop") or {}).get("epoch_progress") or {}
+    done = ((progress.get("current") or {}).get("completed"))
+    c.epoch = float(done) if isinstance(done, int) else (float(obj["epoch"]) if isinstance(obj.get("epoch"), int)
+                                                         else None)
+    c.why["skip_batches"] = "Lightning resumes mid-epoch only with stateful dataloaders (their state is in loops)"
+    ss.notes.append("Lightning does not save the scheduler's interval: the position counts optimizer steps for "
+                    "interval='step', epochs for 'epoch' (the default)")
+    if len(schedulers) > 1:
+        ss.notes.append(f"{len(schedulers)} LR schedulers: the first is shown")
+    return ss

@@ -99,6 +99,9 @@ def _counters(ss, sched, finding, findings, notes) -> None:
     if sched.name in ("ReduceLROnPlateau", "reduce_lr_on_plateau") or sched.position is None:
         return  # (it counts evaluations, not updates)
     pos, step, glob = sched.position, ss.optimizer_step, ss.counters.global_step
+    if "lightning" in ss.files and ss.counters.epoch is not None and pos == ss.counters.epoch != glob:
+        notes.append(f"the scheduler's position {pos} is the epochs completed: an interval='epoch' scheduler")
+        return
     if step is not None and step != pos:
         findings.append(finding("warning", "counters", None,
                                 f"the scheduler stands at position {pos}, the optimizer took {step:g} updates"))
