@@ -312,3 +312,28 @@ def test_lightning_and_accelerate_schedules_step_as_torch_does(fixtures, path, w
     if where == "lightning":
         assert s["counters"]["global_step"] == obj["global_step"] and s["optimizer_step"] == obj["global_step"]
     assert schedule_findings(fixtures / path)[0] == []
+
+
+def test_doctor_arguments_that_rebuild_another_schedule(fixtures, tmp_path):
+    """max_steps 10 → 20 in trainer_state.json: the rebuilt linear λ no longer gives the saved lr at 5."""
+    folder = tmp_path / "checkpoint-5"
+    shutil.copytree(fixtures / "schedule" / "hf" / "linear" / "checkpoint-5", folder)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    state["max_steps"] = 20
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    found, _ = schedule_findings(folder)
+    assert [f["check"] for f in found] == ["schedule-args"]
+    assert "0.0071428571428571435" in found[0]["message"]  # 0.01 * (10 - 5) / 7, the saved lr
+    assert "0.008823529411764706" in found[0]["message"]  # 0.01 * (20 - 5) / 17, the rebuilt one
+    assert described(folder)["lr_next"] == [0.01 * (20 - 6) / 17] * 2  # what a resume with these arguments uses
+
+
+def test_doctor_a_chainable_lr_that_drifted_from_its_closed_form(tmp_path):
+    """StepLR(step_size 2, gamma 0.5) at 5 is 0.1 * 0.5^2 = 0.025; its saved lr (and the group's) is 0.05."""
+    torch_pt.save_pt({"step_size": 2, "gamma": 0.5, "base_lrs": [0.1], "last_epoch": 5, "_step_count": 6,
+                      "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": [0.05]},
+                     tmp_path / "scheduler.pt")
+    torch_pt.save_pt({"state": {}, "param_groups": [{"lr": 0.05, "initial_lr": 0.1, "params": [0]}]},
+                     tmp_path / "optimizer.pt")
+    found, _ = schedule_findings(tmp_path / "optimizer.pt")
+    assert [f["check"] for f in found] == ["schedule-lr"] and "0.025" in found[0]["message"]

@@ -173,6 +173,6 @@ def _check_rebuilt(sched: model.Schedule) -> None:
         return
     want = model.lr_at(sched, sched.position)
     if want is not None and not all(model.same_lr(a, b) for a, b in zip(want, sched.lr_now, strict=False)):
-        sched.notes.append(f"the rebuilt schedule gives lr {want[0]:.6g} at position {sched.position}, the file holds "
-                           f"{sched.lr_now[0]:.6g}: the arguments are not the ones this scheduler was built with")
-        sched.params["disagrees"] = True
+        sched.disagrees = (f"the rebuilt schedule gives lr {want[0]!r} at position {sched.position}, the file holds "
+                           f"{sched.lr_now[0]!r}: the arguments are not the ones this scheduler was built with")
+        sched.notes.append(sched.disagrees)

@@ -59,12 +59,13 @@ def check(ckpt, finding, findings: list[dict], notes: list[str]) -> None:
 
 
 def _lr(ss, sched, finding, findings) -> None:
-    if sched.params.get("disagrees"):
-        findings.append(finding("warning", "schedule-args", None, next(n for n in sched.notes if "rebuilt" in n and
-                                                                       "gives lr" in n)))
+    if sched.disagrees:
+        findings.append(finding("warning", "schedule-args", None, sched.disagrees))
     if not ss.groups or sched.lr_now is None or sched.position is None:
         return
-    closed = model.lr_at(sched, sched.position, ss.groups) if sched.position >= 0 else None
+    # (an HF λ that disagrees is schedule-args' finding)
+    closed = model.lr_at(sched, sched.position, ss.groups) if sched.position >= 0 and sched.framework == "torch" \
+        else None
     for g, group in enumerate(ss.groups):
         if g >= len(sched.lr_now) or not isinstance(group.get("lr"), int | float):
             continue

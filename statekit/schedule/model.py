@@ -41,6 +41,7 @@ class Schedule:
     horizon: int | None = None  # the position where the schedule ends (its decay reaches its end)
     lam: object = None  # HF: the rebuilt λ (torch LambdaLR's function)
     children: list[Schedule] = field(default_factory=list)  # burn: per param group / composite children
+    disagrees: str | None = None  # a rebuilt schedule (HF) that does not give the saved lr: how
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -225,6 +226,8 @@ def describe(ss: ScheduleState) -> dict:
             out["lr_next_why"] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
         if sched.unknown:
             out["unknown"] = sched.unknown
+        if sched.disagrees:
+            out["disagrees"] = sched.disagrees
         if sched.children:
             out["children"] = [_child(c) for c in sched.children]
         out["notes"] = list(sched.notes)
