@@ -337,3 +337,16 @@ def test_doctor_a_chainable_lr_that_drifted_from_its_closed_form(tmp_path):
                      tmp_path / "optimizer.pt")
     found, _ = schedule_findings(tmp_path / "optimizer.pt")
     assert [f["check"] for f in found] == ["schedule-lr"] and "0.025" in found[0]["message"]
+
+
+def test_data_position_of_a_long_run_is_quick():
+    """A long run: 10 epochs of 90 909 updates (727 272 batches, GA 8) done, 90 000 updates into the 11th."""
+    import time
+
+    n, ga = 727_272, 8
+    per_epoch = n // ga  # 90 909
+    step = 10 * per_epoch + 90_000
+    epoch = 10 + (90_000 * ga) / n
+    start = time.perf_counter()
+    assert schedule_hf.data_position(step, epoch, ga)[:2] == (per_epoch, 90_000 * ga)
+    assert time.perf_counter() - start < 1.0

@@ -56,25 +56,40 @@ def _kwargs(value, path: str) -> dict:
 def data_position(global_step: int, epoch: float, ga: int, limit: int = 1 << 20) -> tuple[int | None, int | None, str]:
     """``(updates_per_epoch, micro-batches to skip, why not)`` from Trainer's epoch fraction.
 
-    Trainer saves ``epoch = epochs_done + (micro-batches done in the epoch) / len(dataloader)``; every
-    dataloader length consistent with it is tried, and the answer given only when they all agree."""
+    Trainer saves ``epoch = epochs_done + (micro-batches done in the epoch) / len(dataloader)``, with
+    ``updates_per_epoch = ceil(len / ga)``; every updates-per-epoch count that leaves ``epochs_done``
+    whole epochs is tried with the dataloader length its fraction implies, and the answer given only
+    when all that fit agree."""
     if global_step <= 0:
         return None, 0, ""
     whole = math.floor(epoch + 1e-12)
     if whole < 0 or (whole == 0 and epoch <= 0):
         return None, None, f"epoch {epoch!r} at global step {global_step}: no position in the data"
-    # n (the dataloader's micro-batches an epoch) is at most global_step·ga / whole epochs done
-    top = global_step * ga // whole if whole else math.ceil(global_step * ga / epoch) + 1
-    if top > limit:
-        return None, None, f"the dataloader length behind epoch {epoch!r} was not searched (over {limit} batches)"
-    answers = set()
-    for n in range(1, top + 1):
+    frac = epoch - whole
+    # floor(global_step / per_epoch) == whole
+    low = global_step // (whole + 1) + 1
+    high = global_step // whole if whole else None
+    if high is None:  # less than an epoch: global_step·ga micro-batches are frac of the dataloader
+        n = round(global_step * ga / epoch)
         per_epoch = max(n // ga + (n % ga > 0), 1)
-        done, within = divmod(global_step, per_epoch)
-        micro = within * ga
-        if done != whole or micro > n:
+        if per_epoch > global_step and math.isclose(global_step * ga / n, epoch, rel_tol=1e-12):
+            return per_epoch, global_step * ga, ""
+        return None, None, f"no dataloader length gives epoch {epoch!r} at global step {global_step} with " \
+                           f"gradient accumulation {ga}"
+    if high - low > limit:
+        return None, None, f"the dataloader length behind epoch {epoch!r} was not searched (over {limit} candidates)"
+    answers = set()
+    for per_epoch in range(max(low, 1), high + 1):
+        micro = (global_step % per_epoch) * ga
+        if micro == 0:
+            if frac < 1e-12:
+                answers.add((per_epoch, 0))
             continue
-        if math.isclose(done + (micro / n if within else 0.0), epoch, rel_tol=1e-12, abs_tol=1e-12):
+        if frac <= 0:
+            continue
+        n = round(micro / frac)
+        if (per_epoch - 1) * ga < n <= per_epoch * ga and micro <= n and \
+                math.isclose(whole + micro / n, epoch, rel_tol=1e-12, abs_tol=1e-12):
             answers.add((per_epoch, micro))
     if len(answers) == 1:
         return (*answers.pop(), "")
