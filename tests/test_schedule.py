@@ -350,3 +350,43 @@ def test_data_position_of_a_long_run_is_quick():
     start = time.perf_counter()
     assert schedule_hf.data_position(step, epoch, ga)[:2] == (per_epoch, 90_000 * ga)
     assert time.perf_counter() - start < 1.0
+
+
+# ------------------------------------------------------------------------------------ DeepSpeed
+
+
+def _deepspeed_with(fixtures, tmp_path, **entries):
+    """The stage-2 DeepSpeed fixture (3 updates) with entries set in its model states (real torch.save)."""
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "step3"
+    shutil.copytree(fixtures / "deepspeed" / "stage2" / "step3", folder)
+    states = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)
+    states.update(entries)
+    torch.save(states, folder / "mp_rank_00_model_states.pt")
+    return folder
+
+
+def test_deepspeed_scheduler_position_and_counters(fixtures, tmp_path):
+    config = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 0.01}}}
+    folder = _deepspeed_with(fixtures, tmp_path, lr_scheduler={"last_batch_iteration": 1}, skipped_steps=1,
+                             ds_config=config)
+    s = described(folder)
+    assert s["kind"] == "deepspeed:WarmupLR" and s["position"] == 1 and s["warmup"] == 10
+    assert s["lr_next"] is None and "not implemented" in s["lr_next_why"]
+    assert s["counters"]["global_step"] == 3 and s["counters"]["consumed_samples"] == 24
+    found, notes = schedule_findings(folder)  # 3 updates, 1 skipped: stepped twice, last_batch_iteration 1
+    assert found == [] and any("1 skipped by the fp16 loss scaler" in n for n in notes)
+    found, _ = schedule_findings(_deepspeed_with(fixtures, tmp_path / "b", lr_scheduler={"last_batch_iteration": 5},
+                                                 ds_config=config))
+    assert [f["check"] for f in found] == ["counters"]
+
+
+def test_deepspeed_with_a_client_torch_scheduler(fixtures, tmp_path):
+    # StepLR(step_size 2, gamma 0.5) from 0.02 at position 3: 0.01, the fixture's group lr; at 4 it halves
+    sd = {"step_size": 2, "gamma": 0.5, "base_lrs": [0.02], "last_epoch": 3, "_step_count": 4, "_is_initial": False,
+          "_get_lr_called_within_step": False, "_last_lr": [0.01]}
+    folder = _deepspeed_with(fixtures, tmp_path, lr_scheduler=sd)
+    s = described(folder)
+    assert s["kind"] == "torch:StepLR" and s["position"] == 3 and s["lr_next"] == [0.01 * 0.5]
+    # 3 updates at position 3 agree; the run had no scheduler, so its groups keep no initial_lr
+    assert [f["check"] for f in schedule_findings(folder)[0]] == ["initial-lr"]

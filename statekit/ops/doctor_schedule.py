@@ -100,6 +100,12 @@ def _counters(ss, sched, finding, findings, notes) -> None:
     if sched.name in ("ReduceLROnPlateau", "reduce_lr_on_plateau") or sched.position is None:
         return  # (it counts evaluations, not updates)
     pos, step, glob = sched.position, ss.optimizer_step, ss.counters.global_step
+    if sched.framework == "deepspeed":  # its index is one behind: updates stepped - 1
+        pos += 1
+    if ss.deepspeed_skipped and glob is not None:
+        notes.append(f"DeepSpeed: global_steps {glob}, of which {ss.deepspeed_skipped} skipped by the fp16 loss "
+                     "scaler (the scheduler and the optimizer did not step on them)")
+        glob -= ss.deepspeed_skipped
     if "lightning" in ss.files and ss.counters.epoch is not None and pos == ss.counters.epoch != glob:
         notes.append(f"the scheduler's position {pos} is the epochs completed: an interval='epoch' scheduler")
         return

@@ -371,7 +371,7 @@ def schedule_view(s: dict, width: int | None) -> list:
         if params:
             out += wrapped("  parameters: ", params.split(", "), ", ", width)
     else:
-        out += wrapped("schedule: ", ["none (no scheduler file)"], "", width, head_style="bold")
+        out += wrapped("schedule: ", ["none saved"], "", width, head_style="bold")
     counters = [f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
                 for k, v in (s.get("counters") or {}).items() if v is not None]
     if s.get("optimizer_step") is not None:

@@ -83,6 +83,7 @@ class ScheduleState:
     optimizer_step: float | None = None  # the optimizer's own count of updates (Adam's step), when one
     files: dict = field(default_factory=dict)  # role → file name (scheduler, optimizer, trainer_state …)
     fp16: bool = False  # a loss scaler's state beside it (skipped updates are possible)
+    deepspeed_skipped: int | None = None  # DeepSpeed's skipped_steps (global_steps counts them)
     notes: list[str] = field(default_factory=list)
 
 
