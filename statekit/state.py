@@ -488,6 +488,7 @@ class Checkpoint:
     nbytes: int = 0
     warnings: list[str] = field(default_factory=list)
     schedulers: list[dict] = field(default_factory=list)  # LR scheduler state beside the optimizer, for display
+    schedule: object = None  # a statekit.schedule.model.ScheduleState: the LR schedule and the trainer's counters
     container: object = None
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 Floors, bottom to top (``docs/architecture.md``):
   0 base        errors, dtypes, atomic, paramid, tensor, stream, versions
   1 formats     formats/* (containers and the format registry), io (the registry's door)
-  2 model       state, naming, hyper, structure/* (structural maps)
+  2 model       state, naming, hyper, structure/* (structural maps), schedule/* (LR schedules)
   3 frameworks  frameworks/*, and optim/* (the compute core)
   4 ops         ops/*
   5 surface     cli, render*, output, api, guard/* (the training-loop guard), the package itself
@@ -30,7 +30,7 @@ FLOORS = {
     0: ("statekit.errors", "statekit.lazy", "statekit.dtypes", "statekit.atomic", "statekit.paramid", "statekit.tensor",
         "statekit.stream", "statekit.versions"),
     1: ("statekit.formats", "statekit.io"),
-    2: ("statekit.state", "statekit.naming", "statekit.hyper", "statekit.structure"),
+    2: ("statekit.state", "statekit.naming", "statekit.hyper", "statekit.structure", "statekit.schedule"),
     3: ("statekit.frameworks", "statekit.optim"),
     4: ("statekit.ops",),
     5: ("statekit.cli", "statekit.render", "statekit.output", "statekit.api", "statekit.guard", "statekit.__main__",
@@ -195,7 +195,7 @@ def test_every_fixture_is_claimed_by_exactly_the_format_it_opens_as(fixtures):
         seen.add(name)
         expected = {".bpk": {"burnpack"}, ".pt": {"torch"}, ".safetensors": {"safetensors"},
                     ".mpk": {"burn-legacy"}, ".bin": {"burn-legacy"}}[path.suffix]
-        if (path.relative_to(fixtures).parts[0] in ("clients", "trainer_like", "hf", "finetune")
+        if (path.relative_to(fixtures).parts[0] in ("clients", "trainer_like", "hf", "finetune", "schedule")
                 or (path.parent / "trainer_state.json").exists()) and path.suffix == ".bin":
             expected = {"torch"}  # Accelerate's optimizer.bin, HF pytorch_model.bin, Trainer's training_args.bin
         assert name in expected, path

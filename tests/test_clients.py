@@ -107,7 +107,7 @@ def test_trainer_folder_opens_by_content(cli):
         assert ckpt.scalars["global_step"] == trainer_state["global_step"]
     res = cli("inspect", TRAINER)
     assert res.returncode == 0, res.stderr
-    assert "lr scheduler 0:" in res.stdout and "last_epoch=3" in res.stdout
+    assert "schedule: hf:linear" in res.stdout and "position 3" in res.stdout  # the schedule (issue 36)
 
 
 def test_accelerate_folder_opens_by_content():

@@ -90,6 +90,14 @@ def read(pack: BurnpackFile) -> Checkpoint:
     else:
         ckpt.metadata = dict(pack.metadata)
         ckpt.scalars = {k: v.value for k, v in pack.scalars.items()}
+    if kind == "scheduler":
+        from statekit.errors import StatekitError
+        from statekit.frameworks import schedule_burn
+
+        try:
+            ckpt.schedule = schedule_burn.read_pack(pack)
+        except StatekitError as exc:
+            ckpt.warnings.append(f"not read as an LR scheduler record: {exc.message}")
     return ckpt
 
 

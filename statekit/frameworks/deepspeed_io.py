@@ -130,7 +130,18 @@ def _open_zero(path: str, tag: str) -> Checkpoint:
     ckpt.n_tensors = sum(len(p.slots) for p in params)
     ckpt.nbytes = sum(p.nbytes for p in params)
     ckpt.metadata.update(zero_stage=str(stage), world_size=str(world), tag=os.path.basename(tag))
+    _attach_schedule(ckpt, model_states, groups_hp, path)
     return ckpt
+
+
+def _attach_schedule(ckpt: Checkpoint, model_states: dict, groups: list, path: str) -> None:
+    from statekit.errors import StatekitError
+    from statekit.frameworks import schedule_deepspeed
+
+    try:
+        ckpt.schedule = schedule_deepspeed.read(model_states, groups, path)
+    except StatekitError as exc:
+        ckpt.warnings.append(f"LR schedule not read: {exc.message}")
 
 
 def _as_torch_state(sd_state: dict, sd_groups: list[dict], path: str, note: str) -> OptimizerState:
@@ -302,6 +313,7 @@ def _open_universal(path: str) -> Checkpoint:
     ckpt = Checkpoint(path=path, format=FORMAT, kind="optimizer", optimizer=state, model=model)
     ckpt.n_tensors = sum(len(p.slots) for p in params)
     ckpt.nbytes = sum(p.nbytes for p in params)
+    _attach_schedule(ckpt, model_states, groups_hp, path)
     return ckpt
 
 

@@ -41,6 +41,10 @@ OPTIM_FAMILIES = {
     **dict.fromkeys(("rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"), "rmsprop"),
     "sgd": "sgd", "adagrad": "adagrad", "rmsprop": "rmsprop", "adafactor": "transformers-adafactor",
 }
+# what the schedule and the data position are rebuilt from (Trainer.create_scheduler, _inner_training_loop)
+SCHEDULE_FIELDS = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "learning_rate",
+                   "max_steps", "num_train_epochs", "gradient_accumulation_steps", "per_device_train_batch_size",
+                   "ignore_data_skip", "fp16", "bf16", "metric_for_best_model")
 BITSANDBYTES = frozenset(n for n in OPTIM_FAMILIES if n not in ADAMW and n not in (
     "sgd", "adagrad", "rmsprop", "adafactor"))
 SAME = {"adam": "adamw", "adamw": "adamw"}  # torch's AdamW state is Adam's: either name agrees with adamw
@@ -72,12 +76,12 @@ def path_in(folder: str) -> str | None:
     return candidate if os.path.isfile(candidate) else None
 
 
-def read(path: str) -> dict:
-    """The optimizer settings of a ``training_args.bin`` (a FormatError when it is not one)."""
+def read(path: str, fields: tuple[str, ...] = FIELDS) -> dict:
+    """The optimizer settings (or other ``fields``) of a ``training_args.bin`` (a FormatError when it is not one)."""
     obj = torch_pt.load_pt(path, extra_globals=_Globals())
     if not isinstance(obj, torch_pickle.Record) or not obj.kind.endswith(("Arguments", "Config")):
         raise FormatError("is not a pickled TrainingArguments", path)
-    out = {k: obj.fields[k] for k in FIELDS if k in obj.fields}
+    out = {k: obj.fields[k] for k in fields if k in obj.fields}
     out["class"] = obj.kind
     return out
 

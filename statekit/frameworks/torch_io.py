@@ -13,10 +13,11 @@ import operator
 import os
 
 from statekit import dtypes, hyper
-from statekit.errors import FormatError, MappingError, UnsafePickleError
+from statekit.errors import FormatError, MappingError, StatekitError, UnsafePickleError
 from statekit.formats import torch_pt
 from statekit.formats.torch_pickle import no_gc
-from statekit.frameworks import base, torch_state, torch_thirdparty
+from statekit.frameworks import base, schedule_torch, torch_state, torch_thirdparty
+from statekit.schedule import torch_lr
 from statekit.state import Checkpoint, ModelInfo, OptimizerState
 
 FORMAT = "torch"
@@ -38,13 +39,34 @@ def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
             obj = torch_pt.load_pt(path)
         except UnsafePickleError as exc:  # a class only one optimizer library pickles: refused by its name
             name = exc.message.partition("global '")[2].partition("'")[0]
-            torch_thirdparty.refuse_global(name, path)
-            raise
+            if name not in schedule_torch.GLOBALS:
+                torch_thirdparty.refuse_global(name, path)
+                raise
+            obj = schedule_torch.load(path)  # MultiStepLR's milestones: allowed where schedulers are saved only
+            if torch_lr.class_of(obj) is None and not (isinstance(obj, dict) and obj.get("lr_schedulers")):
+                raise
+        if torch_lr.class_of(obj) is not None:
+            return scheduler_checkpoint(path, obj)
         ckpt = checkpoint_from_object(obj, path, key, FORMAT)
+        if isinstance(obj, dict) and obj.get("lr_schedulers"):  # a Lightning checkpoint's
+            try:
+                ckpt.schedule = schedule_torch.from_lightning(obj, path)
+            except StatekitError as exc:
+                ckpt.warnings.append(f"LR schedule not read: {exc.message}")
     if ckpt.optimizer is not None and ckpt.optimizer.training_args is None:
         from statekit.frameworks import hf_args
 
         hf_args.beside(ckpt)  # a Trainer folder's optimizer.pt: its training_args.bin says which optimizer wrote it
+    return ckpt
+
+
+def scheduler_checkpoint(path: str, obj: object) -> Checkpoint:
+    """A torch LR scheduler's file (``scheduler.pt``): its schedule, with the optimizer file beside it."""
+    if torch_lr.class_of(obj) is None:
+        raise FormatError("holds neither an optimizer state_dict nor an LR scheduler's", path)
+    ckpt = Checkpoint(path=path, format=FORMAT, kind="scheduler")
+    ckpt.schedulers = [torch_state.describe_scheduler(obj)]
+    ckpt.schedule = schedule_torch.read_file(path)
     return ckpt
 
 

@@ -19,9 +19,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from statekit.errors import FormatError, MappingError
+from statekit.errors import FormatError, MappingError, StatekitError
 from statekit.formats import torch_pt
-from statekit.frameworks import hf_args, torch_io, torch_state
+from statekit.frameworks import hf_args, schedule_hf, schedule_torch, torch_io, torch_state
 from statekit.state import Checkpoint, ModelInfo, ModelParam
 
 FORMAT = "torch"  # a folder opens as the torch checkpoint its optimizer file is
@@ -162,11 +162,24 @@ def open_folder(path: str, key: str | None = None, **options) -> Checkpoint:
     stem, ext = os.path.splitext(lay.scheduler)
     sched_file = os.path.join(path, f"{stem}{suffix}{ext}")
     if os.path.isfile(sched_file):
-        ckpt.schedulers = [torch_state.describe_scheduler(torch_pt.load_pt(sched_file))]
+        ckpt.schedulers = [torch_state.describe_scheduler(schedule_torch.load(sched_file))]
         ckpt.metadata["scheduler_file"] = os.path.basename(sched_file)
     if lay.marker and os.path.isfile(os.path.join(path, lay.marker)):
         ckpt.scalars = _trainer_counters(os.path.join(path, lay.marker))
+    _read_schedule(ckpt, path, lay, sched_file, opt_file)
     return ckpt
+
+
+def _read_schedule(ckpt: Checkpoint, path: str, lay: FolderLayout, sched_file: str, opt_file: str) -> None:
+    """The folder's LR schedule and counters (a schedule that cannot be read is a warning: the
+    optimizer state stands on its own)."""
+    try:
+        if lay.name == "hf-trainer" and os.path.basename(opt_file) == "optimizer.pt":
+            ckpt.schedule = schedule_hf.read_folder(path)
+        elif os.path.isfile(sched_file):
+            ckpt.schedule = schedule_torch.read_file(sched_file, optimizer=opt_file)
+    except StatekitError as exc:
+        ckpt.warnings.append(f"LR schedule not read: {exc.message}")
 
 
 def name_from_definition(ckpt: Checkpoint, config: str | None, trust_remote_code: bool = False,

@@ -86,6 +86,19 @@ WHY = {
     "padding-state": "an input embedding's padding rows are never looked up, so their gradient is zero: moments "
                      "there were written by something else (a resharding or conversion that moved rows), and the "
                      "rows they belong to resume without them",
+    "schedule-lr": "the next update uses the param group's lr; a chainable torch scheduler (StepLR, ExponentialLR, "
+                   "CosineAnnealingLR …) computes every later lr from it, so each is off by the same factor "
+                   "(a closed-form one, LambdaLR / HF, is back on its schedule one update later)",
+    "schedule-args": "Trainer rebuilds the λ from the arguments of the resumed run: arguments that do not rebuild "
+                     "the saved lr continue another schedule from this position",
+    "initial-lr": "a scheduler built with last_epoch >= 0 raises KeyError 'initial_lr' (pytorch#140900), and "
+                  "OneCycleLR computes every lr from it; the scheduler's base lrs cannot be checked against it",
+    "no-scheduler": "HF Trainer loads optimizer.pt only when scheduler.pt is beside it: without it the optimizer "
+                    "state is silently ignored on resume (fresh moments) and the schedule restarts at step 0",
+    "counters": "the trainer's global step, the scheduler's position and the optimizer's step count one update "
+                "each; when they disagree the schedule resumes at another point of training than the optimizer",
+    "warmup-again": "the scheduler stands before the end of its warm-up while the optimizer has taken more updates "
+                    "than the warm-up: the lr ramps up again from near zero on a trained model",
 }
 
 
@@ -358,6 +371,9 @@ def doctor(state_ckpt: Checkpoint, model_ckpt: Checkpoint | None = None,
     reader_checks = getattr(state_ckpt.container, "doctor_findings", None)
     if reader_checks is not None:  # what only the reader of a format can see (megatron-dist: the master proof)
         findings.extend(_finding(*f) for f in reader_checks(state.params))
+    from statekit.ops import doctor_schedule
+
+    doctor_schedule.check(state_ckpt, _finding, findings, notes)
     if method is not None:
         _check_orphan_ids(shared, findings, state_ckpt.path, model_ckpt.path)
         _check_model(state.params, model, findings, skip)

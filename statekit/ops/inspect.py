@@ -701,11 +701,20 @@ def inspect(ckpt: Checkpoint, stats: bool = False, on_param: Callable[[], None] 
             out["params"].append(_model_row(m, stats, stats_of))
             if on_param:
                 on_param()
+    _beside(ckpt, out)
+    return out
+
+
+def _beside(ckpt: Checkpoint, out: dict) -> None:
+    """Loose scalars, LR schedulers and the schedule (:func:`statekit.schedule.model.describe`)."""
     if ckpt.scalars:
         out["scalar_values"] = ckpt.scalars
     if ckpt.schedulers:
         out["schedulers"] = ckpt.schedulers
-    return out
+    if ckpt.schedule is not None:
+        from statekit.schedule import model as schedule_model
+
+        out["schedule"] = schedule_model.describe(ckpt.schedule)
 
 
 def _file_size(path: str) -> int | None:

@@ -334,6 +334,55 @@ def _plain_table(params, groups: dict[str, int | list[int]], names: list[str], c
     return chunks
 
 
+def _lrs(values) -> str:
+    """Per-group lrs, each in full (repr: the exact float the program uses), one value if all agree."""
+    if not values:
+        return "?"
+    if len(set(values)) == 1:
+        return repr(values[0]) + (f" (all {len(values)} groups)" if len(values) > 1 else "")
+    return ", ".join(repr(v) for v in values)
+
+
+def schedule_view(s: dict, width: int | None) -> list:
+    """The LR schedule: kind, warm-up, horizon, position, steps left; lr now and next; the counters."""
+    out: list = []
+    if s.get("kind"):
+        items = [s["kind"]]
+        for key, word in (("warmup", "warm-up"), ("horizon", "horizon"), ("position", "position"),
+                          ("steps_left", "steps left")):
+            if s.get(key) is not None:
+                items.append(f"{word} {s[key]}")
+        out += wrapped("schedule: ", items, " · ", width, head_style="bold")
+        if s.get("lr_now") is not None:
+            out += wrapped("  lr now (next update): ", [_lrs(s["lr_now"])], "", width)
+        if s.get("lr_next") is not None:
+            out += wrapped("  lr next (the update after): ", [_lrs(s["lr_next"])], "", width)
+        elif s.get("lr_next_if"):
+            out += wrapped("  lr next: ", [f"{_lrs(s['lr_next_if']['better'])} if the metric improves",
+                                           f"{_lrs(s['lr_next_if']['worse'])} if not"], "; ", width)
+        else:
+            out += wrapped("  lr next: ", ("not known: " + str(s.get("lr_next_why") or s.get("unknown"))).split(" "),
+                           " ", width, "yellow")
+        for i, child in enumerate(s.get("children") or []):
+            state = ", ".join(f"{k}={v}" for k, v in child["state"].items())
+            out += wrapped(f"  {i}: ", [child["kind"], f"position {child['position']}" if child["position"] is not None
+                                        else "position not known", state or "(no counter)"], " · ", width)
+        params = ", ".join(f"{k}={v}" for k, v in (s.get("params") or {}).items())
+        if params:
+            out += wrapped("  parameters: ", params.split(", "), ", ", width)
+    else:
+        out += wrapped("schedule: ", ["none saved"], "", width, head_style="bold")
+    counters = [f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
+                for k, v in (s.get("counters") or {}).items() if v is not None]
+    if s.get("optimizer_step") is not None:
+        counters.append(f"optimizer step {s['optimizer_step']:g}")
+    if counters:
+        out += wrapped("  counters: ", counters, " · ", width)
+    for note in s.get("notes", []):
+        out += wrapped("  note: ", note.split(" "), " ", width)
+    return out
+
+
 def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list:
     """Renderables for ``statekit inspect``: summary, grouped table, notes."""
     out: list = wrapped(f"{d['path']}: ", summary_items(d), " · ", width, head_style="bold")
@@ -356,9 +405,12 @@ def inspect_view(d: dict, stats: bool = False, width: int | None = None) -> list
         for k, v in d["scalar_values"].items():
             table.add_row(k, str(v))
         out.append(table)
-    for i, sched in enumerate(d.get("schedulers", [])):
-        shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
-        out += wrapped(f"lr scheduler {i}: ", shown.split(", ") if shown else [], ", ", width)
+    if d.get("schedule"):
+        out += schedule_view(d["schedule"], width)
+    else:
+        for i, sched in enumerate(d.get("schedulers", [])):
+            shown = ", ".join(f"{k}={v}" for k, v in sched.items() if k != "lr_lambdas")
+            out += wrapped(f"lr scheduler {i}: ", shown.split(", ") if shown else [], ", ", width)
     per_group = _per_row_family(d)
     for i, g in enumerate(d.get("groups", [])):
         fam = f"{_family_label(g)}, " if per_group and g.get("family") else ""
