@@ -105,9 +105,12 @@ def test_trainer_folder_opens_by_content(cli):
         assert ckpt.schedulers[0]["base_lrs"] == sched["base_lrs"]
         trainer_state = json.loads((TRAINER / "trainer_state.json").read_text())
         assert ckpt.scalars["global_step"] == trainer_state["global_step"]
-    res = cli("inspect", TRAINER)
+    res = cli("inspect", "--json", TRAINER)
     assert res.returncode == 0, res.stderr
-    assert "lr scheduler 0:" in res.stdout and "last_epoch=3" in res.stdout
+    assert json.loads(res.stdout)["schedulers"][0]["last_epoch"] == 3
+    res = cli("inspect", TRAINER.name, cwd=TRAINER.parent)  # the table, from a short relative path
+    assert res.returncode == 0, res.stderr
+    assert "lr scheduler 0: " in res.stdout and "last_epoch=3" in res.stdout
 
 
 def test_accelerate_folder_opens_by_content():
