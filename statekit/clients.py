@@ -135,7 +135,7 @@ def quiet(what: str):
         root.addHandler(records)
         try:
             with warnings.catch_warnings(record=True) as caught, _descriptors() as raw:
-                warnings.simplefilter("always")
+                warnings.simplefilter("default")  # each once per place, as Python shows them
                 try:
                     yield
                 finally:
