@@ -28,7 +28,7 @@ PACKAGE = ROOT / "statekit"
 
 FLOORS = {
     0: ("statekit.errors", "statekit.lazy", "statekit.dtypes", "statekit.atomic", "statekit.paramid", "statekit.tensor",
-        "statekit.stream", "statekit.versions"),
+        "statekit.stream", "statekit.versions", "statekit.clients"),
     1: ("statekit.formats", "statekit.io"),
     2: ("statekit.state", "statekit.naming", "statekit.hyper", "statekit.structure", "statekit.schedule"),
     3: ("statekit.frameworks", "statekit.optim"),

@@ -105,7 +105,10 @@ def test_trainer_folder_opens_by_content(cli):
         assert ckpt.schedulers[0]["base_lrs"] == sched["base_lrs"]
         trainer_state = json.loads((TRAINER / "trainer_state.json").read_text())
         assert ckpt.scalars["global_step"] == trainer_state["global_step"]
-    res = cli("inspect", TRAINER)
+    res = cli("inspect", "--json", TRAINER)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["schedulers"][0]["last_epoch"] == 3
+    res = cli("inspect", TRAINER.name, cwd=TRAINER.parent)  # the table, from a short relative path
     assert res.returncode == 0, res.stderr
     assert "schedule: hf:linear" in res.stdout and "position 3" in res.stdout  # the schedule (issue 36)
 

@@ -239,6 +239,86 @@ def test_written_out_for_loops_are_torch_optim(name, hp, monkeypatch):
     assert len(ran) == 4 * 12, "the written-out path was not the one that ran"
 
 
+ADAFACTOR_HP = [{}, {"weight_decay": 0.1, "maximize": True, "lr": 0.05, "d": 1.5},
+                {"eps": (1e-3, 1e-3), "lr": 0.3, "beta2_decay": -0.5}]
+
+
+def _torch_adafactor_kwargs(hp: dict) -> dict:
+    kwargs = {k: v for k, v in hp.items() if k in ("lr", "weight_decay", "maximize", "d", "beta2_decay")}
+    if "eps" in hp:
+        kwargs["eps"] = hp["eps"]
+    return kwargs
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.skipif(not kernels.numba_available(), reason="numba (statekit[fast]) is not installed")
+@pytest.mark.parametrize("hp", ADAFACTOR_HP)
+def test_adafactor_matrix_step_is_torch_optim(hp, monkeypatch):
+    """Issue 38: the torch kernel's Adafactor for-loop on a matrix (its column norms and update
+    computed by numba in torch's order, the rest torch's own) steps exactly like a real
+    ``torch.optim.Adafactor(foreach=False)`` at torch's own thread count: every parameter and
+    factor after every step, on shapes with a side of 1, odd sides, a batch of matrices and one
+    over numba's 256-column chunks and torch's grain; and that path is the one that ran."""
+    import torch
+
+    from statekit.optim import torch_kernels
+
+    assert torch_kernels._adafactor_fast_ok(torch)
+    ran = []
+    fast = torch_kernels._adafactor_matrix
+    monkeypatch.setattr(torch_kernels, "_adafactor_matrix", lambda *a: ran.append(1) or fast(*a))
+    shapes = [(1, 1), (1, 9), (9, 1), (37, 53), (3, 5, 7), (300, 517)]
+    for i, shape in enumerate(shapes):
+        rng = np.random.default_rng(40 + i)
+        p = rng.standard_normal(shape, dtype=np.float32)
+        param = torch.nn.Parameter(torch.from_numpy(p.copy()))
+        opt = torch.optim.Adafactor([param], foreach=False, **_torch_adafactor_kwargs(hp))
+        ours = (p.copy(), {}, 0)
+        for k, g in enumerate(gradients(rng, shape, 8)):
+            param.grad = torch.from_numpy(g.copy())
+            opt.step()
+            ours = so.step("adafactor", ours[0], g, ours[1], ours[2], hp, "torch", kernel="torch", inplace=k > 0)
+            assert np.array_equal(bits(ours[0]), bits(param.detach())), f"param differs after step {k + 1} {shape}"
+            for slot in ("row_var", "col_var"):
+                assert np.array_equal(bits(ours[1][slot]), bits(opt.state[param][slot])), (slot, k + 1, shape)
+    assert len(ran) == len(shapes) * 8, "the fast matrix path was not the one that ran"
+
+
+@torch_needed
+@pytest.mark.torch
+@pytest.mark.skipif(not kernels.numba_available(), reason="numba (statekit[fast]) is not installed")
+def test_adafactor_fast_path_is_checked_against_torch_and_declined_when_its_bits_differ(monkeypatch):
+    """The probe that admits the fast path compares it with torch's own for-loop bit for bit: a
+    column norm summed with an FMA (as another build of torch might) fails it, and the step is
+    then torch's own function, still torch's bits."""
+    import torch
+
+    from statekit.optim import numba_adafactor, torch_kernels
+
+    def col_norms_with_fma(g, out):
+        acc = np.zeros(out.shape, np.float64)
+        for i in range(g.shape[1]):  # float32 fma(x, x, acc): one rounding of the exact x*x + acc
+            acc = (acc + g[:, i, :].astype(np.float64) ** 2).astype(np.float32).astype(np.float64)
+        out[...] = np.sqrt(acc.astype(np.float32))
+
+    monkeypatch.setattr(numba_adafactor, "torch_col_norms", col_norms_with_fma)
+    assert torch_kernels._adafactor_probe(torch) is False
+    monkeypatch.setattr(torch_kernels, "_ADAFACTOR_FAST", [False])
+    ran = []
+    monkeypatch.setattr(torch_kernels, "_adafactor_matrix", lambda *a: ran.append(1))
+    rng = np.random.default_rng(9)
+    p = rng.standard_normal((37, 53), dtype=np.float32)
+    param = torch.nn.Parameter(torch.from_numpy(p.copy()))
+    opt = torch.optim.Adafactor([param], foreach=False)
+    ours = (p.copy(), {}, 0)
+    for g in gradients(rng, (37, 53), 4):
+        param.grad = torch.from_numpy(g.copy())
+        opt.step()
+        ours = so.step("adafactor", ours[0], g, ours[1], ours[2], {}, "torch", kernel="torch")
+    assert not ran and np.array_equal(bits(ours[0]), bits(param.detach()))
+
+
 @torch_needed
 @pytest.mark.torch
 @pytest.mark.usefixtures("one_torch_thread")

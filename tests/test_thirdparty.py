@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def test_torchao_states_convert_with_torchao_impossible_to_import(tmp_path):
 
 
 @pytest.mark.parametrize("stem", sorted(FAMILIES))
-def test_every_fixture_inspects_with_its_family_and_its_tensors(stem, cli):
+def test_every_fixture_inspects_with_its_family_and_its_tensors(stem, cli, tmp_path):
     family, name, fields = FAMILIES[stem]
     saved = torch_load(THIRD / f"{stem}.pt") if not stem.startswith("torchao") else None
     with statekit.open(THIRD / f"{stem}.pt") as ckpt:
@@ -112,12 +113,20 @@ def test_every_fixture_inspects_with_its_family_and_its_tensors(stem, cli):
                     want = saved["state"][param.index][field]
                     got = as_torch(param.slots[field])
                     assert list(item["shape"]) == list(want.shape) and torch.equal(got, want)
-    res = cli("inspect", THIRD / f"{stem}.pt")
+    # the family as the CLI reports it: its JSON (torch-optimi's step tensor in a group: JSON too),
+    # of a copy at a path so long that the header wraps wherever the checkout is
+    deep = tmp_path / ("d" * 150)
+    deep.mkdir()
+    shutil.copy(THIRD / f"{stem}.pt", deep / f"{stem}.pt")
+    res = cli("inspect", "--json", deep / f"{stem}.pt")
     assert res.returncode == 0, res.stderr
-    assert f"optimizer ({name}" in res.stdout.splitlines()[0]
-    res = cli("inspect", "--json", THIRD / f"{stem}.pt")  # torch-optimi's step tensor in a group: JSON too
+    shown = json.loads(res.stdout)
+    assert shown["kind"] == "optimizer" and shown["family"] == family and name in shown["family_label"]
+    # the header names it too: read from a short relative path, so that the checkout's path (which
+    # the header starts with) cannot wrap the line (regression: it did at a 120-character checkout)
+    res = cli("inspect", f"{stem}.pt", cwd=THIRD)
     assert res.returncode == 0, res.stderr
-    json.loads(res.stdout)
+    assert res.stdout.startswith(f"{stem}.pt: ") and f" · optimizer ({name}" in res.stdout.splitlines()[0]
 
 
 def test_transformers_adafactor_shows_the_parameter_shape_its_factors_imply():
@@ -138,11 +147,13 @@ def test_optimi_stableadamw_inspect_json_shows_the_groups_step_tensor(cli):
 
 
 def test_schedule_free_shows_its_mode_and_steps(cli):
-    res = cli("inspect", THIRD / "schedulefree-adamw.pt")
-    assert "train mode: the saved parameters are y" in res.stdout
-    res = cli("inspect", THIRD / "schedulefree-adamw-eval.pt")
-    assert "eval mode: the saved parameters are x" in res.stdout
-    assert "train_mode=False" in res.stdout and "weight_sum=" in res.stdout
+    # read from the JSON: the note is a line of ~150 characters, wrapped wherever the width asks
+    d = json.loads(cli("inspect", "--json", THIRD / "schedulefree-adamw.pt").stdout)
+    assert any("train mode: the saved parameters are y" in n for n in d["notes"])
+    d = json.loads(cli("inspect", "--json", THIRD / "schedulefree-adamw-eval.pt").stdout)
+    assert any("eval mode: the saved parameters are x" in n for n in d["notes"])
+    group = d["groups"][0]["hyperparameters"]
+    assert group["train_mode"] is False and group["weight_sum"] > 0 and group["k"] == 3
 
 
 # ------------------------------------------------------------------------------- torchao
@@ -496,9 +507,9 @@ def test_torchao_inspect_counts_the_bytes_stored_not_the_dequantized_ones(stem, 
     assert all("stored_label" in f for p in big for f in p["fields"].values())
     moments = 64 * 64 * 2  # exp_avg and exp_avg_sq, read as float32
     assert d["dequantized_bytes"] == moments * 4
-    head = cli("inspect", path).stdout.split("┏")[0]
-    assert "dequantized" in head
-    assert "exp_avg (" in cli("inspect", path).stdout  # the table says the moment is stored quantized
+    table = cli("inspect", path.name, cwd=THIRD).stdout  # a short relative path: the header's wrap is fixed
+    assert "dequantized" in table.split("┏")[0]
+    assert "exp_avg (" in table  # the table says the moment is stored quantized
 
 
 def test_transformers_adafactor_run_continues_as_burn_adafactor_from_the_converted_record(cli, tmp_path):

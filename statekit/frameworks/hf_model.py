@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 
-from statekit import versions
+from statekit import clients, versions
 from statekit.errors import MappingError
 
 INSTALL = "pip install 'statekit[hf]'"
@@ -162,8 +162,9 @@ def rule_for(version: tuple[int, int] | None) -> DecayRule:
 def _import():
     """transformers and torch, or the one line that says what to install."""
     try:
-        import torch
-        import transformers
+        with clients.quiet("importing torch and transformers"):  # what they print is not statekit's to show
+            import torch
+            import transformers
     except ImportError as exc:
         missing = getattr(exc, "name", None) or "transformers"
         raise MissingDefinitionError(
@@ -208,9 +209,10 @@ def build_model(path: str, *, trust_remote_code: bool = False, wrap=None) -> Bui
     if remote and trust_remote_code:
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-        cls = get_class_from_dynamic_module(remote[0], folder)
-        config_ref = auto_map.get("AutoConfig")
-        config_cls = get_class_from_dynamic_module(config_ref, folder) if config_ref else cls.config_class
+        with clients.quiet(f"importing {arch}'s code from the checkpoint"):
+            cls = get_class_from_dynamic_module(remote[0], folder)
+            config_ref = auto_map.get("AutoConfig")
+            config_cls = get_class_from_dynamic_module(config_ref, folder) if config_ref else cls.config_class
     else:
         cls = getattr(transformers, arch, None)
         if cls is None and (remote or auto_map):
@@ -222,8 +224,8 @@ def build_model(path: str, *, trust_remote_code: bool = False, wrap=None) -> Bui
                                "or give --names FILE", path)
         config_cls = cls.config_class
     try:
-        cfg = config_cls.from_dict({k: v for k, v in config.items() if k not in ("auto_map", "quantization_config")})
-        with torch.device("meta"):
+        with clients.quiet(f"building {arch} on the meta device"), torch.device("meta"):
+            cfg = config_cls.from_dict({k: v for k, v in config.items() if k not in ("auto_map", "quantization_config")})
             model = cls(cfg)
             if wrap is not None:
                 model = wrap(model)
@@ -270,7 +272,8 @@ def _forward_layouts(definition: Definition, model, torch, always: bool = False)
     names = (OUT_IN, IN_OUT, EMBEDDING, NORM, CONV, EXPERTS, EXPERTS_IN_OUT)
     follow = {id(p): (n, p.dim()) for n, p in model.named_parameters()}
     try:
-        uses = hf_trace.trace(_traceable(model), follow, lambda: _inputs(model, torch))
+        with clients.quiet(f"running {type(model).__name__}'s forward on the meta device"):
+            uses = hf_trace.trace(_traceable(model), follow, lambda: _inputs(model, torch))
     except hf_trace.TraceError as exc:
         definition.traced = f"the forward could not be run on the meta device ({exc})"
         definition.params = [replace(p, problem=f"{p.module}: its class does not say how the weight is used, and "

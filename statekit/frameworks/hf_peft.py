@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
+from statekit import clients
 from statekit.errors import MappingError
 from statekit.frameworks import hf_model
 
@@ -118,7 +118,8 @@ def base_config(adapter: dict, config_path: str) -> tuple[str, str]:
 
 def _import():
     try:
-        import peft
+        with clients.quiet("importing peft"):  # and what it imports: accelerate, bitsandbytes where installed
+            import peft
     except ImportError:
         raise hf_model.MissingDefinitionError(
             f"naming a peft adapter checkpoint's positions needs peft: {INSTALL}, or give --names FILE "
@@ -145,8 +146,7 @@ def build(path: str, *, model_config: str | None = None, trust_remote_code: bool
     peft = _import()
     configs = {}
     for name, folder in adapters.items():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with clients.quiet(f"peft reading {CONFIG}"):
             try:
                 cfg = peft.PeftConfig.from_pretrained(folder)
             except Exception as exc:  # noqa: BLE001 - peft's own reading of its file
@@ -155,13 +155,11 @@ def build(path: str, *, model_config: str | None = None, trust_remote_code: bool
         cfg.inference_mode = False  # the saved config says True; training had it False (trainable adapters)
         configs[name] = cfg
 
-    def wrap(model):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            names = list(configs)
-            wrapped = peft.get_peft_model(model, configs[names[0]], adapter_name=names[0])
-            for name in names[1:]:
-                wrapped.add_adapter(name, configs[name])
+    def wrap(model):  # run inside build_model's clients.quiet block: what peft prints is held there
+        names = list(configs)
+        wrapped = peft.get_peft_model(model, configs[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            wrapped.add_adapter(name, configs[name])
         return wrapped
 
     built = hf_model.build_model(base, trust_remote_code=trust_remote_code, wrap=wrap)
@@ -198,8 +196,7 @@ def _check_files(model, adapters: dict[str, str], peft) -> None:
             raise MappingError(f"no adapter weights ({' or '.join(WEIGHTS)}) beside {CONFIG}: the adapter's names "
                                "cannot be checked", folder)
         have = _saved_shapes(weights)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with clients.quiet("peft listing the adapter's tensors"):
             want = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(model, adapter_name=name).items()}
         for key in sorted(set(have) | set(want)):
             if have.get(key) != want.get(key):

@@ -182,6 +182,29 @@ def _col_sums(g, out):
 
 
 @njit(parallel=True, **OPTIONS)
+def torch_col_norms(g, out):
+    """``torch.norm(g, dim=-2)`` of a [batch, n, m] float32 array into ``out`` [batch, m], in
+    torch's own arithmetic: ATen reduces a dimension other than the last with ``NormTwoOps``
+    serially per output, a float32 ``acc + x * x`` (the square rounded, then the sum, no FMA)
+    down the rows in order, then the float32 root (:func:`statekit.optim.torch_kernels`
+    checks these bits against torch's before using them). Columns in chunks on numba's threads."""
+    batch, n, m = g.shape
+    chunk = 256
+    per = (m + chunk - 1) // chunk
+    for task in prange(batch * per):
+        b = task // per
+        lo = (task % per) * chunk
+        hi = min(lo + chunk, m)
+        acc = np.zeros(hi - lo, np.float32)
+        for i in range(n):
+            for j in range(lo, hi):
+                x = g[b, i, j]
+                acc[j - lo] = acc[j - lo] + x * x
+        for j in range(lo, hi):
+            out[b, j] = np.sqrt(acc[j - lo])
+
+
+@njit(parallel=True, **OPTIONS)
 def _matrix_update(g, row_var, col_var, denom, floor, one, negate, u):
     """u = rsqrt(max((row_var * col_var) / denom, floor)) * g for a [batch, n, m] gradient."""
     batch, n, m = g.shape

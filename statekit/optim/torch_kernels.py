@@ -26,6 +26,7 @@ thread, the largest size so far kept.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 import warnings
 
@@ -112,8 +113,10 @@ def run(algorithm: str, flavor: str, b, p, g, s: dict, step: int, hp, present, s
         zero_dim[name] = torch.tensor(value, dtype=torch.float32, device=device if algorithm == "asgd" else "cpu")
     foreach = flavor == TORCH_FOREACH
     written = WRITTEN_OUT.get(algorithm)
-    if not foreach and written is not None and _plain_cpu(tp, tg):
-        written(torch, tp, tg, ts, zero_dim, float(np.float32(step + 1)), hp)
+    # a written-out function may decline (False, nothing done): torch's own function then runs
+    if not foreach and written is not None and _plain_cpu(tp, tg) \
+            and written(torch, tp, tg, ts, zero_dim, float(np.float32(step + 1)), hp) is not False:
+        pass
     else:
         FUNCTIONAL[algorithm](torch, tp, tg, ts, zero_dim, steps, hp, foreach)
     return {name: float(value.item()) for name, value in zero_dim.items()}
@@ -344,8 +347,115 @@ def buffers_bool(torch, like):
     return held[:n].view(like.shape)
 
 
+# ---------------------------------------------------------------------------------------- Adafactor
+# torch's for-loop spends most of a matrix's step in one reduction: ``torch.norm(grad, dim=-2)``
+# (the column norms), which ATen runs serially per column down the rows (NormTwoOps), a strided
+# walk; then it fills a fresh parameter-sized ``row_var @ col_var`` and makes four more passes
+# over it. With numba (statekit[fast]) the column norms are one streaming pass in that very
+# order (statekit.optim.numba_adafactor.torch_col_norms) and the update one fused pass into a
+# reused buffer (``_matrix_update``: (row_var·col_var)/mean, clamp, 1/√ then ·grad, torch's
+# IEEE operations on CPU); torch still takes the norms of the parameter, of the rows and of the
+# update, the lerps and the step itself. Those two computations are torch's order read from its
+# source, not torch's code: the first time in a process they are checked against torch's own
+# for-loop on probe matrices, bit for bit (``_adafactor_fast_ok``); where any bit differs (another
+# build of torch, another CPU path) torch's own function runs, as it does without numba.
+
+_ADAFACTOR_FAST: list = []  # [bool] once checked in this process
+_ADAFACTOR_LOCK = threading.Lock()
+
+
+def _adafactor_fast_ok(torch) -> bool:
+    if _ADAFACTOR_FAST:
+        return _ADAFACTOR_FAST[0]
+    with _ADAFACTOR_LOCK:
+        if not _ADAFACTOR_FAST:
+            _ADAFACTOR_FAST.append(_adafactor_probe(torch))
+    return _ADAFACTOR_FAST[0]
+
+
+def _adafactor_probe(torch) -> bool:
+    """Whether the fast matrix step gives torch's own for-loop's bits here: 3 steps on matrices
+    of odd shapes (one batched), gradients from 1e-3 to 10 with exact zeros, two settings."""
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        importlib.import_module("statekit.optim.numba_adafactor")
+    except Exception:  # noqa: BLE001 - a numba that cannot compile here: torch's own code runs
+        return False
+    from torch.optim._adafactor import adafactor
+
+    rng = np.random.default_rng(38)
+    settings = ({"lr": 1e-2, "beta2_decay": -0.8, "d": 1.0, "weight_decay": 0.0, "eps": (None, 1e-3), "maximize": False},
+                {"lr": 5e-2, "beta2_decay": -0.5, "d": 0.5, "weight_decay": 0.1, "eps": (1e-3, 1e-3), "maximize": True})
+    for shape in ((37, 53), (3, 17, 9), (130, 300)):
+        for hp in settings:
+            p0 = rng.standard_normal(shape, dtype=np.float32)
+            ours, theirs = torch.from_numpy(p0.copy()), torch.from_numpy(p0.copy())
+            rows = [torch.zeros(shape[:-1] + (1,)) for _ in range(2)]
+            cols = [torch.zeros(shape[:-2] + (1, shape[-1])) for _ in range(2)]
+            step_t = torch.tensor(0.0)
+            for k in range(3):
+                g = rng.standard_normal(shape, dtype=np.float32) * np.float32(10 ** rng.uniform(-3, 1))
+                g[rng.random(shape) < 0.02] = 0
+                tg = torch.from_numpy(g)
+                adafactor([theirs], [tg], [rows[1]], [cols[1]], [None], [step_t], foreach=False, d=hp["d"],
+                          lr=hp["lr"], beta2_decay=hp["beta2_decay"], weight_decay=hp["weight_decay"],
+                          eps1=hp["eps"][0], eps2=hp["eps"][1], maximize=hp["maximize"])
+                _adafactor_matrix(torch, ours, tg, rows[0], cols[0], float(np.float32(k + 1)), hp)
+                for a, b in ((ours, theirs), (rows[0], rows[1]), (cols[0], cols[1])):
+                    if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                        return False
+    return True
+
+
+def _adafactor(torch, tp, tg, ts, zero_dim, t, hp):
+    """torch's ``_single_tensor_adafactor`` for one float32 matrix (or batch of them), with the
+    column norms and the update computed as above; False (nothing done) where that path does not
+    apply: a vector, another dtype, memory that is not C-contiguous, no numba, or the probe found
+    other bits."""
+    if tp.dim() < 2 or tp.dtype != torch.float32 or tg.dtype != torch.float32 or not tp.is_contiguous() \
+            or not tg.is_contiguous() or tp.requires_grad or tg.requires_grad:
+        return False
+    if not all(v.dtype == torch.float32 and v.is_contiguous() for v in (ts["row_var"], ts["col_var"])):
+        return False
+    if not _adafactor_fast_ok(torch):
+        return False
+    _adafactor_matrix(torch, tp, tg, ts["row_var"], ts["col_var"], t, hp)
+    return None
+
+
+def _adafactor_matrix(torch, tp, tg, row_var, col_var, t, hp) -> None:
+    """One step of ``_single_tensor_adafactor`` (torch/optim/_adafactor.py) on a float32
+    C-contiguous matrix or batch; ``t`` is the float value of the step tensor after its increment."""
+    nf = importlib.import_module("statekit.optim.numba_adafactor")
+    lr, wd, d = hp["lr"], hp["weight_decay"], hp["d"]
+    eps1, eps2 = hp["eps"]
+    if eps1 is None:
+        eps1 = torch.finfo(tp.dtype).eps
+    one_minus_beta2_t = t ** hp["beta2_decay"]
+    rho_t = min(lr, 1 / (t**0.5))
+    alpha = max(eps2, tp.norm(2).item() / (tp.numel() ** 0.5)) * rho_t
+    if wd != 0:
+        tp.mul_(1 - lr * wd)
+    m, n = tg.shape[-1], tg.shape[-2]
+    # the norms of -grad are those of grad (the squares are equal): the sign is taken in the update
+    row_mean = torch.norm(tg, dim=-1, keepdim=True).square_().div_(m)
+    row_var.lerp_(row_mean, one_minus_beta2_t)
+    g3 = tg.detach().numpy().reshape(-1, n, m)
+    col_norm = torch.empty(col_var.shape, dtype=torch.float32)
+    nf.torch_col_norms(g3, col_norm.numpy().reshape(-1, m))
+    col_var.lerp_(col_norm.square_().div_(n), one_minus_beta2_t)
+    denom = row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1)
+    (update,) = buffers(torch, tp, 1)
+    nf._matrix_update(g3, row_var.numpy().reshape(-1, n), col_var.numpy().reshape(-1, m),
+                      denom.numpy().reshape(-1), np.float32(eps1 * eps1), np.float32(1.0), bool(hp["maximize"]),
+                      update.numpy().reshape(-1, n, m))
+    clip = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * d))
+    tp.add_(update, alpha=-alpha / clip)
+
+
 WRITTEN_OUT = {"nadam": _nadam, "radam": _radam, "adamax": _adamax, "adadelta": _adadelta, "asgd": _asgd,
-               "rprop": _rprop}
+               "rprop": _rprop, "adafactor": _adafactor}
 
 
 # ---------------------------------------------------------------------------------- torch's functional API
