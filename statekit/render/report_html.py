@@ -348,6 +348,14 @@ def _family(d: Depth) -> list[tuple[str, dict]]:
     return out
 
 
+def _short_name(path: str, most: int = 40) -> str:
+    """A file's name for a panel's title: its last two parts, at most ``most`` characters (a title
+    that holds the whole path is cut off by the panel where the checkout's path is long)."""
+    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+    name = "/".join(parts[-2:]) or path
+    return name if len(name) <= most else "…" + name[-(most - 1):]
+
+
 def _compare(r: dict, d: Depth) -> list[tuple[str, dict]]:
     rows = {c["path"]: c for c in r["compare"]}
     if not rows:
@@ -358,7 +366,7 @@ def _compare(r: dict, d: Depth) -> list[tuple[str, dict]]:
         x = None if row is None else row[key]
         return float(x) if isinstance(x, str) else x  # the JSON's "-inf": v fell to 0
 
-    against = html.escape(str(r["against"]))
+    against = html.escape(_short_name(str(r["against"])))
     out = []
     for key, name, title, scale, unit in (
             ("v_rms_log2_ratio", "log2 RMS(v̂) now/then", f"Against {against}: log2 RMS(v̂) now / then",
@@ -395,7 +403,7 @@ STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em auto; max-width: 1200px;
        color: #222; padding: 0 1em; }
 h1 { font-size: 1.4em; margin-bottom: .2em; } h2 { font-size: 1.1em; margin: 1.6em 0 .3em; }
-.meta { color: #555; font-size: .9em; } table { border-collapse: collapse; font-size: .9em; width: 100%; }
+.meta { color: #555; font-size: .9em; overflow-wrap: anywhere; } table { border-collapse: collapse; font-size: .9em; width: 100%; }
 td, th { text-align: left; padding: .25em .6em; border-bottom: 1px solid #ddd; vertical-align: top; }
 .sev { font-weight: 600; } .panel { border: 1px solid #e3e3e3; border-radius: 6px; padding: .4em; margin: .8em 0; }
 code { background: #f3f3f3; padding: 0 .25em; }
@@ -420,6 +428,8 @@ def _meta_html(r: dict) -> str:
     hp = "".join(f"<li>{html.escape(h['family'])} ({h['tensors']} tensors): "
                  f"{html.escape(', '.join(f'{k}={v}' for k, v in h['values'].items()))}"
                  f"{' — assumed (the defaults): ' + html.escape(', '.join(h['assumed'])) if h['assumed'] else ''}</li>" for h in r["hyperparameters"])
+    if r.get("against"):
+        parts.append(f"compared against {html.escape(str(r['against']))}")
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in r["notes"])
     return (f"<p class='meta'>{' · '.join(parts)}</p><ul class='meta'>{hp}{notes}</ul>")
 
