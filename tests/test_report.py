@@ -442,3 +442,15 @@ def test_terminal_rows_go_along_depth(cli):
     rows = [line.split(" (")[0] for line in r.stdout.splitlines() if " (" in line and line.startswith(("model", "lm"))]
     layers = [f"model.layers.{i}" for i in range(32)]
     assert rows[0] == "model.embed_tokens" and rows[1:33] == layers and set(rows[33:35]) == {"model.norm", "lm_head"}
+
+
+def test_a_compared_file_at_a_long_path_is_named_short_in_panel_titles():
+    """Panel titles hold the compared file's last two parts (at most 40 characters): the whole path
+    of a checkout at a long path was cut off by the panel (seen at a 114-character path)."""
+    from statekit.render.report_html import _short_name
+
+    long = "/tmp/" + "p" * 110 + "/statekit/fixtures/report/qwen2-32/checkpoint-3"
+    assert _short_name(long) == "qwen2-32/checkpoint-3"
+    assert _short_name("a.pt") == "a.pt"
+    name = _short_name("/x/" + "d" * 60 + "/" + "f" * 50 + ".pt")
+    assert len(name) == 40 and name.startswith("…") and name.endswith("f.pt")
