@@ -3,6 +3,7 @@ against the fixture's own optimizer state read by real torch (q/k/v rows indexed
 the Megatron format notes), and loaded by torch AdamW over a transformers Llama of the run's sizes."""
 
 import glob
+import os
 import pickle
 import subprocess
 import sys
@@ -100,11 +101,37 @@ def test_torch_adamw_over_the_hf_model_loads_it(converted):
                                    num_key_value_heads=args["num_query_groups"], head_dim=args["kv_channels"],
                                    tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg)
-    params = dict(model.named_parameters())
-    groups = [{"params": [params[n] for n in g["param_names"]]} for g in converted["param_groups"]]
-    assert sum(len(g["params"]) for g in groups) == len(params)
-    opt = torch.optim.AdamW(groups)
+    # Trainer's two groups from the model itself: weight decay, then none (norms and biases), each in
+    # named_parameters() order; AdamW pairs the saved state with them by position
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if "norm" not in n and "bias" not in n]
+    no_decay = [p for n, p in named if "norm" in n or "bias" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}])
     opt.load_state_dict(converted)
-    for g in converted["param_groups"]:
-        for n in g["param_names"]:
-            assert opt.state[params[n]]["exp_avg"].shape == params[n].shape
+    saved = {n: converted["state"][i] for g in converted["param_groups"]
+             for n, i in zip(g["param_names"], g["params"], strict=True)}
+    assert len(opt.state) == len(named) == len(saved)
+    for n, p in named:
+        assert torch.equal(opt.state[p]["exp_avg"], saved[n]["exp_avg"]), n
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()  # the loaded state steps the HF model
+
+
+def test_a_moe_model_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "o.pt"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", "fixtures/megatron/0.19.2/moe_torch_distopt_ep2dp2",
+                          str(out)], capture_output=True, text=True)
+    assert run.returncode != 0 and not out.exists()
+    assert "mixture-of-experts" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in run.stderr
+
+
+def test_dry_run_shows_the_split_and_writes_nothing(tmp_path):
+    out = tmp_path / "o.pt"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--dry-run"],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
+    assert run.returncode == 0, run.stderr
+    assert not out.exists()
+    assert "model.layers.0.self_attn.k_proj.weight" in run.stdout
+    assert "vocab 100" in run.stdout

@@ -124,8 +124,26 @@ def build(meta: dict, shapes: dict[str, tuple[int, ...]], where: str) -> Structu
         else:
             raise MappingError(f"{name}: no Hugging Face Llama/Qwen2 tensor is known for this Megatron parameter "
                                "(a layer kind or bias statekit does not map)", where)
-    return StructureMap(targets, "rules", [f"Megatron GPT → Hugging Face Llama/Qwen2 names, from the run's args "
-                                           f"({nq} heads, {ng} query groups, kv_channels {d}, vocab {vocab})"])
+    notes = [f"Megatron GPT → Hugging Face Llama/Qwen2 names, from the run's args "
+                                           f"({nq} heads, {ng} query groups, kv_channels {d}, vocab {vocab})"]
+    return StructureMap(targets, "rules", notes, order=sorted(targets, key=_hf_position))
+
+
+# a Llama/Qwen2 decoder layer's named_parameters() order (transformers' LlamaDecoderLayer / Qwen2DecoderLayer)
+_IN_LAYER = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+             "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+             "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+             "input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def _hf_position(path: str) -> tuple:
+    """Where ``path`` sits in the HF model's ``named_parameters()``: embeddings, layers, final norm, head."""
+    if path == "model.embed_tokens.weight":
+        return (0,)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", path)
+    if m:
+        return (1, int(m.group(1)), _IN_LAYER.index(m.group(2)))
+    return (2,) if path == "model.norm.weight" else (3,)
 
 
 def _whole(name: str, shape: tuple[int, ...]) -> Piece:
