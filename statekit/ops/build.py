@@ -494,7 +494,12 @@ def _order_for_torch(state, actions, opts, problems, plan) -> list[ParamAction]:
     names = opts.names if state.framework != "torch" else None
     if names is not None and hasattr(names, "entries"):  # a torch_names.ModelOrder
         names = [e.name for e in names.entries]
-    if state.framework == "torch" and plan.operation == "convert":
+    known = getattr(opts.structure, "order", None)  # the map's target model's order (Megatron → HF names)
+    if names is None and opts.model is None and known:
+        names = known
+    elif known and opts.model is not None and opts.model.order == "named_parameters":
+        names = [m.path for m in opts.model.params if not m.buffer]
+    if names is None and state.framework == "torch" and plan.operation == "convert":
         for i, a in enumerate(actions):  # the same optimizer: every position stays where it is
             a.dst_index = i
         return actions

@@ -185,7 +185,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src))
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
@@ -213,8 +213,24 @@ def _prepare(ckpt: Checkpoint, opts: Options, src: str, fmt: str, to: str | None
             said.append(f"--model {given.source}: a Hugging Face model file with {opts.model_config} beside it; "
                         "named and laid out from that definition, as its checkpoint folder is")
     name_checkpoint(ckpt, opts, src)
+    if registry.framework_of(ckpt.format) == "megatron" and registry.framework_of(fmt) != "megatron":
+        said += _without_master(state)
     fmt, library_said = _library_layout(state, fmt, to)
     return opts, fmt, said + ([library_said] if library_said else [])
+
+
+def _without_master(state) -> list[str]:
+    """A Megatron state going to another framework: its fp32 masters are weights, not optimizer state (the
+    target's optimizer has no field for them); taken out, and the plan says so in one line."""
+    from statekit import naming
+
+    held = [p for p in state.params if naming.MASTER_SLOT in p.slots]
+    for p in held:
+        del p.slots[naming.MASTER_SLOT]
+    if not held:
+        return []
+    return [f"the fp32 master weights of {len(held)} parameters are not carried: they are model weights, which "
+            "an optimizer state_dict has no field for (the model's weights are the master rounded to its dtype)"]
 
 
 def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
@@ -227,12 +243,19 @@ def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
                       "file records); --to torch writes torch's own")
 
 
-def _with_rules(opts: Options, state, src: str) -> Options:
-    """``opts`` with the structural map its --fuse/--split/--stack/--unstack rules describe."""
-    if not (opts.fuse or opts.split or opts.stack or opts.unstack):
-        return opts
+def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = None) -> Options:
+    """``opts`` with the structural map its --fuse/--split/--stack/--unstack rules describe; a Megatron
+    source going to another framework: the map to Hugging Face names its args give (:mod:`.megatron_hf`)."""
     from dataclasses import replace
 
+    if megatron_facts is not None and opts.structure is None and not (opts.fuse or opts.split or opts.stack
+                                                                           or opts.unstack):
+        from statekit.ops import megatron_hf
+
+        shapes = {p.path: tuple(p.shape) for p in state.params if p.path and p.shape is not None}
+        return replace(opts, structure=megatron_hf.build(megatron_facts, shapes, src))
+    if not (opts.fuse or opts.split or opts.stack or opts.unstack):
+        return opts
     from statekit.ops import structural
 
     return replace(opts, structure=structural.rules_map(opts, state, src))

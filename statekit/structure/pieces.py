@@ -125,6 +125,9 @@ class StructureMap:
     # "weights" (inferred and proved), "rules" (--fuse, --split, --stack, --unstack) or "rules, proved"
     origin: str = "weights"
     notes: list[str] = field(default_factory=list)
+    # the target model's named_parameters() order, where the map knows it (Megatron → Hugging Face names):
+    # a torch target is ordered by it when no --model or --names gives one
+    order: list[str] | None = None
 
     def to_json(self) -> dict:
         return {"origin": self.origin, "notes": list(self.notes),

@@ -231,7 +231,8 @@ class MegatronConfig:
                     "num_attention_heads", "num_query_groups", "kv_channels", "swiglu", "untie_embeddings",
                     "padded_vocab_size", "num_experts", "use_distributed_optimizer", "overlap_grad_reduce",
                     "ddp_bucket_size", "ddp_num_buckets", "pad_buckets_for_high_nccl_busbw", "bf16", "fp16",
-                    "grad_reduce_in_fp32", "optimizer", "lr", "min_lr", "decoupled_lr", "weight_decay"):
+                    "grad_reduce_in_fp32", "optimizer", "lr", "min_lr", "decoupled_lr", "weight_decay", "vocab_size",
+                    "normalization", "add_bias_linear", "add_qkv_bias", "qk_layernorm"):
             value = getattr(self, key)
             if value is not None:
                 out[f"megatron.{key}"] = str(value)
