@@ -157,6 +157,10 @@ CASES = {
         [3], "MoE, 4 experts top-2, EP2, legacy torch format with distrib_optim.pt lists"),
 }
 
+# appended to every case's Megatron arguments (``--model-args``; Megatron's parser keeps the last
+# of a repeated option): bench/megatron.py scales the model up with it, never for fixtures
+EXTRA_ARGS: list[str] = []
+
 # what each mcore version gets (the older release: cases 1, 2, 4 of the brief)
 PER_VERSION = {
     "0.19": list(CASES),
@@ -181,7 +185,7 @@ def case_argv(name: str, save_dir: str) -> tuple[int, list[str]]:
         "--expert-model-parallel-size", str(ep),
         "--global-batch-size", str(gbs),
         "--save", save_dir,
-    ] + extra
+    ] + extra + EXTRA_ARGS
     return world, argv
 
 
@@ -537,6 +541,8 @@ def main() -> None:
     p.add_argument("--megatron-lm-src", help="Megatron-LM source tree with megatron/training "
                    "(needed when the megatron-core wheel lacks it, i.e. before 0.19)")
     p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--model-args", default="", help="Megatron arguments appended to each case's "
+                   "(e.g. '--hidden-size 1024 --num-layers 4'): bench/megatron.py's big checkpoints")
     p.add_argument("--verify-resume", metavar="CASE", help="resume CASE (a case saved twice) "
                    "from its first save with Megatron's load, step once, compare with its second")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -544,6 +550,7 @@ def main() -> None:
     p.add_argument("--facts", help=argparse.SUPPRESS)
     p.add_argument("--megatron-args", help=argparse.SUPPRESS)
     ns = p.parse_args()
+    EXTRA_ARGS[:] = shlex.split(ns.model_args)
     if ns.worker:
         _worker(ns)
         return
