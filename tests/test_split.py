@@ -267,3 +267,12 @@ def test_cli_split(cli, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "embed\ttransformer.wte.weight\ttransformer.wte.*" in r.stdout
     assert files(tmp_path / "t") == ["embed.pt", "rest.pt"]
+
+
+def test_python_api_split(tmp_path):
+    import statekit
+
+    d = statekit.split(HAND, ["a=l1.*"], tmp_path / "p", rest="b")
+    assert d["written"] and files(tmp_path / "p") == ["a.bpk", "b.bpk"]
+    statekit.merge([tmp_path / "p" / "a.bpk", tmp_path / "p" / "b.bpk"], tmp_path / "m.bpk")
+    assert sha(tmp_path / "m.bpk") == sha(HAND)
