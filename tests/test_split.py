@@ -276,3 +276,24 @@ def test_python_api_split(tmp_path):
     assert d["written"] and files(tmp_path / "p") == ["a.bpk", "b.bpk"]
     statekit.merge([tmp_path / "p" / "a.bpk", tmp_path / "p" / "b.bpk"], tmp_path / "m.bpk")
     assert sha(tmp_path / "m.bpk") == sha(HAND)
+
+
+def test_third_party_and_bitsandbytes_states_refused_by_name(cli, tmp_path):
+    r = cli("split", FIX / "thirdparty" / "lion-pytorch.pt", "--into", "a=#0", "--rest", "b", "-o", tmp_path / "t")
+    assert r.returncode == 1 and "lion-pytorch Lion" in r.stderr and "convert it first" in r.stderr
+    for name in ("sgd8bit.pt", "adamw8bit.pt"):
+        r = cli("split", FIX / "bnb" / name, "--into", "a=#0", "--rest", "b", "-o", tmp_path / "b")
+        assert r.returncode == 1 and "bitsandbytes state" in r.stderr and "--to bnb" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and files(tmp_path) == []
+
+
+def test_muon_adamw_record_by_key_splits_as_its_state_alone(cli, tmp_path):
+    """fixtures/torch_optim/muon_adamw.pt holds both optimizers; --key picks one, as muon.pt holds it alone."""
+    for src, out in ((TOPT / "muon_adamw.pt", "k"), (TOPT / "muon.pt", "alone")):
+        extra = ["--key", "muon"] if out == "k" else []
+        r = cli("split", src, *extra, "--names", TOPT / "muon_names.txt", "--into", "a=0.weight", "--rest", "b",
+                "-o", tmp_path / out)
+        assert r.returncode == 0, r.stderr
+    assert files(tmp_path / "k") == files(tmp_path / "alone") == ["a.pt", "b.pt"]
+    for name in ("a.pt", "b.pt"):
+        assert sha(tmp_path / "k" / name) == sha(tmp_path / "alone" / name)
