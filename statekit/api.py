@@ -94,6 +94,14 @@ def merge(inputs: Sequence[PathLike], output: PathLike, *, on_conflict: str = "e
     return merge_files(list(inputs), output, on_conflict=on_conflict, dry_run=dry_run)
 
 
+def split(state: PathLike, into: Sequence[str], output_dir: PathLike, *, rest: str | None = None, to: str | None = None,
+          dry_run: bool = False) -> dict:
+    """``statekit split``: one state per part (``"NAME=GLOB,..."``) in ``output_dir``; returns the plan."""
+    from statekit.ops.split import split_files
+
+    return split_files(state, list(into), output_dir, rest=rest, to=to, dry_run=dry_run)
+
+
 def doctor(state: PathLike, model: PathLike | None = None, *, params: Sequence[str] | None = None) -> dict:
     """``statekit doctor --json`` as a dict (``params``: names or path globs to check, as ``--param``)."""
     from statekit.ops.doctor import doctor_files

@@ -534,6 +534,55 @@ def merge(
 
 
 @app.command()
+def split(
+    state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (or a Trainer checkpoint folder).")],
+    into: Annotated[list[str], typer.Option("--into", metavar="NAME=PATTERN[,PATTERN...]", help="A part: the parameters its patterns select (a path, a glob of paths, a ParamId or #index), written to DIR/NAME.<ext>. Repeat it; each parameter goes to the first part that selects it.")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR", help="Folder the parts are written into.")],
+    rest: Annotated[str | None, typer.Option("--rest", metavar="NAME", help="The part that takes every parameter no --into selects (else they are refused).")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="The parts' format (the input's framework); default: the input's.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")] = False,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
+    model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file, to name a torch state's positions by solving order and shapes.")] = None,
+    key: KeyOpt = None,
+    fmt: FormatOpt = None,
+    json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
+) -> None:
+    """Split an optimizer state into one state per optimizer (the inverse of merge).
+
+    Each parameter goes to the first --into part that selects it; its param group's
+    hyperparameters go with it (a group left empty is dropped). A parameter no part selects is
+    refused unless --rest names a part for them. All parts are written, atomically, or none.
+
+    \b
+      statekit split optimizer.pt --names names.txt --into muon='*.weight' --into adamw='*' -o parts/
+    """
+    _jobs(jobs)
+    from statekit.ops.split import split_files
+
+    out = _output(fmt, json_out)
+    name_with = None
+    if names or model:
+        from statekit.ops.convert import name_checkpoint
+        from statekit.ops.options import make_options
+
+        def name_with(ckpt):
+            name_checkpoint(ckpt, make_options(names=names, names_order=names_order, model=model), str(state))
+
+    # a table shows the plan before anything is written, then the line that says it was; json and tsv the result
+    show_plan = out.format == "table" and not dry_run
+    result = split_files(state, into, output, rest=rest, to=to, dry_run=dry_run, progress=out.progress,
+                         name_with=name_with, key=key, on_plan=(lambda plan: out.show("split", plan)) if show_plan else None)
+    if show_plan:
+        from statekit.render.reports import split_summary
+
+        out.print(split_summary(result))
+    else:
+        out.show("split", result)
+
+
+@app.command()
 def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
     model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, a torch state_dict, or .safetensors); a torch state's positions are named from it by solving order and shapes.")] = None,

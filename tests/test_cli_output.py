@@ -42,6 +42,7 @@ def test_header_size_is_the_file_size(cli):
 @pytest.mark.parametrize("command", [
     ["inspect", HAND], ["diff", HAND, HAND], ["doctor", HAND],
     ["merge", HAND, HAND, "--on-conflict", "first", "-o", "{tmp}/m.bpk", "--dry-run"],
+    ["split", HAND, "--into", "a=l1.*", "--rest", "b", "-o", "{tmp}/parts", "--dry-run"],
     ["verify-resume", HAND, HAND, "--optimizer", "adam", "--lr", "1e-3", "-k", "2"],
     ["convert", HAND, "{tmp}/o.safetensors", "--dry-run"],
 ])
@@ -72,7 +73,7 @@ def test_usage_errors_are_one_line(cli):
 
 
 def test_usage_shows_metavars_not_python_types(cli):
-    for command in ("inspect", "convert", "remap", "replay", "verify-resume", "diff", "merge", "doctor"):
+    for command in ("inspect", "convert", "remap", "replay", "verify-resume", "diff", "merge", "split", "doctor"):
         text = cli(command, "--help").stdout
         assert not re.search(r"\b(FLOAT|INTEGER|TEXT|PATH)\b|<(float|int|str|path)>", text), (command, text)
 

@@ -70,6 +70,7 @@ def test_doctor_refuses_what_it_does_not_understand(cli, nested, with_set):
 
 @pytest.mark.parametrize("command", [("convert", "{src}", "{out}.bpk"), ("convert", "{src}", "{out}.pt"),
                                      ("merge", "{src}", "{src}", "-o", "{out}.pt"),
+                                     ("split", "{src}", "--into", "a=#0", "-o", "{out}"),
                                      ("verify-resume", "{src}", "{src}", "--optimizer", "adamw")])
 def test_operations_refuse_it_by_name(cli, nested, tmp_path, command):
     out = tmp_path / "out"

@@ -114,6 +114,7 @@ def test_merge_replay_and_verify_resume_refuse_it(tmp_path, cli):
     for name in ("p0", "g1"):
         save_file({k: np.full(s, 0.5, np.float32) for k, s in shapes.items()}, str(tmp_path / f"{name}.safetensors"))
     for args in (["merge", path, HAND, "-o", tmp_path / "m.bpk", "--on-conflict", "first"],
+                 ["split", path, "--into", "a=l1.*", "--rest", "b", "-o", tmp_path / "parts"],
                  ["replay", "--state", path, "--params", tmp_path / "p0.safetensors", "--grads",
                   tmp_path / "g1.safetensors", "--optimizer", "adam", "--out-params", tmp_path / "p.safetensors",
                   "--out-state", tmp_path / "r.bpk"],

@@ -221,19 +221,33 @@ def _surviving_family(states: list[OptimizerState]) -> tuple[str | None, tuple[s
 
 def _regrouped(states: list[OptimizerState], merged: list[ParamState], sources: list
                ) -> tuple[list[ParamState], list[ParamGroup]]:
-    """The merged parameters in the inputs' groups (each input's groups kept, in order)."""
+    """The merged parameters in the inputs' groups (each input's groups kept, in order). A group of a
+    later input with the very hyperparameters of an earlier input's group joins it: the parts that
+    ``split`` cut from one group become that group again (one input's own groups are never joined)."""
     groups: list[ParamGroup] = []
     group_of: list[int] = [0] * len(merged)
     for i, state in enumerate(states):
+        joined: set[int] = set()  # this input's groups so far: never two of them in one
         for g in state.groups or [ParamGroup(keys=[p.key for p in state.params])]:
             wanted = set(g.keys)
             members = [j for j, (src, p) in enumerate(sources) if src == i and p.key in wanted]
             if not members:
                 continue
+            same = next((k for k, other in enumerate(groups)
+                         if k not in joined and g.hyperparams and _same_hyper(other.hyperparams, g.hyperparams)), None)
+            if same is None:
+                same = len(groups)
+                groups.append(ParamGroup(hyperparams=dict(g.hyperparams), keys=[]))
+            joined.add(same)
             for j in members:
-                group_of[j] = len(groups)
-            groups.append(ParamGroup(hyperparams=dict(g.hyperparams), keys=[merged[j].key for j in members]))
+                group_of[j] = same
+            groups[same].keys.extend(merged[j].key for j in members)
     return [p if p.group == g else dataclasses.replace(p, group=g) for p, g in zip(merged, group_of, strict=True)], groups
+
+
+def _same_hyper(a: dict, b: dict) -> bool:
+    """The same hyperparameters, key for key (types too: 1 and 1.0 and True are not the same)."""
+    return a.keys() == b.keys() and all(type(a[k]) is type(b[k]) and a[k] == b[k] for k in a)
 
 
 def _remarks(conflicts: dict, on_conflict: str, merged: list[ParamState], method: str) -> tuple[list, list]:

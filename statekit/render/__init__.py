@@ -17,6 +17,7 @@ VIEWS: dict[str, tuple[str, str, str]] = {
     "plan": ("statekit.render.plan", "plan_view", "plan_tsv"),
     "diff": ("statekit.render.reports", "diff_view", "diff_tsv"),
     "merge": ("statekit.render.reports", "merge_view", "merge_tsv"),
+    "split": ("statekit.render.reports", "split_view", "split_tsv"),
     "doctor": ("statekit.render.reports", "doctor_view", "doctor_tsv"),
     "verify": ("statekit.render.reports", "verify_view", "verify_tsv"),
     "replay": ("statekit.render.reports", "replay_view", "replay_tsv"),

@@ -172,6 +172,38 @@ def merge_summary(d: dict) -> str:
     return f"would write {d['output']} ({d['format']}): {text} (dry run, nothing written)"
 
 
+# ----------------------------------------------------------------------------- split
+
+
+def split_view(d: dict) -> list:
+    out: list = []
+    table = Table(header_style="bold", pad_edge=False)
+    for col in ("part", "patterns", "params", "groups", "tensor bytes", "output"):
+        table.add_column(col, justify="right" if col in ("params", "groups", "tensor bytes") else "left")
+    for part in d["parts"]:
+        table.add_row(part["name"], ", ".join(part["patterns"]), str(part["params"]), str(part["groups"]),
+                      str(part["tensor_bytes"]), part["output"])
+    out.append(table)
+    for w in d["warnings"]:
+        out.append(Text(f"warning: {w}", style="yellow"))
+    out.append(Text(split_summary(d), style="bold"))
+    return out
+
+
+def split_summary(d: dict) -> str:
+    text = f"{d['params']} {d['family']} parameters of {d['input']} into {len(d['parts'])} parts ({d['format']})"
+    if d["written"]:
+        return f"wrote {len(d['parts'])} files in {d['output_dir']} ({d['bytes']} bytes): {text}"
+    if d["dry_run"]:
+        return f"would write {text} (dry run, nothing written)"
+    return f"writing {text}"
+
+
+def split_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
+    return (["part", "parameter", "selected_by", "output"],
+            [[part["name"], m["name"], m["by"], part["output"]] for part in d["parts"] for m in part["members"]])
+
+
 # ----------------------------------------------------------------------------- doctor
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
