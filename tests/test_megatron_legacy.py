@@ -498,8 +498,7 @@ REAL_TP2PP2 = os.path.join(FIXTURES, "0.19.2", "gpt_torch_distopt_tp2pp2dp1")
 def _real_copy(tmp_path):
     import shutil
 
-    if not os.path.isdir(REAL_TP2PP2):
-        pytest.skip("fixture gpt_torch_distopt_tp2pp2dp1 not here")
+    assert os.path.isdir(REAL_TP2PP2), "the megatron-core fixture gpt_torch_distopt_tp2pp2dp1 is committed"
     dest = tmp_path / "ckpt"
     shutil.copytree(REAL_TP2PP2, dest)
     return dest
@@ -631,8 +630,7 @@ def test_megatron_written_coalesced_file_is_bucket_size_agnostic_at_64_element_s
 
     import numpy as np
 
-    if not os.path.isdir(REAL_2BUCKETS):
-        pytest.skip("fixture legacy_distopt_dp2_2buckets not here")
+    assert os.path.isdir(REAL_2BUCKETS), "the megatron-core fixture legacy_distopt_dp2_2buckets is committed"
     dest = tmp_path / "ckpt"
     shutil.copytree(REAL_2BUCKETS, dest)
     file = dest / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
