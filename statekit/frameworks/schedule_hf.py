@@ -29,7 +29,8 @@ def is_trainer_folder(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, n)) for n in (OPTIMIZER, SCHEDULER, STATE))
 
 
-def _trainer_state(path: str) -> dict:
+def trainer_state(path: str) -> dict:
+    """A Trainer folder's ``trainer_state.json`` as a dict (one line naming the file when it is not one)."""
     try:
         with open(path, encoding="utf-8") as fh:
             state = json.load(fh)
@@ -111,7 +112,7 @@ def read_folder(path: str) -> model.ScheduleState:
             args = hf_args.read(os.path.join(path, hf_args.FILE), hf_args.SCHEDULE_FIELDS)
         except StatekitError as exc:
             ss.notes.append(f"{hf_args.FILE} not read ({exc.message})")
-    state = _trainer_state(os.path.join(path, STATE)) if STATE in names else {}
+    state = trainer_state(os.path.join(path, STATE)) if STATE in names else {}
     _counters(ss, state, args)
     if OPTIMIZER in names:
         try:

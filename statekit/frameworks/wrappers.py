@@ -245,13 +245,7 @@ def _missing_definition(ckpt: Checkpoint) -> None:
 
 
 def _trainer_counters(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            state = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"not a readable trainer_state.json ({exc})", path) from None
-    if not isinstance(state, dict):
-        raise FormatError("trainer_state.json is not a JSON object", path)
+    state = schedule_hf.trainer_state(path)
     return {k: state[k] for k in TRAINER_COUNTERS if isinstance(state.get(k), int | float)}
 
 
