@@ -184,6 +184,8 @@ def test_the_input_is_never_the_output(tmp_path):
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     r = run_cli("schedule", str(folder), "--max-steps", "20", "-o", str(folder))
     assert r.returncode == 2 and "never overwritten" in r.stderr
+    r = run_cli("schedule", str(folder), "--max-steps", "20", "-o", str(folder / "longer"))
+    assert r.returncode == 2 and "inside the input folder" in r.stderr
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
@@ -243,7 +245,9 @@ def _trainer_lrs(torch, tmp_path, kind, kwargs, max_steps, resume=None) -> dict[
     return lrs
 
 
-HF_CASES = {"cosine": {}, "linear": {}, "polynomial": {"power": 2.0, "lr_end": 1e-5}}
+HF_CASES = {"cosine": {}, "linear": {}, "polynomial": {"power": 2.0, "lr_end": 1e-5},
+            "cosine_with_min_lr": {"min_lr_rate": 0.1},
+            "warmup_stable_decay": {"num_decay_steps": 4, "min_lr_ratio": 0.1}}  # (the fixtures' arguments)
 
 
 @pytest.mark.torch
@@ -270,7 +274,25 @@ def test_a_trainer_resumes_the_rewritten_folder_with_the_stated_lrs(tmp_path, ki
     else:  # the lrs of a Trainer started with max_steps=16, from update 6 on
         fresh = _trainer_lrs(torch, tmp_path / "fresh", kind, HF_CASES[kind], new)
         assert all(got[s] == fresh[s] for s in range(6, new + 1))
-        assert got[6] != saved
+        assert (got[6] == saved) == (kind == "warmup_stable_decay")  # (its stable phase: λ = 1 for either horizon)
+
+
+@pytest.mark.torch
+def test_an_accelerate_folder_is_rewritten_in_its_own_names(tmp_path):
+    torch = pytest.importorskip("torch")
+    folder, make, horizon, steps, new, _ = _saved(torch, tmp_path, "cosine")
+    for name in ("scheduler", "optimizer"):
+        (folder / f"{name}.pt").rename(folder / f"{name}.bin")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    out = tmp_path / "out"
+    d = _sched_json(folder, "--max-steps", new, "--rule", "fresh", "-o", out)
+    assert d["files"] == {"scheduler.bin": "scheduler", "optimizer.bin": "optimizer"}
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.bin", "scheduler.bin"]
+    opt = _optimizer(torch)
+    sched = make(opt, horizon)
+    opt.load_state_dict(torch.load(out / "optimizer.bin", weights_only=True))
+    sched.load_state_dict(torch.load(out / "scheduler.bin", weights_only=True))
+    assert _next(torch, opt, sched) == _next(torch, *_run(torch, make, new, steps))
 
 
 def test_hf_plateau_is_refused(tmp_path):
@@ -330,3 +352,22 @@ def test_burn_linear_is_rewritten_given_the_horizon_it_was_built_with(tmp_path):
     r = run_cli("schedule", str(tmp_path / "scheduler-2.bpk"), "--max-steps", "3", "--horizon-was", "10",
                 "--rule", "fresh", "-o", str(tmp_path / "o2"))
     assert r.returncode == 1 and "not past the saved position 4" in r.stderr
+
+
+@pytest.mark.torch
+def test_a_failed_write_leaves_no_output(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from statekit.errors import FormatError
+    from statekit.frameworks import schedule_write
+
+    def broken(src, dst, keys):
+        with open(dst, "wb") as fh:
+            fh.write(b"half")
+        raise FormatError("disk full (planted)", dst)
+
+    monkeypatch.setattr(schedule_write, "write_torch_optimizer_group_lrs", broken)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "schedule" / "torch" / "polynomial", folder)
+    r = run_cli("schedule", str(folder), "--max-steps", "20", "--rule", "fresh", "-o", str(tmp_path / "out"))
+    assert r.returncode == 1 and "disk full (planted)" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

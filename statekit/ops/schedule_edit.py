@@ -61,6 +61,10 @@ def rehorizon(state: str, output: str | None, max_steps: int | None = None, exte
 
 
 def _check_output(state: str, output: str) -> None:
+    folder = os.path.realpath(state if os.path.isdir(state) else os.path.dirname(os.path.abspath(state)))
+    inside = os.path.realpath(os.path.dirname(os.path.abspath(output)))
+    if os.path.isdir(state) and (inside == folder or inside.startswith(folder + os.sep)):
+        raise UsageError(f"the output {output} is inside the input folder {state}; inputs are never modified")
     if os.path.exists(output):
         if os.path.samefile(output, state) or os.path.samefile(output, os.path.dirname(os.path.abspath(state))):
             raise UsageError(f"the output {output} is the input's folder; inputs are never overwritten (write to a new "
