@@ -239,6 +239,9 @@ def _plan_hf(folder: str, max_steps, extend, rule) -> dict:
     w = args.get("warmup_steps") or 0
     if 0 < w < 1 or (not w and args.get("warmup_ratio")):
         plan["notes"].append(f"the warm-up is a ratio of max_steps: {warmup} steps with max_steps={n}")
+    if kind in ("constant", "constant_with_warmup", "inverse_sqrt"):
+        plan["notes"].append(f"{kind} has no horizon: its λ does not depend on max_steps (only a warm-up ratio does); "
+                             f"{schedule_hf.STATE}'s max_steps is what changes")
     plan["must"].append("keep the other arguments (lr_scheduler_type, warmup_steps, learning_rate, "
                         "lr_scheduler_kwargs): the λ above is rebuilt from them")
     return plan

@@ -251,6 +251,11 @@ def hf_lambda(kind: str, kwargs: dict, args: dict, lr_init: float | None, st: di
                            "through the lr now")
     new["base_lrs"] = [lr / f for lr in lrs]
     end = [b * lam(n) for b in new["base_lrs"]]
-    return Rehorizoned(new, None, lrs, lrs, end, None,
+    edit = Rehorizoned(new, None, lrs, lrs, end, None,
                        f"continue: lr(s) = lr_t·λ(s)/λ({t}), λ = transformers' {kind} with max_steps={n}, warm-up "
-                       f"{warmup} (λ({t}) = {f!r}): base lrs {_short(new['base_lrs'])}"), warmup
+                       f"{warmup} (λ({t}) = {f!r}): base lrs {_short(new['base_lrs'])}")
+    fresh_end = [float(b) * lam(n) for b in st["base_lrs"]]
+    if any(not math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0) for a, b in zip(end, fresh_end, strict=True)):
+        edit.notes.append(f"the lr at the horizon scales with the base lr: {_short(end)} (a run started with "
+                          f"max_steps={n}: {_short(fresh_end)})")
+    return edit, warmup
