@@ -371,3 +371,20 @@ def test_a_failed_write_leaves_no_output(tmp_path, monkeypatch):
     r = run_cli("schedule", str(folder), "--max-steps", "20", "--rule", "fresh", "-o", str(tmp_path / "out"))
     assert r.returncode == 1 and "disk full (planted)" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.torch
+def test_the_written_files_are_read_back_before_they_are_kept(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from statekit.frameworks import schedule_write
+
+    real = schedule_write.write_torch_scheduler_state
+
+    def off_by_one(state, path):  # a writer that gets the horizon wrong
+        real(dict(state, total_iters=state["total_iters"] + 1), path)
+
+    monkeypatch.setattr(schedule_write, "write_torch_scheduler_state", off_by_one)
+    r = run_cli("schedule", str(FIXTURES / "schedule" / "torch" / "polynomial"), "--max-steps", "20",
+                "-o", str(tmp_path / "out"))
+    assert r.returncode == 1 and "read back" in r.stderr and "nothing written" in r.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -336,6 +336,7 @@ def _write(plan: dict, state: str, output: str) -> None:
                 shutil.copytree(src, os.path.join(tmp, name), symlinks=True)
             else:
                 shutil.copy2(src, os.path.join(tmp, name))
+        _read_back(plan, tmp, state)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
@@ -343,6 +344,38 @@ def _write(plan: dict, state: str, output: str) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _read_back(plan: dict, tmp: str, state: str) -> None:
+    """The written files, read back by statekit's own readers, give the lrs stated (else nothing is written)."""
+    files = plan["files"]
+    if plan["framework"] == "burn":
+        from statekit.formats.burnpack import BurnpackFile
+
+        for name, spec in files.items():
+            if BurnpackFile(os.path.join(tmp, name)).scalars != spec["scalars"]:
+                raise MappingError(f"{name} read back holds other counters than were written: nothing written")
+        return
+    if plan["framework"] == "hf":
+        ss = schedule_hf.read_folder(tmp)
+    else:
+        sched = next(n for n, spec in files.items() if spec["role"] == "scheduler")
+        opt = next((n for n, spec in files.items() if spec["role"] == "optimizer"), None)
+        if opt is not None:
+            optimizer = os.path.join(tmp, opt)
+        else:
+            beside = os.path.dirname(os.path.abspath(state)) if not os.path.isdir(state) else tmp
+            candidate = os.path.join(beside, schedule_torch.OPTIMIZER_FILES.get(sched, "optimizer.pt"))
+            optimizer = candidate if os.path.isfile(candidate) else None
+        ss = schedule_torch.read_file(os.path.join(tmp, sched), optimizer)
+    now = [float(g["lr"]) for g in ss.groups] if ss.groups else ss.schedule.lr_now
+    try:
+        after = model.next_lrs(ss.schedule, ss.groups, len(plan["lr_next"])) if plan["lr_next"] else []
+    except MappingError as exc:
+        raise MappingError(f"the written schedule read back does not step ({exc.message}): nothing written") from None
+    if now != plan["lr_now"] or after != plan["lr_next"]:
+        raise MappingError(f"the written schedule read back gives lr {now} then {after[:1]}, not the {plan['lr_now']} "
+                           f"then {plan['lr_next'][:1]} stated: nothing written")
 
 
 def to_json(plan: dict) -> dict:
