@@ -388,3 +388,20 @@ def test_the_written_files_are_read_back_before_they_are_kept(tmp_path, monkeypa
                 "-o", str(tmp_path / "out"))
     assert r.returncode == 1 and "read back" in r.stderr and "nothing written" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.torch
+def test_a_trainer_folder_with_its_own_torch_scheduler_is_re_horizoned_as_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "checkpoint-5"
+    shutil.copytree(FIXTURES / "schedule" / "hf" / "linear" / "checkpoint-5", folder)
+    make, horizon, steps, new = _cases(torch.optim.lr_scheduler)["cosine"]
+    opt, sched = _run(torch, make, horizon, steps)
+    torch.save(sched.state_dict(), folder / "scheduler.pt")  # a scheduler passed to Trainer(optimizers=...)
+    torch.save(opt.state_dict(), folder / "optimizer.pt")
+    out = tmp_path / "out"
+    d = _sched_json(folder, "--max-steps", new, "--rule", "fresh", "-o", out)
+    assert d["kind"] == "torch:CosineAnnealingLR" and any("passed to the Trainer" in n for n in d["notes"])
+    assert json.loads((out / "trainer_state.json").read_text())["max_steps"] == new
+    assert any(f"max_steps={new}" in m for m in d["must"])
+    assert _next(torch, *_resumed(torch, out, make, horizon)) == _next(torch, *_run(torch, make, new, steps))

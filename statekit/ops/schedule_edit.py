@@ -204,13 +204,17 @@ def _plan_hf(folder: str, max_steps, extend, rule) -> dict:
         raise FormatError(f"a Trainer folder without {schedule_hf.STATE}: its max_steps is what a resume reads",
                           folder)
     old = trainer.get("max_steps") if isinstance(trainer.get("max_steps"), int) else None
+    if sched is not None and sched.framework == "torch" and sched.name != "LambdaLR|MultiplicativeLR":
+        return _plan_hf_torch(folder, max_steps, extend, rule, args, state_path)
     n = _horizon_of(extend, max_steps, old, schedule_hf.STATE)
     if sched is None or sched.position is None:
         raise FormatError("scheduler.pt holds no position", folder)
     t = sched.position
-    if kind == "reduce_lr_on_plateau" or sched.unknown or sched.lam is None:
-        why = sched.unknown or "it follows the evaluation metric"
-        raise MappingError(f"lr_scheduler_type {kind!r}: its λ is not rebuilt ({why})", folder)
+    if kind == "reduce_lr_on_plateau":
+        raise MappingError("lr_scheduler_type 'reduce_lr_on_plateau' follows the evaluation metric: it has no horizon",
+                           folder)
+    if sched.unknown or sched.lam is None:
+        raise MappingError(f"lr_scheduler_type {kind!r}: its λ is not rebuilt ({sched.unknown or 'no λ'})", folder)
     lr_init = args.get("learning_rate") if isinstance(args.get("learning_rate"), int | float) else None
     lrs = [float(g["lr"]) for g in ss.groups] if ss.groups else list(sched.lr_now)
     try:
@@ -244,6 +248,21 @@ def _plan_hf(folder: str, max_steps, extend, rule) -> dict:
                              f"{schedule_hf.STATE}'s max_steps is what changes")
     plan["must"].append("keep the other arguments (lr_scheduler_type, warmup_steps, learning_rate, "
                         "lr_scheduler_kwargs): the λ above is rebuilt from them")
+    return plan
+
+
+def _plan_hf_torch(folder: str, max_steps, extend, rule, args: dict, state_path: str) -> dict:
+    """A Trainer folder whose scheduler.pt is a torch scheduler's own (a scheduler passed to the Trainer):
+    re-horizoned as torch's, and trainer_state.json's max_steps set to the same horizon."""
+    plan = _plan_torch(os.path.join(folder, schedule_hf.SCHEDULER), max_steps, extend, rule, folder=folder)
+    n = plan["new_horizon"]
+    plan["files"][schedule_hf.STATE] = {"role": "trainer_state", "max_steps": n, "source": state_path}
+    plan["copy"] = [x for x in plan["copy"] if x != schedule_hf.STATE]
+    plan["notes"].append(f"scheduler.pt is a {plan['kind']}'s state (a scheduler passed to the Trainer), not the λ "
+                         f"of lr_scheduler_type={args.get('lr_scheduler_type')!r}: re-horizoned as torch's")
+    if args.get("max_steps") != n:
+        plan["must"].append(f"resume with TrainingArguments(max_steps={n}) (--max_steps {n}): the Trainer's run length "
+                            f"comes from its arguments; training_args.bin says max_steps={args.get('max_steps')!r}")
     return plan
 
 
