@@ -145,7 +145,7 @@ def _end(cls: str, st: dict) -> list[float] | None:
     t = st.get(_HORIZON_KEY.get(cls, ""), None)
     if t is None:
         return None
-    if cls == "LinearLR":  # its recursive form from lr_t reaches lr_t·ratio… the closed form from the factors
+    if cls == "LinearLR":  # the end lr is base · end_factor whatever the start factor
         return [float(b) * st["end_factor"] for b in st["base_lrs"]]
     found = torch_lr.closed_form(cls, st, t)
     return None if found is None else [float(x) for x in found]
