@@ -610,6 +610,35 @@ def doctor(
 
 
 @app.command()
+def schedule(
+    state: Annotated[Path, typer.Argument(metavar="STATE", help="A scheduler file (scheduler.pt / scheduler.bin, scheduler-N.bpk) or the folder holding it (an HF Trainer checkpoint-N/).")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", metavar="OUT", help="New folder the rewritten schedule is written to (for a folder STATE, with its other files copied).")] = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", metavar="N", help="The new horizon: the run's total updates.")] = None,
+    extend: Annotated[int | None, typer.Option("--extend", metavar="K", help="The new horizon is the saved one plus K updates.")] = None,
+    rule: Annotated[str, typer.Option("--rule", metavar="continue|fresh", help="continue: keep the lr now and decay from it over the new horizon (no jump); fresh: the lr a run started with the new horizon has at this step (the lr jumps).")] = "continue",
+    horizon_was: Annotated[int | None, typer.Option("--horizon-was", metavar="N", help="The horizon the run was built with, where the files do not save it (burn: the config's num_iters).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the rewrite and the lrs it gives; write nothing.")] = False,
+    fmt: FormatOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-horizon a saved LR schedule for a run that goes on longer (--max-steps N or --extend K).
+
+    The rule and its formula are printed with the lrs of the next updates. The input is never
+    modified; OUT is a new folder, written whole or not at all.
+
+    \b
+      statekit schedule checkpoint-500 --max-steps 2000 -o checkpoint-500-long
+      statekit schedule run/scheduler.pt --extend 1000 --rule fresh -o longer/
+    """
+    from statekit.ops.schedule_edit import rehorizon
+
+    out = _output(fmt, json_out)
+    result = rehorizon(state, output, max_steps=max_steps, extend=extend, rule=rule, dry_run=dry_run,
+                       horizon_was=horizon_was)
+    out.show("schedule", result)
+
+
+@app.command()
 def report(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
     weights: Annotated[Path | None, typer.Option("--weights", metavar="MODEL", help="The model's weights at the same step: adds RMS(w) and the update:weight ratio lr·RMS(u + wd·w)/RMS(w).")] = None,

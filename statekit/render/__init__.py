@@ -22,6 +22,7 @@ VIEWS: dict[str, tuple[str, str, str]] = {
     "verify": ("statekit.render.reports", "verify_view", "verify_tsv"),
     "replay": ("statekit.render.reports", "replay_view", "replay_tsv"),
     "report": ("statekit.render.report", "report_view", "report_tsv"),
+    "schedule": ("statekit.render.schedule", "schedule_view", "schedule_tsv"),
 }
 
 
