@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from statekit.errors import MappingError
-from statekit.schedule import burn_lr, hf_lr, megatron_lr, torch_lr
+from statekit.schedule import burn_lr, hf_lr, megatron_lr, torch_lr, torchtitan_lr
 
 
 @dataclass
@@ -123,6 +123,8 @@ def next_lrs(sched: Schedule, groups: list[dict] | None = None, n: int = 1) -> l
             raise torch_lr.NotComputable("the samples one update consumes are not known (args has no global batch "
                                          "size, or it ramps up)")
         return [megatron_lr.lr_at(sched, sched.position + (k + 1) * sched.per_update) for k in range(n)]
+    if fw == "torchtitan":
+        return [torchtitan_lr.lr_at(sched, sched.position + 1 + k) for k in range(n)]
     raise MappingError(f"no stepping for {sched.kind}")
 
 
@@ -146,6 +148,8 @@ def lr_at(sched: Schedule, t: int, groups: list[dict] | None = None) -> list[flo
             return burn_lr.lr_at(sched, t)
         if sched.framework == "megatron":
             return megatron_lr.lr_at(sched, t)
+        if sched.framework == "torchtitan":
+            return torchtitan_lr.lr_at(sched, t)
     except (MappingError, KeyError, TypeError, ZeroDivisionError, ValueError, OverflowError, IndexError):
         return None
     return None
