@@ -115,6 +115,9 @@ def _counters(ss, sched, finding, findings, notes) -> None:
         notes.append(f"DeepSpeed: global_steps {glob}, of which {ss.deepspeed_skipped} skipped by the fp16 loss "
                      "scaler (the scheduler and the optimizer did not step on them)")
         glob -= ss.deepspeed_skipped
+    if sched.interval == "epoch":
+        notes.append(f"the scheduler's position {pos} is the epochs Lightning stepped it: interval='epoch'")
+        return
     if "lightning" in ss.files and ss.counters.epoch is not None and pos == ss.counters.epoch != glob:
         notes.append(f"the scheduler's position {pos} is the epochs completed: an interval='epoch' scheduler")
         return

@@ -45,6 +45,8 @@ class Schedule:
     notes: list[str] = field(default_factory=list)
     unit: str = "updates"  # what position, warmup and horizon count (Megatron: "samples")
     per_update: int | None = None  # units one update advances the position by (Megatron: the global batch size)
+    interval: str | None = None  # Lightning: "step", "epoch" (stepped once an epoch) or "unknown"
+    per_epoch: int | None = None  # interval "epoch": the updates one epoch takes (the lr holds over them)
 
     @property
     def framework(self) -> str:
@@ -111,7 +113,19 @@ def next_lrs(sched: Schedule, groups: list[dict] | None = None, n: int = 1) -> l
         cls = "LambdaLR" if fw == "hf" else sched.name
         lambdas = [sched.lam] * len(sched.base_lrs) if sched.lam is not None else None
         st, gs = dict(sched.state), groups_for(sched, groups)
+        if sched.interval == "unknown":
+            raise torch_lr.NotComputable("the scheduler's interval (per step or per epoch) is not known")
         out = []
+        if sched.interval == "epoch":  # update j (1-based) after the save: (j - 1) // per_epoch steps before it
+            if sched.lr_now is None:
+                raise torch_lr.NotComputable("the schedule holds no current lr")
+            done, lrs = 0, list(sched.lr_now)
+            for j in range(2, n + 2):
+                while done < (j - 1) // sched.per_epoch:
+                    st, gs = torch_lr.step(cls, st, gs, lambdas)
+                    done, lrs = done + 1, [float(x) for x in st["_last_lr"]]
+                out.append(list(lrs))
+            return out
         for _ in range(n):
             st, gs = torch_lr.step(cls, st, gs, lambdas)
             out.append([float(x) for x in st["_last_lr"]])
