@@ -107,3 +107,15 @@ def test_page_draws_the_lr_curve(tmp_path, cli, path, monkeypatch):
     shown = [float(x) for x in re.findall(r"lr (?:now )?([0-9.e-]+)", seen["hovered"])]
     assert shown and all(any(math.isclose(x, lr, rel_tol=1e-5) for lr in sched["lr_now"]) for x in shown), shown
     assert "LR schedule:" in out.read_text(encoding="utf-8")
+
+
+def test_lightning_curve_counts_what_the_scheduler_counts():
+    lightning = FIXTURES / "schedule" / "lightning"
+    epoch = report_files(lightning / "epoch_exponential" / "epoch=0-step=4.ckpt").to_json()["schedule"]
+    ref = json.loads((lightning / "epoch_exponential" / "reference.json").read_text())
+    assert epoch["unit"] == "epochs" and epoch["position"] == 1
+    assert epoch["lr_now"] == ref["resumed"]["epoch=0-step=4.ckpt"]["lrs"][0]
+    # ExponentialLR(gamma 0.5) per epoch: the curve at epoch 2 is the lr Lightning used in the epoch after next
+    assert [ys[epoch["x"].index(2)] for ys in epoch["lrs"]] == ref["resumed"]["epoch=0-step=4.ckpt"]["lrs"][4]
+    mid = report_files(lightning / "epoch_midsave" / "epoch=0-step=3.ckpt").to_json()["schedule"]
+    assert mid["unit"] == "scheduler steps" and mid["lr_next"] is None and "interval" in mid["why"]

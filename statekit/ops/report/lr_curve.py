@@ -25,14 +25,14 @@ def _positions(end: int) -> list[int]:
 
 
 def curve(ss: model.ScheduleState | None) -> dict | None:
-    """``{"kind", "unit" (updates; epochs for a Lightning interval='epoch' scheduler), "position", "lr_now", "lr_next", "steps_left", "x", "lrs", "why"}`` (x in
+    """``{"kind", "unit" (updates; for Lightning: epochs for interval='epoch', scheduler steps when the interval is not known), "position", "lr_now", "lr_next", "steps_left", "x", "lrs", "why"}`` (x in
     the unit; ``lrs``: one list per group, None where not computable) — None without a schedule."""
     if ss is None or ss.schedule is None:
         return None
     view = model.describe(ss)
     sched = ss.schedule
     per = sched.per_update if sched.unit != "updates" else 1
-    unit = "epochs" if sched.interval == "epoch" else "updates" if per else sched.unit
+    unit = {"epoch": "epochs", "unknown": "scheduler steps"}.get(sched.interval or "", "updates" if per else sched.unit)
     out = {"kind": sched.kind, "unit": unit, "position": None,
            "lr_now": view.get("lr_now"), "lr_next": view.get("lr_next"), "steps_left": None, "warmup": None,
            "horizon": None, "x": [], "lrs": [], "why": view.get("lr_next_why") or view.get("unknown"),
