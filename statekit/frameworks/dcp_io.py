@@ -25,12 +25,27 @@ SHARDS_KEY = "dcp.shards"
 
 def open_checkpoint(path: str, key: str | None = None, **options) -> Checkpoint:
     reader = dcp.DcpReader(path)
-    ckpt = torch_io.checkpoint_from_object(reader.state_dict(), path, key, FORMAT)
+    sd = reader.state_dict()
+    ckpt = torch_io.checkpoint_from_object(sd, path, key, FORMAT)
+    _torchtitan_schedule(ckpt, sd, path)
     ckpt.container = reader
     ckpt.metadata["dcp_files"] = str(len(reader.meta.files))
     if reader.meta.version:
         ckpt.metadata["dcp_version"] = reader.meta.version
     return ckpt
+
+
+def _torchtitan_schedule(ckpt: Checkpoint, sd: object, path: str) -> None:
+    """torchtitan's ``lr_scheduler`` / ``train_state`` entries as the schedule (:mod:`.schedule_torchtitan`)."""
+    from statekit.frameworks import schedule_torchtitan
+
+    if ckpt.schedule is not None or not schedule_torchtitan.is_torchtitan(sd):
+        return
+    groups = [dict(g.hyperparams) for g in ckpt.optimizer.groups] if ckpt.optimizer is not None else None
+    try:
+        ckpt.schedule = schedule_torchtitan.read(sd, groups, path)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OSError) as exc:
+        ckpt.warnings.append(f"LR schedule not read: {exc}")
 
 
 def fqn_state_dict(state: OptimizerState, family: str, groups: list[dict]) -> dict:

@@ -120,6 +120,46 @@ def _optimizer_sd_groups(sd: object) -> tuple[list[dict] | None, float | None]:
     return groups, (max(steps) if steps else None)
 
 
+def _progress(loop: dict, key: str, *path: str):
+    value = loop.get(key)
+    for p in path:
+        value = value.get(p) if isinstance(value, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _lightning_interval(ss: model.ScheduleState, obj: dict) -> None:
+    """The scheduler's interval, told by Lightning's loop counters (the interval itself is not saved):
+    its steps (``scheduler_progress``) equal to the optimizer's (``optim_progress``): ``step``; equal to
+    the epochs processed, at an epoch's last batch: ``epoch``, and the lr holds for the next epoch's
+    updates (as many as this epoch took). Anything else: the lr after the next update is not said."""
+    sched = ss.schedule
+    loop = ((obj.get("loops") or {}).get("fit_loop")) or {}
+    stepped = _progress(loop, "epoch_loop.scheduler_progress", "total", "completed")
+    updates = _progress(loop, "epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "total",
+                        "completed")
+    in_epoch = _progress(loop, "epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "current",
+                         "completed")
+    epochs = _progress(loop, "epoch_progress", "total", "processed")
+    last = (loop.get("epoch_loop.batch_progress") or {}).get("is_last_batch") is True
+    if sched is None or stepped is None or updates is None:
+        ss.notes.append("Lightning does not save the scheduler's interval, and the loops' counters are not here: "
+                        "the position counts optimizer steps for interval='step', epochs for 'epoch'")
+        return
+    if stepped == updates:
+        sched.interval = "step"
+        sched.notes.append(f"interval='step' (Lightning stepped it {stepped} times over {updates} optimizer steps)")
+    elif stepped == epochs and last and in_epoch:
+        sched.interval, sched.per_epoch = "epoch", in_epoch
+        ss.counters.updates_per_epoch = in_epoch
+        sched.notes.append(f"interval='epoch' (stepped {stepped} times, once per epoch; saved at an epoch's end): "
+                           f"its lr holds for the next epoch's {in_epoch} updates, if it is as long as this one")
+    else:
+        sched.interval = "unknown"
+        sched.notes.append(f"Lightning stepped the scheduler {stepped} times over {updates} optimizer steps and "
+                           f"{epochs} epochs{'' if last else ', saved mid-epoch'}: its interval / frequency is not "
+                           "saved, so the lr after the next update is not said")
+
+
 def from_lightning(obj: dict, path: str) -> model.ScheduleState | None:
     """A Lightning ``.ckpt``'s first LR scheduler (``lr_schedulers[0]``) over ``optimizer_states[0]``, and
     its counters (``global_step``: optimizer steps; epochs completed from ``loops``). None without one."""
@@ -140,8 +180,7 @@ def from_lightning(obj: dict, path: str) -> model.ScheduleState | None:
     c.epoch = float(done) if isinstance(done, int) else (float(obj["epoch"]) if isinstance(obj.get("epoch"), int)
                                                          else None)
     c.why["skip_batches"] = "Lightning resumes mid-epoch only with stateful dataloaders (their state is in loops)"
-    ss.notes.append("Lightning does not save the scheduler's interval: the position counts optimizer steps for "
-                    "interval='step', epochs for 'epoch' (the default)")
+    _lightning_interval(ss, obj)
     if len(schedulers) > 1:
         ss.notes.append(f"{len(schedulers)} LR schedulers: the first is shown")
     return ss

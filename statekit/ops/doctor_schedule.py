@@ -5,6 +5,8 @@
 * ``schedule-args``: an HF schedule rebuilt from ``training_args.bin`` does not give the saved lr;
 * ``initial-lr``: a group without ``initial_lr`` beside a scheduler;
 * ``no-scheduler``: ``optimizer.pt`` in a Trainer folder without ``scheduler.pt``;
+* (Megatron: the scheduler counts samples; positions are compared in iterations, through the global
+  batch size)
 * ``counters``: global step, scheduler position and optimizer step disagreeing (updates the fp16
   loss scaler skipped are counted by the global step only: explained, an info);
 * ``warmup-again``: a position inside the warm-up while more updates than the warm-up were taken.
@@ -74,7 +76,12 @@ def _lr(ss, sched, finding, findings) -> None:
             findings.append(finding("warning", "schedule-lr", f"group {g}",
                                     f"the scheduler's last lr {want!r} is not its schedule's {closed[g]!r} at "
                                     f"position {sched.position} (its chainable form drifted from the closed form)"))
-        if not model.same_lr(group["lr"], want):
+        if not model.same_lr(group["lr"], want) and sched.framework == "megatron":
+            findings.append(finding("warning", "schedule-lr", f"group {g}",
+                                    f"param group lr {group['lr']!r}, Megatron's scheduler at num_steps "
+                                    f"{sched.position} samples gives {want!r}: the optimizer and the scheduler "
+                                    f"were not saved by one step (a resume sets {want!r})"))
+        elif not model.same_lr(group["lr"], want):
             factor = group["lr"] / want if want else float("inf")
             later = (f"every later lr is off by x{factor:.6g}" if sched.recursive
                      else "the updates after it follow the schedule again")
@@ -99,13 +106,18 @@ def _initial_lr(ss, sched, finding, findings) -> None:
 def _counters(ss, sched, finding, findings, notes) -> None:
     if sched.name in ("ReduceLROnPlateau", "reduce_lr_on_plateau") or sched.position is None:
         return  # (it counts evaluations, not updates)
-    pos, step, glob = sched.position, ss.optimizer_step, ss.counters.global_step
+    pos, step, glob = _updates(sched, sched.position), ss.optimizer_step, ss.counters.global_step
+    if pos is None:
+        return
     if sched.framework == "deepspeed":  # its index is one behind: updates stepped - 1
         pos += 1
     if ss.deepspeed_skipped and glob is not None:
         notes.append(f"DeepSpeed: global_steps {glob}, of which {ss.deepspeed_skipped} skipped by the fp16 loss "
                      "scaler (the scheduler and the optimizer did not step on them)")
         glob -= ss.deepspeed_skipped
+    if sched.interval == "epoch":
+        notes.append(f"the scheduler's position {pos} is the epochs Lightning stepped it: interval='epoch'")
+        return
     if "lightning" in ss.files and ss.counters.epoch is not None and pos == ss.counters.epoch != glob:
         notes.append(f"the scheduler's position {pos} is the epochs completed: an interval='epoch' scheduler")
         return
@@ -120,16 +132,28 @@ def _counters(ss, sched, finding, findings, notes) -> None:
         notes.append(f"global step {glob}, scheduler position {pos}: {glob - pos} updates skipped by the fp16 loss "
                      "scaler (Trainer does not step the scheduler on them; the optimizer did not step either)")
         return
+    what = "the iteration" if sched.framework == "megatron" else "trainer_state.json's global step"
     findings.append(finding("warning", "counters", None,
-                            f"trainer_state.json's global step is {glob}, the scheduler's position {pos}"
+                            f"{what} is {glob}, the scheduler's position {pos}"
                             + ("" if step is None else f", the optimizer's step {step:g}")))
 
 
+def _updates(sched, x):
+    """A position / length in updates (a schedule counted in samples: divided by the samples per update;
+    None when that is not known or does not divide it)."""
+    if x is None or sched.unit == "updates":
+        return x
+    if not sched.per_update or x % sched.per_update:
+        return None
+    return int(x // sched.per_update)
+
+
 def _warmup(ss, sched, finding, findings) -> None:
-    if not sched.warmup or sched.position is None:
+    position, warmup = _updates(sched, sched.position), _updates(sched, sched.warmup)
+    if not warmup or position is None:
         return
     done = max(x for x in (ss.optimizer_step, ss.counters.global_step, 0) if x is not None)
-    if sched.position < sched.warmup <= done or (sched.position == 0 and done > 0 and sched.warmup):
+    if position < warmup <= done or (position == 0 and done > 0 and warmup):
         findings.append(finding("warning", "warmup-again", None,
-                                f"the scheduler is at position {sched.position} of a {sched.warmup}-update warm-up, "
+                                f"the scheduler is at position {position} of a {warmup}-update warm-up, "
                                 f"after {done:g} updates"))

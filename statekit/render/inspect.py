@@ -343,6 +343,15 @@ def _lrs(values) -> str:
     return ", ".join(repr(v) for v in values)
 
 
+def _in_updates(s: dict, key: str) -> str:
+    """A schedule counted in samples (Megatron): the unit, and the count in iterations."""
+    unit = s.get("unit")
+    if not unit or unit == "updates":
+        return ""
+    it = (s.get("updates") or {}).get(key)
+    return f" {unit}" + (f" ({it:g} iterations)" if it is not None else "")
+
+
 def schedule_view(s: dict, width: int | None) -> list:
     """The LR schedule: kind, warm-up, horizon, position, steps left; lr now and next; the counters."""
     out: list = []
@@ -351,8 +360,11 @@ def schedule_view(s: dict, width: int | None) -> list:
         for key, word in (("warmup", "warm-up"), ("horizon", "horizon"), ("position", "position"),
                           ("steps_left", "steps left")):
             if s.get(key) is not None:
-                items.append(f"{word} {s[key]}")
+                items.append(f"{word} {s[key]}" + _in_updates(s, key))
         out += wrapped("schedule: ", items, " · ", width, head_style="bold")
+        if s.get("wd_now") is not None:
+            out += wrapped("  weight decay now / next: ", [f"{_lrs(s['wd_now'])} / {_lrs(s.get('wd_next') or [])}"],
+                           "", width)
         if s.get("lr_now") is not None:
             out += wrapped("  lr now (next update): ", [_lrs(s["lr_now"])], "", width)
         if s.get("lr_next") is not None:

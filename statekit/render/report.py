@@ -252,10 +252,36 @@ def _compare(r: dict, width: int) -> list[str]:
     return lines
 
 
+def _lrs_text(values) -> str:
+    if not values:
+        return "?"
+    return f"{values[0]:.6g}" + (f" (all {len(values)} groups)" if len(set(values)) == 1 and len(values) > 1 else
+                            "".join(f", {v:.6g}" for v in values[1:]))
+
+
+def schedule_line(s: dict) -> str:
+    """The schedule in one line: kind, position, lr now / next, steps left (or why no lr is known)."""
+    parts = [s["kind"]]
+    if s["position"] is not None:
+        samples = f" ({s['position'] * s['samples_per_update']:g} samples)" if s.get("samples_per_update") else ""
+        parts.append(f"position {s['position']:g} {s['unit']}{samples}")
+    parts.append(f"lr now {_lrs_text(s['lr_now'])}")
+    if s["lr_next"] is not None:
+        parts.append(f"next {_lrs_text(s['lr_next'])}")
+    if s["steps_left"] is not None:
+        parts.append(f"{s['steps_left']:g} {s['unit']} left")
+    if s["why"] and s["lr_next"] is None:
+        parts.append(f"lr next not known: {s['why']}")
+    return " · ".join(parts)
+
+
 def report_view(result, width: int | None = None) -> list:
     r = result.to_json() if hasattr(result, "to_json") else result
     width = max(MIN_WIDTH, width or 80)
     lines = _header(r, width) + [""] + _findings(r, width) + _table(r, width) + _compare(r, width)
+    if r.get("schedule"):
+        lines += textwrap.wrap("lr schedule: " + schedule_line(r["schedule"]), width, subsequent_indent="  ",
+                               break_on_hyphens=False)
     for note in r["notes"]:
         lines += textwrap.wrap("note: " + note, width, subsequent_indent="  ", break_on_hyphens=False)
     return [PlainLines("\n".join(lines) + "\n")]

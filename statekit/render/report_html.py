@@ -13,6 +13,7 @@ import json
 import math
 
 from statekit.errors import UsageError
+from statekit.render.report import schedule_line
 
 CONFIG = {"displaylogo": False, "responsive": True, "scrollZoom": False}
 BAND = (0.2, 0.3)  # the update RMS Adam settles at after warm-up
@@ -410,6 +411,37 @@ code { background: #f3f3f3; padding: 0 .25em; }
 """
 
 
+def _lr(r: dict) -> dict | None:
+    """The learning rate per group along the schedule, the saved position marked."""
+    s = r.get("schedule")
+    if not s or not s["x"]:
+        return None
+    unit = s["unit"]
+    data = [{"type": "scatter", "mode": "lines", "name": f"group {g}", "x": s["x"], "y": ys,
+             "hovertemplate": f"group {g}<br>{unit} %{{x}}: lr %{{y:.6g}}<extra></extra>"}
+            for g, ys in enumerate(s["lrs"])]
+    pos = s["position"]
+    if s["lr_now"]:
+        data.append({"type": "scatter", "mode": "markers", "name": "saved: lr now (the next update)",
+                     "x": [pos] * len(s["lr_now"]), "y": s["lr_now"], "marker": {"size": 10, "symbol": "diamond"},
+                     "hovertemplate": f"saved at {pos:g} {unit}<br>lr now %{{y:.6g}}<extra></extra>"})
+    if s["lr_next"]:
+        data.append({"type": "scatter", "mode": "markers", "name": "lr next (the update after)",
+                     "x": [pos + 1] * len(s["lr_next"]), "y": s["lr_next"], "marker": {"size": 8, "symbol": "circle-open"},
+                     "hovertemplate": f"{unit} {pos + 1:g}<br>lr next %{{y:.6g}}<extra></extra>"})
+    left = f", {s['steps_left']:g} {unit} left" if s["steps_left"] is not None else ""
+    layout = {"title": {"text": html.escape(f"Learning rate per group: {s['kind']}, saved at {pos:g} {unit}{left}"),
+                        "x": 0, "font": {"size": 15}},
+              "height": 380, "margin": {"l": 70, "r": 20, "t": 40, "b": 45}, "hovermode": "closest",
+              "plot_bgcolor": "#fbfbfb", "colorway": COLORWAY,
+              "xaxis": {"title": {"text": unit}, "zeroline": False},
+              "yaxis": {"title": {"text": "lr"}, "automargin": True, "exponentformat": "e"},
+              "legend": {"font": {"size": 10}},
+              "shapes": [{"type": "line", "xref": "x", "yref": "paper", "x0": pos, "x1": pos, "y0": 0, "y1": 1,
+                          "line": {"dash": "dash", "width": 1, "color": "#555"}}]}
+    return {"data": data, "layout": layout}
+
+
 def _findings_html(r: dict) -> str:
     if not r["findings"]:
         return "<p id='findings-none'>No findings: no NaN/Inf, resets, ε-dominated tensors or outliers.</p>"
@@ -431,7 +463,9 @@ def _meta_html(r: dict) -> str:
     if r.get("against"):
         parts.append(f"compared against {html.escape(str(r['against']))}")
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in r["notes"])
-    return (f"<p class='meta'>{' · '.join(parts)}</p><ul class='meta'>{hp}{notes}</ul>")
+    sched = (f"<p class='meta' id='schedule'>LR schedule: {html.escape(schedule_line(r['schedule']))}</p>"
+             if r.get("schedule") else "")
+    return (f"<p class='meta'>{' · '.join(parts)}</p>{sched}<ul class='meta'>{hp}{notes}</ul>")
 
 
 def figures(r: dict) -> list[tuple[str, dict]]:
@@ -451,6 +485,9 @@ def figures(r: dict) -> list[tuple[str, dict]]:
             fig = fn(d)
         if fig is not None:
             out.append((key, fig))
+    lr = _lr(r)
+    if lr is not None:
+        out.insert(0, ("lr", lr))
     return out
 
 

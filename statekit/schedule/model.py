@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from statekit.errors import MappingError
-from statekit.schedule import burn_lr, hf_lr, torch_lr
+from statekit.schedule import burn_lr, hf_lr, megatron_lr, torch_lr, torchtitan_lr
 
 
 @dataclass
@@ -43,6 +43,10 @@ class Schedule:
     children: list[Schedule] = field(default_factory=list)  # burn: per param group / composite children
     disagrees: str | None = None  # a rebuilt schedule (HF) that does not give the saved lr: how
     notes: list[str] = field(default_factory=list)
+    unit: str = "updates"  # what position, warmup and horizon count (Megatron: "samples")
+    per_update: int | None = None  # units one update advances the position by (Megatron: the global batch size)
+    interval: str | None = None  # Lightning: "step", "epoch" (stepped once an epoch) or "unknown"
+    per_epoch: int | None = None  # interval "epoch": the updates one epoch takes (the lr holds over them)
 
     @property
     def framework(self) -> str:
@@ -109,13 +113,32 @@ def next_lrs(sched: Schedule, groups: list[dict] | None = None, n: int = 1) -> l
         cls = "LambdaLR" if fw == "hf" else sched.name
         lambdas = [sched.lam] * len(sched.base_lrs) if sched.lam is not None else None
         st, gs = dict(sched.state), groups_for(sched, groups)
+        if sched.interval == "unknown":
+            raise torch_lr.NotComputable("the scheduler's interval (per step or per epoch) is not known")
         out = []
+        if sched.interval == "epoch":  # update j (1-based) after the save: (j - 1) // per_epoch steps before it
+            if sched.lr_now is None:
+                raise torch_lr.NotComputable("the schedule holds no current lr")
+            done, lrs = 0, list(sched.lr_now)
+            for j in range(2, n + 2):
+                while done < (j - 1) // sched.per_epoch:
+                    st, gs = torch_lr.step(cls, st, gs, lambdas)
+                    done, lrs = done + 1, [float(x) for x in st["_last_lr"]]
+                out.append(list(lrs))
+            return out
         for _ in range(n):
             st, gs = torch_lr.step(cls, st, gs, lambdas)
             out.append([float(x) for x in st["_last_lr"]])
         return out
     if fw == "burn":
         return [burn_lr.lr_at(sched, sched.position + 1 + k) for k in range(n)]
+    if fw == "megatron":
+        if not sched.per_update:
+            raise torch_lr.NotComputable("the samples one update consumes are not known (args has no global batch "
+                                         "size, or it ramps up)")
+        return [megatron_lr.lr_at(sched, sched.position + (k + 1) * sched.per_update) for k in range(n)]
+    if fw == "torchtitan":
+        return [torchtitan_lr.lr_at(sched, sched.position + 1 + k) for k in range(n)]
     raise MappingError(f"no stepping for {sched.kind}")
 
 
@@ -137,6 +160,10 @@ def lr_at(sched: Schedule, t: int, groups: list[dict] | None = None) -> list[flo
             return torch_lr.closed_form(sched.name, sched.state, t, groups)
         if sched.framework == "burn":
             return burn_lr.lr_at(sched, t)
+        if sched.framework == "megatron":
+            return megatron_lr.lr_at(sched, t)
+        if sched.framework == "torchtitan":
+            return torchtitan_lr.lr_at(sched, t)
     except (MappingError, KeyError, TypeError, ZeroDivisionError, ValueError, OverflowError, IndexError):
         return None
     return None
@@ -231,6 +258,8 @@ def describe(ss: ScheduleState) -> dict:
             out["disagrees"] = sched.disagrees
         if sched.children:
             out["children"] = [_child(c) for c in sched.children]
+        if sched.unit != "updates":
+            out.update(_in_updates(sched))
         out["notes"] = list(sched.notes)
     c = ss.counters
     out["counters"] = {k: getattr(c, k) for k in ("global_step", "epoch", "skip_batches", "consumed_samples",
@@ -241,6 +270,28 @@ def describe(ss: ScheduleState) -> dict:
         out["optimizer_step"] = ss.optimizer_step
     out["notes"] = out.get("notes", []) + list(ss.notes)
     return out
+
+
+def _in_updates(sched: Schedule) -> dict:
+    """A schedule counted in samples (Megatron): its unit, the samples per update, the positions in updates
+    (iterations), and the weight decay now / next where the kind computes one."""
+    out: dict = {"unit": sched.unit, "per_update": sched.per_update}
+    if sched.per_update:
+        out["updates"] = {k: (None if v is None else _count(v / sched.per_update)) for k, v in (
+            ("position", sched.position), ("warmup", sched.warmup), ("horizon", sched.horizon),
+            ("steps_left", sched.steps_left))}
+    if sched.framework == "megatron" and not sched.unknown and sched.position is not None:
+        try:
+            out["wd_now"] = megatron_lr.wd_at(sched, sched.position)
+            if sched.per_update and out["wd_now"] is not None:
+                out["wd_next"] = megatron_lr.wd_at(sched, sched.position + sched.per_update)
+        except (KeyError, TypeError, ZeroDivisionError, ValueError):
+            out.pop("wd_now", None)
+    return out
+
+
+def _count(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
 
 
 def _child(sched: Schedule) -> dict:

@@ -455,6 +455,9 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     scheduler = common.get("opt_param_scheduler")
     if isinstance(scheduler, dict):
         ckpt.schedulers = [{"kind": "megatron opt_param_scheduler (units: samples)", **describe_scheduler(scheduler)}]
+        from statekit.frameworks import schedule_megatron
+
+        schedule_megatron.attach(ckpt, scheduler, args, common.get("iteration"), "common state")
     if isinstance(common.get("iteration"), int):
         ckpt.scalars["iteration"] = common["iteration"]
     return ckpt

@@ -739,6 +739,10 @@ class _Reader:
             for k in ("num_steps", "max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style"):
                 if k in sched:
                     ckpt.metadata[f"megatron.scheduler.{k}"] = str(sched[k])
+            from statekit.frameworks import schedule_megatron
+            from statekit.frameworks.megatron.dist import _fields
+
+            schedule_megatron.attach(ckpt, sched, _fields(first.get("args")), iteration, "model_optim_rng.pt")
         if isinstance(iteration, int):
             ckpt.scalars["iteration"] = iteration
         return ckpt

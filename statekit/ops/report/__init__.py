@@ -41,12 +41,13 @@ class Report:
     against: str | None = None
     notes: list[str] = field(default_factory=list)
     hyperparameters: list[dict] = field(default_factory=list)
+    schedule: dict | None = None  # the lr curve (:func:`statekit.ops.report.lr_curve.curve`), when one is read
 
     def to_json(self) -> dict:
         return {"state": self.state, "format": self.format, "family": self.family, "framework": self.framework,
                 "weights": self.weights, "against": self.against, "common_step": self.common_step,
                 "hyperparameters": self.hyperparameters, "notes": self.notes, "tensors": self.tensors,
-                "findings": self.findings, "compare": self.compare}
+                "findings": self.findings, "compare": self.compare, "schedule": self.schedule}
 
 
 def _state(ckpt: Checkpoint) -> OptimizerState:
@@ -181,11 +182,16 @@ def report(ckpt: Checkpoint, *, weights: Checkpoint | None = None, against: Chec
         unpaired = len(jobs) - len(compare)
         if unpaired:
             notes.append(f"{unpaired} tensors are not in {against.path}")
+    from statekit.ops.report import lr_curve
+
+    schedule, why = lr_curve.of_checkpoint(ckpt)
+    if why:
+        notes.append(why)
     return Report(state=ckpt.path, format=ckpt.format, family=state.family_label, framework=state.framework,
                   tensors=tensors, findings=checks.ordered(found, order), compare=compare, common_step=common,
                   weights=weights.path if weights is not None else None,
                   against=against.path if against is not None else None, notes=notes,
-                  hyperparameters=_hyper_rows(plans, state))
+                  hyperparameters=_hyper_rows(plans, state), schedule=schedule)
 
 
 def _tensor(state: OptimizerState, job: Job, numbers: dict, position: int) -> dict:
