@@ -259,14 +259,10 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
                 unplaced.append(t.path)
             else:
                 members[i].append(t)
-        empty = [g.name for g, m in zip(groups, members, strict=True) if not m]
         if unplaced:
             raise MappingError(f"{len(unplaced)} trainable parameter{'s are' if len(unplaced) != 1 else ' is'} in no "
                                f"--group: {_listed(unplaced)}; add a glob (a last --group rest='*' takes the others)",
                                path)
-        if empty:
-            raise MappingError("; ".join(f"--group {n} selects no trainable parameter" for n in empty)
-                               + " (each parameter goes to the first group that selects it)", path)
         specs = list(groups)
         names = [g.name for g in groups]
     else:
@@ -330,6 +326,10 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
                                  for i, h in enumerate(hyper)],
                          hyperparams_stored=True, framework="torch", notes=list(state.notes),
                          torch_names_in_file=True)
+    if groups:
+        warnings += [f"--group {g.name} selects no trainable parameter: written as an empty group, as torch keeps one "
+                     "(each parameter goes to the first group that selects it)" for g, m in zip(groups, members, strict=True)
+                     if not m]
     if new:
         warnings.append(f"new without state ({NEW_POLICY}): {_listed([n['name'] for n in new])}")
     if dropped:
