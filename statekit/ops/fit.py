@@ -213,7 +213,7 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
     unnamed = [p for p in state.params if not p.path]
     if unnamed:
         raise MappingError(f"{len(unnamed)} positions have no names ({_listed([p.label() for p in unnamed])}): fit "
-                           "matches parameters by name; give --names (or --old-model) for the state", path)
+                           "matches parameters by name; give --names FILE (the old run's named_parameters() names)", path)
     target = (optimizer or family).lower()
     if target != family and not (target == "muon" and family in ADAM_FAMILIES):
         raise UsageError(f"--optimizer {target}: fit keeps the state's {family}, or turns Adam/AdamW into Muon; "
@@ -333,7 +333,7 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
     if new:
         warnings.append(f"new without state ({NEW_POLICY}): {_listed([n['name'] for n in new])}")
     if dropped:
-        warnings.append(f"dropped (not trainable in the new model): {_listed(dropped)}")
+        warnings.append(f"dropped (not among the parameters the new optimizer trains): {_listed(dropped)}")
     if reset_step and not change:
         warnings.append("--reset-step: every kept parameter's step restarts at 0 with its moments kept; Adam's bias "
                         "correction at the next update treats them as one step old")
