@@ -178,6 +178,8 @@ def test_muon_refusals(tmp_path):
         fit_file(*args, trainable=["l1.*"], optimizer="muon", momentum_from="fresh")
     with pytest.raises(MappingError, match="has no hyperparameter betas"):
         fit_file(*args, trainable=list(MUON), optimizer="muon", momentum_from="fresh", groups=["m=*:betas=0.9,0.99"])
+    with pytest.raises(UsageError, match="Muon keeps no step count"):
+        fit_file(*args, trainable=list(MUON), optimizer="muon", momentum_from="fresh", reset_step=True)
     with pytest.raises(UsageError, match="sgd is not one it knows"):
         fit_file(*args, optimizer="sgd")
     assert not (tmp_path / "m.pt").exists()

@@ -198,10 +198,15 @@ def _hyperparams(spec: GroupSpec | None, sources: list[ParamGroup], base: dict |
     return out
 
 
-def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSpec] | None = None, *,
-              optimizer: str | None = None, momentum_from: str | None = None, reset_step: bool = False,
-              path: str = "") -> tuple[OptimizerState, dict]:
-    """The fitted state and its plan: kept, new, dropped, groups (nothing written)."""
+def _refuse(problems: list[str], path: str) -> None:
+    if problems:
+        raise MappingError("; ".join(problems[:MAX_NAMED]) + (f" (+{len(problems) - MAX_NAMED} more)"
+                                                               if len(problems) > MAX_NAMED else ""), path)
+
+
+def _families(state: OptimizerState, optimizer: str | None, momentum_from: str | None, reset_step: bool,
+              path: str) -> tuple[str, str]:
+    """``(the state's family, the new optimizer's)``, refusing what fit does not carry."""
     refuse_unusable(state, path, "fit")
     if state.framework != "torch":
         raise MappingError(f"holds {state.framework} state; fit writes torch optimizer state "
@@ -218,13 +223,19 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
     if target != family and not (target == "muon" and family in ADAM_FAMILIES):
         raise UsageError(f"--optimizer {target}: fit keeps the state's {family}, or turns Adam/AdamW into Muon; "
                          f"{family} → {target} is not one it knows how to carry")
-    change = target != family
-    if change and momentum_from not in MOMENTUM_FROM:
+    if target != family and momentum_from not in MOMENTUM_FROM:
         raise UsageError(f"{family} → muon: Muon keeps one momentum_buffer, Adam keeps exp_avg and exp_avg_sq; say "
                          "--momentum-from exp_avg (carry exp_avg: Muon's buffer is the same average when momentum = "
                          "β1) or --momentum-from fresh (zero buffers)")
-    if not change and momentum_from is not None:
+    if target == family and momentum_from is not None:
         raise UsageError("--momentum-from applies to --optimizer muon over an Adam/AdamW state")
+    if target != family and reset_step:
+        raise UsageError("--reset-step with --optimizer muon: Muon keeps no step count")
+    return family, target
+
+
+def _by_path(state: OptimizerState, targets: list[Target], change: bool, path: str) -> dict[str, ParamState]:
+    """The state's parameters by name; a name twice, a shape changed, or a Muon target not 2-D is refused."""
     by_path: dict[str, ParamState] = {}
     for p in state.params:
         if p.path in by_path:
@@ -243,15 +254,17 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
         if change and len(t.shape) != 2:
             problems.append(f"{t.path}: Muon takes 2-D matrices only, this is {list(t.shape)} (leave it to the "
                             "AdamW part: --frozen or --trainable)")
-    if problems:
-        raise MappingError("; ".join(problems[:MAX_NAMED]) + (f" (+{len(problems) - MAX_NAMED} more)"
-                                                               if len(problems) > MAX_NAMED else ""), path)
+    _refuse(problems, path)
+    return by_path
 
-    # the new groups and their members, in named_parameters() order inside each
-    members: list[list[Target]]
-    specs: list[GroupSpec | None]
+
+def _members(state: OptimizerState, targets: list[Target], groups: list[GroupSpec] | None,
+             by_path: dict[str, ParamState], path: str) -> tuple[list[list[Target]], list[GroupSpec | None], list[str]]:
+    """The new groups' members (``named_parameters()`` order inside each), their specs and names: by the
+    first ``--group`` that selects each, else by the state's own groups (a new parameter only where the
+    state has one group)."""
     if groups:
-        members = [[] for _ in groups]
+        members: list[list[Target]] = [[] for _ in groups]
         unplaced = []
         for t in targets:
             i = next((i for i, g in enumerate(groups) if any(_selected(pat, t.path) for pat in g.patterns)), None)
@@ -263,40 +276,42 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
             raise MappingError(f"{len(unplaced)} trainable parameter{'s are' if len(unplaced) != 1 else ' is'} in no "
                                f"--group: {_listed(unplaced)}; add a glob (a last --group rest='*' takes the others)",
                                path)
-        specs = list(groups)
-        names = [g.name for g in groups]
-    else:
-        members = [[] for _ in state.groups or [None]]
-        homeless = []
-        for t in targets:
-            old = by_path.get(t.path)
-            if old is not None:
-                members[old.group].append(t)
-            elif len(members) == 1:
-                members[0].append(t)
-            else:
-                homeless.append(t.path)
-        if homeless:
-            raise MappingError(f"new parameter{'s' if len(homeless) != 1 else ''} {_listed(homeless)}: the state has "
-                               f"{len(members)} param groups and nothing says which one a new parameter joins; "
-                               "give the new groups with --group NAME=GLOB", path)
-        names = [f"{i}" for i in range(len(members))]
-        kept_groups = [i for i, m in enumerate(members) if m]
-        members = [members[i] for i in kept_groups]
-        names = [names[i] for i in kept_groups]
-        specs = [None] * len(members)
-    old_groups = state.groups or [ParamGroup(keys=[p.key for p in state.params])]
-    sources_of = []
-    for m in members:
-        used = sorted({by_path[t.path].group for t in m if t.path in by_path})
-        sources_of.append([old_groups[i] for i in used] or list(old_groups))
-    base = _muon_defaults() if change else None
-    hyper = [_hyperparams(spec, src, base, name, problems)
-             for spec, src, name in zip(specs, sources_of, names, strict=True)]
+        return members, list(groups), [g.name for g in groups]
+    members = [[] for _ in state.groups or [None]]
+    homeless = []
+    for t in targets:
+        old = by_path.get(t.path)
+        if old is not None:
+            members[old.group].append(t)
+        elif len(members) == 1:
+            members[0].append(t)
+        else:
+            homeless.append(t.path)
+    if homeless:
+        raise MappingError(f"new parameter{'s' if len(homeless) != 1 else ''} {_listed(homeless)}: the state has "
+                           f"{len(members)} param groups and nothing says which one a new parameter joins; "
+                           "give the new groups with --group NAME=GLOB", path)
+    used = [i for i, m in enumerate(members) if m]  # a group left without members is dropped
+    return [members[i] for i in used], [None] * len(used), [str(i) for i in used]
 
+
+def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSpec] | None = None, *,
+              optimizer: str | None = None, momentum_from: str | None = None, reset_step: bool = False,
+              path: str = "") -> tuple[OptimizerState, dict]:
+    """The fitted state and its plan: kept, new, dropped, groups (nothing written)."""
+    family, target = _families(state, optimizer, momentum_from, reset_step, path)
+    change = target != family
+    by_path = _by_path(state, targets, change, path)
+    members, specs, names = _members(state, targets, groups, by_path, path)
+    old_groups = state.groups or [ParamGroup(keys=[p.key for p in state.params])]
+    problems: list[str] = []
+    base = _muon_defaults() if change else None
+    hyper = []
+    for spec, m, name in zip(specs, members, names, strict=True):
+        used = sorted({by_path[t.path].group for t in m if t.path in by_path})
+        hyper.append(_hyperparams(spec, [old_groups[i] for i in used] or list(old_groups), base, name, problems))
     params: list[ParamState] = []
     kept, new = [], []
-    warnings: list[str] = []
     for gi, m in enumerate(members):
         for t in m:
             idx = len(params)
@@ -309,16 +324,13 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
             moved = dataclasses.replace(old, key=str(idx), index=idx, group=gi, slots=dict(old.slots),
                                         extra=dict(old.extra))
             if change:
-                moved = _to_muon(moved, old, hyper[gi], state.groups[old.group].hyperparams if state.groups else {},
-                                 momentum_from, problems)
+                moved = _to_muon(moved, old, hyper[gi], old_groups[old.group].hyperparams, momentum_from, problems)
             elif reset_step and moved.step is not None:
                 moved.step = 0
             params.append(moved)
             kept.append({"name": t.path, "position": idx, "old_position": int(old.key) if old.key.isdigit() else
                          old.key, "group": names[gi], "step": moved.step, "has_state": bool(moved.slots)})
-    if problems:
-        raise MappingError("; ".join(problems[:MAX_NAMED]) + (f" (+{len(problems) - MAX_NAMED} more)"
-                                                               if len(problems) > MAX_NAMED else ""), path)
+    _refuse(problems, path)
     trained = {t.path for t in targets}
     dropped = [p.path for p in state.params if p.path not in trained]
     out = OptimizerState(family=target, candidates=(target,), params=params,
@@ -326,30 +338,34 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
                                  for i, h in enumerate(hyper)],
                          hyperparams_stored=True, framework="torch", notes=list(state.notes),
                          torch_names_in_file=True)
-    if groups:
-        warnings += [f"--group {g.name} selects no trainable parameter: written as an empty group, as torch keeps one "
-                     "(each parameter goes to the first group that selects it)" for g, m in zip(groups, members, strict=True)
-                     if not m]
-    if new:
-        warnings.append(f"new without state ({NEW_POLICY}): {_listed([n['name'] for n in new])}")
-    if dropped:
-        warnings.append(f"dropped (not among the parameters the new optimizer trains): {_listed(dropped)}")
-    if reset_step and not change:
-        warnings.append("--reset-step: every kept parameter's step restarts at 0 with its moments kept; Adam's bias "
-                        "correction at the next update treats them as one step old")
-    if change:
-        warnings.append(f"{family} → muon: exp_avg_sq and step dropped (Muon keeps neither); momentum_buffer "
-                        + ("= the kept exp_avg (the same average of the same gradients: momentum = β1)"
-                           if momentum_from == "exp_avg" else "starts at zero for every parameter (--momentum-from "
-                           "fresh)"))
+    empty = [g.name for g, m in zip(specs, members, strict=True) if g is not None and not m]
     plan = {
         "family": target, "from_family": family, "params": len(params), "new_policy": NEW_POLICY,
         "reset_step": reset_step, "momentum_from": momentum_from,
         "groups": [{"name": names[i], "params": len(m), "hyperparams": {k: _plain(v) for k, v in hyper[i].items()},
                     "patterns": specs[i].patterns if specs[i] else None} for i, m in enumerate(members)],
-        "kept": kept, "new": new, "dropped": dropped, "warnings": warnings,
+        "kept": kept, "new": new, "dropped": dropped,
+        "warnings": _warnings(empty, new, dropped, reset_step, family if change else None, momentum_from),
     }
     return out, plan
+
+
+def _warnings(empty: list[str], new: list[dict], dropped: list[str], reset_step: bool, changed_from: str | None,
+              momentum_from: str | None) -> list[str]:
+    out = [f"--group {name} selects no trainable parameter: written as an empty group, as torch keeps one "
+           "(each parameter goes to the first group that selects it)" for name in empty]
+    if new:
+        out.append(f"new without state ({NEW_POLICY}): {_listed([n['name'] for n in new])}")
+    if dropped:
+        out.append(f"dropped (not among the parameters the new optimizer trains): {_listed(dropped)}")
+    if reset_step and changed_from is None:
+        out.append("--reset-step: every kept parameter's step restarts at 0 with its moments kept; Adam's bias "
+                   "correction at the next update treats them as one step old")
+    if changed_from is not None:
+        out.append(f"{changed_from} → muon: exp_avg_sq and step dropped (Muon keeps neither); momentum_buffer "
+                   + ("= the kept exp_avg (the same average of the same gradients: momentum = β1)"
+                      if momentum_from == "exp_avg" else "starts at zero for every parameter (--momentum-from fresh)"))
+    return out
 
 
 def _to_muon(moved: ParamState, old: ParamState, group: dict, old_group: dict, momentum_from: str,
