@@ -215,6 +215,8 @@ def _lm_loss(model, i):
 MTS = ["lm_head", "embed_tokens"]
 
 
+@pytest.mark.hf
+@pytest.mark.peft
 @pytest.mark.parametrize("before, after", [(None, MTS), (MTS, None)], ids=["added", "removed"])
 def test_lora_modules_to_save_changed(tmp_path, before, after):
     import peft
@@ -250,6 +252,64 @@ def test_lora_modules_to_save_changed(tmp_path, before, after):
     o3.load_state_dict(torch.load(tmp_path / "fitted.pt", weights_only=True))
     runs.steps(m3, [o3], 2, 3, _lm_loss)
     runs.assert_same(runs.snapshot(m3, [o3]), runs.snapshot(ref_m, [ref_o]))
+
+
+@pytest.mark.hf
+@pytest.mark.peft
+@pytest.mark.slow
+def test_trainer_lora_folder_with_training_args(tmp_path):
+    """unsloth #3108 as it happens: a Trainer LoRA checkpoint folder (optimizer.pt without param_names,
+    named from its adapter), run 2 adds modules_to_save; --training-args gives the groups, and real
+    Trainer.create_optimizer builds the optimizers of both runs."""
+    import peft
+    import transformers
+
+    base = _llama(tmp_path)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), learning_rate=1e-2, weight_decay=0.1,
+                                          adam_beta2=0.99, use_cpu=True, report_to=[])
+
+    def trainer_optimizer(model):
+        return transformers.Trainer(model=model, args=args).create_optimizer()
+
+    torch.manual_seed(1)
+    m1 = peft.get_peft_model(base(), _lora(None))
+    o1 = trainer_optimizer(m1)
+    runs.steps(m1, [o1], 0, 2, _lm_loss)
+    ckpt = tmp_path / "checkpoint-2"
+    m1.save_pretrained(ckpt)
+    torch.save(o1.state_dict(), ckpt / "optimizer.pt")
+    torch.save(args, ckpt / "training_args.bin")  # as Trainer saves it
+    torch.manual_seed(2)
+    m2 = peft.get_peft_model(base(), _lora(MTS))
+    w1 = dict(m1.named_parameters())
+    with torch.no_grad():
+        for n, p in m2.named_parameters():
+            if n in w1:
+                p.copy_(w1[n])
+    m2.save_pretrained(tmp_path / "run2")
+    ref_m = runs.deep(m2)
+    ref_o = trainer_optimizer(ref_m)
+    runs.transplant(o1, m1, ref_o, ref_m)
+    runs.steps(ref_m, [ref_o], 2, 3, _lm_loss)
+
+    plan = fit_file(ckpt, tmp_path / "run2", tmp_path / "fitted.pt", training_args=ckpt / "training_args.bin")
+    assert [(g["name"], g["params"], g["hyperparams"]["weight_decay"], g["hyperparams"]["betas"])
+            for g in plan["groups"]] == [("decay", 6, 0.1, [0.9, 0.99]), ("no_decay", 0, 0.0, [0.9, 0.99])]
+    m3 = peft.PeftModel.from_pretrained(base(), tmp_path / "run2", is_trainable=True)
+    o3 = trainer_optimizer(m3)
+    o3.load_state_dict(torch.load(tmp_path / "fitted.pt", weights_only=True))
+    runs.steps(m3, [o3], 2, 3, _lm_loss)
+    runs.assert_same(runs.snapshot(m3, [o3]), runs.snapshot(ref_m, [ref_o]))
+
+    # modules_to_save=["norm"] too: Trainer's releases disagree whether an RMSNorm weight decays
+    m4 = peft.get_peft_model(base(), _lora([*MTS, "norm"]))
+    m4.save_pretrained(tmp_path / "run3")
+    with pytest.raises(MappingError, match="split the trainable parameters differently.*layernorm"):
+        fit_file(ckpt, tmp_path / "run3", tmp_path / "f3.pt", training_args=ckpt / "training_args.bin")
+    torch.save(runs.tiny().state_dict(), tmp_path / "plain.pt")
+    with pytest.raises(UsageError, match="holds no model definition"):
+        fit_file(ckpt, tmp_path / "plain.pt", tmp_path / "f3.pt", training_args=ckpt / "training_args.bin")
+    assert not (tmp_path / "f3.pt").exists()
 
 
 # ----------------------------------------------------------------------------- refusals

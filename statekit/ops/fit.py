@@ -101,22 +101,28 @@ def _selected(pattern: str, path: str) -> bool:
 
 
 def trainable_set(model: str, *, trainable: list[str] = (), frozen: list[str] = (), model_config: str | None = None,
-                  trust_remote_code: bool = False) -> tuple[list[Target], str]:
-    """The new model's trainable parameters in ``named_parameters()`` order, and where they came from."""
+                  trust_remote_code: bool = False) -> tuple[list[Target], str, list | None]:
+    """The new model's trainable parameters in ``named_parameters()`` order, where they came from, and
+    Trainer's possible decay splits of the model (:attr:`hf_model.Definition.decays`; None without a
+    definition)."""
     from statekit.frameworks import hf_model, hf_peft
 
     model = os.fspath(model)
+    decays = None
     if not os.path.exists(model):
         raise UsageError(f"--model {model}: no such file or folder")
-    if hf_peft.adapter_folders(model):
+    adapter_file = os.path.basename(model) in (*hf_peft.WEIGHTS, hf_peft.CONFIG)
+    if (os.path.isdir(model) or adapter_file) and hf_peft.adapter_folders(model):
         definition = hf_peft.build(model, model_config=model_config, trust_remote_code=trust_remote_code)
         params = [Target(p.name, tuple(p.shape)) for p in definition.params if p.trainable]
         source = f"the requires_grad parameters of {definition.describe()}"
+        decays = definition.decays
     elif (config := (model_config or hf_model.config_path(model)
                      or (model if model.endswith(hf_model.CONFIG) and os.path.isfile(model) else None))):
         definition = hf_model.build(config, trust_remote_code=trust_remote_code)
         params = [Target(p.name, tuple(p.shape)) for p in definition.params]
         source = f"named_parameters() of {definition.describe()}"
+        decays = definition.decays
     else:
         with io.open_checkpoint(model) as ckpt:
             if ckpt.model is None:
@@ -138,7 +144,36 @@ def trainable_set(model: str, *, trainable: list[str] = (), frozen: list[str] = 
         source += f", less those {', '.join(frozen)} select"
     if not params:
         raise MappingError("the model has no trainable parameter left to fit the state to", model)
-    return params, source
+    return params, source, decays
+
+
+def trainer_groups(args_path: str, targets: list[Target], decays: list | None, model: str) -> list[GroupSpec]:
+    """The two groups HF Trainer's ``create_optimizer`` builds over the trainable parameters: those
+    ``get_decay_parameter_names`` keeps, with the run's weight decay, then the others with 0.0; both
+    with its learning rate, betas and epsilon (``training_args.bin``). Every release's decay rule that
+    statekit knows must place the parameters alike, else it is refused (give ``--group``)."""
+    from statekit.frameworks import hf_args
+
+    if not decays:
+        raise UsageError(f"--training-args: Trainer's decay groups follow the model's module classes (norm layers); "
+                         f"{model} holds no model definition: give its Hugging Face folder (config.json) or peft "
+                         "adapter folder, or the groups with --group", model)
+    args = hf_args.read(args_path)
+    optim = hf_args.optim_of(args)
+    if optim is not None and not optim.startswith("adamw_torch"):
+        raise MappingError(f"TrainingArguments.optim is {optim}: fit builds the groups of torch's AdamW "
+                           "(adamw_torch, adamw_torch_fused); give the groups with --group", args_path)
+    hp = hf_args.hyperparams(args)
+    splits = {tuple(t.path for t in targets if t.path in d.decayed) for d in decays}
+    if len(splits) > 1:
+        a, b = list(splits)[:2]
+        differ = sorted(set(a) ^ set(b))
+        raise MappingError(f"Trainer's releases split the trainable parameters differently ({_listed(differ)} decayed "
+                           "by one rule, not another): give the groups with --group", model)
+    decayed = next(iter(splits))
+    wd = hp.pop("weight_decay", None)
+    return [GroupSpec("decay", list(decayed), {**hp, **({"weight_decay": wd} if wd is not None else {})}),
+            GroupSpec("no_decay", ["*"], {**hp, "weight_decay": 0.0})]
 
 
 # ----------------------------------------------------------------------------- the fitted state
@@ -389,11 +424,12 @@ def fit_file(state_path, model, out_path, *, groups: list[str] | list[GroupSpec]
              trainable: list[str] = (), frozen: list[str] = (), optimizer: str | None = None,
              momentum_from: str | None = None, reset_step: bool = False, dry_run: bool = False,
              names=None, names_order: str | None = None, model_config: str | None = None,
-             trust_remote_code: bool = False, key: str | None = None, progress: ProgressFactory | None = None,
-             on_plan=None) -> dict:
+             trust_remote_code: bool = False, key: str | None = None, training_args: str | None = None,
+             progress: ProgressFactory | None = None, on_plan=None) -> dict:
     """Fit the optimizer state at ``state_path`` to ``model`` and write it to ``out_path`` (a torch .pt).
 
     ``names``: a names file or list for the state's positions (when its file has no param_names);
+    ``training_args``: a ``training_args.bin`` whose Trainer groups are the new groups (:func:`trainer_groups`);
     ``on_plan(plan)`` is called before anything is written."""
     from statekit.formats import registry
 
@@ -404,8 +440,13 @@ def fit_file(state_path, model, out_path, *, groups: list[str] | list[GroupSpec]
     if os.path.exists(out_path) and os.path.exists(state_path) and os.path.samefile(state_path, out_path):
         raise UsageError(f"the output {out_path} is the input; inputs are never overwritten")
     specs = parse_groups(groups) if groups and isinstance(groups[0], str) else list(groups or [])
-    targets, source = trainable_set(os.fspath(model), trainable=list(trainable or ()), frozen=list(frozen or ()),
-                                    model_config=model_config, trust_remote_code=trust_remote_code)
+    targets, source, decays = trainable_set(os.fspath(model), trainable=list(trainable or ()),
+                                            frozen=list(frozen or ()), model_config=model_config,
+                                            trust_remote_code=trust_remote_code)
+    if training_args is not None:
+        if specs or optimizer:
+            raise UsageError("--training-args gives Trainer's groups of its AdamW: not with --group or --optimizer")
+        specs = trainer_groups(os.fspath(training_args), targets, decays, os.fspath(model))
     opts = {"key": key} if key else {}
     with io.open_checkpoint(state_path, **opts) as ckpt:
         if ckpt.optimizer is None:
