@@ -84,6 +84,37 @@ def test_frozen_again_drops_its_state(tmp_path):
     runs.assert_same(runs.snapshot(m2, [opt2]), runs.snapshot(ref_m, [ref_opt]))
 
 
+def test_tied_weights_are_one_parameter(tmp_path):
+    """head.weight tied to embed.weight: the state_dict saves both names over one storage,
+    named_parameters() lists the parameter once; fit follows named_parameters()."""
+    def tied():
+        m = runs.tiny()
+        m.head.weight = m.embed.weight
+        return m
+
+    m = tied()
+    m.l1.requires_grad_(False)
+    opt = torch.optim.AdamW(runs.decay_groups(m), lr=1e-2)
+    runs.steps(m, [opt], 0, 2)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    torch.save(m.state_dict(), tmp_path / "model.pt")
+    assert "head.weight" in torch.load(tmp_path / "model.pt", weights_only=True)
+    ref_m, ref_old = runs.deep((m, opt))
+    ref_m.l1.requires_grad_(True)
+    ref_opt = torch.optim.AdamW(runs.decay_groups(ref_m), lr=1e-2)
+    runs.transplant(ref_old, ref_m, ref_opt, ref_m)
+    runs.steps(ref_m, [ref_opt], 2, 3)
+    plan = fit_file(tmp_path / "opt.pt", tmp_path / "model.pt", tmp_path / "f.pt", groups=GROUPS)
+    assert "head.weight (= embed.weight)" in plan["trainable_from"]
+    assert [n["name"] for n in plan["new"]] == ["l1.weight", "l1.bias"]
+    m2 = tied()
+    m2.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    opt2 = torch.optim.AdamW(runs.decay_groups(m2), lr=1e-2)
+    opt2.load_state_dict(torch.load(tmp_path / "f.pt", weights_only=True))
+    runs.steps(m2, [opt2], 2, 3)
+    runs.assert_same(runs.snapshot(m2, [opt2]), runs.snapshot(ref_m, [ref_opt]))
+
+
 def test_reset_step_restarts_kept_steps_at_zero(tmp_path):
     m, opt = _trained(tmp_path, frozen=["l1"])
     ref_m, ref_old = runs.deep((m, opt))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from statekit import io
@@ -44,7 +45,7 @@ from statekit.errors import MappingError, UsageError
 from statekit.ops.merge import MAX_NAMED, save_state
 from statekit.ops.options import parse_setting
 from statekit.ops.progress import ProgressFactory, silent
-from statekit.state import OptimizerState, ParamGroup, ParamState, matches, refuse_unusable
+from statekit.state import GLOB_CHARS, OptimizerState, ParamGroup, ParamState, matches, refuse_unusable
 
 ADAM_FAMILIES = ("adam", "adamw")
 MOMENTUM_FROM = ("exp_avg", "fresh")
@@ -130,8 +131,11 @@ def trainable_set(model: str, *, trainable: list[str] = (), frozen: list[str] = 
             if ckpt.model.order != "named_parameters":
                 raise MappingError("its tensors are not in named_parameters() order (safetensors sorts them by name): "
                                    "give the model's folder with its config.json, or a torch state_dict (.pt)", model)
-            params = [Target(m.path, tuple(m.shape)) for m in ckpt.model.params if not m.buffer]
+            params, tied = _untied([m for m in ckpt.model.params if not m.buffer])
             source = f"the parameters of {model} (a torch state_dict, in named_parameters() order)"
+            if tied:
+                source += (", tied aliases left out as named_parameters() leaves them: "
+                           + ", ".join(f"{a} (= {b})" for a, b in tied))
     for flag, globs in (("--trainable", trainable), ("--frozen", frozen)):
         idle = [g for g in globs or () if not any(_selected(g, t.path) for t in params)]
         if idle:
@@ -145,6 +149,25 @@ def trainable_set(model: str, *, trainable: list[str] = (), frozen: list[str] = 
     if not params:
         raise MappingError("the model has no trainable parameter left to fit the state to", model)
     return params, source, decays
+
+
+def _untied(model_params) -> tuple[list[Target], list[tuple[str, str]]]:
+    """A state_dict's parameters less the aliases of tied ones (one storage, offset, shape and dtype in the
+    file: a tensor saved under two names, ``lm_head.weight`` beside ``wte.weight``), the first name kept
+    as ``named_parameters()`` keeps it; and the ``(alias, kept)`` pairs."""
+    first: dict[tuple, str] = {}
+    out, tied = [], []
+    for m in model_params:
+        info = m.tensor.info if m.tensor is not None and isinstance(m.tensor.info, Mapping) else {}
+        key = (info["storage_key"], info.get("storage_offset"), tuple(m.shape), m.dtype) if "storage_key" in info \
+            else None
+        if key is not None and key in first:
+            tied.append((m.path, first[key]))
+            continue
+        if key is not None:
+            first[key] = m.path
+        out.append(Target(m.path, tuple(m.shape)))
+    return out, tied
 
 
 def trainer_groups(args_path: str, targets: list[Target], decays: list | None, model: str) -> list[GroupSpec]:
@@ -301,8 +324,11 @@ def _members(state: OptimizerState, targets: list[Target], groups: list[GroupSpe
     if groups:
         members: list[list[Target]] = [[] for _ in groups]
         unplaced = []
+        exact = [{p for p in g.patterns if not GLOB_CHARS & set(p)} for g in groups]  # (--training-args: names)
+        globs = [[p for p in g.patterns if GLOB_CHARS & set(p)] for g in groups]
         for t in targets:
-            i = next((i for i, g in enumerate(groups) if any(_selected(pat, t.path) for pat in g.patterns)), None)
+            i = next((i for i in range(len(groups))
+                      if t.path in exact[i] or any(_selected(pat, t.path) for pat in globs[i])), None)
             if i is None:
                 unplaced.append(t.path)
             else:
