@@ -443,3 +443,10 @@ def test_committed_fixture_fits_and_loads(tmp_path):
     m.load_state_dict(torch.load(FIT / "model.pt", weights_only=True))
     torch.optim.AdamW(runs.decay_groups(m), lr=1e-2).load_state_dict(new)
     assert len(plan["new"]) == 2 and Path(plan["output"]).exists()
+
+
+def test_python_api(tmp_path):
+    import statekit
+
+    plan = statekit.fit(FIT / "frozen-optim.pt", FIT / "model.pt", tmp_path / "f.pt", groups=GROUPS, dry_run=True)
+    assert [n["name"] for n in plan["new"]] == ["l1.weight", "l1.bias"] and not (tmp_path / "f.pt").exists()
