@@ -368,6 +368,8 @@ def test_group_refusals(tmp_path):
         fit_file(*args, groups=["all=*"])
     with pytest.raises(MappingError, match="has no hyperparameter momentum"):
         fit_file(*args, groups=["w=*.weight:momentum=0.9", "b=*"])
+    with pytest.raises(UsageError, match="is a folder; fit writes one file"):
+        fit_file(tmp_path / "opt.pt", tmp_path / "model.pt", tmp_path, groups=GROUPS)
     with pytest.raises(UsageError, match="--trainable nope.*: selects no parameter"):
         fit_file(*args, trainable=["nope.*"])
     assert not (tmp_path / "f.pt").exists()

@@ -463,6 +463,8 @@ def fit_file(state_path, model, out_path, *, groups: list[str] | list[GroupSpec]
     fmt = registry.from_extension(out_path) if os.path.splitext(out_path)[1] else "torch"
     if registry.framework_of(fmt) != "torch":
         raise UsageError(f"-o {out_path}: fit writes a torch optimizer state (.pt)")
+    if os.path.isdir(out_path):
+        raise UsageError(f"-o {out_path} is a folder; fit writes one file (OUT.pt)")
     if os.path.exists(out_path) and os.path.exists(state_path) and os.path.samefile(state_path, out_path):
         raise UsageError(f"the output {out_path} is the input; inputs are never overwritten")
     specs = parse_groups(groups) if groups and isinstance(groups[0], str) else list(groups or [])

@@ -234,8 +234,9 @@ def fit_view(d: dict) -> list:
 
 
 def fit_summary(d: dict) -> str:
+    groups = len(d["groups"])
     text = (f"{len(d['kept'])} kept, {len(d['new'])} new, {len(d['dropped'])} dropped: {d['params']} {d['family']} "
-            f"parameters in {len(d['groups'])} groups")
+            f"parameter{'s' if d['params'] != 1 else ''} in {groups} group{'s' if groups != 1 else ''}")
     if d["written"]:
         return f"wrote {d['output']} ({d['bytes']} bytes): {text}"
     if d["dry_run"]:
