@@ -593,6 +593,7 @@ def fit(
     optimizer: Annotated[str | None, typer.Option("--optimizer", metavar="FAMILY", help="The new optimizer's family: the state's (default), or muon over an Adam/AdamW state (with --momentum-from).")] = None,
     momentum_from: Annotated[str | None, typer.Option("--momentum-from", metavar="exp_avg|fresh", help="--optimizer muon: carry each kept exp_avg as Muon's momentum_buffer (needs momentum = β1), or start every buffer at zero.")] = None,
     reset_step: Annotated[bool, typer.Option("--reset-step", help="Every kept parameter's step restarts at 0 (moments kept), as the new parameters' do.")] = False,
+    resize: Annotated[bool, typer.Option("--resize", help="A kept parameter whose shape changed in the same rank (a grown vocabulary): its state padded with fresh elements or truncated, leading block kept.")] = False,
     training_args: Annotated[Path | None, typer.Option("--training-args", metavar="FILE", help="The next run's training_args.bin: the groups HF Trainer builds (decay / no-decay, its lr, betas, eps, weight decay) instead of --group; needs a model definition (HF or peft folder).")] = None,
     names: NamesOpt = None,
     names_order: NamesOrderOpt = None,
@@ -621,7 +622,8 @@ def fit(
     out = _output(fmt, json_out)
     show_plan = out.format == "table" and not dry_run
     result = fit_file(state, model, output, groups=group, trainable=trainable or (), frozen=frozen or (),
-                      optimizer=optimizer, momentum_from=momentum_from, reset_step=reset_step, dry_run=dry_run,
+                      optimizer=optimizer, momentum_from=momentum_from, reset_step=reset_step, resize=resize,
+                      dry_run=dry_run,
                       names=str(names) if names else None, names_order=names_order,
                       model_config=str(model_config) if model_config else None, trust_remote_code=trust_remote_code,
                       key=key, training_args=str(training_args) if training_args else None, progress=out.progress,

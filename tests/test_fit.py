@@ -357,6 +357,49 @@ def test_resized_tensor_is_refused(tmp_path):
     assert not (tmp_path / "f.pt").exists()
 
 
+@pytest.mark.parametrize("rows", [12, 7], ids=["grown", "cut"])
+def test_resized_embedding_with_resize(tmp_path, rows):
+    """--resize: the embedding grown (new rows: zero moments, as torch starts a new parameter's) or cut; the
+    in-memory continuation pads or cuts the moments with torch itself."""
+    m, opt = _trained(tmp_path)
+    ref_m, ref_old = runs.deep((m, opt))
+
+    def loss(model, i):  # a cut vocabulary sees only its own tokens
+        x, y = runs.batch(i)
+        return torch.nn.functional.cross_entropy(model(x % rows).reshape(-1, 10), y.reshape(-1))
+
+    def resized(model):
+        old = model.embed.weight.detach()
+        torch.manual_seed(7)
+        new = torch.nn.Embedding(rows, 8)
+        with torch.no_grad():
+            new.weight[: min(rows, 10)] = old[: min(rows, 10)]
+        model.embed = new
+        return model
+
+    old_embed = ref_m.embed.weight
+    resized(ref_m)
+    ref_opt = torch.optim.AdamW(runs.decay_groups(ref_m), lr=1e-2)
+    runs.transplant(ref_old, ref_m, ref_opt, ref_m)
+    st = ref_old.state[old_embed]
+    pad = {k: torch.zeros(rows, 8) for k in ("exp_avg", "exp_avg_sq")}
+    for k in pad:
+        pad[k][: min(rows, 10)] = st[k][: min(rows, 10)]
+    ref_opt.state[ref_m.embed.weight] = {"step": st["step"].clone(), **pad}
+    runs.steps(ref_m, [ref_opt], 2, 3, loss=loss)
+
+    torch.save(resized(runs.deep(m)).state_dict(), tmp_path / "resized.pt")
+    plan = fit_file(tmp_path / "opt.pt", tmp_path / "resized.pt", tmp_path / "f.pt", groups=GROUPS, resize=True)
+    assert [k["resized"] for k in plan["kept"] if "resized" in k] == [[[10, 8], [rows, 8]]]
+    m2 = runs.Tiny()
+    m2.embed = torch.nn.Embedding(rows, 8)
+    m2.load_state_dict(torch.load(tmp_path / "resized.pt", weights_only=True))
+    opt2 = torch.optim.AdamW(runs.decay_groups(m2), lr=1e-2)
+    opt2.load_state_dict(torch.load(tmp_path / "f.pt", weights_only=True))
+    runs.steps(m2, [opt2], 2, 3, loss=loss)
+    runs.assert_same(runs.snapshot(m2, [opt2]), runs.snapshot(ref_m, [ref_opt]))
+
+
 def test_group_refusals(tmp_path):
     _trained(tmp_path, frozen=["l1"])
     args = (tmp_path / "opt.pt", tmp_path / "model.pt", tmp_path / "f.pt")

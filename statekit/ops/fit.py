@@ -11,8 +11,9 @@ state's own groups) say how they are grouped. Every trainable parameter then is:
   given, ``named_parameters()`` order inside a group: what ``torch.optim`` numbers);
 - **new**: not in the state: no state entry at all, which is what torch holds for a parameter
   never stepped (its first step creates step 0 and zero moments, then takes step 1);
-- **refused**: in the state with another shape (nothing is guessed; ``statekit remap --resize``
-  pads or truncates a grown vocabulary);
+- **refused**: in the state with another shape (nothing is guessed), unless ``resize``: in the same
+  rank its elementwise state is padded (new elements start as a new parameter's: zero moments) or
+  truncated, the leading block kept, the step kept — a grown vocabulary;
 
 and every parameter of the state that is not trainable now is **dropped** (listed).
 
@@ -292,8 +293,10 @@ def _families(state: OptimizerState, optimizer: str | None, momentum_from: str |
     return family, target
 
 
-def _by_path(state: OptimizerState, targets: list[Target], change: bool, path: str) -> dict[str, ParamState]:
-    """The state's parameters by name; a name twice, a shape changed, or a Muon target not 2-D is refused."""
+def _by_path(state: OptimizerState, targets: list[Target], change: bool, resize: bool,
+             path: str) -> dict[str, ParamState]:
+    """The state's parameters by name; a name twice, a shape changed (unless ``resize``, in the same rank), or
+    a Muon target not 2-D is refused."""
     by_path: dict[str, ParamState] = {}
     for p in state.params:
         if p.path in by_path:
@@ -306,9 +309,10 @@ def _by_path(state: OptimizerState, targets: list[Target], change: bool, path: s
             problems.append(f"the model names {t.path} twice")
         seen.add(t.path)
         old = by_path.get(t.path)
-        if old is not None and old.shape is not None and tuple(old.shape) != t.shape:
+        if old is not None and old.shape is not None and tuple(old.shape) != t.shape and not (
+                resize and len(old.shape) == len(t.shape)):
             problems.append(f"{t.path}: the state's is {list(old.shape)}, the model's {list(t.shape)} (a resized "
-                            "tensor: statekit remap --resize pads or truncates it; fit never guesses)")
+                            "tensor: --resize pads its state with fresh elements or truncates it, in the same rank; fit never guesses)")
         if change and len(t.shape) != 2:
             problems.append(f"{t.path}: Muon takes 2-D matrices only, this is {list(t.shape)} (leave it to the "
                             "AdamW part: --frozen or --trainable)")
@@ -358,11 +362,11 @@ def _members(state: OptimizerState, targets: list[Target], groups: list[GroupSpe
 
 def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSpec] | None = None, *,
               optimizer: str | None = None, momentum_from: str | None = None, reset_step: bool = False,
-              path: str = "") -> tuple[OptimizerState, dict]:
+              resize: bool = False, path: str = "") -> tuple[OptimizerState, dict]:
     """The fitted state and its plan: kept, new, dropped, groups (nothing written)."""
     family, target = _families(state, optimizer, momentum_from, reset_step, path)
     change = target != family
-    by_path = _by_path(state, targets, change, path)
+    by_path = _by_path(state, targets, change, resize, path)
     members, specs, names = _members(state, targets, groups, by_path, path)
     old_groups = state.groups or [ParamGroup(keys=[p.key for p in state.params])]
     problems: list[str] = []
@@ -388,9 +392,13 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
                 moved = _to_muon(moved, old, hyper[gi], old_groups[old.group].hyperparams, momentum_from, problems)
             elif reset_step and moved.step is not None:
                 moved.step = 0
+            grown = old.shape is not None and tuple(old.shape) != t.shape
+            if grown:
+                moved.slots = _resized(moved, tuple(old.shape), t.shape, target, hyper[gi], problems)
             params.append(moved)
             kept.append({"name": t.path, "position": idx, "old_position": int(old.key) if old.key.isdigit() else
-                         old.key, "group": names[gi], "step": moved.step, "has_state": bool(moved.slots)})
+                         old.key, "group": names[gi], "step": moved.step, "has_state": bool(moved.slots),
+                         **({"resized": [list(old.shape), list(t.shape)]} if grown else {})})
     _refuse(problems, path)
     trained = {t.path for t in targets}
     dropped = [p.path for p in state.params if p.path not in trained]
@@ -408,6 +416,10 @@ def fit_state(state: OptimizerState, targets: list[Target], groups: list[GroupSp
         "kept": kept, "new": new, "dropped": dropped,
         "warnings": _warnings(empty, new, dropped, reset_step, family if change else None, momentum_from),
     }
+    resized = [f"{k['name']} {k['resized'][0]} → {k['resized'][1]}" for k in kept if "resized" in k]
+    if resized:
+        plan["warnings"].append(f"--resize: {_listed(resized)}: the elements both shapes hold keep their state, new "
+                                "ones start fresh (zero moments, as a new parameter's), the step kept; cut ones dropped")
     return out, plan
 
 
@@ -426,6 +438,27 @@ def _warnings(empty: list[str], new: list[dict], dropped: list[str], reset_step:
         out.append(f"{changed_from} → muon: exp_avg_sq and step dropped (Muon keeps neither); momentum_buffer "
                    + ("= the kept exp_avg (the same average of the same gradients: momentum = β1)"
                       if momentum_from == "exp_avg" else "starts at zero for every parameter (--momentum-from fresh)"))
+    return out
+
+
+def _resized(p: ParamState, old: tuple, shape: tuple, family: str, group: dict, problems: list[str]) -> dict:
+    """``p``'s slots padded (with what a fresh element starts at) or truncated to ``shape``, leading block kept."""
+    from statekit import hyper, stream
+
+    out = {}
+    for name, ref in p.slots.items():
+        if tuple(ref.shape) == ():
+            out[name] = ref  # a per-parameter scalar
+            continue
+        if tuple(ref.shape) != old:
+            problems.append(f"{p.path}: its {name} is {list(ref.shape)}, not shaped like the parameter: --resize "
+                            "pads elementwise state only")
+            continue
+        fill = hyper.fresh_value(family, name, group)
+        if fill is None:
+            problems.append(f"{p.path}: the new elements of {name} start at a hyperparameter its group does not hold")
+            continue
+        out[name] = stream.resize(ref, shape, fill)
     return out
 
 
@@ -448,7 +481,7 @@ def _to_muon(moved: ParamState, old: ParamState, group: dict, old_group: dict, m
 
 def fit_file(state_path, model, out_path, *, groups: list[str] | list[GroupSpec] | None = None,
              trainable: list[str] = (), frozen: list[str] = (), optimizer: str | None = None,
-             momentum_from: str | None = None, reset_step: bool = False, dry_run: bool = False,
+             momentum_from: str | None = None, reset_step: bool = False, resize: bool = False, dry_run: bool = False,
              names=None, names_order: str | None = None, model_config: str | None = None,
              trust_remote_code: bool = False, key: str | None = None, training_args: str | None = None,
              progress: ProgressFactory | None = None, on_plan=None) -> dict:
@@ -485,7 +518,7 @@ def fit_file(state_path, model, out_path, *, groups: list[str] | list[GroupSpec]
 
             name_checkpoint(ckpt, make_options(names=names, names_order=names_order), state_path)
         fitted, plan = fit_state(ckpt.optimizer, targets, specs, optimizer=optimizer, momentum_from=momentum_from,
-                                 reset_step=reset_step, path=state_path)
+                                 reset_step=reset_step, resize=resize, path=state_path)
         plan = {"input": state_path, "model": os.fspath(model), "trainable_from": source, "output": out_path,
                 "format": fmt, **plan, "dry_run": dry_run, "written": False, "bytes": None}
         plan["warnings"] = list(ckpt.warnings) + plan["warnings"]
