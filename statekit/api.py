@@ -102,6 +102,20 @@ def split(state: PathLike, into: Sequence[str], output_dir: PathLike, *, rest: s
     return split_files(state, list(into), output_dir, rest=rest, to=to, dry_run=dry_run)
 
 
+def fit(state: PathLike, model: PathLike, output: PathLike, *, groups: Sequence[str] | None = None,
+        trainable: Sequence[str] = (), frozen: Sequence[str] = (), training_args: PathLike | None = None,
+        optimizer: str | None = None, momentum_from: str | None = None, reset_step: bool = False,
+        resize: bool = False, names: PathLike | None = None, dry_run: bool = False) -> dict:
+    """``statekit fit``: the state fitted to ``model``'s trainable set and the new groups
+    (``groups``: ``["NAME=GLOB[,GLOB][:KEY=VALUE,...]", ...]``); returns the plan (kept, new, dropped)."""
+    from statekit.ops.fit import fit_file
+
+    return fit_file(state, model, output, groups=list(groups or ()), trainable=list(trainable), frozen=list(frozen),
+                    training_args=os.fspath(training_args) if training_args is not None else None,
+                    optimizer=optimizer, momentum_from=momentum_from, reset_step=reset_step, resize=resize,
+                    names=os.fspath(names) if names is not None else None, dry_run=dry_run)
+
+
 def doctor(state: PathLike, model: PathLike | None = None, *, params: Sequence[str] | None = None) -> dict:
     """``statekit doctor --json`` as a dict (``params``: names or path globs to check, as ``--param``)."""
     from statekit.ops.doctor import doctor_files

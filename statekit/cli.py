@@ -583,6 +583,60 @@ def split(
 
 
 @app.command()
+def fit(
+    state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (or a Trainer checkpoint folder) saved before the change.")],
+    model: Annotated[Path, typer.Option("--model", metavar="MODEL", help="The NEW model: a peft adapter folder (its requires_grad parameters), a Hugging Face folder or config.json, or a torch state_dict .pt (named_parameters() order).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="FILE", help="The fitted torch optimizer state (.pt).")],
+    group: Annotated[list[str] | None, typer.Option("--group", metavar="NAME=GLOB[,GLOB][:KEY=VAL,...]", help="A param group of the new optimizer, in the order it builds them: the trainable parameters its globs select (first group wins), with hyperparameters set (the rest from the state's groups). Repeatable; default: the state's groups.")] = None,
+    trainable: Annotated[list[str] | None, typer.Option("--trainable", metavar="GLOB", help="Only the model's parameters these select are trained. Repeatable.")] = None,
+    frozen: Annotated[list[str] | None, typer.Option("--frozen", metavar="GLOB", help="The model's parameters these select are frozen. Repeatable.")] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", metavar="FAMILY", help="The new optimizer's family: the state's (default), or muon over an Adam/AdamW state (with --momentum-from).")] = None,
+    momentum_from: Annotated[str | None, typer.Option("--momentum-from", metavar="exp_avg|fresh", help="--optimizer muon: carry each kept exp_avg as Muon's momentum_buffer (needs momentum = β1), or start every buffer at zero.")] = None,
+    reset_step: Annotated[bool, typer.Option("--reset-step", help="Every kept parameter's step restarts at 0 (moments kept), as the new parameters' do.")] = False,
+    resize: Annotated[bool, typer.Option("--resize", help="A kept parameter whose shape changed in the same rank (a grown vocabulary): its state padded with fresh elements or truncated, leading block kept.")] = False,
+    training_args: Annotated[Path | None, typer.Option("--training-args", metavar="FILE", help="The next run's training_args.bin: the groups HF Trainer builds (decay / no-decay, its lr, betas, eps, weight decay) instead of --group; needs a model definition (HF or peft folder).")] = None,
+    names: NamesOpt = None,
+    names_order: NamesOrderOpt = None,
+    model_config: ModelConfigOpt = None,
+    trust_remote_code: TrustOpt = False,
+    key: KeyOpt = None,
+    dry_run: DryOpt = False,
+    fmt: FormatOpt = None,
+    json_out: JsonOpt = False,
+    jobs: JobsOpt = None,
+) -> None:
+    """Fit an optimizer state to a changed trainable set or a new optimizer split.
+
+    Kept (same name, same shape: state copied, position renumbered to the new optimizer's),
+    new (no state: torch starts it at step 0, as any parameter never stepped), dropped (not
+    trainable now), refused (same name, other shape). Positions follow named_parameters(),
+    group by group in the --group order. The plan is printed first; --dry-run prints it alone.
+
+    \b
+      statekit fit optimizer.pt --model model.pt --group decay='*.weight' --group no_decay='*' -o fitted.pt
+      statekit fit optimizer.pt --model model.pt --trainable 'layers.*.weight' --optimizer muon --momentum-from exp_avg --group muon='*':lr=0.02,momentum=0.9 -o muon.pt
+    """
+    _jobs(jobs)
+    from statekit.ops.fit import fit_file
+
+    out = _output(fmt, json_out)
+    show_plan = out.format == "table" and not dry_run
+    result = fit_file(state, model, output, groups=group, trainable=trainable or (), frozen=frozen or (),
+                      optimizer=optimizer, momentum_from=momentum_from, reset_step=reset_step, resize=resize,
+                      dry_run=dry_run,
+                      names=str(names) if names else None, names_order=names_order,
+                      model_config=str(model_config) if model_config else None, trust_remote_code=trust_remote_code,
+                      key=key, training_args=str(training_args) if training_args else None, progress=out.progress,
+                      on_plan=(lambda plan: out.show("fit", plan)) if show_plan else None)
+    if show_plan:
+        from statekit.render.reports import fit_summary
+
+        out.print(fit_summary(result))
+    else:
+        out.show("fit", result)
+
+
+@app.command()
 def doctor(
     state: Annotated[Path, typer.Argument(metavar="STATE", help="Optimizer state file (any supported format).")],
     model: Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model it will be loaded into (burn .bpk with ParamIds, a torch state_dict, or .safetensors); a torch state's positions are named from it by solving order and shapes.")] = None,

@@ -43,11 +43,13 @@ def test_header_size_is_the_file_size(cli):
     ["inspect", HAND], ["diff", HAND, HAND], ["doctor", HAND],
     ["merge", HAND, HAND, "--on-conflict", "first", "-o", "{tmp}/m.bpk", "--dry-run"],
     ["split", HAND, "--into", "a=l1.*", "--rest", "b", "-o", "{tmp}/parts", "--dry-run"],
+    ["fit", FIXTURES / "fit" / "frozen-optim.pt", "--model", FIXTURES / "fit" / "model.pt", "--group", "decay=*.weight",
+     "--group", "no_decay=*", "-o", "{tmp}/f.pt", "--dry-run"],
     ["verify-resume", HAND, HAND, "--optimizer", "adam", "--lr", "1e-3", "-k", "2"],
     ["convert", HAND, "{tmp}/o.safetensors", "--dry-run"],
 ])
 def test_every_reporting_command_speaks_table_json_and_tsv(cli, tmp_path, command):
-    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    args = [str(a).replace("{tmp}", str(tmp_path)) for a in command]
     as_json = cli(*args, "--format", "json")
     assert as_json.stdout.strip() and as_json.stdout == cli(*args, "--json").stdout
     json.loads(as_json.stdout)
@@ -73,7 +75,7 @@ def test_usage_errors_are_one_line(cli):
 
 
 def test_usage_shows_metavars_not_python_types(cli):
-    for command in ("inspect", "convert", "remap", "replay", "verify-resume", "diff", "merge", "split", "doctor"):
+    for command in ("inspect", "convert", "remap", "replay", "verify-resume", "diff", "merge", "split", "fit", "doctor"):
         text = cli(command, "--help").stdout
         assert not re.search(r"\b(FLOAT|INTEGER|TEXT|PATH)\b|<(float|int|str|path)>", text), (command, text)
 

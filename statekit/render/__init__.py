@@ -18,6 +18,7 @@ VIEWS: dict[str, tuple[str, str, str]] = {
     "diff": ("statekit.render.reports", "diff_view", "diff_tsv"),
     "merge": ("statekit.render.reports", "merge_view", "merge_tsv"),
     "split": ("statekit.render.reports", "split_view", "split_tsv"),
+    "fit": ("statekit.render.reports", "fit_view", "fit_tsv"),
     "doctor": ("statekit.render.reports", "doctor_view", "doctor_tsv"),
     "verify": ("statekit.render.reports", "verify_view", "verify_tsv"),
     "replay": ("statekit.render.reports", "replay_view", "replay_tsv"),

@@ -204,6 +204,50 @@ def split_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
             [[part["name"], m["name"], m["by"], part["output"]] for part in d["parts"] for m in part["members"]])
 
 
+# ----------------------------------------------------------------------------- fit
+
+
+def _fit_rows(d: dict) -> list[tuple[str, str, str, str, str]]:
+    """(parameter, action, position, old position, group), in the new optimizer's order, dropped last."""
+    rows = [(k["name"], "kept", str(k["position"]), str(k["old_position"]), k["group"]) for k in d["kept"]]
+    rows += [(n["name"], "new", str(n["position"]), "-", n["group"]) for n in d["new"]]
+    rows.sort(key=lambda r: int(r[2]))
+    return rows + [(name, "dropped", "-", "-", "-") for name in d["dropped"]]
+
+
+def fit_view(d: dict) -> list:
+    out: list = []
+    table = Table(header_style="bold", pad_edge=False)
+    for col in ("parameter", "action", "position", "was", "group"):
+        table.add_column(col, justify="right" if col in ("position", "was") else "left")
+    for row in _fit_rows(d):
+        table.add_row(*row)
+    out.append(table)
+    for g in d["groups"]:
+        shown = ", ".join(f"{k}={v}" for k, v in g["hyperparams"].items() if k in ("lr", "betas", "weight_decay",
+                                                                                  "momentum", "eps", "nesterov"))
+        out.append(Text(f"group {g['name']}: {g['params']} parameters ({shown})"))
+    for w in d["warnings"]:
+        out.append(Text(f"warning: {w}", style="yellow"))
+    out.append(Text(fit_summary(d), style="bold"))
+    return out
+
+
+def fit_summary(d: dict) -> str:
+    groups = len(d["groups"])
+    text = (f"{len(d['kept'])} kept, {len(d['new'])} new, {len(d['dropped'])} dropped: {d['params']} {d['family']} "
+            f"parameter{'s' if d['params'] != 1 else ''} in {groups} group{'s' if groups != 1 else ''}")
+    if d["written"]:
+        return f"wrote {d['output']} ({d['bytes']} bytes): {text}"
+    if d["dry_run"]:
+        return f"would write {d['output']}: {text} (dry run, nothing written)"
+    return f"writing {d['output']}: {text}"
+
+
+def fit_tsv(d: dict) -> tuple[list[str], list[list[str]]]:
+    return (["parameter", "action", "position", "old_position", "group"], [list(r) for r in _fit_rows(d)])
+
+
 # ----------------------------------------------------------------------------- doctor
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
