@@ -210,6 +210,12 @@ def _finish(result, out: Output) -> None:
         out.info(line)
 
 
+def _step_policy(step: str | None) -> str | None:
+    if step not in (None, "max"):
+        raise UsageError(f"--step {step!r}: the only policy is 'max'")
+    return step
+
+
 @app.command()
 def convert(
     src: FileArg,
@@ -248,6 +254,7 @@ def convert(
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", metavar="max", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
     allow_nonfinite: NonfiniteOpt = False,
+    no_schedule: Annotated[bool, typer.Option("--no-schedule", help="Drop the LR schedule beside the source (scheduler.pt, scheduler-N.bpk, trainer counters) where the target cannot carry it (else refused); the plan says it was dropped.")] = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -277,19 +284,17 @@ def convert(
     from statekit.ops.shares import resolve as resolve_share
 
     out = _output(fmt, json_out)
-    if step not in (None, "max"):
-        raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
-                        names_order=names_order, model=model, dtype=dtype, step_policy=step,
+                        names_order=names_order, model=model, dtype=dtype, step_policy=_step_policy(step),
                         allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
                         settings=hyper, fuse=fuse, split=split, stack=stack, unstack=unstack)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None)
+                         also_out=str(also_out) if also_out else None, no_schedule=no_schedule)
     _finish(result, out)
 
 
