@@ -24,6 +24,8 @@ from statekit.errors import MappingError, StatekitError
 from statekit.formats import registry
 
 BURN_OPTIM = re.compile(r"^optim-(\d+)\.bpk$")
+TORCH_OPTIM = {"optimizer.pt": "scheduler.pt", "optimizer.bin": "scheduler.bin"}
+SCHEDULE_KEY = "statekit.schedule"  # a burn scheduler record's metadata: the source schedule, as JSON
 DROP_HINT = "give --no-schedule to convert the optimizer without it"
 
 
@@ -97,18 +99,201 @@ def decide(ckpt, src: str, dst: str, fmt: str, *, no_schedule: bool = False) -> 
     if no_schedule:
         return Carry(ss, warnings=[f"the LR schedule ({label}) is dropped (--no-schedule): a resume from the "
                                    "output starts its schedule anew"])
-    if target_fw == schedule_framework(sched):
-        return Carry(ss, warnings=[f"the LR schedule ({label}) is not written: the output is {target_fw} as the "
-                                   "source, so the source's scheduler file applies to it unchanged"])
-    return Carry(ss, refusal=MappingError(f"the LR schedule ({label}) is not carried to {fmt}: "
-                                          f"{_why_not(sched, fmt, dst)}; {DROP_HINT}", src))
+    try:
+        if target_fw == schedule_framework(sched):
+            return _same_framework(ckpt, ss, label, dst, target_fw)
+        if target_fw == "burn" and sched.framework in ("torch", "hf"):
+            return _to_burn(ckpt, ss, label, dst)
+        if target_fw == "torch" and sched.framework == "burn":
+            return _from_burn(ss, label, dst)
+        raise MappingError(_why_not(sched, fmt))
+    except MappingError as exc:
+        return Carry(ss, refusal=MappingError(f"the LR schedule ({label}) is not carried to {fmt}: {exc.message}; "
+                                              f"{DROP_HINT}", src))
 
 
-def _why_not(sched, fmt: str, dst: str) -> str:
+def _why_not(sched, fmt: str) -> str:
     fw = registry.framework_of(fmt)
     if fw == "neutral" or fmt in ("candle", "safetensors"):
         return f"a {fmt} file keeps no LR schedule"
     return f"statekit writes no {sched.kind} schedule for {fw}"
+
+
+def _folder(ckpt) -> str:
+    path = os.path.abspath(os.fspath(ckpt.path))
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def _same_framework(ckpt, ss, label: str, dst: str, fw: str) -> Carry:
+    """The source's schedule files apply unchanged: copied beside an output named as the framework names it."""
+    from statekit.frameworks import schedule_write
+
+    folder, out_dir, base = _folder(ckpt), os.path.dirname(os.path.abspath(dst)), os.path.basename(dst)
+    files = []
+    if fw == "torch" and base in TORCH_OPTIM and ss.files.get("scheduler") in TORCH_OPTIM.values():
+        names = [TORCH_OPTIM[base]] + [ss.files[k] for k in ("trainer_state",) if k in ss.files]
+        files = [(os.path.join(out_dir, TORCH_OPTIM[base] if n in TORCH_OPTIM.values() else n), n) for n in names]
+    elif fw == "burn" and BURN_OPTIM.match(base) and ss.files.get("scheduler"):
+        files = [(os.path.join(out_dir, f"scheduler-{BURN_OPTIM.match(base).group(1)}.bpk"), ss.files["scheduler"])]
+    if not files or not all(os.path.isfile(os.path.join(folder, n)) for _, n in files):
+        where = "scheduler.pt beside optimizer.pt" if fw == "torch" else "scheduler-N.bpk beside optim-N.bpk"
+        return Carry(ss, warnings=[f"the LR schedule ({label}) is not written: the output is {fw} as the source, so "
+                                   f"the source's scheduler file applies to it unchanged ({fw} reads it from "
+                                   f"{where}: name the output so to have it written)"])
+    return Carry(ss, files=[(out, _copier(os.path.join(folder, n), schedule_write)) for out, n in files],
+                 warnings=[f"the LR schedule ({label}) is copied beside the output unchanged (same framework)"])
+
+
+def _copier(path: str, schedule_write):
+    return lambda out: schedule_write.copy_file(path, out)
+
+
+def _to_burn(ckpt, ss, label: str, dst: str) -> Carry:
+    """A torch / HF schedule as burn's built-in scheduler in ``scheduler-N.bpk`` beside ``optim-N.bpk``."""
+    import json
+
+    from statekit.frameworks import schedule_write
+    from statekit.schedule import carry
+
+    match = BURN_OPTIM.match(os.path.basename(dst))
+    if match is None:
+        raise MappingError("burn's Learner reads it from scheduler-N.bpk beside optim-N.bpk: name the output "
+                           "optim-N.bpk to have it written there")
+    sched = ss.schedule
+    form = carry.to_burn(sched)
+    counter = carry.burn_counter(form)
+    record = {} if counter is None else {f"0.{counter[0]}": counter[1:]}
+    meta = {"source": sched.kind, "params": sched.params, "base_lrs": sched.base_lrs, "position": sched.position,
+            "offset": form.offset, "burn": {"kind": form.kind, "config": form.config, "position": form.local},
+            "torch_state": sched.state if sched.framework == "torch" else None,
+            "trainer_state": _trainer_state(ckpt, ss), "counters": _counters(ss)}
+    path = os.path.join(os.path.dirname(os.path.abspath(dst)), f"scheduler-{match.group(1)}.bpk")
+    text = json.dumps(meta, sort_keys=True, default=str)
+    warnings = [f"the LR schedule ({label}, position {sched.position}) goes to {os.path.basename(path)} as burn's "
+                f"{form.describe()}{_offset_words(form)}: build the Learner's scheduler with that config (burn saves "
+                "none)",
+                "burn's Learner steps its scheduler once per batch: the record counts updates, as the source did "
+                "(with grads_accumulation(k) burn would advance it k times per update)"]
+    if ss.counters.skip_batches:
+        warnings.append(f"the source stood {ss.counters.skip_batches} micro-batches into an epoch: burn resumes at "
+                        "the start of the epoch after its checkpoint's (it saves at epoch ends only)")
+    return Carry(ss, files=[(path, lambda out: schedule_write.write_burn_scheduler(
+        out, record, {SCHEDULE_KEY: text}))], warnings=warnings)
+
+
+def _offset_words(form) -> str:
+    return f" (the source's warm-up of {form.offset} updates is done and not written)" if form.offset else ""
+
+
+def _trainer_state(ckpt, ss) -> dict | None:
+    name = ss.files.get("trainer_state")
+    if not name:
+        return None
+    from statekit.frameworks import schedule_hf
+
+    return schedule_hf.trainer_state(os.path.join(_folder(ckpt), name))
+
+
+def _counters(ss) -> dict:
+    c = ss.counters
+    return {"global_step": c.global_step, "epoch": c.epoch, "updates_per_epoch": c.updates_per_epoch}
+
+
+def _from_burn(ss, label: str, dst: str) -> Carry:
+    """burn → torch: only a record statekit wrote (its metadata keeps the source schedule burn does not)."""
+    from statekit.frameworks import schedule_write
+
+    meta = _recorded(ss)
+    base = os.path.basename(dst)
+    if base not in TORCH_OPTIM:
+        raise MappingError("torch keeps it in scheduler.pt beside optimizer.pt: name the output optimizer.pt to have "
+                           "it written there")
+    position = _burn_now(ss, meta)
+    out_dir = os.path.dirname(os.path.abspath(dst))
+    if meta["source"].startswith("hf:"):
+        state, lrs = _hf_state(meta, position)
+    else:
+        state = _torch_state(meta, position)
+        lrs = state["_last_lr"]
+    files = [(os.path.join(out_dir, TORCH_OPTIM[base]), lambda out: schedule_write.write_torch_scheduler(out, state))]
+    warnings = [f"the LR schedule ({label}: {meta['source']} as recorded when converted to burn) goes to "
+                f"{TORCH_OPTIM[base]} at position {position}; the groups' lr set to its lr there ({lrs[0]!r})"]
+    trainer = _trainer_counters(meta, position)
+    if trainer is not None:
+        files.append((os.path.join(out_dir, "trainer_state.json"),
+                      lambda out: schedule_write.write_trainer_state(out, trainer)))
+        warnings.append(f"trainer_state.json: global step {trainer['global_step']}, epoch {trainer['epoch']!r}")
+    return Carry(ss, files=files, warnings=warnings, group_lrs={"lr": lrs[0], "initial_lr": meta["base_lrs"][0]}
+                 if len(set(lrs)) == 1 and len(set(meta["base_lrs"])) == 1 else None)
+
+
+def _recorded(ss) -> dict:
+    import json
+
+    text = ss.metadata.get(SCHEDULE_KEY)
+    if not text:
+        raise MappingError("burn saves no scheduler config (initial lr, iterations), so the lr of a torch schedule "
+                           "cannot be told from the record; only a record statekit wrote keeps it")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise MappingError(f"its {SCHEDULE_KEY} metadata is not JSON") from None
+
+
+def _burn_now(ss, meta: dict) -> int:
+    """The source position the burn record stands at now (the burn run may have gone on)."""
+    from statekit.schedule import carry
+
+    burn = meta["burn"]
+    sched = ss.schedule
+    node = sched.children[0] if sched.kind == "burn:groups" and len(sched.children) == 1 else sched
+    if burn["kind"] == "constant":
+        if node.kind != "burn:constant" and sched.kind != "burn:constant":
+            raise MappingError(f"it holds a {node.kind} record where statekit wrote a constant one")
+        return int(meta["position"])  # a constant record keeps no count: as written
+    if node.kind != f"burn:{burn['kind']}":
+        raise MappingError(f"it holds a {node.kind} record where statekit wrote a {burn['kind']} one")
+    return carry.burn_position(burn["kind"], burn["config"], next(iter(node.state.values()))) + int(meta["offset"])
+
+
+def _hf_state(meta: dict, position: int):
+    from statekit.frameworks import schedule_write
+    from statekit.schedule import hf_lr
+
+    kind, p = meta["source"][3:], dict(meta["params"])
+    warm = int(p.pop("num_warmup_steps", 0) or 0)
+    steps = int(p.pop("num_training_steps", 0) or 0)
+    lam, _ = hf_lr.rebuild(kind, p, warm, steps, None)
+    lrs = [float(b) * lam(position) for b in meta["base_lrs"]]
+    return schedule_write.lambda_lr_state(meta["base_lrs"], position, lrs, kind == "constant"), lrs
+
+
+def _torch_state(meta: dict, position: int) -> dict:
+    from statekit.schedule import torch_lr
+
+    state = dict(meta["torch_state"])
+    state.update(last_epoch=position, _step_count=position + 1)
+    cls = meta["source"][6:]
+    state["_last_lr"] = [float(x) for x in torch_lr.closed_form(cls, state, position, None)]
+    return state
+
+
+def _trainer_counters(meta: dict, position: int) -> dict | None:
+    """The source's trainer_state.json, its counters moved on by the updates the burn run took."""
+    state = meta.get("trainer_state")
+    if state is None:
+        return None
+    moved = position - int(meta["position"])
+    if moved == 0:
+        return state
+    per_epoch = (meta.get("counters") or {}).get("updates_per_epoch")
+    if not per_epoch:
+        raise MappingError(f"the burn run went on {moved} updates and the updates per epoch are not known: "
+                           "trainer_state.json's epoch cannot be told")
+    out = dict(state, global_step=int(state["global_step"]) + moved)
+    out["epoch"] = out["global_step"] / per_epoch
+    out["log_history"] = list(state.get("log_history") or [])
+    return out
 
 
 def refuse_uncarried(ckpt, src: str, dst: str, fmt: str, *, no_schedule: bool = False) -> None:
@@ -132,7 +317,7 @@ def with_group_lrs(opts, carry: Carry):
         return opts
     from dataclasses import replace
 
-    given = [k for k in carry.group_lrs if k in opts.hyperparams]
+    given = [k for k in carry.group_lrs if opts.hyperparams.get(k) is not None]
     if given:
         raise MappingError(f"--{given[0].replace('_', '-')} and the carried LR schedule both set the groups' "
                            f"{given[0]}: the schedule's position decides it; {DROP_HINT} to set it by hand")
