@@ -279,3 +279,28 @@ def test_a_burn_run_that_went_on_comes_back_at_its_new_position_and_steps_in_tor
     assert sched.get_last_lr() == ref["9"]
     state = json.loads((out.parent / "trainer_state.json").read_text())
     assert state["global_step"] == 8 and math.isclose(state["epoch"], 8 / 3)
+
+
+# ------------------------------------------------ verify-resume compares the lr sequences too
+
+
+def test_verify_resume_compares_the_learning_rates_of_both_runs(cli, tmp_path):
+    optim = tmp_path / "optim-1.bpk"
+    assert cli("convert", COSINE, optim, "--transpose", "proj.weight").returncode == 0
+    res = cli("verify-resume", COSINE, optim, "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    ref = _hf_ref("cosine")  # the Trainer run's lr after each update 5..9 (its max_steps: 10)
+    lrs = report["schedule"]["original"]
+    assert lrs[:5] == [ref[str(s)][0] for s in range(5, 10)] and report["schedule"]["same"]
+    # the burn record stepped 3 calls on: its schedule no longer continues the original's
+    from statekit.formats.burnpack import BurnpackFile
+
+    pack = BurnpackFile(str(tmp_path / "scheduler-1.bpk"))
+    write_burnpack(str(tmp_path / "scheduler-1.bpk"), [], dict(pack.metadata),
+                   {k: Scalar(v.kind, v.value + 3) for k, v in pack.scalars.items()})
+    res = cli("verify-resume", COSINE, optim, "--json")
+    assert res.returncode == 1
+    report = json.loads(res.stdout)
+    assert not report["tracks"] and report["schedule"]["first_difference"]["update"] == 1
+    assert report["schedule"]["migrated"][0] == pytest.approx(ref["8"][0], rel=1e-12)

@@ -344,3 +344,55 @@ def write_files(carry: Carry, result, dst: str, dry_run: bool):
                 os.unlink(path)
         raise
     return result
+
+
+# ----------------------------------------------------------------------------- verify-resume
+
+
+def lr_sequence(ckpt, n: int) -> tuple[list[float] | None, str | None]:
+    """The lr (first group's) of the next ``n`` updates the schedule beside ``ckpt`` gives:
+    ``(lrs, None)``, ``(None, why)`` when it cannot be told, ``(None, None)`` with no schedule."""
+    from statekit.schedule import burn_lr, model, torch_lr
+
+    try:
+        ss, _ = source_schedule(ckpt)
+        if ss is None:
+            return None, None
+        sched = ss.schedule
+        if sched.framework == "burn":
+            meta = _recorded(ss)
+            local = _burn_now(ss, meta) - int(meta["offset"])
+            burn = meta["burn"]
+            return [burn_lr.lr(burn["kind"], burn["config"], local + k) for k in range(n)], None
+        if sched.lr_now is None:
+            return None, "the scheduler holds no current lr"
+        now = float((ss.groups or [{}])[0].get("lr", sched.lr_now[0]))
+        return [now] + [lrs[0] for lrs in model.next_lrs(sched, ss.groups, n - 1)], None
+    except (MappingError, torch_lr.NotComputable) as exc:
+        return None, exc.message
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, IndexError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def compare_lrs(original, migrated, n: int) -> dict | None:
+    """Both sides' schedules over the next ``n`` updates (None: neither has one). ``same``: the lrs
+    agree (bit for bit, or to 1e-12 relative where one side is burn's arithmetic)."""
+    import math
+
+    a, why_a = lr_sequence(original, n)
+    b, why_b = lr_sequence(migrated, n)
+    if a is None and b is None and why_a is None and why_b is None:
+        return None
+    out: dict = {"original": a, "migrated": b}
+    if a is None or b is None:
+        missing = [(side, why) for side, seq, why in (("original", a, why_a), ("migrated", b, why_b)) if seq is None]
+        out["why"] = "; ".join(f"{side}: {why or 'no LR schedule beside it (a resume starts one anew)'}"
+                               for side, why in missing)
+        return out
+    out["exact"] = a == b
+    bad = [i for i, (x, y) in enumerate(zip(a, b, strict=True))
+           if not math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-18)]
+    out["same"] = not bad
+    if bad:
+        out["first_difference"] = {"update": bad[0] + 1, "original": a[bad[0]], "migrated": b[bad[0]]}
+    return out
