@@ -304,3 +304,27 @@ def test_verify_resume_compares_the_learning_rates_of_both_runs(cli, tmp_path):
     report = json.loads(res.stdout)
     assert not report["tracks"] and report["schedule"]["first_difference"]["update"] == 1
     assert report["schedule"]["migrated"][0] == pytest.approx(ref["8"][0], rel=1e-12)
+
+
+def test_a_dry_run_says_which_schedule_files_it_would_write_and_writes_none(cli, tmp_path):
+    out = tmp_path / "optim-3.bpk"
+    res = cli("convert", COSINE, out, "--transpose", "proj.weight", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "would write" in res.stdout + res.stderr and "scheduler-3.bpk" in res.stdout + res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.torch
+def test_a_group_lr_set_by_hand_is_refused_going_to_burn(cli, tmp_path):
+    """burn takes every lr from its scheduler: a Trainer folder whose optimizer.pt groups were set to
+    another lr after the scheduler (as doctor's schedule-lr finds) is not carried as if on schedule."""
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "checkpoint-5"
+    shutil.copytree(COSINE, folder)
+    sd = torch.load(folder / "optimizer.pt", weights_only=True)
+    for g in sd["param_groups"]:
+        g["lr"] = 0.02
+    torch.save(sd, folder / "optimizer.pt")
+    out = tmp_path / "optim-1.bpk"
+    res = cli("convert", folder, out, "--transpose", "proj.weight")
+    _refused(res, out, "schedule-lr", "0.02")

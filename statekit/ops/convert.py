@@ -175,8 +175,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         opts, fmt, said = _prepare(ckpt, opts, src, fmt, to)
         opts, carry = schedule_carry.carried(ckpt, src, dst, fmt, opts, no_schedule=no_schedule)
         if state.family in ("lbfgs", "mixed"):
-            carry.refuse()
-            done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan)
+            done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan, carry)
             if done is not None:
                 return done
         adapted: list[str] = []
@@ -283,16 +282,20 @@ def _naming(src: str):
         raise
 
 
-def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan) -> Result | None:
+def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan,
+                     carry) -> Result | None:
     """L-BFGS's one global state (:mod:`statekit.ops.lbfgs`); a record of two families going to torch,
     which needs --also-out (:mod:`statekit.ops.pair`). None: the ordinary path."""
     state = ckpt.optimizer
+    carry.refuse()
     if state.family == "lbfgs":
         from statekit.ops import lbfgs
 
         plan = lbfgs.saved_plan(plan_in, src, dst, fmt) if plan_in else lbfgs.build(ckpt, src, dst, fmt, opts)
-        return carry_out_with(plan, ckpt.nbytes, lbfgs.writer(plan, ckpt, fmt, dst), dry_run=dry_run,
+        plan.warnings.extend(carry.warnings)
+        done = carry_out_with(plan, ckpt.nbytes, lbfgs.writer(plan, ckpt, fmt, dst), dry_run=dry_run,
                               plan_out=plan_out, progress=progress, on_plan=on_plan)
+        return schedule_carry.write_files(carry, done, dst, dry_run)
     if registry.framework_of(fmt) == "torch":
         from statekit.ops import pair
 

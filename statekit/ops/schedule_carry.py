@@ -131,8 +131,8 @@ def _same_framework(ckpt, ss, label: str, dst: str, fw: str) -> Carry:
     folder, out_dir, base = _folder(ckpt), os.path.dirname(os.path.abspath(dst)), os.path.basename(dst)
     files = []
     if fw == "torch" and base in TORCH_OPTIM and ss.files.get("scheduler") in TORCH_OPTIM.values():
-        names = [TORCH_OPTIM[base]] + [ss.files[k] for k in ("trainer_state",) if k in ss.files]
-        files = [(os.path.join(out_dir, TORCH_OPTIM[base] if n in TORCH_OPTIM.values() else n), n) for n in names]
+        files = [(os.path.join(out_dir, TORCH_OPTIM[base]), ss.files["scheduler"])]
+        files += [(os.path.join(out_dir, ss.files[k]), ss.files[k]) for k in ("trainer_state",) if k in ss.files]
     elif fw == "burn" and BURN_OPTIM.match(base) and ss.files.get("scheduler"):
         files = [(os.path.join(out_dir, f"scheduler-{BURN_OPTIM.match(base).group(1)}.bpk"), ss.files["scheduler"])]
     if not files or not all(os.path.isfile(os.path.join(folder, n)) for _, n in files):
@@ -161,6 +161,7 @@ def _to_burn(ckpt, ss, label: str, dst: str) -> Carry:
                            "optim-N.bpk to have it written there")
     sched = ss.schedule
     form = carry.to_burn(sched)
+    _lr_as_scheduled(ss)
     counter = carry.burn_counter(form)
     record = {} if counter is None else {f"0.{counter[0]}": counter[1:]}
     meta = {"source": sched.kind, "params": sched.params, "base_lrs": sched.base_lrs, "position": sched.position,
@@ -179,6 +180,23 @@ def _to_burn(ckpt, ss, label: str, dst: str) -> Carry:
                         "the start of the epoch after its checkpoint's (it saves at epoch ends only)")
     return Carry(ss, files=[(path, lambda out: schedule_write.write_burn_scheduler(
         out, record, {SCHEDULE_KEY: text}))], warnings=warnings)
+
+
+def _lr_as_scheduled(ss) -> None:
+    """burn takes every lr from its scheduler: a group lr that is not the schedule's (set by hand), or a
+    rebuilt HF schedule that does not give the saved lr, would be lost or wrong there."""
+    from statekit.schedule import model
+
+    sched = ss.schedule
+    if sched.disagrees:
+        raise MappingError(sched.disagrees)
+    for g, group in enumerate(ss.groups or []):
+        lr = group.get("lr")
+        if sched.lr_now and g < len(sched.lr_now) and isinstance(lr, int | float) \
+                and not model.same_lr(lr, sched.lr_now[g]):
+            raise MappingError(f"param group {g}'s lr {lr!r} is not the scheduler's {sched.lr_now[g]!r} at position "
+                               f"{sched.position} (statekit doctor: schedule-lr), and burn takes every lr from its "
+                               "scheduler")
 
 
 def _offset_words(form) -> str:
