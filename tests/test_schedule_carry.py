@@ -328,3 +328,44 @@ def test_a_group_lr_set_by_hand_is_refused_going_to_burn(cli, tmp_path):
     out = tmp_path / "optim-1.bpk"
     res = cli("convert", folder, out, "--transpose", "proj.weight")
     _refused(res, out, "schedule-lr", "0.02")
+
+
+@pytest.mark.torch
+def test_a_lightning_steplr_goes_to_burn_and_back_and_steps_in_torch(cli, tmp_path):
+    """Lightning's StepLR (interval='step': its position is the optimizer steps) as burn's step
+    scheduler; back in torch, after the burn run took 2 more calls, the state is torch's own StepLR
+    after 6 steps, and StepLR.load_state_dict steps on as torch does."""
+    torch = pytest.importorskip("torch")
+    ckpt = FIXTURES / "clients" / "lightning" / "epoch=0-step=4.ckpt"
+    optim = tmp_path / "burn" / "optim-1.bpk"
+    optim.parent.mkdir()
+    res = cli("convert", ckpt, optim, "--transpose", "net.fc*.weight", "--no-transpose", "net.embed.weight")
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "back" / "optimizer.pt"
+    out.parent.mkdir()
+    assert cli("convert", optim, out, "--optimizer", "adam").returncode == 0
+    saved = torch.load(ckpt, weights_only=False)["lr_schedulers"][0]
+    assert torch.load(out.parent / "scheduler.pt", weights_only=True) == saved
+    from statekit.formats.burnpack import BurnpackFile
+
+    pack = BurnpackFile(str(optim.parent / "scheduler-1.bpk"))
+    write_burnpack(str(optim.parent / "scheduler-1.bpk"), [], dict(pack.metadata),
+                   {k: Scalar(v.kind, v.value + 2) for k, v in pack.scalars.items()})
+    assert cli("convert", optim, out, "--optimizer", "adam").returncode == 0
+    p = torch.nn.Parameter(torch.zeros(1))
+    ref_opt = torch.optim.Adam([p], lr=saved["base_lrs"][0])
+    ref = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=saved["step_size"], gamma=saved["gamma"])
+    for _ in range(6):
+        ref_opt.step()
+        ref.step()
+    mine = torch.load(out.parent / "scheduler.pt", weights_only=True)
+    assert mine == ref.state_dict()
+    assert [g["lr"] for g in torch.load(out, weights_only=True)["param_groups"]] == ref.get_last_lr()
+    opt = torch.optim.Adam([p], lr=saved["base_lrs"][0])
+    opt.param_groups[0]["initial_lr"] = saved["base_lrs"][0]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=saved["step_size"], gamma=saved["gamma"], last_epoch=0)
+    sched.load_state_dict(mine)
+    opt.param_groups[0]["lr"] = mine["_last_lr"][0]
+    for _ in range(3):
+        opt.step(), sched.step(), ref_opt.step(), ref.step()
+        assert sched.get_last_lr() == ref.get_last_lr()

@@ -162,6 +162,10 @@ def _to_burn(ckpt, ss, label: str, dst: str) -> Carry:
     sched = ss.schedule
     form = carry.to_burn(sched)
     _lr_as_scheduled(ss)
+    if "lightning" in ss.files and ss.counters.global_step is not None and sched.position != ss.counters.global_step:
+        raise MappingError(f"its position {sched.position} is not the {ss.counters.global_step} optimizer steps "
+                           "taken: a Lightning interval='epoch' scheduler, which counts epochs, while burn's Learner "
+                           "steps its scheduler every batch")
     counter = carry.burn_counter(form)
     record = {} if counter is None else {f"0.{counter[0]}": counter[1:]}
     meta = {"source": sched.kind, "params": sched.params, "base_lrs": sched.base_lrs, "position": sched.position,
@@ -169,7 +173,7 @@ def _to_burn(ckpt, ss, label: str, dst: str) -> Carry:
             "torch_state": sched.state if sched.framework == "torch" else None,
             "trainer_state": _trainer_state(ckpt, ss), "counters": _counters(ss)}
     path = os.path.join(os.path.dirname(os.path.abspath(dst)), f"scheduler-{match.group(1)}.bpk")
-    text = json.dumps(meta, sort_keys=True, default=str)
+    text = json.dumps(meta, default=str)  # (insertion order: torch's state_dict order comes back)
     warnings = [f"the LR schedule ({label}, position {sched.position}) goes to {os.path.basename(path)} as burn's "
                 f"{form.describe()}{_offset_words(form)}: build the Learner's scheduler with that config (burn saves "
                 "none)",
