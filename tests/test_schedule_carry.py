@@ -130,7 +130,8 @@ def _trainer_run(out_dir, kind: str, kwargs: dict, max_steps: int, resume=None):
 @pytest.mark.hf
 @pytest.mark.torch
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,kwargs", [("cosine", {}), ("linear", {}), ("cosine_with_min_lr", {"min_lr_rate": 0.1})])
+@pytest.mark.parametrize("kind,kwargs", [("cosine", {}), ("linear", {}), ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+                                         ("inverse_sqrt", {})])
 def test_a_trainer_checkpoint_to_burn_and_back_resumes_with_the_same_lr_at_every_next_step(cli, tmp_path, kind,
                                                                                             kwargs):
     pytest.importorskip("transformers")
@@ -172,7 +173,8 @@ def _hf_ref(kind):
     return json.loads((HF / "reference.json").read_text())[kind]["lrs_after_step"]
 
 
-@pytest.mark.parametrize("kind", ["cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup"])
+@pytest.mark.parametrize("kind", ["cosine", "linear", "cosine_with_min_lr", "constant", "constant_with_warmup",
+                                  "inverse_sqrt"])
 def test_the_burn_record_gives_the_trainers_lrs_from_its_position_on(cli, tmp_path, kind):
     """burn's own arithmetic (burn-optim 0.22, statekit.schedule.burn_lr) on the written config and
     counter gives what the real Trainer run used after its checkpoint (to rounding: burn computes its

@@ -31,6 +31,8 @@ TABLE = {
     "hf:cosine_with_min_lr": "cosine (min_lr = base lr · min_lr_rate), after the warm-up; num_cycles 0.5",
     "hf:constant": "constant (base lr)",
     "hf:constant_with_warmup": "constant (base lr), after the warm-up",
+    "hf:inverse_sqrt": "noam (factor = base lr · √warm-up, model_size = 1, warmup_steps = warm-up), one call behind "
+                       "(Noam's call n gives HF's λ(n)); timescale = warm-up",
     "torch:StepLR": "step (initial_lr, step_size, gamma)",
     "torch:ExponentialLR": "exponential (initial_lr, gamma)",
     "torch:CosineAnnealingLR": "cosine (initial_lr, min_lr = eta_min, num_iters = T_max)",
@@ -77,6 +79,8 @@ def _hf(sched, base: float, pos: int) -> BurnForm:
     warm = int(p.get("num_warmup_steps") or 0)
     if name == "constant":
         return BurnForm("constant", {"lr": base}, pos, 0)
+    if name == "inverse_sqrt":
+        return _noam(p, base, pos, warm)
     if pos < warm:
         raise NotExpressible(f"it stands at update {pos} of its {warm}-update warm-up, which starts from lr 0: "
                              "burn's LinearLrScheduler needs initial_lr > 0, so no built-in gives the rest of it")
@@ -91,6 +95,18 @@ def _hf(sched, base: float, pos: int) -> BurnForm:
         raise NotExpressible(f"num_cycles={p['num_cycles']}: burn's cosine is half a period (num_cycles 0.5)")
     low = base * float(p.get("min_lr_rate", 0.0))
     return BurnForm("cosine", {"initial_lr": base, "min_lr": low, "num_iters": horizon}, pos - warm, warm)
+
+
+def _noam(p: dict, base: float, pos: int, warm: int) -> BurnForm:
+    """HF inverse_sqrt with timescale W: λ(t) = min(t/W, √(W/t)); burn's Noam call n gives
+    factor·d^-½·min(n^-½, n·W^-1.5), so factor = base·√W, d = 1 gives b·λ(n): the record stands one
+    call behind the position (step = t - 1), and λ(0) = 0 is no Noam lr."""
+    if warm < 1 or p.get("timescale") != warm:
+        raise NotExpressible(f"inverse_sqrt with timescale {p.get('timescale')} and warm-up {warm}: burn's Noam "
+                             "matches it only with the timescale equal to a warm-up of at least 1")
+    if pos < 1:
+        raise NotExpressible("it stands at update 0, whose lr is 0: burn's Noam gives no 0 lr")
+    return BurnForm("noam", {"factor": base * math.sqrt(warm), "warmup_steps": warm, "model_size": 1}, pos - 1, 1)
 
 
 def _torch(sched, base: float, pos: int) -> BurnForm:
@@ -133,6 +149,8 @@ def burn_counter(form: BurnForm) -> tuple[str, str, int | float] | None:
         return "remaining_iters", "UInt", max(c["num_iters"] + 1 - j, 0)
     if form.kind == "step":
         return "iter_idx", "Int", j - 1
+    if form.kind == "noam":
+        return "step", "Float", float(j)
     previous = c["initial_lr"] / c["gamma"]  # burn's init, then one multiplication per call
     for _ in range(j):
         previous *= c["gamma"]
