@@ -371,3 +371,16 @@ def test_a_lightning_steplr_goes_to_burn_and_back_and_steps_in_torch(cli, tmp_pa
     for _ in range(3):
         opt.step(), sched.step(), ref_opt.step(), ref.step()
         assert sched.get_last_lr() == ref.get_last_lr()
+
+
+def test_a_scheduler_file_statekit_cannot_read_is_not_dropped_either(cli, tmp_path):
+    from statekit.formats import torch_pt
+
+    folder = tmp_path / "checkpoint-5"
+    shutil.copytree(COSINE, folder)
+    torch_pt.save_pt({"not_a_scheduler": 1}, str(folder / "scheduler.pt"))
+    out = tmp_path / "optim-1.bpk"
+    res = cli("convert", folder, out, "--transpose", "proj.weight")
+    _refused(res, out, "LR schedule not read")
+    res = cli("convert", folder, out, "--transpose", "proj.weight", "--no-schedule")
+    assert res.returncode == 0 and out.exists() and "dropped (--no-schedule)" in res.stdout + res.stderr
