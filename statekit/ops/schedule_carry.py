@@ -91,15 +91,16 @@ def schedule_framework(sched) -> str:
 
 def decide(ckpt, src: str, dst: str, fmt: str, *, no_schedule: bool = False) -> Carry:
     """What becomes of the source's schedule (``refusal``: it cannot be carried and was not dropped)."""
+    cross = registry.framework_of(fmt) != registry.framework_of(ckpt.format)
     try:
         ss, label = source_schedule(ckpt)
         unread = [w for w in ckpt.warnings if w.startswith("LR schedule not read")]
-        if ss is None and unread and registry.framework_of(fmt) != registry.framework_of(ckpt.format):
-            # a scheduler file the reader could not read is still a schedule
+        if ss is None and unread:  # a scheduler file the reader could not read is still a schedule
             raise MappingError(f"{unread[0]}; {DROP_HINT}", src)
     except MappingError as exc:
-        if no_schedule:
-            return Carry(warnings=[f"{exc.message.split('; ' + DROP_HINT)[0]}: dropped (--no-schedule)"])
+        if no_schedule or not cross:  # (the same framework: the source's file applies as it is)
+            why = exc.message.split("; " + DROP_HINT)[0]
+            return Carry(warnings=[f"{why}: {'dropped (--no-schedule)' if no_schedule else 'not written'}"])
         return Carry(refusal=exc)
     if ss is None:
         return Carry()
