@@ -67,8 +67,10 @@ def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = Fa
     target's pieces are in ``plan.params[i].pieces``."""
     from statekit.ops.remap import remap as run
 
+    no_schedule = bool(options.pop("no_schedule", False))
     result = run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
-                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None)
+                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None,
+                 no_schedule=no_schedule)
     return _warned(result).plan
 
 

@@ -187,6 +187,7 @@ NamesOpt = Annotated[Path | None, typer.Option("--names", metavar="FILE", help="
 NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
 ModelOpt = Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", metavar="DTYPE", help="Cast every state tensor, e.g. f32.")]
+NoScheduleOpt = Annotated[bool, typer.Option("--no-schedule", help="Drop the LR schedule beside the source (scheduler.pt, scheduler-N.bpk, trainer counters) where the target cannot carry it (else refused); the plan says it was dropped.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
 PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", metavar="FILE", help="Also save the plan as JSON.")]
@@ -254,7 +255,7 @@ def convert(
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", metavar="max", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
     allow_nonfinite: NonfiniteOpt = False,
-    no_schedule: Annotated[bool, typer.Option("--no-schedule", help="Drop the LR schedule beside the source (scheduler.pt, scheduler-N.bpk, trainer counters) where the target cannot carry it (else refused); the plan says it was dropped.")] = False,
+    no_schedule: NoScheduleOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -318,6 +319,7 @@ def remap(
     names: NamesOpt = None,
     names_order: NamesOrderOpt = None,
     allow_nonfinite: NonfiniteOpt = False,
+    no_schedule: NoScheduleOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -350,7 +352,7 @@ def remap(
                         split=split, stack=stack, unstack=unstack, new=new, match=match)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
-                       on_plan=lambda p: _show_plan(p, out, dry_run))
+                       on_plan=lambda p: _show_plan(p, out, dry_run), no_schedule=no_schedule)
     _finish(result, out)
 
 

@@ -384,3 +384,14 @@ def test_a_scheduler_file_statekit_cannot_read_is_not_dropped_either(cli, tmp_pa
     _refused(res, out, "LR schedule not read")
     res = cli("convert", folder, out, "--transpose", "proj.weight", "--no-schedule")
     assert res.returncode == 0 and out.exists() and "dropped (--no-schedule)" in res.stdout + res.stderr
+
+
+def test_remap_carries_or_refuses_the_schedule_as_convert_does(cli, tmp_path):
+    model = COSINE / "model.safetensors"
+    res = cli("remap", COSINE, "--model", model, "-o", tmp_path / "x.bpk")
+    _refused(res, tmp_path / "x.bpk", "hf:cosine", "optim-N.bpk")
+    res = cli("remap", COSINE, "--model", model, "-o", tmp_path / "optim-2.bpk")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "scheduler-2.bpk").is_file()
+    res = cli("remap", COSINE, "--model", model, "-o", tmp_path / "y.bpk", "--no-schedule")
+    assert res.returncode == 0 and "dropped (--no-schedule)" in res.stdout + res.stderr
