@@ -46,12 +46,15 @@ def convert(src: PathLike, dst: PathLike, *, to: str | None = None, key: str | N
     ``no_transpose`` (globs), ``rename`` (``"REGEX=REPLACEMENT"`` rules), ``preset``, ``dtype``,
     ``step_policy``, structural rules ``fuse``, ``split``, ``stack``, ``unstack`` (lists of the CLI's
     rule strings, :mod:`statekit.structure.rules`), and hyperparameters ``lr betas eps weight_decay
-    amsgrad momentum dampening nesterov``.
+    amsgrad momentum dampening nesterov``. ``no_schedule=True`` drops an LR schedule the target cannot
+    carry (else refused).
     """
     from statekit.ops.convert import convert as run
 
+    no_schedule = bool(options.pop("no_schedule", False))
     result = run(os.fspath(src), os.fspath(dst), make_options(**options), to=to, key=key, dry_run=dry_run,
-                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None)
+                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None,
+                 no_schedule=no_schedule)
     return _warned(result).plan
 
 
@@ -64,8 +67,10 @@ def remap(state: PathLike, dst: PathLike, *, model: PathLike, dry_run: bool = Fa
     target's pieces are in ``plan.params[i].pieces``."""
     from statekit.ops.remap import remap as run
 
+    no_schedule = bool(options.pop("no_schedule", False))
     result = run(os.fspath(state), os.fspath(dst), make_options(model=model, **options), to=to, dry_run=dry_run,
-                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None)
+                 plan_in=os.fspath(plan) if plan else None, plan_out=os.fspath(plan_out) if plan_out else None,
+                 no_schedule=no_schedule)
     return _warned(result).plan
 
 

@@ -187,6 +187,7 @@ NamesOpt = Annotated[Path | None, typer.Option("--names", metavar="FILE", help="
 NamesOrderOpt = Annotated[str | None, typer.Option("--names-order", metavar="model|optimizer", help="What order the --names list is in: 'model' (model.named_parameters(); give --model for the shapes) or 'optimizer' (the optimizer's param groups one after the other).")]
 ModelOpt = Annotated[Path | None, typer.Option("--model", metavar="MODEL", help="The model file: burn .bpk (ParamIds, shapes), torch .pt/.bin state_dict (named_parameters() order, shapes) or .safetensors (shapes only).")]
 DtypeOpt = Annotated[str | None, typer.Option("--dtype", metavar="DTYPE", help="Cast every state tensor, e.g. f32.")]
+NoScheduleOpt = Annotated[bool, typer.Option("--no-schedule", help="Drop the LR schedule beside the source (scheduler.pt, scheduler-N.bpk, trainer counters) where the target cannot carry it (else refused); the plan says it was dropped.")]
 DryOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
 NonfiniteOpt = Annotated[bool, typer.Option("--allow-nonfinite", help="Write NaN/Inf state instead of refusing it.")]
 PlanOutOpt = Annotated[Path | None, typer.Option("--plan-out", metavar="FILE", help="Also save the plan as JSON.")]
@@ -208,6 +209,12 @@ def _finish(result, out: Output) -> None:
         out.warn(w)
     for line in result.messages:
         out.info(line)
+
+
+def _step_policy(step: str | None) -> str | None:
+    if step not in (None, "max"):
+        raise UsageError(f"--step {step!r}: the only policy is 'max'")
+    return step
 
 
 @app.command()
@@ -248,6 +255,7 @@ def convert(
     dtype: DtypeOpt = None,
     step: Annotated[str | None, typer.Option("--step", metavar="max", help="candle keeps one step for all parameters: 'max' writes the largest when they differ (else refused).")] = None,
     allow_nonfinite: NonfiniteOpt = False,
+    no_schedule: NoScheduleOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -277,19 +285,17 @@ def convert(
     from statekit.ops.shares import resolve as resolve_share
 
     out = _output(fmt, json_out)
-    if step not in (None, "max"):
-        raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
-                        names_order=names_order, model=model, dtype=dtype, step_policy=step,
+                        names_order=names_order, model=model, dtype=dtype, step_policy=_step_policy(step),
                         allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
                         settings=hyper, fuse=fuse, split=split, stack=stack, unstack=unstack)
     result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None)
+                         also_out=str(also_out) if also_out else None, no_schedule=no_schedule)
     _finish(result, out)
 
 
@@ -313,6 +319,7 @@ def remap(
     names: NamesOpt = None,
     names_order: NamesOrderOpt = None,
     allow_nonfinite: NonfiniteOpt = False,
+    no_schedule: NoScheduleOpt = False,
     dry_run: DryOpt = False,
     plan_out: PlanOutOpt = None,
     plan: PlanInOpt = None,
@@ -345,7 +352,7 @@ def remap(
                         split=split, stack=stack, unstack=unstack, new=new, match=match)
     result = run_remap(str(state), str(output), opts, to=to, dry_run=dry_run, plan_in=str(plan) if plan else None,
                        plan_out=str(plan_out) if plan_out else None, progress=out.progress,
-                       on_plan=lambda p: _show_plan(p, out, dry_run))
+                       on_plan=lambda p: _show_plan(p, out, dry_run), no_schedule=no_schedule)
     _finish(result, out)
 
 

@@ -155,7 +155,8 @@ def test_lightning_ckpt_finds_its_optimizer_and_names(key):
 
 def test_lightning_ckpt_converts_without_key_and_back_into_torch(cli, tmp_path):
     out, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
-    res = cli("convert", LIGHTNING, out, "--transpose", "net.fc*.weight", "--no-transpose", "net.embed.weight")
+    res = cli("convert", LIGHTNING, out, "--transpose", "net.fc*.weight", "--no-transpose", "net.embed.weight",
+              "--no-schedule")
     assert res.returncode == 0, res.stderr
     import statekit
 
@@ -192,7 +193,7 @@ def test_trainer_checkpoint_to_burn_and_back_resumes_bit_identically(cli, record
     meta = record["meta"]
     bpk, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
     # GPT-2's Conv1D weights are stored [in, out], as burn's Linear: nothing is transposed
-    res = cli("convert", TRAINER, bpk, "--names", CLIENTS / "names.txt", "--no-transpose", "*")
+    res = cli("convert", TRAINER, bpk, "--names", CLIENTS / "names.txt", "--no-transpose", "*", "--no-schedule")
     assert res.returncode == 0, res.stderr
     saved = torch_load(TRAINER / "optimizer.pt")
     position = {}  # Trainer's own record of which parameter each optimizer position is

@@ -150,7 +150,7 @@ def test_the_forward_confirms_the_class_table_on_every_model_of_the_fixtures():
 def test_convert_with_no_flags_and_back_gives_the_source_state(run, needs, cli, tmp_path):
     needs(run)
     bpk, back = tmp_path / "x.bpk", tmp_path / "back.pt"
-    res = cli("convert", ckpt(run), bpk)
+    res = cli("convert", ckpt(run), bpk, "--no-schedule")
     assert res.returncode == 0, res.stderr
     res = cli("convert", bpk, back)
     assert res.returncode == 0, res.stderr
@@ -180,7 +180,7 @@ def test_linear_maps_cross_to_burn_in_its_orientation(run, needs, tmp_path):
     """LoRA's A [r, in] and B [out, r] and the router [E, H] are F.linear weights: burn's Linear has them
     [in, out]. 3-D experts keep torch's [E, out, in], the plan saying so."""
     needs(run)
-    plan = statekit.convert(str(ckpt(run)), str(tmp_path / "x.bpk"))
+    plan = statekit.convert(str(ckpt(run)), str(tmp_path / "x.bpk"), no_schedule=True)
     t = truth(run)["params"]
     with statekit.open(str(tmp_path / "x.bpk")) as c:
         shapes = {p.path: tuple(p.shape) for p in c.optimizer.params}
@@ -227,7 +227,7 @@ def test_a_base_model_nowhere_local_is_refused_saying_what_to_give(needs, cli, t
     assert "statekit-fixtures/tiny-llama" in res.stderr and "never downloads" in res.stderr
     assert "--model-config" in res.stderr
     base = next(CACHE.rglob("config.json"))
-    res = cli("convert", ckpt("lora"), tmp_path / "x.bpk", "--model-config", base,
+    res = cli("convert", ckpt("lora"), tmp_path / "x.bpk", "--no-schedule", "--model-config", base,
               env={"HF_HUB_CACHE": str(tmp_path / "empty")})
     assert res.returncode == 0, res.stderr
 
@@ -305,8 +305,9 @@ def test_an_optim_the_state_contradicts_is_reported():
 def test_a_model_file_with_config_json_beside_it_names_as_the_folder_does(cli, tmp_path):
     pytest.importorskip("transformers")
     folder = ckpt("mixtral")
-    assert cli("convert", folder, tmp_path / "folder.bpk").returncode == 0
-    res = cli("convert", folder / "optimizer.pt", tmp_path / "file.bpk", "--model", folder / "model.safetensors")
+    assert cli("convert", folder, tmp_path / "folder.bpk", "--no-schedule").returncode == 0
+    res = cli("convert", folder / "optimizer.pt", tmp_path / "file.bpk", "--model", folder / "model.safetensors",
+              "--no-schedule")
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "file.bpk").read_bytes() == (tmp_path / "folder.bpk").read_bytes()
     res = cli("inspect", folder / "optimizer.pt", "--model", folder / "model.safetensors", "--json")

@@ -92,7 +92,7 @@ def _moments(state):
 def test_convert_with_no_flags_transposes_every_linear_moment_only(folder, transformers, cli, tmp_path):
     t = truth(folder)
     bpk, back = tmp_path / "optim.bpk", tmp_path / "back.pt"
-    res = cli("convert", ckpt_dir(folder), bpk)
+    res = cli("convert", ckpt_dir(folder), bpk, "--no-schedule")
     assert res.returncode == 0, res.stderr
     saved = torch_load(ckpt_dir(folder) / "optimizer.pt")
     order = [n for g in t["groups"] for n in g]  # torch position -> name, as Trainer built the groups
@@ -139,8 +139,8 @@ def test_convert_with_no_flags_transposes_every_linear_moment_only(folder, trans
 @hf
 def test_a_square_weight_is_decided_by_its_module_class(transformers, tmp_path):
     """Llama's q_proj / o_proj and GPT-2's attn.c_proj are [16, 16]: nn.Linear is transposed, Conv1D not."""
-    res_llama = convert(str(ckpt_dir(HF / "v5" / "llama")), str(tmp_path / "l.bpk"), dry_run=True)
-    res_gpt2 = convert(str(ckpt_dir(HF / "v5" / "gpt2")), str(tmp_path / "g.bpk"), dry_run=True)
+    res_llama = convert(str(ckpt_dir(HF / "v5" / "llama")), str(tmp_path / "l.bpk"), dry_run=True, no_schedule=True)
+    res_gpt2 = convert(str(ckpt_dir(HF / "v5" / "gpt2")), str(tmp_path / "g.bpk"), dry_run=True, no_schedule=True)
     rows = {a.src_path: a for a in res_llama.plan.params + res_gpt2.plan.params}
     assert rows["model.layers.0.self_attn.o_proj.weight"].transpose
     assert any("(module class)" in n for n in rows["model.layers.0.self_attn.o_proj.weight"].notes)
@@ -153,7 +153,8 @@ def test_a_square_weight_is_decided_by_its_module_class(transformers, tmp_path):
 def test_transpose_flags_still_override_the_module_class(transformers, tmp_path):
     res = convert(str(ckpt_dir(HF / "v5" / "gpt2")), str(tmp_path / "g.bpk"),
                   make_options(transpose=["transformer.h.0.attn.c_proj.weight"],
-                               rename=[r"^transformer\.ln_f\.weight$=final_norm.scale"]), dry_run=True)
+                               rename=[r"^transformer\.ln_f\.weight$=final_norm.scale"]), dry_run=True,
+                  no_schedule=True)
     rows = {a.src_path: a for a in res.plan.params}
     assert rows["transformer.h.0.attn.c_proj.weight"].transpose
     assert rows["transformer.ln_f.weight"].dst_path == "final_norm.scale"  # --rename wins over the class rename
@@ -167,7 +168,7 @@ def test_with_the_burn_model_the_param_ids_are_the_burn_models(model, transforme
     written by statekit's burnpack model writer with burn's paths, layouts and random ParamIds."""
     folder = HF / "v5" / model
     bpk = tmp_path / "optim.bpk"
-    res = cli("convert", ckpt_dir(folder), bpk, "--model", folder / "burn-model.bpk")
+    res = cli("convert", ckpt_dir(folder), bpk, "--model", folder / "burn-model.bpk", "--no-schedule")
     assert res.returncode == 0, res.stderr
     with statekit.open(folder / "burn-model.bpk") as m:
         ids = {p.path: p.id for p in m.model.params}

@@ -378,12 +378,12 @@ def test_the_written_files_are_read_back_before_they_are_kept(tmp_path, monkeypa
     pytest.importorskip("torch")
     from statekit.frameworks import schedule_write
 
-    real = schedule_write.write_torch_scheduler_state
+    real = schedule_write.write_torch_scheduler
 
-    def off_by_one(state, path):  # a writer that gets the horizon wrong
-        real(dict(state, total_iters=state["total_iters"] + 1), path)
+    def off_by_one(path, state):  # a writer that gets the horizon wrong
+        return real(path, dict(state, total_iters=state["total_iters"] + 1))
 
-    monkeypatch.setattr(schedule_write, "write_torch_scheduler_state", off_by_one)
+    monkeypatch.setattr(schedule_write, "write_torch_scheduler", off_by_one)
     r = run_cli("schedule", str(FIXTURES / "schedule" / "torch" / "polynomial"), "--max-steps", "20",
                 "-o", str(tmp_path / "out"))
     assert r.returncode == 1 and "read back" in r.stderr and "nothing written" in r.stderr

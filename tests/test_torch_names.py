@@ -143,7 +143,7 @@ def test_trainer_state_to_burn_and_back_resumes_bit_identically(tmp_path):
     torch = pytest.importorskip("torch")
     mod = _fixture_script()
     model_opts = dict(model=load_model(str(TL / "pytorch_model.bin")), no_transpose=["*"])
-    res = convert(str(TL / "optimizer.pt"), str(tmp_path / "o.bpk"), Options(**model_opts))
+    res = convert(str(TL / "optimizer.pt"), str(tmp_path / "o.bpk"), Options(**model_opts), no_schedule=True)
     assert "parameter names from" in res.plan.names_from and "pytorch_model.bin" in res.plan.names_from
     with io.open_checkpoint(tmp_path / "o.bpk") as ckpt:  # every burn entry carries its true name and shape
         shapes = {n: tuple(t.shape) for n, t in torch.load(TL / "pytorch_model.bin").items()}
@@ -250,7 +250,7 @@ def test_misfits_are_listed_once_with_one_hint(tmp_path):
 
 
 def test_diff_and_doctor_name_torch_positions(cli, tmp_path):
-    r = cli("convert", TL / "optimizer.pt", tmp_path / "o.bpk", "--model", TL / "pytorch_model.bin",
+    r = cli("convert", TL / "optimizer.pt", tmp_path / "o.bpk", "--no-schedule", "--model", TL / "pytorch_model.bin",
             "--no-transpose", "*")
     assert r.returncode == 0, r.stderr
     # the burn file knows paths (statekit.param_names); the torch file only positions

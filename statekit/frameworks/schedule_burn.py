@@ -65,7 +65,7 @@ def read_pack(pack) -> model.ScheduleState:
                          "— or a composite's children, which the keys alone do not tell apart")
     else:
         top = _schedule(root, "")
-    ss = model.ScheduleState(top, files={"scheduler": os.path.basename(pack.path)})
+    ss = model.ScheduleState(top, files={"scheduler": os.path.basename(pack.path)}, metadata=dict(pack.metadata))
     match = EPOCH.search(os.path.basename(pack.path))
     if match:
         ss.counters.epoch = float(match.group(1))

@@ -1,13 +1,21 @@
-"""Writing rewritten schedules back in each program's own files, atomically (``statekit schedule``).
+"""Schedule files written in each program's own form, atomically: beside a converted optimizer
+(``convert``, :mod:`statekit.ops.schedule_carry`) and re-horizoned (``statekit schedule``,
+:mod:`statekit.ops.schedule_edit`).
 
-* :func:`write_torch_scheduler_state` — a torch scheduler's ``state_dict`` as ``torch.save`` writes
-  it (``scheduler.pt``, Accelerate's ``scheduler.bin``): plain numbers, lists and dicts, loadable
-  with ``torch.load(weights_only=True)`` and ``scheduler.load_state_dict``.
-* :func:`write_torch_optimizer_group_lrs` — an ``optimizer.pt`` copied with new param-group keys
+* :func:`write_torch_scheduler`: a torch LR scheduler's ``state_dict()`` as ``torch.save`` writes it
+  (``scheduler.pt``, Accelerate's ``scheduler.bin``): plain numbers, lists and dicts, loadable with
+  ``torch.load(weights_only=True)`` and ``scheduler.load_state_dict``; :func:`lambda_lr_state` is
+  the LambdaLR state HF Trainer saves and loads, keys in torch's order.
+* :func:`write_torch_optimizer_group_lrs`: an ``optimizer.pt`` copied with new param-group keys
   (``lr``, a momentum); its tensors stream through (bounded memory), its other entries as read.
-* :func:`write_trainer_state_max_steps` — an HF ``trainer_state.json`` with a new ``max_steps``,
-  written as ``TrainerState.save_to_json`` does (indent 2, sorted keys).
-* :func:`write_burn_scheduler_record` — a burn ``scheduler-N.bpk`` (scalars only).
+* :func:`write_trainer_state` (and :func:`write_trainer_state_max_steps`): ``trainer_state.json``
+  as ``TrainerState.save_to_json`` writes it (``indent=2, sort_keys=True``).
+* :func:`write_burn_scheduler` / :func:`write_burn_scalars`: a burn 0.22 scheduler record
+  (``scheduler-N.bpk``: a burnpack of scalars only, the Learner's group 0 under ``0.``), with
+  statekit's string metadata (burn ignores it).
+* :func:`copy_file`: a schedule file that applies unchanged, byte for byte.
+
+Each write returns the bytes written.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import os
 
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError
-from statekit.formats import burnpack, torch_pt
 from statekit.tensor import TensorRef
 
 
@@ -36,15 +43,30 @@ def _plain_only(value, where: str, depth: int = 0) -> None:
                            "numbers, lists and dicts only")
 
 
-def write_torch_scheduler_state(state: dict, path: str) -> None:
+def lambda_lr_state(base_lrs: list[float], position: int, lrs: list[float], plain_function: bool = False) -> dict:
+    """A LambdaLR's ``state_dict()`` standing at ``position`` (the next update uses ``lrs``).
+
+    ``lr_lambdas``: ``None`` per group for a plain function (HF ``constant``), ``{}`` for a
+    ``functools.partial`` (every other HF schedule): what ``state_dict()`` keeps of each."""
+    return {"base_lrs": [float(b) for b in base_lrs], "last_epoch": int(position), "_step_count": int(position) + 1,
+            "_is_initial": False, "_get_lr_called_within_step": False, "_last_lr": [float(x) for x in lrs],
+            "lr_lambdas": [None if plain_function else {} for _ in base_lrs]}
+
+
+def write_torch_scheduler(path: str, state: dict) -> int:
     """``torch.save(scheduler.state_dict(), path)``, atomically, for a state of plain values."""
+    from statekit.formats import torch_pt
+
     _plain_only(state, "state")
     torch_pt.save_pt(state, path)
+    return os.path.getsize(path)
 
 
 def write_torch_optimizer_group_lrs(src: str, dst: str, group_keys: list[dict]) -> None:
     """``src`` (an optimizer ``state_dict`` file) written to ``dst`` with ``group_keys[i]`` set in param
     group i (``betas0``: the first of ``betas``). Tensors are streamed, never held whole."""
+    from statekit.formats import torch_pt
+
     obj = torch_pt.load_pt(src)
     sd = obj["optimizer"] if isinstance(obj, dict) and isinstance(obj.get("optimizer"), dict) else obj
     if not isinstance(sd, dict) or not isinstance(sd.get("param_groups"), list):
@@ -65,6 +87,13 @@ def write_torch_optimizer_group_lrs(src: str, dst: str, group_keys: list[dict]) 
     torch_pt.save_pt(obj, dst)
 
 
+def write_trainer_state(path: str, state: dict) -> int:
+    data = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
+    with atomic_write(path) as fh:
+        fh.write(data)
+    return len(data)
+
+
 def write_trainer_state_max_steps(src: str, dst: str, max_steps: int) -> dict:
     """``trainer_state.json`` with ``max_steps`` set; returns the state written."""
     try:
@@ -75,14 +104,29 @@ def write_trainer_state_max_steps(src: str, dst: str, max_steps: int) -> dict:
     if not isinstance(state, dict):
         raise FormatError("trainer_state.json is not a JSON object", src)
     state["max_steps"] = int(max_steps)
-    text = json.dumps(state, indent=2, sort_keys=True) + "\n"
-    with atomic_write(dst) as fh:
-        fh.write(text.encode("utf-8"))
+    write_trainer_state(dst, state)
     return state
 
 
-def write_burn_scheduler_record(scalars: dict, path: str) -> int:
+def write_burn_scalars(path: str, scalars: dict, metadata: dict[str, str] | None = None) -> int:
     """A burn scheduler record (``scheduler-N.bpk``): ``{key: burnpack.Scalar}``, no tensors."""
+    from statekit.formats import burnpack
+
     if not all(isinstance(v, burnpack.Scalar) for v in scalars.values()):
         raise MappingError("a burn scheduler record holds scalars only")
-    return burnpack.write_burnpack(os.fspath(path), [], {}, dict(scalars))
+    return burnpack.write_burnpack(os.fspath(path), [], metadata or {}, dict(scalars))
+
+
+def write_burn_scheduler(path: str, counters: dict, metadata: dict[str, str] | None = None) -> int:
+    """``counters``: record key → ``(variant, value)`` (``{"0.current_iter": ("UInt", 4)}``)."""
+    from statekit.formats.burnpack import Scalar
+
+    return write_burn_scalars(path, {key: Scalar(kind, value) for key, (kind, value) in counters.items()}, metadata)
+
+
+def copy_file(src: str, dst: str) -> int:
+    """A schedule file that applies unchanged (same framework), copied byte for byte."""
+    with open(src, "rb") as fh, atomic_write(dst) as out:
+        while chunk := fh.read(1 << 20):
+            out.write(chunk)
+    return os.path.getsize(dst)

@@ -18,6 +18,7 @@ from statekit.formats import registry
 from statekit.formats.dcp import Share
 from statekit.formats.dcp import sharing as dcp_sharing
 from statekit.frameworks import torch_thirdparty
+from statekit.ops import schedule_carry
 from statekit.ops.build import build_plan
 from statekit.ops.execute import write
 from statekit.ops.options import Options, definition_beside_model, load_model, read_names  # noqa: F401 (the API's names)
@@ -125,18 +126,20 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
             shards: int | None = None, share: Share | None = None, also: str | None = None,
-            also_key: str | None = None, also_out: str | None = None) -> Result:
+            also_key: str | None = None, also_out: str | None = None, no_schedule: bool = False) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
     this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index).
     ``also`` / ``also_key``: a second torch optimizer state over the same model (a Muon run's AdamW)
     joining a burn output as further groups; ``also_out``: where a burn record's second optimizer
-    goes as its own torch state_dict (:mod:`statekit.ops.pair`)."""
+    goes as its own torch state_dict (:mod:`statekit.ops.pair`). The source's LR schedule: carried, else
+    refused unless ``no_schedule`` (:mod:`statekit.ops.schedule_carry`)."""
     opts = opts or Options()
     if also is not None or also_key is not None or also_out is not None:
         return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
-                             progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out)
+                             progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out,
+                             no_schedule=no_schedule)
     # a directory (existing, or a name without extension) is a torch.distributed checkpoint
     directory = os.path.isdir(dst) or dst.endswith(("/", os.sep)) or not os.path.splitext(dst)[1]
     fmt = output_format(dst, to or ("dcp" if shards or directory else None))
@@ -155,7 +158,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         with dcp_sharing(share):
             result = convert(src, dst, opts, to="dcp", key=key, dry_run=dry_run, plan_in=plan_in,
                              plan_out=plan_out if share.index == 0 else None, progress=progress,
-                             on_plan=on_plan if share.index == 0 else None, shards=shards)
+                             on_plan=on_plan if share.index == 0 else None, shards=shards, no_schedule=no_schedule)
         result.messages.append(_share_summary(share, dst))
         return result
     with io.open_checkpoint(src, **open_options(opts, key)) as ckpt, _naming(src):
@@ -170,8 +173,9 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         state = ckpt.optimizer
         opts, fmt, said = _prepare(ckpt, opts, src, fmt, to)
+        opts, carry = schedule_carry.carried(ckpt, src, dst, fmt, opts, no_schedule=no_schedule)
         if state.family in ("lbfgs", "mixed"):
-            done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan)
+            done = _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan, carry)
             if done is not None:
                 return done
         adapted: list[str] = []
@@ -190,16 +194,22 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             if recorded:
                 plan.warnings.append(recorded)
             plan.warnings.extend(said)
+        carry.refuse()  # before the plan is shown or a byte written
+        plan.warnings.extend(carry.warnings)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
-        if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
-            from statekit.frameworks.deepspeed_io import universal_weights
+        result = _write_planned(plan, state, ckpt, fmt, opts, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                                on_plan=on_plan)
+        return schedule_carry.write_files(carry, result, dst, dry_run)
 
-            with universal_weights(opts.model if opts.model is not None else ckpt.model):
-                return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
-                                 on_plan=on_plan)
-        return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
-                         on_plan=on_plan)
+
+def _write_planned(plan, state, ckpt, fmt, opts, **kw) -> Result:
+    if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
+        from statekit.frameworks.deepspeed_io import universal_weights
+
+        with universal_weights(opts.model if opts.model is not None else ckpt.model):
+            return carry_out(plan, state, ckpt.nbytes, **kw)
+    return carry_out(plan, state, ckpt.nbytes, **kw)
 
 
 def _prepare(ckpt: Checkpoint, opts: Options, src: str, fmt: str, to: str | None) -> tuple[Options, str, list[str]]:
@@ -272,16 +282,20 @@ def _naming(src: str):
         raise
 
 
-def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan) -> Result | None:
+def _global_or_mixed(ckpt, src, dst, fmt, opts, plan_in, dry_run, plan_out, progress, on_plan,
+                     carry) -> Result | None:
     """L-BFGS's one global state (:mod:`statekit.ops.lbfgs`); a record of two families going to torch,
     which needs --also-out (:mod:`statekit.ops.pair`). None: the ordinary path."""
     state = ckpt.optimizer
+    carry.refuse()
     if state.family == "lbfgs":
         from statekit.ops import lbfgs
 
         plan = lbfgs.saved_plan(plan_in, src, dst, fmt) if plan_in else lbfgs.build(ckpt, src, dst, fmt, opts)
-        return carry_out_with(plan, ckpt.nbytes, lbfgs.writer(plan, ckpt, fmt, dst), dry_run=dry_run,
+        plan.warnings.extend(carry.warnings)
+        done = carry_out_with(plan, ckpt.nbytes, lbfgs.writer(plan, ckpt, fmt, dst), dry_run=dry_run,
                               plan_out=plan_out, progress=progress, on_plan=on_plan)
+        return schedule_carry.write_files(carry, done, dst, dry_run)
     if registry.framework_of(fmt) == "torch":
         from statekit.ops import pair
 
@@ -442,7 +456,7 @@ def _convert_model(ckpt: Checkpoint, dst: str, fmt: str, opts: Options, dry_run:
 
 
 def _convert_pair(src: str, dst: str, opts: Options, *, to, key, dry_run, plan_out, plan_in, progress, on_plan,
-                  also, also_key, also_out) -> Result:
+                  also, also_key, also_out, no_schedule=False) -> Result:
     """Two torch optimizers ⇄ one burn record of two families (:mod:`statekit.ops.pair`)."""
     from statekit.ops import pair
 
@@ -458,6 +472,7 @@ def _convert_pair(src: str, dst: str, opts: Options, *, to, key, dry_run, plan_o
         if ckpt.kind != "optimizer" or ckpt.optimizer is None:
             raise MappingError(f"holds {ckpt.kind} data, not optimizer state; convert moves optimizer state", src)
         name_checkpoint(ckpt, opts, src)
+        schedule_carry.refuse_uncarried(ckpt, src, dst, fmt, no_schedule=no_schedule)
         wanted = pair.wanted_families(opts.optimizer)
         if also_out is None:  # torch pair → one burn record
             return _pair_to_burn(ckpt, src, dst, fmt, opts, also or src, also_key, dry_run, plan_out, progress,

@@ -24,6 +24,7 @@ from statekit import io
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 from statekit.frameworks import torch_thirdparty
+from statekit.ops import schedule_carry
 from statekit.ops.build import Options, build_plan
 from statekit.ops.convert import Result, carry_out, name_source_params, output_format
 from statekit.ops.plan import Plan
@@ -32,7 +33,9 @@ from statekit.ops.progress import ProgressFactory
 
 def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = None, dry_run: bool = False,
           plan_in: str | None = None, plan_out: str | None = None, progress: ProgressFactory | None = None,
-          on_plan: Callable[[Plan], None] | None = None) -> Result:
+          on_plan: Callable[[Plan], None] | None = None, no_schedule: bool = False) -> Result:
+    """``statekit remap``; the LR schedule beside the state is carried or refused as convert's
+    (:mod:`statekit.ops.schedule_carry`): it does not depend on the model."""
     if opts.model is None and plan_in is None:
         raise UsageError("remap needs the new model: --model NEW_MODEL")
     if os.path.abspath(state_path) == os.path.abspath(out_path):
@@ -46,6 +49,7 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
         fmt = output_format(out_path, to) if (to or os.path.splitext(out_path)[1]) else ckpt.format
         opts.allow_drop = True
         name_source_params(ckpt.optimizer, opts, state_path, model_names_source=False)
+        opts, carry = schedule_carry.carried(ckpt, state_path, out_path, fmt, opts, no_schedule=no_schedule)
         state, adapted = ckpt.optimizer, []
         pruned: list = []
         if plan_in is None and state.framework == "burn":
@@ -82,5 +86,8 @@ def remap(state_path: str, out_path: str, opts: Options, *, to: str | None = Non
             plan.warnings.append(f"dropped (not in the new model): {', '.join(map(str, dropped))}")
         if new:
             plan.warnings.append(f"new without state (initialised at their first step): {', '.join(map(str, new))}")
-        return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
-                         on_plan=on_plan)
+        carry.refuse()
+        plan.warnings.extend(carry.warnings)
+        result = carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                           on_plan=on_plan)
+        return schedule_carry.write_files(carry, result, out_path, dry_run)

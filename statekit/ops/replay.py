@@ -803,5 +803,28 @@ def verify_resume_files(original: str, migrated: str, *, names: list[str] | None
             if ckpt.optimizer is not None and (names is not None or model is not None or model_config) \
                     and not all(p.path for p in ckpt.optimizer.params):
                 name_checkpoint(ckpt, opts, ckpt.path)
-        return verify_resume(a, b, plan=loaded, **options)
+        report = verify_resume(a, b, plan=loaded, **options)
+        _schedules(report, a, b)
+        return report
+
+
+def _schedules(report: dict, a, b) -> None:
+    """Both sides' LR schedules over the report's steps: lrs that differ make it diverge (the
+    optimizer state alone does not resume a run whose schedule moved); one side without is a note."""
+    from statekit.ops.schedule_carry import compare_lrs
+
+    found = compare_lrs(a, b, report["steps"])
+    if found is None:
+        return
+    report["schedule"] = found
+    if "why" in found:
+        report["notes"].append(f"learning rates not compared: {found['why']}")
+    elif not found["same"]:
+        d = found["first_difference"]
+        report["tracks"] = False
+        report["notes"].append(f"the LR schedules differ at update {d['update']}: lr {d['original']!r} vs "
+                               f"{d['migrated']!r}")
+    else:
+        report["notes"].append(f"the LR schedules agree over the next {report['steps']} updates"
+                               + (" (bit for bit)" if found["exact"] else " (to 1e-12: burn's arithmetic)"))
 

@@ -341,13 +341,13 @@ def _write(plan: dict, state: str, output: str) -> None:
             dst = os.path.join(tmp, name)
             role = spec["role"]
             if role == "scheduler":
-                schedule_write.write_torch_scheduler_state(spec["state"], dst)
+                schedule_write.write_torch_scheduler(dst, spec["state"])
             elif role == "optimizer":
                 schedule_write.write_torch_optimizer_group_lrs(spec["source"], dst, spec["keys"])
             elif role == "trainer_state":
                 schedule_write.write_trainer_state_max_steps(spec["source"], dst, spec["max_steps"])
             elif role == "burn_record":
-                schedule_write.write_burn_scheduler_record(spec["scalars"], dst)
+                schedule_write.write_burn_scalars(dst, spec["scalars"])
         folder = state if os.path.isdir(state) else None
         for name in plan["copy"] if folder else ():
             src = os.path.join(folder, name)

@@ -88,6 +88,7 @@ class ScheduleState:
     files: dict = field(default_factory=dict)  # role → file name (scheduler, optimizer, trainer_state …)
     fp16: bool = False  # a loss scaler's state beside it (skipped updates are possible)
     deepspeed_skipped: int | None = None  # DeepSpeed's skipped_steps (global_steps counts them)
+    metadata: dict = field(default_factory=dict)  # the scheduler file's own string metadata (a burnpack's)
     notes: list[str] = field(default_factory=list)
 
 
