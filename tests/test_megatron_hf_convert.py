@@ -52,7 +52,7 @@ def _megatron_state():
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     out = tmp_path_factory.mktemp("mc") / "optimizer.pt"
-    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out)], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--no-schedule"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "fp32 master weights of 15 parameters are not carried" in run.stdout + run.stderr
     return torch.load(out, weights_only=True)
@@ -121,7 +121,7 @@ def test_torch_adamw_over_the_hf_model_loads_it(converted):
 def test_a_moe_model_is_refused_in_one_line(tmp_path):
     out = tmp_path / "o.pt"
     run = subprocess.run([sys.executable, "-m", "statekit", "convert", "fixtures/megatron/0.19.2/moe_torch_distopt_ep2dp2",
-                          str(out)], capture_output=True, text=True)
+                          str(out), "--no-schedule"], capture_output=True, text=True)
     assert run.returncode != 0 and not out.exists()
     assert "mixture-of-experts" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert "Traceback" not in run.stderr
@@ -129,9 +129,23 @@ def test_a_moe_model_is_refused_in_one_line(tmp_path):
 
 def test_dry_run_shows_the_split_and_writes_nothing(tmp_path):
     out = tmp_path / "o.pt"
-    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--dry-run"],
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--dry-run", "--no-schedule"],
                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
     assert run.returncode == 0, run.stderr
     assert not out.exists()
     assert "model.layers.0.self_attn.k_proj.weight" in run.stdout
     assert "vocab 100" in run.stdout
+
+
+def test_the_megatron_schedule_is_not_dropped_in_silence(tmp_path):
+    """opt_param_scheduler (cosine over samples) has no torch scheduler file statekit writes: refused unless
+    --no-schedule, which the plan then states."""
+    out = tmp_path / "o.pt"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out)], capture_output=True, text=True)
+    assert run.returncode == 1 and not out.exists()
+    assert "megatron:cosine" in run.stderr and "--no-schedule" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--no-schedule"],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
+    assert run.returncode == 0 and out.exists()
+    assert "schedule" in (run.stdout + run.stderr) and "dropped" in (run.stdout + run.stderr)
