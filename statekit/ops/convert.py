@@ -125,15 +125,20 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
             shards: int | None = None, share: Share | None = None, also: str | None = None,
-            also_key: str | None = None, also_out: str | None = None) -> Result:
+            also_key: str | None = None, also_out: str | None = None, parallel: dict | None = None) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
     this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index).
     ``also`` / ``also_key``: a second torch optimizer state over the same model (a Muon run's AdamW)
     joining a burn output as further groups; ``also_out``: where a burn record's second optimizer
-    goes as its own torch state_dict (:mod:`statekit.ops.pair`)."""
+    goes as its own torch state_dict (:mod:`statekit.ops.pair`). ``to="megatron"``: a Megatron
+    torch_dist checkpoint for another parallel layout, ``parallel`` = {tp, pp, dp, sharding}
+    (:func:`convert_to_megatron`)."""
     opts = opts or Options()
+    if to == "megatron" or parallel:
+        return convert_to_megatron(src, dst, opts, to=to, parallel=parallel or {}, dry_run=dry_run, shards=shards,
+                                   plan_in=plan_in, plan_out=plan_out, share=share)
     if also is not None or also_key is not None or also_out is not None:
         return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
                              progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out)
@@ -546,3 +551,25 @@ def _target_order(opts: Options) -> list[str] | None:
     if opts.model is not None and opts.model.order == "named_parameters":
         return [m.path for m in opts.model.params if not m.buffer]
     return None
+
+
+def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, parallel: dict, dry_run: bool,
+                        shards: int | None, plan_in: str | None, plan_out: str | None, share: Share | None) -> Result:
+    """Megatron torch_dist → torch_dist at the parallel sizes ``parallel`` names
+    (:mod:`statekit.frameworks.megatron.write_dist`); ``dst`` is the new save root."""
+    if to != "megatron":
+        raise UsageError("--tp/--pp/--dp/--sharding apply to --to megatron")
+    if opts != Options() or plan_in or plan_out or dry_run:
+        raise UsageError("--to megatron takes only --tp, --pp, --dp, --sharding and --shards (the tensors keep "
+                         "Megatron's names and layout: no plan, renames or hyperparameters)")
+    if share is not None and share.count > 1:
+        raise UsageError("--to megatron is written by one process")
+    from statekit.frameworks.megatron import write_dist
+
+    target = write_dist.Target(tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"),
+                               sharding=parallel.get("sharding") or "fully_reshardable")
+    done = write_dist.write(src, dst, target, shards=shards)
+    sizes = done.sizes
+    lines = [f"wrote {done.path}: Megatron torch_dist, {target.sharding}, TP {sizes['tp']} PP {sizes['pp']} "
+             f"DP {sizes['dp']} (world {sizes['world_size']}), {done.tensors} tensors, iteration {done.iteration}"]
+    return Result(None, done.nbytes, messages=lines + done.notes)

@@ -1,0 +1,381 @@
+"""Megatron-Core torch_dist checkpoints written by statekit: a Megatron run's optimizer moved to
+another tensor / pipeline / data-parallel size (``statekit convert SRC OUT --to megatron --tp N``).
+
+torch_dist stores every tensor *globally* (``shared/docs/megatron-formats.md`` §2.1–2.4): the TP,
+PP and DP split lives only in the DCP chunks, which Megatron's load re-cuts for whatever run loads
+it. A model-space optimizer (``fully_reshardable``) stores ``optimizer.state.{param,exp_avg,
+exp_avg_sq}.<model key>`` with the model key's own global shape, so a change of TP/PP/DP is:
+
+- the same global tensors, each written as one DCP chunk (:func:`statekit.formats.dcp.save`);
+  the optimizer's tensors re-stacked from the parameters the reader named and proved
+  (:mod:`.dist`: a ``dp_reshardable`` source's buckets are cut back into parameters there), one
+  layer's piece at a time;
+- the vocabulary-padded rows (``embedding.word_embeddings.weight``, ``output_layer.weight``,
+  their states) padded or cut to the target's ``padded_vocab_size`` (a multiple of
+  ``make_vocab_size_divisible_by × TP``, §4.4): new rows are zero (what Megatron's own load does
+  for ``allow_shape_mismatch`` tensors); rows cut are beyond ``args.vocab_size``, and the result
+  says whether they held values;
+- the common state (core 0.19's ``common_state`` item, or ``common.pt`` before): the source's,
+  with ``args``' parallel sizes (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+  ``data_parallel_size``, ``world_size``, ``padded_vocab_size``…) set to the target's, and the
+  optimizer part in the fully_reshardable form (its param groups; ``param_state_sharding_type``;
+  ``content_metadata``'s ``distrib_optim_sharding_type``). Megatron's ``load_checkpoint`` reads
+  the TP/PP of the checkpoint from these args (``ckpt_tp_pp``) and accepts a TP/PP change for
+  this sharding type;
+- ShardedObjects copied byte for byte where the target run asks for them: the layers'
+  ``_extra_state``; ``rng_state`` only at the source's TP/PP. Since ``args`` name the target's
+  sizes, Megatron would ask for the RNG state of each target rank, which no source rank had:
+  ``args.no_save_rng`` is set instead (Megatron's load then skips it, as it does after a TP/PP
+  change it sees). ``rerun_state_machine_state`` and the common state's ``rerun_state_machine``
+  only at the same world, TP, PP and DP.
+
+The iteration folder is written under a temporary name and renamed when complete (``metadata.json``
+last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
+Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
+change, ``dp_reshardable`` output (its bucket layout per target rank is not written yet), legacy
+(``--ckpt-format torch``) sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from statekit import dtypes, naming
+from statekit.atomic import atomic_write
+from statekit.errors import FormatError, MappingError, UsageError
+from statekit.formats import dcp, megatron_dist
+from statekit.formats.torch_pickle import Record
+from statekit.frameworks.megatron import config, stacking
+from statekit.frameworks.megatron import dist as dist_reader
+from statekit.tensor import TensorRef
+
+SHARDINGS = ("fully_reshardable",)
+LATER = ("dp_reshardable",)
+VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+SLOTS = (("param", naming.MASTER_SLOT), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+_PIECE = 8 << 20
+
+
+@dataclass
+class Target:
+    """The run that will load the checkpoint: its parallel sizes (None: the source's)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    sharding: str = "fully_reshardable"
+
+
+@dataclass
+class Written:
+    """What :func:`write` wrote and what it did to get there (for the CLI's closing lines)."""
+
+    path: str
+    iteration: int | str
+    sizes: dict[str, int]
+    tensors: int = 0
+    nbytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def _rows(ref: TensorRef, rows: int) -> TensorRef:
+    """``ref`` with its first axis padded with zero rows, or cut, to ``rows`` (streamed)."""
+    have = ref.shape[0]
+    if rows == have:
+        return ref
+    row = int(np.prod(ref.shape[1:], dtype=np.int64)) * dtypes.itemsize(ref.dtype)
+    keep = min(rows, have) * row
+
+    def pieces(size: int):
+        left = keep
+        for piece in ref.iter_bytes(size):
+            if left <= 0:
+                break
+            piece = piece[:left]
+            left -= len(piece)
+            yield piece
+        extra = (rows - have) * row if rows > have else 0
+        while extra > 0:
+            n = min(size, extra)
+            yield bytes(n)
+            extra -= n
+
+    return TensorRef(ref.dtype, (rows, *ref.shape[1:]), chunk_reader=pieces, info=dict(ref.info))
+
+
+def _stacked(parts: list[TensorRef], lead_shape: tuple[int, ...], key: str) -> TensorRef:
+    """One tensor of shape ``lead_shape + part shape`` from the parts in C order of the lead axes."""
+    first = parts[0]
+    for p in parts:
+        if p.shape != first.shape or p.dtype != first.dtype:
+            raise MappingError(f"{key}: its parameters' states differ in shape or dtype "
+                               f"({p.dtype} {list(p.shape)} vs {first.dtype} {list(first.shape)})")
+    if not lead_shape:
+        return first
+
+    def pieces(size: int):
+        for p in parts:
+            yield from p.iter_bytes(size)
+
+    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces)
+
+
+def _held_rows(ref: TensorRef, start: int) -> bool:
+    """Whether rows ``start:`` of ``ref`` hold anything but zeros (the rows a cut drops)."""
+    row = int(np.prod(ref.shape[1:], dtype=np.int64))
+    skip, seen = start * row, 0
+    for piece in ref.pieces(1 << 20):
+        lo = max(0, skip - seen)
+        seen += piece.size
+        if lo < piece.size and np.any(piece[lo:] != 0):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------- args
+
+
+def _target_sizes(cfg: config.MegatronConfig, target: Target, where: str) -> dict[str, int]:
+    tp = target.tp or cfg.need("tp", "the source's tensor-parallel size")
+    pp = target.pp or cfg.need("pp", "the source's pipeline-parallel size")
+    dp = target.dp or cfg.need("dp", "the source's data-parallel size")
+    cp = cfg.cp or 1
+    for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+        if value < 1:
+            raise UsageError(f"{name} {value}: a parallel size is at least 1")
+    if cfg.vp not in (None, 1):
+        raise MappingError(f"args.virtual_pipeline_model_parallel_size is {cfg.vp}: statekit does not write "
+                           "interleaved-pipeline checkpoints yet", where)
+    if (cfg.ep or 1) != 1 or cfg.num_experts:
+        raise MappingError("a MoE run (experts, a dense + expert ChainedOptimizer): statekit does not write its "
+                           "torch_dist optimizer yet", where)
+    layers = cfg.need("num_layers", "the pipeline split")
+    if layers % pp:
+        raise UsageError(f"--pp {pp}: num_layers {layers} is not divisible by it (Megatron's even split)")
+    for name, value in (("num_attention_heads", cfg.num_attention_heads), ("num_query_groups", cfg.num_query_groups),
+                        ("ffn_hidden_size", cfg.ffn_hidden_size)):
+        if value is not None and value % tp:
+            raise UsageError(f"--tp {tp}: {name} {value} is not divisible by it (Megatron refuses such a run)")
+    vocab = cfg.need("vocab_size", "the vocabulary padding of the target TP")
+    divisible = cfg.need("make_vocab_size_divisible_by", "the vocabulary padding of the target TP")
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "world_size": tp * pp * dp * cp,
+            "padded_vocab_size": config.padded_vocab(vocab, divisible, tp)}
+
+
+def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], sharding: str) -> Record:
+    fields = dict(args.fields)
+    fields.update({
+        "tensor_model_parallel_size": sizes["tp"],
+        "pipeline_model_parallel_size": sizes["pp"],
+        "data_parallel_size": sizes["dp"],
+        "world_size": sizes["world_size"],
+        "padded_vocab_size": sizes["padded_vocab_size"],
+        "use_distributed_optimizer": True,
+        "dist_ckpt_optim_fully_reshardable": sharding == "fully_reshardable",
+    })
+    # sizes Megatron derives from TP/PP at start-up, where the source has them
+    if fields.get("expert_tensor_parallel_size") == cfg.tp:
+        fields["expert_tensor_parallel_size"] = sizes["tp"]
+    if "transformer_pipeline_model_parallel_size" in fields:
+        fields["transformer_pipeline_model_parallel_size"] = sizes["pp"]
+    return Record(args.cls, fields)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write(src: str, dst: str, target: Target, shards: int | None = None) -> Written:
+    """Write the torch_dist checkpoint ``src`` (a save root or an ``iter_N`` folder) into the save
+    root ``dst`` for the run ``target`` describes; returns what was written."""
+    if target.sharding in LATER:
+        raise MappingError(f"--sharding {target.sharding}: its bucket layout per target rank is not written yet; "
+                           "write fully_reshardable (Megatron loads it at any TP/PP/DP, and re-saves it as "
+                           "dp_reshardable once resumed without --dist-ckpt-optim-fully-reshardable)")
+    if target.sharding not in SHARDINGS:
+        raise UsageError(f"--sharding {target.sharding!r}: one of {', '.join(SHARDINGS + LATER)}")
+    if megatron_dist.resolve(src) is None:
+        raise MappingError("not a Megatron torch_dist checkpoint: statekit writes torch_dist from torch_dist "
+                           "sources only yet (legacy --ckpt-format torch sources: not yet)", src)
+    ckpt = dist_reader.open_checkpoint(src)
+    try:
+        return _write(ckpt, src, dst, target, shards)
+    finally:
+        ckpt.container.close()
+
+
+def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Written:
+    dist: megatron_dist.MegatronDist = ckpt.container.dist
+    where = dist.directory
+    common = dist.common_to_rewrite()
+    args = common.get("args")
+    if not isinstance(args, Record) or args.cls != megatron_dist.NAMESPACE:
+        raise FormatError("the common state has no args Namespace: the target run's sizes cannot be written", where)
+    cfg = config.from_args(args, where)
+    members = dist_reader._members(dist.common(), where)
+    if len(members) != 1:
+        raise MappingError(f"a ChainedOptimizer of {len(members)} members: statekit does not write it yet", where)
+    member = next(iter(members.values()))
+    sharding = ckpt.container.sharding
+    if sharding == "non_distributed":
+        raise MappingError("the source's optimizer is not Megatron's distributed optimizer (no fp32 master "
+                           "'param' slot to write): not written yet", where)
+    sizes = _target_sizes(cfg, target, where)
+    notes: list[str] = []
+    iteration = common.get("iteration")
+    folder_name = os.path.basename(where.rstrip(os.sep))
+    out_folder = os.path.join(dst, folder_name)
+    if os.path.exists(out_folder):
+        raise UsageError(f"{out_folder} exists already; choose an empty save root")
+    if os.path.abspath(dst) == os.path.abspath(os.path.dirname(where)):
+        raise UsageError("the output save root is the source's")
+
+    flat: dict[str, object] = {}
+    states = _optimizer_tensors(ckpt, dist, where)
+    rows = sizes["padded_vocab_size"]
+    for key, entry in dist.tensor_entries().items():
+        if key.startswith("optimizer.") or key.startswith("chained_"):
+            continue
+        ref = dist.reader.tensor(entry)
+        name_key, _ = dist_reader._strip(key)
+        if name_key in VOCAB_KEYS:
+            notes.extend(_vocab_note(key, ref, rows, cfg))
+            ref = _rows(ref, rows)
+        flat[key] = ref
+        for slot, stacked in states.pop(key, {}).items():
+            flat[f"optimizer.state.{slot}.{key}"] = _rows(stacked, rows) if name_key in VOCAB_KEYS else stacked
+    if states:
+        raise MappingError(f"optimizer state for {next(iter(states))}, which the checkpoint's model does not hold", where)
+
+    same_tp_pp = (sizes["tp"], sizes["pp"]) == (cfg.tp, cfg.pp)
+    same_world = same_tp_pp and sizes["dp"] == cfg.dp and sizes["world_size"] == cfg.world_size
+    for key, entry in dist.meta.entries.items():
+        if not isinstance(entry, dcp.BytesEntry):
+            continue
+        base = key.split("/shard_", 1)[0]
+        if base == megatron_dist.COMMON_STATE or base.startswith(("optimizer.", "chained_")):
+            continue  # rewritten below / the source's optimizer, converted
+        if base.endswith("._extra_state"):
+            flat[key] = dist.raw_object(key)
+        elif base == "rng_state":
+            if same_tp_pp:
+                flat[key] = dist.raw_object(key)
+        elif base == "rerun_state_machine_state":
+            if same_world:
+                flat[key] = dist.raw_object(key)
+        else:
+            raise MappingError(f"ShardedObject {key}: statekit does not know whether the target run needs it", where)
+    if not same_tp_pp:
+        notes.append("rng_state not carried (the source's TP/PP ranks are not the target's): args.no_save_rng set, "
+                     "so Megatron starts the RNG afresh as after any TP/PP change")
+    if not same_world:
+        notes.append("rerun state not carried (another world): Megatron ignores it then")
+
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in dist_reader._groups(dist, member, None, sharding)]
+    new_common = dict(common)
+    new_common["args"] = _args(args, cfg, sizes, target.sharding)
+    if not same_tp_pp:  # the args name the target's sizes: without this Megatron would ask for its RNG states
+        new_common["args"].fields["no_save_rng"] = True
+    if not same_world:
+        new_common.pop("rerun_state_machine", None)
+    new_common["optimizer"] = {"optimizer": {"param_groups": groups},
+                               "param_state_sharding_type": target.sharding}
+    content = dict(common.get("content_metadata") or {})
+    content["distrib_optim_sharding_type"] = target.sharding
+    content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    content.setdefault("singleton_local_shards", False)
+    content.setdefault("chained_optim_avoid_prefix", True)
+    new_common["content_metadata"] = content
+    legacy_common = dist.common_source == megatron_dist.COMMON_PT
+    if not legacy_common:
+        flat[f"{megatron_dist.COMMON_STATE}/shard_0_1"] = dcp.RawBytes(megatron_dist.common_archive([new_common]))
+
+    os.makedirs(dst, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{folder_name}.", suffix=".tmp", dir=dst)
+    try:
+        nbytes = dcp.save(tmp, flat, shards=shards)
+        if legacy_common:
+            with atomic_write(os.path.join(tmp, megatron_dist.COMMON_PT)) as fh:
+                megatron_dist.torch_pt.write_pt_stream(fh, new_common, "common", dumps=megatron_dist.dumps_common)
+        with atomic_write(os.path.join(tmp, megatron_dist.METADATA_JSON)) as fh:  # last: marks it complete
+            fh.write(json.dumps(dist.backend or {"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode())
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 is not a checkpoint's
+        os.rename(tmp, out_folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tracker = "release" if folder_name == "release" else str(iteration)
+    with atomic_write(os.path.join(dst, megatron_dist.TRACKER)) as fh:
+        fh.write(tracker.encode())
+    n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
+    changed = ", ".join(f"{k.upper()} {getattr(cfg, k)} → {sizes[k]}" for k in ("tp", "pp", "dp")
+                        if getattr(cfg, k) != sizes[k]) or "sizes unchanged"
+    notes.insert(0, f"{sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
+    return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
+
+
+def _vocab_note(key: str, ref: TensorRef, rows: int, cfg: config.MegatronConfig) -> list[str]:
+    have = ref.shape[0]
+    if rows > have:
+        return [f"{key}: rows {have}..{rows - 1} added, zero (vocabulary padding for the target TP)"]
+    if rows < have:
+        held = _held_rows(ref, rows)
+        return [f"{key}: rows {rows}..{have - 1} cut (beyond vocab_size {cfg.vocab_size}, padding at the source's "
+                f"TP){'; they held nonzero values, as Megatron trains padding rows' if held else ', all zero'}"]
+    return []
+
+
+def _optimizer_tensors(ckpt, dist: megatron_dist.MegatronDist, where: str) -> dict[str, dict[str, TensorRef]]:
+    """{model key: {slot: stacked global tensor}} from the named, proved parameters."""
+    args = dist_reader._fields(dist.common().get("args"))
+    grouped = args.get("moe_grouped_gemm")
+    impl = args.get("transformer_impl")
+    by_name = {p.key: p for p in ckpt.optimizer.params}
+    used: set[str] = set()
+    out: dict[str, dict[str, TensorRef]] = {}
+    for key, entry in dist.tensor_entries().items():
+        if key.startswith("optimizer.") or key.startswith("chained_"):
+            continue
+        name_key, _ = dist_reader._strip(key)
+        leads = stacking.indices(name_key, entry.shape)
+        names = [stacking.param_name(name_key, lead, None if grouped is None else bool(grouped), impl) for lead in leads]
+        found = [n for n in names if n in by_name]
+        if not found:
+            raise MappingError(f"{key}: no optimizer state for it in the source (a frozen parameter or a buffer): "
+                               "statekit does not write those yet", where)
+        if len(found) != len(names):
+            missing = next(n for n in names if n not in by_name)
+            raise MappingError(f"{key}: {missing} has no optimizer state, its stack's other parameters do", where)
+        lead_shape = entry.shape[:len(stacking.stack_axes(name_key))]
+        slots = {}
+        for slot, ours in SLOTS:
+            parts = []
+            for n in names:
+                ref = by_name[n].slots.get(ours)
+                if ref is None:
+                    raise MappingError(f"{n}: no {ours} state to write as {slot}", where)
+                parts.append(ref)
+            stacked = _stacked(parts, lead_shape, key)
+            if stacked.shape != entry.shape:
+                raise MappingError(f"{key}: its {slot} state is {list(stacked.shape)}, the weight {list(entry.shape)}",
+                                   where)
+            slots[slot] = stacked
+        extra = set().union(*(by_name[n].slots for n in names)) - {ours for _, ours in SLOTS}
+        if extra:
+            raise MappingError(f"{names[0]}: state {sorted(extra)} has no place in a fully_reshardable checkpoint", where)
+        used.update(names)
+        out[key] = slots
+    left = [p.key for p in ckpt.optimizer.params if p.key not in used]
+    if left:
+        raise MappingError(f"{left[0]}: its optimizer state belongs to no model tensor of the checkpoint", where)
+    return out
+
