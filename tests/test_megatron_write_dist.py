@@ -60,7 +60,7 @@ def _base(key: str) -> str:
     return key
 
 
-@pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_same_sizes"])
+@pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_to_tp2pp2dp1", "tp1dp2_same_sizes"])
 def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
     """Megatron's own load (recorded) took every tensor statekit writes, bit for bit, and equal to
     the source as Megatron itself reads it."""
@@ -131,6 +131,41 @@ def test_same_sizes_give_megatrons_own_tensors_back(tmp_path):
         out.close()
 
 
+def test_dp_reshardable_at_the_same_sizes_is_megatrons_own(tmp_path):
+    """dp_reshardable written at the source's own sizes: every tensor (the buckets with their gaps)
+    and every ShardedObject's value is what megatron-core wrote."""
+    _write(DP_RESHARDABLE, tmp_path / "out", sharding="dp_reshardable")
+    theirs, ours = _tensors(DP_RESHARDABLE), _tensors(tmp_path / "out")
+    assert set(ours) == set(theirs) and all(ours[k] == theirs[k] for k in theirs)
+    src, out = megatron_dist.MegatronDist(str(DP_RESHARDABLE)), megatron_dist.MegatronDist(str(tmp_path / "out"))
+    try:
+        objects = sorted(k for k, e in src.meta.entries.items() if isinstance(e, dcp.BytesEntry))
+        assert objects == sorted(k for k, e in out.meta.entries.items() if isinstance(e, dcp.BytesEntry))
+        for k in objects:
+            if k.startswith("optimizer.distributed."):
+                assert out.reader.value(k) == src.reader.value(k), k
+        assert out.common()["optimizer"] == src.common()["optimizer"]
+        assert out.common()["content_metadata"] == src.common()["content_metadata"]
+    finally:
+        src.close()
+        out.close()
+
+
+def test_dp_reshardable_at_another_dp_reads_back_as_the_source(tmp_path, cli):
+    """DP 2 → 1 in bucket space: the bucket sizes are the layout's for DP 1 (ends padded to
+    lcm(1, 128) = 128: 63808 elements → 63872) and every parameter's state is the source's."""
+    _write(DP_RESHARDABLE, tmp_path / "dp1", dp=1, sharding="dp_reshardable")
+    out = megatron_dist.MegatronDist(str(tmp_path / "dp1"))
+    try:
+        assert out.common()["args"].fields["data_parallel_size"] == 1
+        sizes = out.object("optimizer.distributed.dp_group_idx_0.per_bucket_numel")
+        assert [list(v.values()) for v in sizes] == [[[63872]]]
+    finally:
+        out.close()
+    same = cli("diff", str(DP_RESHARDABLE), str(tmp_path / "dp1"), "--json")
+    assert same.returncode == 0, same.stdout + same.stderr
+
+
 def test_round_trip_tp2_tp1_tp2(tmp_path):
     """TP2 → TP1 → TP2: bit for bit but the vocabulary rows TP1 does not have (112..127, beyond
     vocab_size 100), which come back zero; TP1 → TP2 → TP1 is bit for bit throughout."""
@@ -165,7 +200,8 @@ def test_cut_rows_that_held_state_are_said(tmp_path):
 
 @pytest.mark.parametrize("src, target, error, words", [
     (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"tp": 2}, MappingError, "ChainedOptimizer"),
-    (DP_RESHARDABLE, {"sharding": "dp_reshardable"}, MappingError, "bucket layout"),
+    (DP_RESHARDABLE, {"sharding": "dp_reshardable", "tp": 2}, MappingError, "TP = PP = 1 only"),
+    (DP_RESHARDABLE, {"sharding": "zero"}, UsageError, "one of fully_reshardable, dp_reshardable"),
     (DP_RESHARDABLE, {"tp": 3}, UsageError, "num_attention_heads 4 is not divisible"),
     (DP_RESHARDABLE, {"pp": 3}, UsageError, "num_layers 2"),
     (MCORE / "gpt_torch_distopt_tp2pp2dp1", {"tp": 1}, MappingError, "torch_dist sources only"),

@@ -29,15 +29,24 @@ exp_avg_sq}.<model key>`` with the model key's own global shape, so a change of 
   change it sees). ``rerun_state_machine_state`` and the common state's ``rerun_state_machine``
   only at the same world, TP, PP and DP.
 
+``--sharding dp_reshardable`` (TP = PP = 1, dense): the same model tensors, and per buffer and
+bucket the 1-D ``optimizer.distributed.dp_group_idx_0.gbuf_idx_{g}.dtype_(…).bucket_idx_{b}.{slot}``
+as the target DP lays the bucket out (the rules :mod:`.bucket_space` reads with, :mod:`.buckets`:
+registration order reversed, 64-element starts, ends padded to lcm(DP, 128); the gaps zero), beside
+them the ShardedObjects ``.optimizer`` (the param groups), ``.per_bucket_numel`` and
+``.per_bucket_numel_unpadded``. Written at a source's own sizes it gives megatron-core's own
+dp_reshardable tensors back bit for bit.
+
 The iteration folder is written under a temporary name and renamed when complete (``metadata.json``
 last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
 Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
-change, ``dp_reshardable`` output (its bucket layout per target rank is not written yet), legacy
-(``--ckpt-format torch``) sources.
+change, ``dp_reshardable`` output at TP or PP > 1 (its buckets hold each rank's TP/PP shards),
+the non-distributed optimizer, legacy (``--ckpt-format torch``) sources.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -50,13 +59,13 @@ from statekit import dtypes, naming
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
-from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import config, stacking
+from statekit.formats.torch_pickle import STATEKIT_TO_TORCH, Record, TorchDtype
+from statekit.frameworks.megatron import bucket_space, buckets, config, stacking
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.tensor import TensorRef
 
-SHARDINGS = ("fully_reshardable",)
-LATER = ("dp_reshardable",)
+SHARDINGS = ("fully_reshardable", "dp_reshardable")
+LATER: tuple[str, ...] = ()
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 SLOTS = (("param", naming.MASTER_SLOT), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
 _PIECE = 8 << 20
@@ -239,6 +248,11 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
         raise UsageError("the output save root is the source's")
 
     flat: dict[str, object] = {}
+    model_space: dict[str, dict[str, TensorRef]] = {}
+    if target.sharding == "dp_reshardable" and (sizes["tp"], sizes["pp"]) != (1, 1):
+        raise MappingError(f"--sharding dp_reshardable at TP {sizes['tp']} PP {sizes['pp']}: its buckets hold each rank's "
+                           "TP/PP shards, which statekit does not cut yet (TP = PP = 1 only; fully_reshardable loads at "
+                           "any TP/PP)", where)
     states = _optimizer_tensors(ckpt, dist, where)
     rows = sizes["padded_vocab_size"]
     for key, entry in dist.tensor_entries().items():
@@ -250,8 +264,13 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
             notes.extend(_vocab_note(key, ref, rows, cfg))
             ref = _rows(ref, rows)
         flat[key] = ref
-        for slot, stacked in states.pop(key, {}).items():
-            flat[f"optimizer.state.{slot}.{key}"] = _rows(stacked, rows) if name_key in VOCAB_KEYS else stacked
+        resized = {slot: _rows(stacked, rows) if name_key in VOCAB_KEYS else stacked
+                   for slot, stacked in states.pop(key, {}).items()}
+        if target.sharding == "fully_reshardable":
+            for slot, stacked in resized.items():
+                flat[f"optimizer.state.{slot}.{key}"] = stacked
+        else:
+            model_space[key] = resized
     if states:
         raise MappingError(f"optimizer state for {next(iter(states))}, which the checkpoint's model does not hold", where)
 
@@ -281,17 +300,26 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
 
     groups = [{k: v for k, v in g.items() if k != "params"}
               for g in dist_reader._groups(dist, member, None, sharding)]
+    new_args = _args(args, cfg, sizes, target.sharding)
+    if target.sharding == "dp_reshardable":
+        flat.update(_bucket_space(dist, config.from_args(new_args, where), model_space, groups, rows, where))
     new_common = dict(common)
-    new_common["args"] = _args(args, cfg, sizes, target.sharding)
+    new_common["args"] = new_args
     if not same_tp_pp:  # the args name the target's sizes: without this Megatron would ask for its RNG states
         new_common["args"].fields["no_save_rng"] = True
     if not same_world:
         new_common.pop("rerun_state_machine", None)
-    new_common["optimizer"] = {"optimizer": {"param_groups": groups},
-                               "param_state_sharding_type": target.sharding}
+    if target.sharding == "fully_reshardable":
+        new_common["optimizer"] = {"optimizer": {"param_groups": groups},
+                                   "param_state_sharding_type": target.sharding}
+    else:  # the groups are each model-parallel rank's ShardedObject
+        new_common["optimizer"] = {"param_state_sharding_type": target.sharding}
     content = dict(common.get("content_metadata") or {})
     content["distrib_optim_sharding_type"] = target.sharding
-    content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    if target.sharding == "fully_reshardable":
+        content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    else:
+        content.pop("distrib_optim_fully_reshardable_mem_efficient", None)
     content.setdefault("singleton_local_shards", False)
     content.setdefault("chained_optim_avoid_prefix", True)
     new_common["content_metadata"] = content
@@ -379,3 +407,93 @@ def _optimizer_tensors(ckpt, dist: megatron_dist.MegatronDist, where: str) -> di
         raise MappingError(f"{left[0]}: its optimizer state belongs to no model tensor of the checkpoint", where)
     return out
 
+
+
+# ----------------------------------------------------------------------------- bucket space
+
+
+def _object(value: object) -> dcp.RawBytes:
+    """A ShardedObject's payload: ``torch.save`` of the list of its (one) shard's data."""
+    return dcp.RawBytes(megatron_dist.common_archive([value]))
+
+
+def _bucket_space(dist: megatron_dist.MegatronDist, cfg: config.MegatronConfig, model_space: dict, groups: list,
+                  rows: int, where: str) -> dict[str, object]:
+    """``dp_reshardable`` at TP = PP = 1 (one model-parallel index): each buffer's buckets as the
+    target DP lays them out (:mod:`.buckets`, the rules :mod:`.bucket_space` reads with), the
+    64-element gaps zero, and the ShardedObjects beside them (the param groups, the bucket sizes)."""
+    model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS else e
+             for k, e in dist.tensor_entries().items() if not k.startswith(("optimizer.", "chained_"))}
+    order = bucket_space.registration_order(model, cfg, where)
+    rows = [(key, lead, shape, dtype, name) for name, key, lead, shape, dtype in order]
+    params, split = bucket_space._buffers(cfg, rows)
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
+    origin = {name: (key, lead) for name, key, lead, _shape, _dtype in order}
+    prefix = "optimizer.distributed.dp_group_idx_0"
+    out: dict[str, object] = {}
+    numel, unpadded = [], []
+    for g, (bkey, members) in enumerate(split.items()):
+        if bkey.expert:
+            raise MappingError("expert parameters in their own buffer: not written in bucket space yet", where)
+        layout = buckets.layout_buffer(members, size, cfg.dp_cp_size(), buckets.rule(bucket_space.RULE),
+                                       bool(cfg.pad_buckets_for_high_nccl_busbw))
+        torch_names = tuple(f"torch.{STATEKIT_TO_TORCH[d]}" for d in (bkey.param_dtype, bkey.grad_dtype))
+        dtype_key = tuple(TorchDtype(STATEKIT_TO_TORCH[d]) for d in (bkey.param_dtype, bkey.grad_dtype))
+        for b in layout.buckets:
+            placed = sorted((layout.placements[n] for n in b.params), key=lambda p: p.start)
+            for slot, _ in SLOTS:
+                parts = []
+                for place in placed:
+                    key, lead = origin[place.name]
+                    ref = _piece(model_space[key][slot], lead, model[key].shape)
+                    if ref.dtype != "F32":
+                        raise MappingError(f"{place.name}: its {slot} state is {ref.dtype}; the buckets hold F32", where)
+                    parts.append((place.bucket_offset, ref))
+                name = f"{prefix}.gbuf_idx_{g}.dtype_({torch_names[0]}, {torch_names[1]}).bucket_idx_{b.index}.{slot}"
+                out[name] = _bucket(parts, b.numel_unpadded)
+        numel.append({dtype_key: [b.numel for b in layout.buckets]})
+        unpadded.append({dtype_key: [b.numel_unpadded for b in layout.buckets]})
+    out[f"{prefix}.optimizer/shard_0_1"] = _object({"param_groups": groups})
+    out[f"{prefix}.per_bucket_numel/shard_0_1"] = _object(numel)
+    out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = _object(unpadded)
+    return out
+
+
+def _piece(stacked: TensorRef, lead: tuple[int, ...], shape: tuple[int, ...]) -> TensorRef:
+    """Element ``lead`` of the stacked axes of ``stacked`` (a model-space state, C order), streamed."""
+    inner = shape[len(lead):]
+    per = int(np.prod(inner, dtype=np.int64)) * dtypes.itemsize(stacked.dtype)
+    index = int(np.ravel_multi_index(lead, shape[:len(lead)])) if lead else 0
+    lo = index * per
+
+    def pieces(size: int):
+        seen = 0
+        for chunk in stacked.iter_bytes(size):
+            a, b = max(lo - seen, 0), min(lo + per - seen, len(chunk))
+            if a < b:
+                yield chunk[a:b]
+            seen += len(chunk)
+            if seen >= lo + per:
+                return
+
+    return TensorRef(stacked.dtype, tuple(stacked.shape[len(lead):]), chunk_reader=pieces)
+
+
+def _bucket(parts: list[tuple[int, TensorRef]], numel: int) -> TensorRef:
+    """A 1-D F32 bucket of ``numel`` elements: each part at its offset, zeros between."""
+    item = 4
+
+    def pieces(size: int):
+        at = 0
+        for offset, ref in parts:
+            gap = (offset - at) * item
+            if gap < 0:
+                raise MappingError("two parameters overlap in a bucket")
+            if gap:
+                yield bytes(gap)
+            yield from ref.iter_bytes(size)
+            at = offset + ref.numel
+        if numel > at:
+            yield bytes((numel - at) * item)
+
+    return TensorRef("F32", (numel,), chunk_reader=pieces)
