@@ -50,6 +50,10 @@ sys.path.insert(0, str(HERE))
 import make_megatron_fixtures as gen  # noqa: E402  (the cases, their arguments and the worker)
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP sums in another order; "
+                  "when the padded vocabulary changes with TP the extra (zero) logits enter the softmax; at another "
+                  "DP the driver's batches differ (seeded per DP rank and micro-batch): then the step is another "
+                  "computation. At the same sizes it must be equal")
 
 
 def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path) -> None:
@@ -198,9 +202,7 @@ def main() -> None:
             "iteration": iteration,
             "written_sharding": "dp_reshardable" if bucket_space else "fully_reshardable",
             "common_state_after_load": common,
-            "next_step_note": "after one more step B and A are compared at a tolerance only: another TP sums in "
-                              "another order, and when the padded vocabulary changes with TP the extra (zero) "
-                              "logits enter the softmax, so the step is another computation",
+            "next_step_note": NEXT_STEP_NOTE,
             "megatron_said": [ln.strip() for ln in log.splitlines()
                               if "mismatch" in ln or "sharded_state_dict metadata loaded" in ln][:4],
             "all_equal_statekit_written": not bad_s and not problems,

@@ -60,18 +60,29 @@ def _base(key: str) -> str:
     return key
 
 
-@pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_to_tp2pp2dp1", "tp1dp2_same_sizes"])
+@pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_to_tp2pp2dp1", "tp1dp2_same_sizes",
+                                   "tp1dp2_to_tp1dp1_dp_reshardable"])
 def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
     """Megatron's own load (recorded) took every tensor statekit writes, bit for bit, and equal to
-    the source as Megatron itself reads it."""
+    the source as Megatron itself reads it. A dp_reshardable folder Megatron re-saves in model space:
+    its weights compare with statekit's as written, its optimizer with statekit's fully_reshardable
+    writing at the same sizes."""
     result = json.loads((CHECKS / f"{check}.json").read_text())
     assert result["megatron_core_version"] == "0.19.2"
     assert result["all_equal_statekit_written"] and result["all_equal_source_as_megatron_reads_it"]
     assert not result["problems"]
     assert all(v["equal"] for v in result["common_state_after_load"].values())
     loaded = result["loaded_at"]
-    _write(DP_RESHARDABLE, tmp_path / "out", tp=loaded["tp"], pp=loaded["pp"], dp=loaded["dp"])
+    if loaded == result["source_sizes"] | {"world_size": loaded["world_size"]}:
+        assert result["next_step_max_abs_diff"] == 0.0  # the same run: Megatron's next step is its own resume's
+    sizes = {"tp": loaded["tp"], "pp": loaded["pp"], "dp": loaded["dp"]}
+    _write(DP_RESHARDABLE, tmp_path / "out", sharding=result["written_sharding"], **sizes)
     ours = _tensors(tmp_path / "out")
+    if result["written_sharding"] == "dp_reshardable":
+        assert any(".distributed." in k for k in ours)
+        _write(DP_RESHARDABLE, tmp_path / "model-space", **sizes)
+        ours = {k: v for k, v in ours.items() if not k.startswith("optimizer.")} | {
+            k: v for k, v in _tensors(tmp_path / "model-space").items() if k.startswith("optimizer.")}
     assert set(ours) == set(result["tensors"])
     for key, (dtype, shape, raw) in ours.items():
         want = result["tensors"][key]

@@ -135,7 +135,7 @@ def _stacked(parts: list[TensorRef], lead_shape: tuple[int, ...], key: str) -> T
         for p in parts:
             yield from p.iter_bytes(size)
 
-    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces)
+    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces, info={"parts": parts})
 
 
 def _held_rows(ref: TensorRef, start: int) -> bool:
@@ -460,23 +460,13 @@ def _bucket_space(dist: megatron_dist.MegatronDist, cfg: config.MegatronConfig, 
 
 
 def _piece(stacked: TensorRef, lead: tuple[int, ...], shape: tuple[int, ...]) -> TensorRef:
-    """Element ``lead`` of the stacked axes of ``stacked`` (a model-space state, C order), streamed."""
-    inner = shape[len(lead):]
-    per = int(np.prod(inner, dtype=np.int64)) * dtypes.itemsize(stacked.dtype)
-    index = int(np.ravel_multi_index(lead, shape[:len(lead)])) if lead else 0
-    lo = index * per
-
-    def pieces(size: int):
-        seen = 0
-        for chunk in stacked.iter_bytes(size):
-            a, b = max(lo - seen, 0), min(lo + per - seen, len(chunk))
-            if a < b:
-                yield chunk[a:b]
-            seen += len(chunk)
-            if seen >= lo + per:
-                return
-
-    return TensorRef(stacked.dtype, tuple(stacked.shape[len(lead):]), chunk_reader=pieces)
+    """Element ``lead`` of the stacked axes of ``stacked``: the parameter's own state it was stacked from."""
+    if not lead:
+        return stacked
+    parts = stacked.info.get("parts")
+    if parts is None:
+        raise MappingError(f"a stacked state of shape {list(stacked.shape)} without its parameters' parts")
+    return parts[int(np.ravel_multi_index(lead, shape[:len(lead)]))]
 
 
 def _bucket(parts: list[tuple[int, TensorRef]], numel: int) -> TensorRef:
