@@ -206,6 +206,8 @@ def _finish(result, out: Output) -> None:
     """What convert / remap did: writers' warnings, then the closing lines."""
     for w in result.warnings:
         out.warn(w)
+    if out.json_mode and getattr(result, "summary", None) is not None:
+        out.json(result.summary)
     for line in result.messages:
         out.info(line)
 

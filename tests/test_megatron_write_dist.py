@@ -226,8 +226,12 @@ def test_refusals_leave_nothing(tmp_path, src, target, error, words):
 
 
 def test_cli(tmp_path, cli):
-    r = cli("convert", str(DP_RESHARDABLE), str(tmp_path / "tp2"), "--to", "megatron", "--tp", "2")
+    r = cli("convert", str(DP_RESHARDABLE), str(tmp_path / "tp2"), "--to", "megatron", "--tp", "2", "--json",
+            env={"COLUMNS": "60"})
     assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout)
+    assert (said["sharding"], said["iteration"], said["sizes"]["tp"], said["sizes"]["padded_vocab_size"]) == (
+        "fully_reshardable", 3, 2, 128)
     assert (tmp_path / "tp2" / ITER / "metadata.json").is_file()
     again = cli("convert", str(DP_RESHARDABLE), str(tmp_path / "tp2"), "--to", "megatron", "--tp", "2")
     assert again.returncode != 0 and "exists already" in again.stderr and "Traceback" not in again.stderr

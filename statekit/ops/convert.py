@@ -115,6 +115,7 @@ class Result:
     messages: list[str] = field(default_factory=list)
     also: Plan | None = None  # the second output's plan (--also-out)
     warnings: list[str] = field(default_factory=list)  # the writer's, found while writing
+    summary: dict | None = None  # what was written, for --json (a Megatron torch_dist output)
 
 
 def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
@@ -572,4 +573,6 @@ def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, pa
     sizes = done.sizes
     lines = [f"wrote {done.path}: Megatron torch_dist, {target.sharding}, TP {sizes['tp']} PP {sizes['pp']} "
              f"DP {sizes['dp']} (world {sizes['world_size']}), {done.tensors} tensors, iteration {done.iteration}"]
-    return Result(None, done.nbytes, messages=lines + done.notes)
+    summary = {"path": done.path, "format": "megatron-dist", "sharding": target.sharding, "iteration": done.iteration,
+               "sizes": done.sizes, "tensors": done.tensors, "bytes": done.nbytes, "notes": done.notes}
+    return Result(None, done.nbytes, messages=lines + done.notes, summary=summary)
