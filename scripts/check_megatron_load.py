@@ -67,6 +67,8 @@ def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: st
         "--expert-model-parallel-size", str(ep), "--global-batch-size", str(gbs),
         "--save", str(save), "--load", str(load),
     ] + extra + ["--dist-ckpt-optim-fully-reshardable"]
+    if "torch" in extra and "torch_dist" not in extra:  # a legacy source: Megatron detects it on load, saves torch_dist
+        argv += ["--ckpt-format", "torch_dist", "--auto-detect-ckpt-format"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
            str(HERE / "make_megatron_fixtures.py"), "--worker", "--saves", saves,
            "--facts", str(save.parent / f"{save.name}-facts.json"), "--megatron-args", shlex.join(argv)]
@@ -174,10 +176,12 @@ def main() -> None:
                 rows = min(ref.shape[0], t.shape[0]) if t.dim() else None
                 if _base(k) in VOCAB_KEYS and ref.shape != t.shape:
                     same = torch.equal(ref[:rows], t[:rows])
-                    extra = t[rows:] if t.shape[0] > rows else ref[rows:]
                     entry["equals_source_as_megatron_reads_it"] = bool(same)
-                    entry["rows_beyond_the_source"] = [rows, int(t.shape[0])]
-                    entry["rows_beyond_are_zero"] = bool(torch.count_nonzero(extra) == 0)
+                    if t.shape[0] > rows:  # padding rows the target TP adds: zero
+                        entry["rows_beyond_the_source"] = [rows, int(t.shape[0])]
+                        entry["rows_beyond_are_zero"] = bool(torch.count_nonzero(t[rows:]) == 0)
+                    else:  # the source's padding rows the target TP does not have
+                        entry["source_rows_cut"] = [rows, int(ref.shape[0])]
                 else:
                     entry["equals_source_as_megatron_reads_it"] = bool(ref.shape == t.shape and torch.equal(ref, t))
             nt, nr = b1.get(k), a1.get(k)

@@ -31,7 +31,7 @@ from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import STATEKIT_TO_TORCH
 from statekit.frameworks.megatron import write_dist
-from tests.conftest import FIXTURES, ROOT
+from tests.conftest import FIXTURES, MCORE_PY, ROOT
 
 MCORE = FIXTURES / "megatron" / "0.19.2"
 DP_RESHARDABLE = MCORE / "gpt_torch_dist_dp_reshardable_tp1pp1dp2"  # TP1 DP2, untied, Megatron-written
@@ -215,7 +215,8 @@ def test_cut_rows_that_held_state_are_said(tmp_path):
     (DP_RESHARDABLE, {"sharding": "zero"}, UsageError, "one of fully_reshardable, dp_reshardable"),
     (DP_RESHARDABLE, {"tp": 3}, UsageError, "num_attention_heads 4 is not divisible"),
     (DP_RESHARDABLE, {"pp": 3}, UsageError, "num_layers 2"),
-    (MCORE / "gpt_torch_distopt_tp2pp2dp1", {"tp": 1}, MappingError, "torch_dist sources only"),
+    (MCORE / "moe_torch_distopt_ep2dp2", {"tp": 1}, MappingError, "MoE"),
+    (MCORE / "gpt_torch_no_distopt_tp1pp1dp2", {"tp": 2}, MappingError, "not Megatron's distributed"),
     (MCORE / "gpt_torch_dist_no_distopt_tp1pp1dp2", {"tp": 2}, MappingError, "not Megatron's distributed"),
     (MCORE / "gpt_torch_dist_fully_reshardable_2buckets_tp1pp1dp2", {"tp": 2}, FormatError, "master-vs-weight"),
 ])
@@ -223,6 +224,40 @@ def test_refusals_leave_nothing(tmp_path, src, target, error, words):
     with pytest.raises(error, match=words):
         _write(src, tmp_path / "out", **target)
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+LEGACY = MCORE / "gpt_torch_distopt_tp2pp2dp1"  # legacy files, TP2 PP2, tied: the last stage's output copy
+
+
+def test_legacy_source_at_its_own_sizes(tmp_path):
+    """A legacy checkpoint (mp_rank_*/model_optim_rng.pt + distrib_optim.pt) written as torch_dist at
+    its own TP2·PP2: every parameter's weight, master and moments are what the legacy files hold (as
+    the legacy reader joins them, proved); the tied output copy is stored once."""
+    from statekit import io as skio  # noqa: PLC0415
+
+    done = _write(LEGACY, tmp_path / "out")
+    assert any("stored once" in n for n in done.notes)
+    with skio.open_checkpoint(str(LEGACY)) as a, skio.open_checkpoint(str(tmp_path / "out")) as b:
+        pa = {p.key: p for p in a.optimizer.params}
+        pb = {p.key: p for p in b.optimizer.params}
+        assert set(pa) - set(pb) == {"output_layer.weight"} and set(pb) <= set(pa)
+        for k, p in pb.items():
+            assert set(p.slots) == set(pa[k].slots), k
+            for slot, ref in p.slots.items():
+                assert bytes(ref.raw()) == bytes(pa[k].slots[slot].raw()), (k, slot)
+            assert p.step == pa[k].step == 3
+        wa = {m.path: m for m in a.model.params}
+        for m in b.model.params:
+            assert bytes(m.tensor.raw()) == bytes(wa[m.path].tensor.raw()), m.path
+    out = megatron_dist.MegatronDist(str(tmp_path / "out"))
+    try:
+        fields = out.common()["args"].fields
+        assert (fields["ckpt_format"], fields["no_save_rng"], fields["tensor_model_parallel_size"]) == (
+            "torch_dist", True, 2)
+        extra = sorted(k for k in out.meta.entries if "_extra_state" in k)
+        assert len(extra) == 8 and all(out.reader.value(k) == [None] for k in extra)  # 4 linears × 2 layers
+    finally:
+        out.close()
 
 
 def test_cli(tmp_path, cli):
@@ -243,7 +278,7 @@ def test_cli(tmp_path, cli):
 @pytest.mark.megatron
 def test_megatron_loads_it_now(tmp_path):
     """megatron-core's own load of a statekit-written folder at TP2, run now (STATEKIT_MCORE_PY)."""
-    python = os.environ.get("STATEKIT_MCORE_PY")
+    python = MCORE_PY
     if not python:
         pytest.skip("STATEKIT_MCORE_PY (a megatron-core 0.19.2 venv's python) is not set")
     _write(DP_RESHARDABLE, tmp_path / "tp2", tp=2)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -202,45 +203,89 @@ def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], shard
 # ----------------------------------------------------------------------------- writing
 
 
+@dataclass
+class _Source:
+    """What writing needs of a source checkpoint, torch_dist or legacy, all global."""
+
+    where: str
+    folder: str  # the iteration folder's name
+    common: dict  # for writing again (args a Record, Megatron's enums kept)
+    cfg: config.MegatronConfig
+    sharding: str  # the source's optimizer sharding type
+    groups: list[dict]
+    model: dict[str, dcp.TensorEntry]  # model key -> its global dtype and shape
+    weights: dict[str, TensorRef]
+    states: dict[str, dict[str, TensorRef]]  # model key -> slot -> stacked state
+    objects: dict[str, dcp.RawBytes] = field(default_factory=dict)  # ShardedObjects to carry, by DCP key
+    backend: dict = field(default_factory=dict)
+    common_pt: bool = False  # the common state as common.pt (core <= 0.18) rather than the common_state item
+    rng_kept: bool = True  # the source's RNG states are torch_dist ShardedObjects (kept at the same TP/PP)
+    notes: list[str] = field(default_factory=list)
+
+
 def write(src: str, dst: str, target: Target, shards: int | None = None) -> Written:
-    """Write the torch_dist checkpoint ``src`` (a save root or an ``iter_N`` folder) into the save
-    root ``dst`` for the run ``target`` describes; returns what was written."""
-    if target.sharding in LATER:
-        raise MappingError(f"--sharding {target.sharding}: its bucket layout per target rank is not written yet; "
-                           "write fully_reshardable (Megatron loads it at any TP/PP/DP, and re-saves it as "
-                           "dp_reshardable once resumed without --dist-ckpt-optim-fully-reshardable)")
+    """Write the Megatron checkpoint ``src`` (torch_dist or legacy; a save root or an ``iter_N``
+    folder) as torch_dist into the save root ``dst`` for the run ``target`` describes."""
     if target.sharding not in SHARDINGS:
-        raise UsageError(f"--sharding {target.sharding!r}: one of {', '.join(SHARDINGS + LATER)}")
+        raise UsageError(f"--sharding {target.sharding!r}: one of {', '.join(SHARDINGS)}")
     if megatron_dist.resolve(src) is None:
-        raise MappingError("not a Megatron torch_dist checkpoint: statekit writes torch_dist from torch_dist "
-                           "sources only yet (legacy --ckpt-format torch sources: not yet)", src)
+        from statekit.frameworks.megatron import legacy  # noqa: PLC0415 (same floor)
+
+        ckpt = legacy.open_checkpoint(src)
+        return _write(_from_legacy(ckpt, src), dst, target, shards)
     ckpt = dist_reader.open_checkpoint(src)
     try:
-        return _write(ckpt, src, dst, target, shards)
+        return _write(_from_dist(ckpt), dst, target, shards)
     finally:
         ckpt.container.close()
 
 
-def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Written:
-    dist: megatron_dist.MegatronDist = ckpt.container.dist
-    where = dist.directory
-    common = dist.common_to_rewrite()
+def _namespace(common: dict, where: str) -> Record:
     args = common.get("args")
     if not isinstance(args, Record) or args.cls != megatron_dist.NAMESPACE:
         raise FormatError("the common state has no args Namespace: the target run's sizes cannot be written", where)
-    cfg = config.from_args(args, where)
+    return args
+
+
+def _from_dist(ckpt) -> _Source:
+    dist: megatron_dist.MegatronDist = ckpt.container.dist
+    where = dist.directory
+    common = dist.common_to_rewrite()
+    cfg = config.from_args(_namespace(common, where), where)
     members = dist_reader._members(dist.common(), where)
     if len(members) != 1:
         raise MappingError(f"a ChainedOptimizer of {len(members)} members: statekit does not write it yet", where)
-    member = next(iter(members.values()))
     sharding = ckpt.container.sharding
     if sharding == "non_distributed":
         raise MappingError("the source's optimizer is not Megatron's distributed optimizer (no fp32 master "
                            "'param' slot to write): not written yet", where)
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in dist_reader._groups(dist, next(iter(members.values())), None, sharding)]
+    model = {k: e for k, e in dist.tensor_entries().items() if not k.startswith(("optimizer.", "chained_"))}
+    args = dist_reader._fields(dist.common().get("args"))
+    states = _optimizer_tensors(ckpt.optimizer.params, model, args, where)
+    objects = {}
+    for key, entry in dist.meta.entries.items():
+        if not isinstance(entry, dcp.BytesEntry):
+            continue
+        base = key.split("/shard_", 1)[0]
+        if base == megatron_dist.COMMON_STATE or base.startswith(("optimizer.", "chained_")):
+            continue  # rewritten / the source's optimizer, converted
+        if not (base.endswith("._extra_state") or base in ("rng_state", "rerun_state_machine_state")):
+            raise MappingError(f"ShardedObject {key}: statekit does not know whether the target run needs it", where)
+        objects[key] = dist.raw_object(key)
+    return _Source(where, os.path.basename(where.rstrip(os.sep)), common, cfg, sharding, groups, model,
+                   {k: dist.reader.tensor(e) for k, e in model.items()}, states, objects, dict(dist.backend),
+                   dist.common_source == megatron_dist.COMMON_PT)
+
+
+def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Written:
+    where, common, cfg = source.where, source.common, source.cfg
+    args = _namespace(common, where)
     sizes = _target_sizes(cfg, target, where)
-    notes: list[str] = []
+    notes: list[str] = list(source.notes)
     iteration = common.get("iteration")
-    folder_name = os.path.basename(where.rstrip(os.sep))
+    folder_name = source.folder
     out_folder = os.path.join(dst, folder_name)
     if os.path.exists(out_folder):
         raise UsageError(f"{out_folder} exists already; choose an empty save root")
@@ -253,12 +298,10 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
         raise MappingError(f"--sharding dp_reshardable at TP {sizes['tp']} PP {sizes['pp']}: its buckets hold each rank's "
                            "TP/PP shards, which statekit does not cut yet (TP = PP = 1 only; fully_reshardable loads at "
                            "any TP/PP)", where)
-    states = _optimizer_tensors(ckpt, dist, where)
+    states = dict(source.states)
     rows = sizes["padded_vocab_size"]
-    for key, entry in dist.tensor_entries().items():
-        if key.startswith("optimizer.") or key.startswith("chained_"):
-            continue
-        ref = dist.reader.tensor(entry)
+    for key in source.model:
+        ref = source.weights[key]
         name_key, _ = dist_reader._strip(key)
         if name_key in VOCAB_KEYS:
             notes.extend(_vocab_note(key, ref, rows, cfg))
@@ -274,35 +317,23 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
     if states:
         raise MappingError(f"optimizer state for {next(iter(states))}, which the checkpoint's model does not hold", where)
 
-    same_tp_pp = (sizes["tp"], sizes["pp"]) == (cfg.tp, cfg.pp)
+    same_tp_pp = source.rng_kept and (sizes["tp"], sizes["pp"]) == (cfg.tp, cfg.pp)
     same_world = same_tp_pp and sizes["dp"] == cfg.dp and sizes["world_size"] == cfg.world_size
-    for key, entry in dist.meta.entries.items():
-        if not isinstance(entry, dcp.BytesEntry):
-            continue
+    for key, raw in source.objects.items():
         base = key.split("/shard_", 1)[0]
-        if base == megatron_dist.COMMON_STATE or base.startswith(("optimizer.", "chained_")):
-            continue  # rewritten below / the source's optimizer, converted
-        if base.endswith("._extra_state"):
-            flat[key] = dist.raw_object(key)
-        elif base == "rng_state":
-            if same_tp_pp:
-                flat[key] = dist.raw_object(key)
-        elif base == "rerun_state_machine_state":
-            if same_world:
-                flat[key] = dist.raw_object(key)
-        else:
-            raise MappingError(f"ShardedObject {key}: statekit does not know whether the target run needs it", where)
+        if base == "rng_state" and not same_tp_pp or base == "rerun_state_machine_state" and not same_world:
+            continue
+        flat[key] = raw
     if not same_tp_pp:
         notes.append("rng_state not carried (the source's TP/PP ranks are not the target's): args.no_save_rng set, "
                      "so Megatron starts the RNG afresh as after any TP/PP change")
     if not same_world:
         notes.append("rerun state not carried (another world): Megatron ignores it then")
 
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in dist_reader._groups(dist, member, None, sharding)]
+    groups = source.groups
     new_args = _args(args, cfg, sizes, target.sharding)
     if target.sharding == "dp_reshardable":
-        flat.update(_bucket_space(dist, config.from_args(new_args, where), model_space, groups, rows, where))
+        flat.update(_bucket_space(source.model, config.from_args(new_args, where), model_space, groups, rows, where))
     new_common = dict(common)
     new_common["args"] = new_args
     if not same_tp_pp:  # the args name the target's sizes: without this Megatron would ask for its RNG states
@@ -323,7 +354,7 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
     content.setdefault("singleton_local_shards", False)
     content.setdefault("chained_optim_avoid_prefix", True)
     new_common["content_metadata"] = content
-    legacy_common = dist.common_source == megatron_dist.COMMON_PT
+    legacy_common = source.common_pt
     if not legacy_common:
         flat[f"{megatron_dist.COMMON_STATE}/shard_0_1"] = dcp.RawBytes(megatron_dist.common_archive([new_common]))
 
@@ -335,7 +366,7 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
             with atomic_write(os.path.join(tmp, megatron_dist.COMMON_PT)) as fh:
                 megatron_dist.torch_pt.write_pt_stream(fh, new_common, "common", dumps=megatron_dist.dumps_common)
         with atomic_write(os.path.join(tmp, megatron_dist.METADATA_JSON)) as fh:  # last: marks it complete
-            fh.write(json.dumps(dist.backend or {"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode())
+            fh.write(json.dumps(source.backend or {"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode())
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 is not a checkpoint's
         os.rename(tmp, out_folder)
     except BaseException:
@@ -347,7 +378,7 @@ def _write(ckpt, src: str, dst: str, target: Target, shards: int | None) -> Writ
     n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
     changed = ", ".join(f"{k.upper()} {getattr(cfg, k)} → {sizes[k]}" for k in ("tp", "pp", "dp")
                         if getattr(cfg, k) != sizes[k]) or "sizes unchanged"
-    notes.insert(0, f"{sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
+    notes.insert(0, f"{source.sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
     return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
 
 
@@ -362,17 +393,15 @@ def _vocab_note(key: str, ref: TensorRef, rows: int, cfg: config.MegatronConfig)
     return []
 
 
-def _optimizer_tensors(ckpt, dist: megatron_dist.MegatronDist, where: str) -> dict[str, dict[str, TensorRef]]:
+def _optimizer_tensors(params: list, model: dict[str, dcp.TensorEntry], args: dict,
+                       where: str) -> dict[str, dict[str, TensorRef]]:
     """{model key: {slot: stacked global tensor}} from the named, proved parameters."""
-    args = dist_reader._fields(dist.common().get("args"))
     grouped = args.get("moe_grouped_gemm")
     impl = args.get("transformer_impl")
-    by_name = {p.key: p for p in ckpt.optimizer.params}
+    by_name = {p.key: p for p in params}
     used: set[str] = set()
     out: dict[str, dict[str, TensorRef]] = {}
-    for key, entry in dist.tensor_entries().items():
-        if key.startswith("optimizer.") or key.startswith("chained_"):
-            continue
+    for key, entry in model.items():
         name_key, _ = dist_reader._strip(key)
         leads = stacking.indices(name_key, entry.shape)
         names = [stacking.param_name(name_key, lead, None if grouped is None else bool(grouped), impl) for lead in leads]
@@ -402,7 +431,7 @@ def _optimizer_tensors(ckpt, dist: megatron_dist.MegatronDist, where: str) -> di
             raise MappingError(f"{names[0]}: state {sorted(extra)} has no place in a fully_reshardable checkpoint", where)
         used.update(names)
         out[key] = slots
-    left = [p.key for p in ckpt.optimizer.params if p.key not in used]
+    left = [p.key for p in params if p.key not in used]
     if left:
         raise MappingError(f"{left[0]}: its optimizer state belongs to no model tensor of the checkpoint", where)
     return out
@@ -417,13 +446,13 @@ def _object(value: object) -> dcp.RawBytes:
     return dcp.RawBytes(megatron_dist.common_archive([value]))
 
 
-def _bucket_space(dist: megatron_dist.MegatronDist, cfg: config.MegatronConfig, model_space: dict, groups: list,
-                  rows: int, where: str) -> dict[str, object]:
+def _bucket_space(source_model: dict[str, dcp.TensorEntry], cfg: config.MegatronConfig, model_space: dict,
+                  groups: list, rows: int, where: str) -> dict[str, object]:
     """``dp_reshardable`` at TP = PP = 1 (one model-parallel index): each buffer's buckets as the
     target DP lays them out (:mod:`.buckets`, the rules :mod:`.bucket_space` reads with), the
     64-element gaps zero, and the ShardedObjects beside them (the param groups, the bucket sizes)."""
     model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS else e
-             for k, e in dist.tensor_entries().items() if not k.startswith(("optimizer.", "chained_"))}
+             for k, e in source_model.items()}
     order = bucket_space.registration_order(model, cfg, where)
     rows = [(key, lead, shape, dtype, name) for name, key, lead, shape, dtype in order]
     params, split = bucket_space._buffers(cfg, rows)
@@ -487,3 +516,102 @@ def _bucket(parts: list[tuple[int, TensorRef]], numel: int) -> TensorRef:
             yield bytes((numel - at) * item)
 
     return TensorRef("F32", (numel,), chunk_reader=pieces)
+
+
+# ----------------------------------------------------------------------------- legacy sources
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_KEPT_COMMON = ("args", "checkpoint_version", "iteration", "opt_param_scheduler", "num_floating_point_operations_so_far")
+
+
+def _legacy_key(name: str, impl: str | None) -> tuple[str, tuple[int, ...]]:
+    """The torch_dist key and stacked index of a legacy parameter name (global layer index), the
+    inverse of :func:`.stacking.param_name` for a homogeneous dense decoder."""
+    m = _LAYER.match(name)
+    if m is None:
+        return name, ()
+    rest = m.group(2)
+    if impl == "local":
+        for saved, own in stacking.LOCAL_SPEC_KEYS.items():
+            if rest.startswith(own):
+                rest = saved + rest[len(own):]
+                break
+    return f"decoder.layers.{rest}", (int(m.group(1)),)
+
+
+def _from_legacy(ckpt, src: str) -> _Source:
+    """A legacy (``--ckpt-format torch``) checkpoint, as the reader joined it (TP shards joined,
+    layer indices global, every master proved), for writing as torch_dist."""
+    from statekit.formats import megatron_legacy, torch_pt  # noqa: PLC0415 (same floor)
+
+    folder = megatron_legacy.iteration_dir(src)
+    ranks = megatron_legacy.rank_dirs(folder)
+    first_file = os.path.join(folder, ranks[0], megatron_legacy.MODEL_FILE)
+    top = torch_pt.load_pt(first_file, megatron_dist.REWRITE_GLOBALS)
+    common = {k: top[k] for k in _KEPT_COMMON if k in top}
+    cfg = config.from_args(_namespace(common, first_file), first_file)
+    if cfg.num_experts or (cfg.ep or 1) > 1:
+        raise MappingError("a MoE run (experts, a dense + expert ChainedOptimizer): statekit does not write its "
+                           "torch_dist optimizer yet", folder)
+    if not cfg.use_distributed_optimizer:
+        raise MappingError("the source's optimizer is not Megatron's distributed optimizer (no fp32 master "
+                           "'param' slot to write): not written yet", folder)
+    plain = megatron_legacy.load(first_file)
+    opt = plain.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("optimizer", {}).get("param_groups"), list):
+        raise FormatError("optimizer.optimizer.param_groups is not here (a ChainedOptimizer's list?): not written yet",
+                          first_file)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["optimizer"]["param_groups"]]
+    impl = cfg.transformer_impl
+    layers = cfg.need("num_layers", "stacking the layers")
+    by_name = {p.path: p for p in ckpt.model.params}
+    params = {p.key: p for p in ckpt.optimizer.params}
+    notes = []
+    tied = cfg.untie_embeddings is False
+    if tied and "output_layer.weight" in params:  # the last stage's copy (PP > 1): kept only if identical
+        a, b = params.pop("output_layer.weight"), params["embedding.word_embeddings.weight"]
+        same = all(bytes(a.slots[s].raw()) == bytes(b.slots[s].raw()) for s in b.slots) and set(a.slots) == set(b.slots)
+        same = same and bytes(by_name["output_layer.weight"].tensor.raw()) == bytes(
+            by_name["embedding.word_embeddings.weight"].tensor.raw())
+        if not same:
+            raise MappingError("tied embeddings with PP > 1: the last stage's output_layer.weight copy holds other "
+                               "values or state than embedding.word_embeddings.weight; torch_dist keeps one", folder)
+        by_name.pop("output_layer.weight")
+        notes.append("output_layer.weight (the last stage's copy of the tied embedding) equals "
+                     "embedding.word_embeddings.weight bit for bit, weight and state: stored once, as torch_dist does")
+    stacks: dict[str, dict[tuple[int, ...], str]] = {}
+    for name in by_name:
+        key, lead = _legacy_key(name, impl)
+        stacks.setdefault(key, {})[lead] = name
+    model: dict[str, dcp.TensorEntry] = {}
+    weights: dict[str, TensorRef] = {}
+    for key, found in stacks.items():
+        leads = sorted(found)
+        if leads != [()] and leads != [(i,) for i in range(layers)]:
+            raise MappingError(f"{key}: layers {[lead[0] for lead in leads]} hold it, not all {layers}: not a "
+                               "homogeneous decoder statekit stacks", folder)
+        refs = [by_name[found[lead]].tensor for lead in leads]
+        weight = _stacked(refs, (layers,) if leads != [()] else (), key)
+        model[key] = dcp.TensorEntry(key, weight.dtype, weight.shape, [])
+        weights[key] = weight
+    states = _optimizer_tensors(list(params.values()), model, dict(_namespace(common, first_file).fields), folder)
+    objects = {}
+    for k, v in plain.get("model", {}).items():
+        m = _LAYER.match(k)
+        if m and k.endswith("._extra_state"):
+            if v is not None:
+                raise MappingError(f"{k}: extra state {type(v).__name__} (Transformer Engine's?): not written yet",
+                                   first_file)
+            for layer in range(layers):
+                objects[f"decoder.layers.{m.group(2)}/shard_{layer}_{layers}"] = _object(None)
+    args = _namespace(common, first_file)
+    fields = dict(args.fields)
+    fields["ckpt_format"] = "torch_dist"
+    if "use_dist_ckpt" in fields:
+        fields["use_dist_ckpt"] = True
+    common["args"] = Record(args.cls, fields)
+    common["content_metadata"] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    notes.append("from a legacy (--ckpt-format torch) checkpoint: the common state written in core 0.19's form "
+                 "(the common_state item)")
+    return _Source(folder, os.path.basename(folder.rstrip(os.sep)), common, cfg, "legacy distributed optimizer",
+                   groups, model, weights, states, objects, {}, False, rng_kept=False, notes=notes)
