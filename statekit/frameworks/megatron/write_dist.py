@@ -41,7 +41,13 @@ The iteration folder is written under a temporary name and renamed when complete
 last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
 Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
 change, ``dp_reshardable`` output at TP or PP > 1 (its buckets hold each rank's TP/PP shards),
-the non-distributed optimizer, legacy (``--ckpt-format torch``) sources.
+the non-distributed optimizer.
+
+A legacy source (``--ckpt-format torch`` with ``distrib_optim.pt``) is read by
+:mod:`.legacy` (TP shards joined, layer indices global, masters proved) and stacked into the
+torch_dist keys (:func:`_legacy_key`); its tied output copy (PP > 1) is stored once when it equals
+the embedding bit for bit, the layers' ``_extra_state`` (None in the local spec) written as their
+ShardedObjects, ``args.ckpt_format`` set to ``torch_dist``, no RNG state carried.
 """
 
 from __future__ import annotations
