@@ -48,6 +48,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import make_megatron_fixtures as gen  # noqa: E402  (the cases, their arguments and the worker)
+import make_megatron_legacy_buckets as bucket_cases  # noqa: E402  (fixtures/megatron_buckets' cases)
+
+gen.CASES.update(bucket_cases.CASES)
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP sums in another order; "
@@ -200,7 +203,8 @@ def main() -> None:
                      "these are its tensors.",
             "megatron_core_version": version,
             "torch_version": torch.__version__,
-            "source": f"fixtures/megatron/{version}/{ns.source}",
+            "source": os.path.relpath(fixture, HERE.parent) if fixture.resolve().is_relative_to(HERE.parent)
+                      else str(fixture),
             "source_sizes": {"tp": src_tp, "pp": src_pp, "dp": src_dp},
             "loaded_at": {"tp": ns.tp, "pp": ns.pp, "dp": dp, "world_size": ns.tp * ns.pp * dp},
             "iteration": iteration,
