@@ -260,6 +260,7 @@ def convert(
     pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron: the pipeline-parallel size (default: the source's).")] = None,
     dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron: the data-parallel size (default: the source's).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="TYPE", help="--to megatron: the distributed optimizer's sharding type (fully_reshardable).")] = None,
+    megatron_args: Annotated[Path | None, typer.Option("--megatron-args", metavar="DIR", help="--to megatron from an HF / torch state: a Megatron torch_dist checkpoint of the same model whose args and layout to write (the masters come from --model).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -298,7 +299,9 @@ def convert(
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
                          also_out=str(also_out) if also_out else None,
-                         parallel={k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("sharding", sharding))
+                         parallel={k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("sharding", sharding),
+                                                     ("megatron_args", str(megatron_args) if megatron_args else None),
+                                                     ("model_path", str(model) if megatron_args and model else None))
                                    if v is not None} or None)
     _finish(result, out)
 

@@ -310,3 +310,69 @@ def test_megatron_loads_it_now(tmp_path):
     recorded = json.loads((CHECKS / "tp1dp2_to_tp2dp2.json").read_text())
     assert {k: v["sha256"] for k, v in got["tensors"].items()} == {
         k: v["sha256"] for k, v in recorded["tensors"].items()}
+
+
+HF = MCORE.parent / "hf_llama_for_megatron"  # a transformers Llama trained 3 steps with torch AdamW
+
+
+@pytest.mark.torch
+def test_hf_state_to_megatron(tmp_path, cli):
+    """HF names → Megatron torch_dist (--megatron-args): each Megatron tensor is the HF tensors
+    assembled by Megatron's layout, written here by hand with torch from the HF files: q/k/v rows
+    per query group (2 q heads, 1 k, 1 v of 16 rows each) into linear_qkv, gate;up into linear_fc1,
+    the norms under the local spec's saved names, vocabulary rows 100.. zero; masters = the HF fp32
+    weights, Megatron's bf16 weights = them rounded (torch's own cast)."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    r = cli("convert", str(HF / "optimizer.pt"), str(tmp_path / "out"), "--to", "megatron", "--megatron-args",
+            str(DP_RESHARDABLE), "--model", str(HF / "model.safetensors"), "--names", str(HF / "optimizer_names.txt"),
+            "--names-order", "optimizer", "--tp", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    sd = torch.load(HF / "optimizer.pt", weights_only=True)
+    names = (HF / "optimizer_names.txt").read_text().split()
+    state = {names[i]: s for i, s in sd["state"].items()}
+    weights = load_file(str(HF / "model.safetensors"))
+    out = megatron_dist.MegatronDist(str(tmp_path / "out"))
+    try:
+        entries = out.tensor_entries()
+
+        def got(key, layer=None):
+            a = torch.from_numpy(np.array(out.reader.tensor(entries[key]).numpy(), dtype=np.float32))
+            return a if layer is None else a[layer]
+
+        def qkv(get):
+            q, k, v = (get(f"self_attn.{p}_proj.weight") for p in "qkv")
+            return torch.cat([torch.cat([q[32 * g:32 * (g + 1)], k[16 * g:16 * (g + 1)], v[16 * g:16 * (g + 1)]])
+                              for g in range(2)])
+
+        for layer in range(2):
+            def hf(name, slot, layer=layer):
+                key = f"model.layers.{layer}.{name}"
+                return weights[key] if slot == "param" else state[key][slot]
+
+            for slot in ("exp_avg", "exp_avg_sq", "param"):
+                pre = f"optimizer.state.{slot}.decoder.layers."
+                assert torch.equal(got(pre + "self_attention.linear_qkv.weight", layer),
+                                   qkv(lambda n, s=slot: hf(n, s)))
+                assert torch.equal(got(pre + "mlp.linear_fc1.weight", layer),
+                                   torch.cat([hf("mlp.gate_proj.weight", slot), hf("mlp.up_proj.weight", slot)]))
+                assert torch.equal(got(pre + "mlp.linear_fc2.weight", layer), hf("mlp.down_proj.weight", slot))
+                assert torch.equal(got(pre + "self_attention.linear_proj.weight", layer), hf("self_attn.o_proj.weight", slot))
+                assert torch.equal(got(pre + "self_attention.linear_qkv.layer_norm_weight", layer),
+                                   hf("input_layernorm.weight", slot))
+                assert torch.equal(got(pre + "mlp.linear_fc1.layer_norm_weight", layer),
+                                   hf("post_attention_layernorm.weight", slot))
+        emb = got("optimizer.state.exp_avg.embedding.word_embeddings.weight")
+        assert emb.shape == (128, 64) and torch.equal(emb[:100], state["model.embed_tokens.weight"]["exp_avg"])
+        assert not emb[100:].any()
+        head = got("optimizer.state.param.output_layer.weight")
+        assert torch.equal(head[:100], weights["lm_head.weight"]) and not head[100:].any()
+        bf16 = out.reader.tensor(entries["decoder.final_layernorm.weight"]).numpy()
+        assert np.array_equal(bf16.view(np.uint16),
+                              weights["model.norm.weight"].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+        common = out.common()
+        assert common["iteration"] == 3 and common["args"].fields["consumed_train_samples"] == 12  # 3 steps × GBS 4
+        assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {3.0}
+    finally:
+        out.close()

@@ -559,17 +559,27 @@ def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, pa
     """Megatron torch_dist → torch_dist at the parallel sizes ``parallel`` names
     (:mod:`statekit.frameworks.megatron.write_dist`); ``dst`` is the new save root."""
     if to != "megatron":
-        raise UsageError("--tp/--pp/--dp/--sharding apply to --to megatron")
-    if opts != Options() or plan_in or plan_out or dry_run:
-        raise UsageError("--to megatron takes only --tp, --pp, --dp, --sharding and --shards (the tensors keep "
-                         "Megatron's names and layout: no plan, renames or hyperparameters)")
+        raise UsageError("--tp/--pp/--dp/--sharding/--megatron-args apply to --to megatron")
+    from dataclasses import replace as _replace
+
+    megatron_args = parallel.get("megatron_args")
+    extra = _replace(opts, model=None, names=None, names_order=None) if megatron_args else opts
+    if extra != Options() or plan_in or plan_out or dry_run:
+        raise UsageError("--to megatron takes only --tp, --pp, --dp, --sharding, --shards and, from an HF / torch "
+                         "state, --megatron-args with --model / --names (no plan, renames or hyperparameters)")
     if share is not None and share.count > 1:
         raise UsageError("--to megatron is written by one process")
     from statekit.frameworks.megatron import write_dist
 
     target = write_dist.Target(tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"),
                                sharding=parallel.get("sharding") or "fully_reshardable")
-    done = write_dist.write(src, dst, target, shards=shards)
+    if megatron_args:
+        from statekit.ops import megatron_from_hf
+
+        done = megatron_from_hf.write(src, dst, megatron_args, parallel.get("model_path"), target,
+                                      lambda state: name_source_params(state, opts, src), shards=shards)
+    else:
+        done = write_dist.write(src, dst, target, shards=shards)
     sizes = done.sizes
     lines = [f"wrote {done.path}: Megatron torch_dist, {target.sharding}, TP {sizes['tp']} PP {sizes['pp']} "
              f"DP {sizes['dp']} (world {sizes['world_size']}), {done.tensors} tensors, iteration {done.iteration}"]
