@@ -376,3 +376,9 @@ def test_hf_state_to_megatron(tmp_path, cli):
         assert {g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]} == {3.0}
     finally:
         out.close()
+    # megatron-core's own load of this folder at TP2 (recorded): every tensor it held is statekit's
+    result = json.loads((CHECKS / "hf_llama_to_tp2dp2.json").read_text())
+    assert result["all_equal_statekit_written"] and not result["problems"] and result["next_step_saved"]
+    ours = _tensors(tmp_path / "out")
+    assert set(ours) == set(result["tensors"])
+    assert all(hashlib.sha256(raw).hexdigest() == result["tensors"][k]["sha256"] for k, (_d, _s, raw) in ours.items())
