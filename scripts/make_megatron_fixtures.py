@@ -288,6 +288,20 @@ def _worker(ns: argparse.Namespace) -> None:
 
         DistributedOptimizer.sharded_state_dict = sharded_state_dict
 
+        # Same torch-Adam path, fully_reshardable load (load_parameter_state_from_fully_reshardable):
+        # the loaded per-parameter tensors leave out torch Adam's 'step' (Megatron keeps the step in
+        # the param groups), but _set_main_param_and_optimizer_states indexes every tensor of the
+        # parameter's live state, 'step' included: KeyError. A 'step' that is not a tensor is what
+        # its loop skips; the step is set from the loaded param groups below.
+        orig_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+        def set_states(self, model_param, tensors):
+            if "step" not in tensors:
+                tensors = {**tensors, "step": None}
+            return orig_set(self, model_param, tensors)
+
+        DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
     smo = mtrain.setup_model_and_optimizer
     params = list(inspect.signature(smo).parameters)
     if params[0] == "model_type":

@@ -207,6 +207,8 @@ def _finish(result, out: Output) -> None:
     """What convert / remap did: writers' warnings, then the closing lines."""
     for w in result.warnings:
         out.warn(w)
+    if out.json_mode and getattr(result, "summary", None) is not None:
+        out.json(result.summary)
     for line in result.messages:
         out.info(line)
 
@@ -221,7 +223,7 @@ def _step_policy(step: str | None) -> str | None:
 def convert(
     src: FileArg,
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle, dcp or megatron (torch_dist).")] = None,
     shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,
@@ -262,6 +264,11 @@ def convert(
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
+    tp: Annotated[int | None, typer.Option("--tp", metavar="N", help="--to megatron: the tensor-parallel size of the run that loads it (default: the source's).")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron: the pipeline-parallel size (default: the source's).")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron: the data-parallel size (default: the source's).")] = None,
+    sharding: Annotated[str | None, typer.Option("--sharding", metavar="TYPE", help="--to megatron: the distributed optimizer's sharding type (fully_reshardable).")] = None,
+    megatron_args: Annotated[Path | None, typer.Option("--megatron-args", metavar="DIR", help="--to megatron from an HF / torch state: a Megatron torch_dist checkpoint of the same model whose args and layout to write (the masters come from --model).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -276,6 +283,8 @@ def convert(
     A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
       statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
       statekit convert optim.bpk muon.pt --also-out adamw.pt
+    A Megatron torch_dist checkpoint for a run at another TP/PP/DP (a new save root):
+      statekit convert ckpt/ ckpt-tp2/ --to megatron --tp 2
     A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
     state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
@@ -295,7 +304,11 @@ def convert(
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None, no_schedule=no_schedule)
+                         also_out=str(also_out) if also_out else None, no_schedule=no_schedule,
+                         parallel={k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("sharding", sharding),
+                                                     ("megatron_args", str(megatron_args) if megatron_args else None),
+                                                     ("model_path", str(model) if megatron_args and model else None))
+                                   if v is not None} or None)
     _finish(result, out)
 
 

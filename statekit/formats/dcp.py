@@ -466,9 +466,18 @@ def _child(container: dict | list, k: object, default: dict | list, key: str) ->
 # writing
 
 
+@dataclass(frozen=True)
+class RawBytes:
+    """A non-tensor value already serialized (a whole ``torch.save`` archive): written as it is.
+    Megatron's ShardedObjects copied from another checkpoint, or pickled by its own writer."""
+
+    data: bytes
+
+
 @dataclass
 class Item:
-    """One flat key to write: its nested path and its value (a tensor, or a Python object)."""
+    """One flat key to write: its nested path and its value (a tensor, a :class:`RawBytes`, or a
+    Python object)."""
 
     key: str
     path: tuple
@@ -605,7 +614,11 @@ def write_part(directory: str | os.PathLike, index: int, items: list[Item], prog
         pos = 0
         for it in items:
             value = it.value
-            length = torch_pt.write_pt_stream(fh, value)
+            if isinstance(value, RawBytes):
+                fh.write(value.data)
+                length = len(value.data)
+            else:
+                length = torch_pt.write_pt_stream(fh, value)
             rec = {"key": it.key, "path": list(it.path), "offset": pos, "length": length,
                    "order": (order or {}).get(it.key, len(records))}
             if isinstance(value, TensorRef):

@@ -27,13 +27,16 @@ or torch is imported or run, and any other global is refused by name.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import re
+from dataclasses import dataclass
 
-from statekit.errors import FormatError
+from statekit.errors import FormatError, MappingError
 from statekit.formats import dcp, limits, megatron_legacy, torch_pickle, torch_pt
-from statekit.formats.torch_pickle import RecordClass
+from statekit.formats.torch_pickle import Record, RecordClass
 
 METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
@@ -239,6 +242,28 @@ class MegatronDist:
             value = value[0]
         return value
 
+    def raw_object(self, key: str) -> dcp.RawBytes:
+        """The stored bytes of DCP bytes item ``key`` (a whole ``torch.save`` archive), to copy as is."""
+        entry = self.meta.entries[key]
+        if not isinstance(entry, dcp.BytesEntry):
+            raise FormatError(f"{key} is a tensor, not a ShardedObject", self.directory)
+        return dcp.RawBytes(bytes(self.reader._map(entry.file)[entry.offset:entry.offset + entry.length]))
+
+    def common_to_rewrite(self) -> dict:
+        """The common state read for writing it again: as :meth:`common`, but Megatron's enums kept
+        as :class:`EnumValue` (their class and value), so that :func:`dumps_common` writes them back."""
+        if self.common_source == COMMON_PT:
+            value = torch_pt.load_pt(os.path.join(self.directory, COMMON_PT), REWRITE_GLOBALS)
+        else:
+            entry = self.meta.entries[self.object_key(COMMON_STATE)]
+            value = torch_pt.load_pt_region(self.reader._map(entry.file), entry.offset, entry.length,
+                                            self.reader._source(entry.file), REWRITE_GLOBALS)
+            if isinstance(value, list) and len(value) == 1:
+                value = value[0]
+        if not isinstance(value, dict):
+            raise FormatError(f"the common state is a {type(value).__name__}, not a dict", self.directory)
+        return value
+
     # ------------------------------------------------------------------ tensors
 
     def tensor_entries(self) -> dict[str, dcp.TensorEntry]:
@@ -256,3 +281,63 @@ class MegatronDist:
             raise FormatError(f"mcore_data[{key!r}]: nd_reformulated_orig_global_shape {limits.short(shape)} is "
                               "not a shape", os.path.join(self.directory, dcp.METADATA))
         return tuple(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# writing the common state (statekit.frameworks.megatron.write_dist)
+
+
+@dataclass(frozen=True)
+class EnumValue:
+    """A Megatron enum member read for writing back: its class's full name and its value."""
+
+    cls: str
+    value: object
+
+
+def _keep_enum(name: str):
+    def make(value: object, *_rest: object) -> EnumValue:
+        if not isinstance(value, int | str | float | tuple):
+            raise FormatError(f"{name}({value!r}) is not an enum value")
+        return EnumValue(name, value)
+
+    return torch_pickle.allowed_callable(name, make)
+
+
+REWRITE_GLOBALS = {**MEGATRON_GLOBALS, **{name: _keep_enum(name) for name in megatron_legacy._ENUMS}}
+NAMESPACE = "argparse.Namespace"
+
+
+class _CommonPickler(torch_pickle._Pickler):
+    """torch.save's pickle of Megatron's common state: what :func:`torch_pickle.dumps` writes, plus
+    ``argparse.Namespace`` (NEWOBJ + BUILD, as pickle protocol 2 writes a plain object) and the
+    enums of Megatron's ``safe_globals`` (``Enum(value)``, as an enum reduces): what Megatron's
+    ``torch.load(weights_only=True)`` with its safe globals rebuilds."""
+
+    def save(self, obj: object, where: str) -> None:
+        if isinstance(obj, EnumValue):
+            module, name = obj.cls.rsplit(".", 1)
+            self.call(module, name, (obj.value,), where)
+        elif isinstance(obj, Record):
+            if obj.cls != NAMESPACE:
+                raise MappingError(f"cannot write a {obj.cls} into Megatron's common state (at {where})")
+            self.global_("argparse", "Namespace")
+            self.emit(pickle.EMPTY_TUPLE, pickle.NEWOBJ)
+            self.save_container(dict(obj.fields), where)
+            self.emit(pickle.BUILD)
+        else:
+            super().save(obj, where)
+
+
+def dumps_common(obj: object) -> tuple[bytes, list]:
+    pickler = _CommonPickler()
+    pickler.save(obj, "common state")
+    pickler.emit(pickle.STOP)
+    return b"".join(pickler.out), pickler.tensors
+
+
+def common_archive(obj: object) -> bytes:
+    """``torch.save(obj)`` of a common state (or of ``[common]``, the 0.19 ShardedObject payload)."""
+    buffer = io.BytesIO()
+    torch_pt.write_pt_stream(buffer, obj, "archive", dumps=dumps_common)
+    return buffer.getvalue()

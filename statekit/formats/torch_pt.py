@@ -381,13 +381,15 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
         write_pt_stream(fh, obj, _archive_name(path))
 
 
-def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive") -> int:
+def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive", dumps=None) -> int:
     """Write ``obj`` as one torch.save zip archive at ``fh``'s position; returns its length.
 
     Offsets inside the archive count from where it starts, as when torch.save writes to a stream
     (DCP writes its chunks this way, back to back in one file). Tensor bytes are streamed.
+    ``dumps``: the pickler (default :func:`torch_pickle.dumps`; one that knows more classes, as
+    Megatron's common state needs).
     """
-    pickled, tensors = torch_pickle.dumps(obj)
+    pickled, tensors = (dumps or torch_pickle.dumps)(obj)
     writer = _ZipWriter(fh, folder)
     writer.add("data.pkl", pickled)
     writer.add(".format_version", b"1")

@@ -116,6 +116,7 @@ class Result:
     messages: list[str] = field(default_factory=list)
     also: Plan | None = None  # the second output's plan (--also-out)
     warnings: list[str] = field(default_factory=list)  # the writer's, found while writing
+    summary: dict | None = None  # what was written, for --json (a Megatron torch_dist output)
 
 
 def is_plain_copy(ckpt: Checkpoint, fmt: str, opts: Options) -> bool:
@@ -126,7 +127,8 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
             shards: int | None = None, share: Share | None = None, also: str | None = None,
-            also_key: str | None = None, also_out: str | None = None, no_schedule: bool = False) -> Result:
+            also_key: str | None = None, also_out: str | None = None, no_schedule: bool = False,
+            parallel: dict | None = None) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
@@ -134,8 +136,13 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
     ``also`` / ``also_key``: a second torch optimizer state over the same model (a Muon run's AdamW)
     joining a burn output as further groups; ``also_out``: where a burn record's second optimizer
     goes as its own torch state_dict (:mod:`statekit.ops.pair`). The source's LR schedule: carried, else
-    refused unless ``no_schedule`` (:mod:`statekit.ops.schedule_carry`)."""
+    refused unless ``no_schedule`` (:mod:`statekit.ops.schedule_carry`). ``to="megatron"``: a Megatron
+    torch_dist checkpoint for another parallel layout, ``parallel`` = {tp, pp, dp, sharding}
+    (:func:`convert_to_megatron`)."""
     opts = opts or Options()
+    if to == "megatron" or parallel:
+        return convert_to_megatron(src, dst, opts, to=to, parallel=parallel or {}, dry_run=dry_run, shards=shards,
+                                   plan_in=plan_in, plan_out=plan_out, share=share, no_schedule=no_schedule)
     if also is not None or also_key is not None or also_out is not None:
         return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
                              progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out,
@@ -561,3 +568,51 @@ def _target_order(opts: Options) -> list[str] | None:
     if opts.model is not None and opts.model.order == "named_parameters":
         return [m.path for m in opts.model.params if not m.buffer]
     return None
+
+
+def _refuse_hf_schedule(src: str) -> None:
+    """HF / torch → Megatron: the written ``opt_param_scheduler`` is ``--megatron-args``' (positioned at the
+    HF step), never the HF run's own: a schedule beside the source is not dropped in silence."""
+    with io.open_checkpoint(src) as ckpt:
+        _, label = schedule_carry.source_schedule(ckpt)
+    if label is not None:
+        raise MappingError(f"the LR schedule ({label}) is not carried to megatron: the opt_param_scheduler written "
+                           "is --megatron-args' own (its warm-up, decay and lrs), positioned at the HF step; "
+                           f"{schedule_carry.DROP_HINT}", src)
+
+
+def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, parallel: dict, dry_run: bool,
+                        shards: int | None, plan_in: str | None, plan_out: str | None, share: Share | None,
+                        no_schedule: bool = False) -> Result:
+    """Megatron torch_dist → torch_dist at the parallel sizes ``parallel`` names
+    (:mod:`statekit.frameworks.megatron.write_dist`); ``dst`` is the new save root."""
+    if to != "megatron":
+        raise UsageError("--tp/--pp/--dp/--sharding/--megatron-args apply to --to megatron")
+    from dataclasses import replace as _replace
+
+    megatron_args = parallel.get("megatron_args")
+    extra = _replace(opts, model=None, names=None, names_order=None) if megatron_args else opts
+    if extra != Options() or plan_in or plan_out or dry_run:
+        raise UsageError("--to megatron takes only --tp, --pp, --dp, --sharding, --shards and, from an HF / torch "
+                         "state, --megatron-args with --model / --names (no plan, renames or hyperparameters)")
+    if share is not None and share.count > 1:
+        raise UsageError("--to megatron is written by one process")
+    from statekit.frameworks.megatron import write_dist
+
+    target = write_dist.Target(tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"),
+                               sharding=parallel.get("sharding") or "fully_reshardable")
+    if megatron_args:
+        from statekit.ops import megatron_from_hf
+
+        if not no_schedule:
+            _refuse_hf_schedule(src)
+        done = megatron_from_hf.write(src, dst, megatron_args, parallel.get("model_path"), target,
+                                      lambda state: name_source_params(state, opts, src), shards=shards)
+    else:
+        done = write_dist.write(src, dst, target, shards=shards)
+    sizes = done.sizes
+    lines = [f"wrote {done.path}: Megatron torch_dist, {target.sharding}, TP {sizes['tp']} PP {sizes['pp']} "
+             f"DP {sizes['dp']} (world {sizes['world_size']}), {done.tensors} tensors, iteration {done.iteration}"]
+    summary = {"path": done.path, "format": "megatron-dist", "sharding": target.sharding, "iteration": done.iteration,
+               "sizes": done.sizes, "tensors": done.tensors, "bytes": done.nbytes, "notes": done.notes}
+    return Result(None, done.nbytes, messages=lines + done.notes, summary=summary)
