@@ -382,3 +382,28 @@ def test_hf_state_to_megatron(tmp_path, cli):
     ours = _tensors(tmp_path / "out")
     assert set(ours) == set(result["tensors"])
     assert all(hashlib.sha256(raw).hexdigest() == result["tensors"][k]["sha256"] for k, (_d, _s, raw) in ours.items())
+
+
+@pytest.mark.torch
+def test_an_hf_schedule_beside_the_state_is_not_dropped_in_silence(tmp_path, cli):
+    """The opt_param_scheduler written is --megatron-args' own: an HF run's scheduler.pt beside the state
+    (here a real torch LambdaLR's state_dict) is refused unless --no-schedule."""
+    torch = pytest.importorskip("torch")
+    import shutil  # noqa: PLC0415
+
+    src = tmp_path / "hf"
+    shutil.copytree(HF, src)
+    p = torch.nn.Parameter(torch.zeros(1))
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW([p], lr=1e-3), lambda s: 1.0 - s / 10)
+    for _ in range(3):
+        sched.optimizer.step()
+        sched.step()
+    torch.save(sched.state_dict(), src / "scheduler.pt")
+    args = ("convert", str(src / "optimizer.pt"), str(tmp_path / "out"), "--to", "megatron", "--megatron-args",
+            str(DP_RESHARDABLE), "--model", str(src / "model.safetensors"), "--names", str(src / "optimizer_names.txt"),
+            "--names-order", "optimizer")
+    r = cli(*args)
+    assert r.returncode == 1 and not (tmp_path / "out").exists()
+    assert "LR schedule" in r.stderr and "--no-schedule" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert cli(*args, "--no-schedule").returncode == 0
+    assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").exists()
