@@ -254,6 +254,11 @@ def convert(
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
+    tp: Annotated[int | None, typer.Option("--tp", metavar="N", help="--to megatron-legacy: the target tensor-parallel size (default: the source's).")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron-legacy: the target pipeline-parallel size (uniform stages).")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron-legacy: the target data-parallel size (the distributed optimizer's layout).")] = None,
+    vocab_divisible_by: Annotated[int | None, typer.Option("--vocab-divisible-by", metavar="N", help="--to megatron-legacy: the target's make_vocab_size_divisible_by (the padded vocabulary is a multiple of N × TP; default: the source's).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -277,6 +282,18 @@ def convert(
     from statekit.ops.shares import resolve as resolve_share
 
     out = _output(fmt, json_out)
+    if to == "megatron-legacy":  # a Megatron legacy checkpoint at other parallel sizes (ops/megatron_reshard.py)
+        from statekit.ops.megatron_reshard import reshard
+
+        result = reshard(str(src), str(dst), tp=tp, pp=pp, ep=ep, dp=dp, vocab_divisible_by=vocab_divisible_by,
+                         dry_run=dry_run)
+        if out.json_mode:
+            out.json(result.to_json())
+        else:
+            _finish(result, out)
+        return
+    if any(v is not None for v in (tp, pp, ep, dp, vocab_divisible_by)):
+        raise UsageError("--tp/--pp/--ep/--dp/--vocab-divisible-by: only with --to megatron-legacy")
     if step not in (None, "max"):
         raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,

@@ -363,11 +363,28 @@ class _Writer:
             del index
         return obj, dist if len(parts) > 1 else dist[0]
 
+    def grid(self) -> list[tuple[int, int, int]]:
+        t = self.t
+        return [(tp, pp, ep) for pp in range(t.pp) for ep in range(t.ep) for tp in range(t.tp)]
+
+    def folders(self) -> list[str]:
+        return [rank_folder(tp, pp, ep, self.t) for tp, pp, ep in self.grid()]
+
     def _opt_state(self, part: object) -> object:
         if part is None:
             return None
         inner = part.get("optimizer", part)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.get("param_groups", [])]
+        if any("step" not in g for g in groups):
+            # the non-distributed optimizer keeps torch's step per parameter; the distributed one's
+            # state_dict folds the one step of all its parameters into every group (as a float)
+            steps = {p.step for p in self.ckpt.optimizer.params}
+            if len(steps) != 1 or None in steps:
+                raise FormatError(f"the parameters' steps are {sorted(map(str, steps))}: the distributed "
+                                  "optimizer keeps one step, so statekit does not choose", self.src)
+            (step,) = steps
+            for g in groups:
+                g.setdefault("step", float(step))
         out = {k: v for k, v in part.items() if k not in ("optimizer", "fp32_from_fp16_params")}
         return {"optimizer": {"param_groups": groups}, **out}
 
@@ -387,9 +404,20 @@ def rank_folder(tp: int, pp: int, ep: int, target: Target) -> str:
     return name
 
 
-def write(src: str, out: str, target: Target) -> Result:
-    """Write the legacy checkpoint ``src`` to the new save root ``out`` at ``target``'s sizes
-    (``out`` must not exist; it appears whole or not at all)."""
+def source_sizes(src: str) -> dict[str, int]:
+    """The source's TP, PP, EP and DP (from its args), for sizes the caller leaves unset."""
+    reader = legacy._Reader(src)
+    folders = container.rank_dirs(reader.iteration)
+    file = os.path.join(reader.iteration, folders[0], container.MODEL_FILE)
+    obj = container.load(file)
+    if not isinstance(obj, dict) or "args" not in obj:
+        raise FormatError("no args in model_optim_rng.pt: the run's parallel layout is unknown", file)
+    cfg = config.from_args(obj["args"], file)
+    return {"tp": cfg.tp or 1, "pp": cfg.pp or 1, "ep": cfg.ep or 1, "dp": cfg.need("dp", "the source's DP size")}
+
+
+def check(src: str, out: str, target: Target) -> _Writer:
+    """Everything :func:`write` refuses, refused before anything is written; the prepared writer."""
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"{out}: exists and is not an empty folder; statekit writes a new save root")
     w = _Writer(src, target)
@@ -399,6 +427,13 @@ def write(src: str, out: str, target: Target) -> Result:
     if not w.same_layout:
         w.notes.append("TP, PP or EP changed: no rng_state is written (it belongs to a rank); run Megatron with "
                        "--no-load-rng")
+    return w
+
+
+def write(src: str, out: str, target: Target) -> Result:
+    """Write the legacy checkpoint ``src`` to the new save root ``out`` at ``target``'s sizes
+    (``out`` must not exist; it appears whole or not at all)."""
+    w = check(src, out, target)
     iteration = os.path.basename(os.path.normpath(w.reader.iteration))
     parent = os.path.dirname(os.path.abspath(out)) or "."
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.statekit-{os.getpid()}.tmp")
@@ -406,18 +441,15 @@ def write(src: str, out: str, target: Target) -> Result:
     result = Result(out, notes=w.notes)
     try:
         os.makedirs(os.path.join(tmp, iteration))
-        t = target
-        for pp in range(t.pp):
-            for ep in range(t.ep):
-                for tp in range(t.tp):
-                    folder = rank_folder(tp, pp, ep, t)
-                    full = os.path.join(tmp, iteration, folder)
-                    os.makedirs(full)
-                    obj, dist = w.rank_objects(tp, pp, ep)
-                    torch_pt.save_pt(obj, os.path.join(full, container.MODEL_FILE))
-                    torch_pt.save_pt(dist, os.path.join(full, container.DISTRIB_FILE))
-                    result.folders.append(folder)
-                    result.nbytes += sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full))
+        for tp, pp, ep in w.grid():
+            folder = rank_folder(tp, pp, ep, target)
+            full = os.path.join(tmp, iteration, folder)
+            os.makedirs(full)
+            obj, dist = w.rank_objects(tp, pp, ep)
+            torch_pt.save_pt(obj, os.path.join(full, container.MODEL_FILE))
+            torch_pt.save_pt(dist, os.path.join(full, container.DISTRIB_FILE))
+            result.folders.append(folder)
+            result.nbytes += sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full))
         with open(os.path.join(tmp, container.TRACKER), "w") as fh:
             fh.write(str(w.ckpt.metadata.get("megatron.iteration", "")) if iteration.startswith("iter_")
                      else "release")
