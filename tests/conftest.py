@@ -48,6 +48,10 @@ def _pin_environment() -> None:
             del os.environ[name]
 
 
+# a megatron-core venv's python for the tests that run megatron-core itself (skipped without it);
+# read before the pin below removes every STATEKIT_* variable (a test's ``from tests.conftest import``
+# runs this module a second time, after the pin: it takes pytest's own import's value)
+MCORE_PY = os.environ.get("STATEKIT_MCORE_PY") or getattr(sys.modules.get("conftest"), "MCORE_PY", None)
 _pin_environment()
 
 
