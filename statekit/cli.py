@@ -276,37 +276,45 @@ def convert(
     A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
     state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
-    _jobs(jobs)
+    from types import SimpleNamespace
+
+    _convert(SimpleNamespace(**locals()))
+
+
+def _convert(a) -> None:
+    """The body of :func:`convert` (its parameters as ``a``'s attributes)."""
+    _jobs(a.jobs)
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
     from statekit.ops.shares import resolve as resolve_share
 
-    out = _output(fmt, json_out)
-    if to == "megatron-legacy":  # a Megatron legacy checkpoint at other parallel sizes (ops/megatron_reshard.py)
+    out = _output(a.fmt, a.json_out)
+    if a.to == "megatron-legacy":  # a Megatron legacy checkpoint at other parallel sizes (ops/megatron_reshard.py)
         from statekit.ops.megatron_reshard import reshard
 
-        result = reshard(str(src), str(dst), tp=tp, pp=pp, ep=ep, dp=dp, vocab_divisible_by=vocab_divisible_by,
-                         dry_run=dry_run)
+        result = reshard(str(a.src), str(a.dst), tp=a.tp, pp=a.pp, ep=a.ep, dp=a.dp,
+                         vocab_divisible_by=a.vocab_divisible_by, dry_run=a.dry_run)
         if out.json_mode:
             out.json(result.to_json())
         else:
             _finish(result, out)
         return
-    if any(v is not None for v in (tp, pp, ep, dp, vocab_divisible_by)):
+    if any(v is not None for v in (a.tp, a.pp, a.ep, a.dp, a.vocab_divisible_by)):
         raise UsageError("--tp/--pp/--ep/--dp/--vocab-divisible-by: only with --to megatron-legacy")
-    if step not in (None, "max"):
-        raise UsageError(f"--step {step!r}: the only policy is 'max'")
-    opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
-                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
-                        names_order=names_order, model=model, dtype=dtype, step_policy=step,
-                        allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
-                        settings=hyper, fuse=fuse, split=split, stack=stack, unstack=unstack)
-    result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
-                         plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
-                         share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None)
+    if a.step not in (None, "max"):
+        raise UsageError(f"--step {a.step!r}: the only policy is 'max'")
+    opts = make_options(optimizer=a.optimizer, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
+                        amsgrad=a.amsgrad, momentum=a.momentum, dampening=a.dampening, nesterov=a.nesterov,
+                        rename=a.rename, rules=a.rules, preset=a.preset, transpose=a.transpose,
+                        no_transpose=a.no_transpose, names=a.names, names_order=a.names_order, model=a.model,
+                        dtype=a.dtype, step_policy=a.step, allow_nonfinite=a.allow_nonfinite,
+                        model_config=a.model_config, trust_remote_code=a.trust_remote_code, settings=a.hyper,
+                        fuse=a.fuse, split=a.split, stack=a.stack, unstack=a.unstack)
+    result = run_convert(str(a.src), str(a.dst), opts, to=a.to, key=a.key, dry_run=a.dry_run,
+                         plan_in=str(a.plan) if a.plan else None, plan_out=str(a.plan_out) if a.plan_out else None,
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, a.dry_run), shards=a.shards,
+                         share=resolve_share(a.shard), also=str(a.also) if a.also else None, also_key=a.also_key,
+                         also_out=str(a.also_out) if a.also_out else None)
     _finish(result, out)
 
 
