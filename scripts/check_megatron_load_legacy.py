@@ -53,6 +53,7 @@ CHECKS = {
     "no_distopt_tp1pp1dp2_to_tp2pp2dp1": ("gpt_torch_no_distopt_tp1pp1dp2", 2, 2, 1, 1, [],
                                           ["--use-distributed-optimizer"]),
     "moe_ep2dp2_to_ep4dp4": ("moe_torch_distopt_ep2dp2", 1, 1, 4, 4, [], []),
+    "moe_ep2dp2_to_ep1dp2": ("moe_torch_distopt_ep2dp2", 1, 1, 1, 2, [], []),
 }
 
 

@@ -173,6 +173,19 @@ def test_moe_ep2_to_ep4_and_back_and_a_dp_change(tmp_path):
     assert diffs and all(d.endswith(("data_parallel_size: 2 != 4", "world_size: 2 != 4")) for d in diffs)
 
 
+def test_moe_ep2_to_ep1_and_back_moves_the_expert_optimizer(tmp_path):
+    """EP 1 (ETP = TP): the experts are dense parameters for Megatron (one optimizer, their groups the
+    dense ones); back at EP 2 the ChainedOptimizer's expert member is rebuilt as Megatron wrote it."""
+    one, back = tmp_path / "ep1", tmp_path / "back"
+    r = write_legacy.write(str(MOE), str(one), write_legacy.Target(1, 1, 1, 2))
+    assert r.folders == ["mp_rank_00"]
+    obj = container.load(str(one / "iter_0000003" / "mp_rank_00" / container.MODEL_FILE))
+    assert isinstance(obj["optimizer"], dict)
+    assert [g["is_expert_parallel"] for g in obj["optimizer"]["optimizer"]["param_groups"]] == [False, False]
+    write_legacy.write(str(one), str(back), write_legacy.Target(1, 1, 2, 2))
+    assert rank_diffs(MOE, back, drop=("rng_state",)) == []
+
+
 def test_statekit_diff_equal_after_reshard(tmp_path):
     out = tmp_path / "ep4"
     write_legacy.write(str(MOE), str(out), write_legacy.Target(1, 1, 4, 4))
@@ -197,8 +210,6 @@ def test_no_distopt_source_becomes_the_distributed_form(tmp_path):
 def test_refusals(tmp_path):
     with pytest.raises(StatekitError, match=r"padding rows 112-127 hold .* nonzero"):
         write_legacy.write(str(TP2PP2), str(tmp_path / "a"), write_legacy.Target(1, 1, 1, 1))
-    with pytest.raises(StatekitError, match="out of their own optimizer"):
-        write_legacy.write(str(MOE), str(tmp_path / "b"), write_legacy.Target(1, 1, 1, 2))
     with pytest.raises(StatekitError, match="do not split into PP 4"):
         write_legacy.write(str(TP2PP2), str(tmp_path / "c"), write_legacy.Target(2, 4, 1, 1))
     with pytest.raises(StatekitError, match="experts do not split into EP 3"):

@@ -24,8 +24,9 @@ its TP shards joined, every master proved against its weight). For each target r
     for the target (rule ≥ 0.8, the target's DP×CP and bucket size); gaps are zeros. A
     ChainedOptimizer's list holds the dense state in EP-rank-0 folders only (None elsewhere).
 
-Refused, each in one line: a source that is not a legacy checkpoint, the non-distributed optimizer
-as the target form, an EP change that moves the experts in or out of their own optimizer, vocabulary
+The target is always the distributed optimizer's form (a non-distributed source's per-parameter
+steps folded into its groups). Refused, each in one line: a source that is not a legacy
+checkpoint, an EP change whose expert and dense groups disagree, vocabulary
 padding rows that hold state and the target would drop, a tied output layer copy that differs from
 the embedding, non-uniform pipeline layouts. Memory: one parameter at a time (the tensors are
 written lazily, each rank shard cut from its whole tensor when the file streams it).
@@ -194,10 +195,60 @@ class _Writer:
         self.tcfg = config.from_args(raw, self.src)
         self.padded = padded
         self.same_layout = (t.tp, t.pp, t.ep) == (cfg.tp or 1, cfg.pp or 1, cfg.ep or 1)
-        if self.cfg.experts_in_own_buffer() != self.tcfg.experts_in_own_buffer() and cfg.num_experts:
-            raise UsageError(f"--ep {t.ep}: the experts would move {'out of' if t.ep == 1 else 'into'} their own "
-                             "optimizer (a ChainedOptimizer member): statekit does not write that change yet")
         self._vocab_rows()
+        self._optimizer_parts()
+
+    def _optimizer_parts(self) -> None:
+        """The target's optimizer state_dict(s): one optimizer, or dense + expert (a ChainedOptimizer)
+        when the experts have their own buffer (EP > 1 or ETP ≠ TP). All ranks hold the same param
+        groups (mcore 0.19 aligns them over the world); a change of structure moves the groups."""
+        src = self.ranks[0].obj.get("optimizer")
+        parts = [self._opt_state(p) for p in (src if isinstance(src, list) else [src])]
+        before = len(parts) == 2
+        after = bool(self.cfg.num_experts) and self.tcfg.experts_in_own_buffer()
+        self.chained = after
+        if before == after:
+            self.opt_parts = parts
+            return
+        if before:  # EP > 1 → EP 1: the expert groups join the dense ones with their identifiers
+            dense, expert = parts
+            for g in expert["optimizer"]["param_groups"]:
+                twin = self._twin(dense["optimizer"]["param_groups"], g, False)
+                differ = [k for k in legacy._GROUP_AGREE if twin.get(k) != g.get(k)]
+                if differ:
+                    raise FormatError(f"the expert param group {_ident(g)} has other {differ} than the dense group it "
+                                      "joins at EP 1: statekit does not choose", self.src)
+            self.opt_parts = [dense]
+            self.notes.append("EP 1: the experts are in the dense optimizer (the expert groups joined the dense groups "
+                              "of the same identifiers, their hyperparameters and step checked equal)")
+            return
+        # EP 1 → EP > 1: an expert group per identifier the expert parameters have, from its dense twin
+        (dense,) = parts
+        wanted = []
+        for p in self.params.values():
+            if p.expert:
+                ident = legacy._group_identity(_AsLocal(p), self.cfg, False)
+                if ident not in wanted:
+                    wanted.append(ident)
+        groups = dense["optimizer"]["param_groups"]
+        expert = [dict(self._twin(groups, {**ident, "is_expert_parallel": False}, False), is_expert_parallel=True)
+                  for ident in wanted]
+        order = {id(g): i for i, g in enumerate(groups)}
+        expert.sort(key=lambda g: order[id(self._twin(groups, {**g, "is_expert_parallel": False}, False))])
+        self.opt_parts = [dense, {**{k: v for k, v in dense.items() if k != "optimizer"},
+                                  "optimizer": {"param_groups": expert}}]
+        self.notes.append("EP > 1: the experts get their own optimizer (a ChainedOptimizer member), its groups the dense "
+                          "groups of the same identifiers marked is_expert_parallel")
+
+    def _twin(self, groups: list[dict], g: dict, expert: bool) -> dict:
+        keys = ("wd_mult", "lr_mult", "is_decoupled_lr")
+        hits = [h for h in groups if all(h.get(k, d) == g.get(k, d) for k, d in zip(keys, (1.0, 1.0, False),
+                                                                                    strict=True))
+                and bool(h.get("is_expert_parallel")) == expert]
+        if len(hits) != 1:
+            raise FormatError(f"param group {_ident(g)}: {len(hits)} groups of the other optimizer have its identifiers; "
+                              "statekit does not guess", self.src)
+        return hits[0]
 
     def _vocab_rows(self) -> None:
         for name, p in self.params.items():
@@ -322,9 +373,7 @@ class _Writer:
             model[lname] = w
             local.append((lname, p))
         first = self.ranks[0].obj
-        src_opt = first.get("optimizer")
-        parts = src_opt if isinstance(src_opt, list) else [src_opt]
-        opt_parts = [self._opt_state(part) for part in parts]
+        opt_parts = self.opt_parts
         fields = dict(self.args)
         if "rank" in fields:  # the rank that writes this folder (DP rank 0), Megatron's default order tp-cp-ep-dp-pp
             t, cp = self.t, self.tcfg.cp or 1
@@ -335,7 +384,7 @@ class _Writer:
         args = Record("argparse.Namespace", fields)
         obj = {"args": args, "checkpoint_version": first.get("checkpoint_version", 3.0),
                "iteration": first.get("iteration"), "model": model,
-               "optimizer": opt_parts if isinstance(src_opt, list) else opt_parts[0]}
+               "optimizer": opt_parts if self.chained else opt_parts[0]}
         for key in ("opt_param_scheduler", "lr_scheduler"):
             if key in first:
                 obj[key] = first[key]
@@ -347,7 +396,7 @@ class _Writer:
             if key in first:
                 obj[key] = first[key]
         by_local = dict(local)
-        members = [None] if len(parts) == 1 else [False, True]
+        members = [False, True] if self.chained else [None]
         dist = []
         for index, expert_part in enumerate(members):
             if expert_part is False and ep != 0:
@@ -361,7 +410,7 @@ class _Writer:
                 entry[g] = {dtype_key: tensors}
             dist.append({"buckets_coalesced": True, **entry})
             del index
-        return obj, dist if len(parts) > 1 else dist[0]
+        return obj, dist if self.chained else dist[0]
 
     def grid(self) -> list[tuple[int, int, int]]:
         t = self.t
@@ -387,6 +436,29 @@ class _Writer:
                 g.setdefault("step", float(step))
         out = {k: v for k, v in part.items() if k not in ("optimizer", "fp32_from_fp16_params")}
         return {"optimizer": {"param_groups": groups}, **out}
+
+
+@dataclass
+class _AsLocal:
+    """A whole-model parameter as :func:`.legacy._group_identity` reads one (name, weight, expert)."""
+
+    p: _Param
+
+    @property
+    def name(self) -> str:
+        return self.p.name
+
+    @property
+    def weight(self) -> TensorRef:
+        return self.p.weight
+
+    @property
+    def expert(self) -> bool:
+        return self.p.expert
+
+
+def _ident(g: dict) -> dict:
+    return {k: g.get(k) for k in legacy._GROUP_IDENTITY}
 
 
 def _torch_dtype(name: str):
