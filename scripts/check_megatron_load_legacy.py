@@ -50,8 +50,11 @@ import make_megatron_fixtures as gen  # noqa: E402  (the fixture generator's cas
 CHECKS = {
     "tp2pp2dp1_to_tp1pp1dp2": ("gpt_torch_distopt_tp2pp2dp1", 1, 1, 1, 2, ["--vocab-divisible-by", "32"],
                                ["--make-vocab-size-divisible-by", "32"]),
-    "no_distopt_tp1pp1dp2_to_tp2pp2dp1": ("gpt_torch_no_distopt_tp1pp1dp2", 2, 2, 1, 1, [],
+    "no_distopt_tp1pp1dp2_to_tp2pp2dp1": ("gpt_torch_no_distopt_tp1pp1dp2", 2, 2, 1, 1, ["--distributed-optimizer"],
                                           ["--use-distributed-optimizer"]),
+    # the non-distributed form kept (Megatron without --use-distributed-optimizer), the vocabulary kept at 112 rows
+    "no_distopt_tp1pp1dp2_to_tp2pp2dp1_plain": ("gpt_torch_no_distopt_tp1pp1dp2", 2, 2, 1, 1,
+                                                ["--vocab-divisible-by", "8"], ["--make-vocab-size-divisible-by", "8"]),
     "moe_ep2dp2_to_ep4dp4": ("moe_torch_distopt_ep2dp2", 1, 1, 4, 4, [], []),
     "moe_ep2dp2_to_ep1dp2": ("moe_torch_distopt_ep2dp2", 1, 1, 1, 2, [], []),
 }
@@ -73,7 +76,7 @@ def digests(folder: Path) -> dict[str, str]:
     def walk(obj, where):
         if isinstance(obj, torch.Tensor):
             t = obj.detach().contiguous().cpu()
-            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             out[where] = f"{str(t.dtype)[6:]}{list(t.shape)}:{hashlib.sha256(raw).hexdigest()[:32]}"
         elif isinstance(obj, dict):
             for k, v in obj.items():
@@ -136,8 +139,7 @@ def run_check(check: str, statekit_python: str, port: int) -> dict:
     mbs = min(2, gbs // dp)
     mg_argv = base + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                       "--expert-model-parallel-size", str(ep), "--global-batch-size", str(gbs),
-                      "--micro-batch-size", str(mbs),
-                      "--use-distributed-optimizer", *mg_extra, "--load", str(written), "--no-load-rng"]
+                      "--micro-batch-size", str(mbs), *mg_extra, "--load", str(written), "--no-load-rng"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
            str(Path(__file__).resolve()), "--worker", "--saves", "3,4", "--facts", str(tmp / "facts.json"),
            "--megatron-args", shlex.join(mg_argv)]

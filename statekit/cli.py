@@ -258,6 +258,7 @@ def convert(
     pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron-legacy: the target pipeline-parallel size (uniform stages).")] = None,
     ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
     dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron-legacy: the target data-parallel size (the distributed optimizer's layout).")] = None,
+    distributed_optimizer: Annotated[bool | None, typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="--to megatron-legacy: the optimizer's form, the distributed optimizer's distrib_optim.pt or the non-distributed state (default: the source's).")] = None,
     vocab_divisible_by: Annotated[int | None, typer.Option("--vocab-divisible-by", metavar="N", help="--to megatron-legacy: the target's make_vocab_size_divisible_by (the padded vocabulary is a multiple of N × TP; default: the source's).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
@@ -293,14 +294,16 @@ def _convert(a) -> None:
         from statekit.ops.megatron_reshard import reshard
 
         result = reshard(str(a.src), str(a.dst), tp=a.tp, pp=a.pp, ep=a.ep, dp=a.dp,
-                         vocab_divisible_by=a.vocab_divisible_by, dry_run=a.dry_run)
+                         vocab_divisible_by=a.vocab_divisible_by, distributed=a.distributed_optimizer,
+                         dry_run=a.dry_run)
         if out.json_mode:
             out.json(result.to_json())
         else:
             _finish(result, out)
         return
-    if any(v is not None for v in (a.tp, a.pp, a.ep, a.dp, a.vocab_divisible_by)):
-        raise UsageError("--tp/--pp/--ep/--dp/--vocab-divisible-by: only with --to megatron-legacy")
+    if any(v is not None for v in (a.tp, a.pp, a.ep, a.dp, a.vocab_divisible_by, a.distributed_optimizer)):
+        raise UsageError("--tp/--pp/--ep/--dp/--vocab-divisible-by/--[no-]distributed-optimizer: only with --to "
+                         "megatron-legacy")
     if a.step not in (None, "max"):
         raise UsageError(f"--step {a.step!r}: the only policy is 'max'")
     opts = make_options(optimizer=a.optimizer, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,

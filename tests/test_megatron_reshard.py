@@ -194,14 +194,27 @@ def test_statekit_diff_equal_after_reshard(tmp_path):
     assert json.loads(done.stdout)["equal"] is True
 
 
-def test_no_distopt_source_becomes_the_distributed_form(tmp_path):
-    out = tmp_path / "tp2pp2"
-    r = write_legacy.write(str(NO_DISTOPT), str(out), write_legacy.Target(2, 2, 1, 1))
-    assert any("non-distributed" in n for n in r.notes)
-    obj = container.load(str(out / "iter_0000003" / "mp_rank_01_001" / container.MODEL_FILE))
+def test_non_distributed_form_is_megatrons_and_crosses_both_ways(tmp_path):
+    """The non-distributed form (torch ids by group, a step tensor each, fp32_from_fp16_params) at the
+    fixture's sizes is megatron-core's own file bit for bit; either form converts to the other and back."""
+    same = tmp_path / "same"
+    write_legacy.write(str(NO_DISTOPT), str(same), write_legacy.Target(1, 1, 1, 2))
+    assert rank_diffs(NO_DISTOPT, same) == []
+    dist = tmp_path / "tp2pp2"
+    r = write_legacy.write(str(NO_DISTOPT), str(dist), write_legacy.Target(2, 2, 1, 1, distributed=True))
+    assert any("target is written in the distributed form" in n for n in r.notes)
+    obj = container.load(str(dist / "iter_0000003" / "mp_rank_01_001" / container.MODEL_FILE))
     groups = obj["optimizer"]["optimizer"]["param_groups"]
     assert [g["step"] for g in groups] == [3.0, 3.0]  # the fixture's torch step per parameter is 3
     assert all("params" not in g for g in groups)
+    back = tmp_path / "back"
+    write_legacy.write(str(dist), str(back), write_legacy.Target(1, 1, 1, 2, 16, distributed=False))
+    assert rank_diffs(NO_DISTOPT, back, drop=("rng_state",)) == []
+    plain, again = tmp_path / "plain", tmp_path / "again"
+    write_legacy.write(str(TP2PP2), str(plain), write_legacy.Target(1, 1, 1, 2, 32, distributed=False))
+    assert not (plain / "iter_0000003" / "mp_rank_00" / container.DISTRIB_FILE).exists()
+    write_legacy.write(str(plain), str(again), write_legacy.Target(2, 2, 1, 1, 16, distributed=True))
+    assert rank_diffs(TP2PP2, again, drop=("rng_state",)) == []
 
 
 # ---------------------------------------------------------------------------------- refusals

@@ -36,7 +36,8 @@ class Reshard:
 
 
 def reshard(src: str, dst: str, *, tp: int | None, pp: int | None, ep: int | None, dp: int | None,
-            vocab_divisible_by: int | None = None, dry_run: bool = False) -> Reshard:
+            vocab_divisible_by: int | None = None, distributed: bool | None = None,
+            dry_run: bool = False) -> Reshard:
     """Rewrite the legacy checkpoint ``src`` into the new save root ``dst`` at the given sizes
     (None: the source's)."""
     from statekit.frameworks.megatron import write_legacy
@@ -45,7 +46,7 @@ def reshard(src: str, dst: str, *, tp: int | None, pp: int | None, ep: int | Non
         raise UsageError(f"--vocab-divisible-by {vocab_divisible_by}: must be at least 1")
     source = write_legacy.source_sizes(src)
     target = write_legacy.Target(tp or source["tp"], pp or source["pp"], ep or source["ep"], dp or source["dp"],
-                                 vocab_divisible_by)
+                                 vocab_divisible_by, distributed)
     sizes = {"tp": target.tp, "pp": target.pp, "ep": target.ep, "dp": target.dp}
     if dry_run:
         writer = write_legacy.check(src, dst, target)

@@ -24,8 +24,10 @@ its TP shards joined, every master proved against its weight). For each target r
     for the target (rule ≥ 0.8, the target's DP×CP and bucket size); gaps are zeros. A
     ChainedOptimizer's list holds the dense state in EP-rank-0 folders only (None elsewhere).
 
-The target is always the distributed optimizer's form (a non-distributed source's per-parameter
-steps folded into its groups). Refused, each in one line: a source that is not a legacy
+The optimizer is written in the source's form unless :attr:`Target.distributed` says otherwise:
+the distributed form above (a non-distributed source's per-parameter steps folded into its groups)
+or the non-distributed one (``Float16OptimizerWithFloat16Params``: torch's state by ids, a ``step``
+tensor per parameter, ``fp32_from_fp16_params``; no ``distrib_optim.pt``). Refused, each in one line: a source that is not a legacy
 checkpoint, an EP change whose expert and dense groups disagree, vocabulary
 padding rows that hold state and the target would drop, a tied output layer copy that differs from
 the embedding, non-uniform pipeline layouts. Memory: one parameter at a time (the tensors are
@@ -58,6 +60,7 @@ class Target:
     ep: int
     dp: int
     vocab_divisible_by: int | None = None
+    distributed: bool | None = None  # the optimizer's form (None: the source's)
 
 
 @dataclass
@@ -182,9 +185,12 @@ class _Writer:
             padded = cfg.padded_vocab_size
         else:
             padded = config.padded_vocab(vocab, divisible, t.tp)
+        source_distributed = (bool(cfg.use_distributed_optimizer) if cfg.use_distributed_optimizer is not None
+                              else any(r.distrib is not None for r in self.ranks))
+        self.distributed = source_distributed if t.distributed is None else t.distributed
         raw.update({"tensor_model_parallel_size": t.tp, "pipeline_model_parallel_size": t.pp,
                     "expert_model_parallel_size": t.ep, "data_parallel_size": t.dp, "world_size": world,
-                    "padded_vocab_size": padded, "use_distributed_optimizer": True})
+                    "padded_vocab_size": padded, "use_distributed_optimizer": self.distributed})
         for key, value in (("expert_tensor_parallel_size", t.tp), ("transformer_pipeline_model_parallel_size", t.pp),
                            ("tensor_parallel_num_weight_shards", t.tp),
                            ("expert_tensor_parallel_num_weight_shards", t.tp),
@@ -384,7 +390,9 @@ class _Writer:
         args = Record("argparse.Namespace", fields)
         obj = {"args": args, "checkpoint_version": first.get("checkpoint_version", 3.0),
                "iteration": first.get("iteration"), "model": model,
-               "optimizer": opt_parts if self.chained else opt_parts[0]}
+               "optimizer": None}
+        parts = opt_parts if self.distributed else self._plain_parts(local, tp_rank)
+        obj["optimizer"] = parts if self.chained else parts[0]
         for key in ("opt_param_scheduler", "lr_scheduler"):
             if key in first:
                 obj[key] = first[key]
@@ -395,6 +403,8 @@ class _Writer:
         for key in ("rerun_state_machine", "num_floating_point_operations_so_far"):
             if key in first:
                 obj[key] = first[key]
+        if not self.distributed:
+            return obj, None
         by_local = dict(local)
         members = [False, True] if self.chained else [None]
         dist = []
@@ -411,6 +421,45 @@ class _Writer:
             dist.append({"buckets_coalesced": True, **entry})
             del index
         return obj, dist if self.chained else dist[0]
+
+    def _plain_parts(self, local: list[tuple[str, _Param]], tp_rank: int) -> list[dict]:
+        """The non-distributed optimizer's state_dict(s) (``Float16OptimizerWithFloat16Params``): torch's
+        state keyed by ids numbering each group's parameters in order (Megatron's group rule over the
+        rank's registration order), a ``step`` tensor per parameter, and ``fp32_from_fp16_params``
+        (per group, the half-precision parameters' masters)."""
+        sep = self.tcfg.experts_in_own_buffer()
+        members = [False, True] if self.chained else [None]
+        out = []
+        for part, expert_part in zip(self.opt_parts, members, strict=True):
+            groups = [{k: v for k, v in g.items() if k != "step"} for g in part["optimizer"]["param_groups"]]
+            steps = {g.get("step") for g in part["optimizer"]["param_groups"]}
+            if len(steps) != 1 or None in steps:
+                raise FormatError(f"the param groups' steps are {sorted(map(str, steps))}: statekit does not choose "
+                                  "one per parameter", self.src)
+            (step,) = steps
+            held: list[list[_Param]] = [[] for _ in groups]
+            for lname, p in local:
+                if expert_part is not None and bool(p.expert and sep) != expert_part:
+                    continue
+                g = legacy._match_group(legacy._group_identity(_AsLocal(p), self.tcfg, sep), groups, lname, self.src)
+                held[g].append(p)
+            state: dict[int, dict] = {}
+            masters: list[list[TensorRef]] = []
+            pid = 0
+            for group, params in zip(groups, held, strict=True):
+                group["params"] = list(range(pid, pid + len(params)))
+                halves = []
+                for p in params:
+                    state[pid] = {"step": TensorRef.from_array(np.array(step, dtype=np.float32)),
+                                  **{s: self.tensor(p, p.moments[s], tp_rank) for s in SLOTS}}
+                    if p.weight.dtype != "F32":
+                        halves.append(self.tensor(p, p.master, tp_rank))
+                    pid += 1
+                masters.append(halves)
+            extra = {k: v for k, v in part.items() if k != "optimizer"}
+            out.append({"optimizer": {"state": state, "param_groups": groups}, "fp32_from_fp16_params": masters,
+                        **extra})
+        return out
 
     def grid(self) -> list[tuple[int, int, int]]:
         t = self.t
@@ -493,9 +542,13 @@ def check(src: str, out: str, target: Target) -> _Writer:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise UsageError(f"{out}: exists and is not an empty folder; statekit writes a new save root")
     w = _Writer(src, target)
-    if w.cfg.use_distributed_optimizer is False:
-        w.notes.append("the source used the non-distributed optimizer; the target is written in the distributed "
-                       "optimizer's form (run Megatron with --use-distributed-optimizer)")
+    source_distributed = w.cfg.use_distributed_optimizer is not False
+    if w.distributed != source_distributed:
+        w.notes.append("the source used the " + ("distributed" if source_distributed else "non-distributed")
+                       + " optimizer; the target is written in the " + ("distributed" if w.distributed else
+                                                                         "non-distributed")
+                       + " form (run Megatron " + ("with" if w.distributed else "without")
+                       + " --use-distributed-optimizer)")
     if not w.same_layout:
         w.notes.append("TP, PP or EP changed: no rng_state is written (it belongs to a rank); run Megatron with "
                        "--no-load-rng")
@@ -519,7 +572,8 @@ def write(src: str, out: str, target: Target) -> Result:
             os.makedirs(full)
             obj, dist = w.rank_objects(tp, pp, ep)
             torch_pt.save_pt(obj, os.path.join(full, container.MODEL_FILE))
-            torch_pt.save_pt(dist, os.path.join(full, container.DISTRIB_FILE))
+            if dist is not None:
+                torch_pt.save_pt(dist, os.path.join(full, container.DISTRIB_FILE))
             result.folders.append(folder)
             result.nbytes += sum(os.path.getsize(os.path.join(full, f)) for f in os.listdir(full))
         with open(os.path.join(tmp, container.TRACKER), "w") as fh:
