@@ -248,6 +248,12 @@ def test_cli_writes_and_refuses_in_one_line(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "padding rows" in done.stderr
     assert not bad.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    done = _cli("convert", str(MOE), str(tmp_path / "dry"), "--to", "megatron-legacy", "--ep", "4", "--dp", "4",
+                "--dry-run", "--json")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["bytes_written"] is None and got["rank_folders"] == [f"mp_rank_00_{e:03d}" for e in range(4)]
+    assert not (tmp_path / "dry").exists()
     done = _cli("convert", str(TP2PP2), str(tmp_path / "x.pt"), "--tp", "2")
     assert done.returncode != 0 and "only with --to megatron-legacy" in done.stderr
 
