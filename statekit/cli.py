@@ -264,11 +264,14 @@ def convert(
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
-    tp: Annotated[int | None, typer.Option("--tp", metavar="N", help="--to megatron: the tensor-parallel size of the run that loads it (default: the source's).")] = None,
-    pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron: the pipeline-parallel size (default: the source's).")] = None,
-    dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron: the data-parallel size (default: the source's).")] = None,
+    tp: Annotated[int | None, typer.Option("--tp", metavar="N", help="--to megatron / megatron-legacy: the tensor-parallel size of the run that loads it (default: the source's).")] = None,
+    pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron / megatron-legacy: the pipeline-parallel size (uniform stages; default: the source's).")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron / megatron-legacy: the data-parallel size (the distributed optimizer's layout; default: the source's).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="TYPE", help="--to megatron: the distributed optimizer's sharding type (fully_reshardable).")] = None,
     megatron_args: Annotated[Path | None, typer.Option("--megatron-args", metavar="DIR", help="--to megatron from an HF / torch state: a Megatron torch_dist checkpoint of the same model whose args and layout to write (the masters come from --model).")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
+    distributed_optimizer: Annotated[bool | None, typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="--to megatron-legacy: the optimizer's form, the distributed optimizer's distrib_optim.pt or the non-distributed state (default: the source's).")] = None,
+    vocab_divisible_by: Annotated[int | None, typer.Option("--vocab-divisible-by", metavar="N", help="--to megatron-legacy: the target's make_vocab_size_divisible_by (the padded vocabulary is a multiple of N × TP; default: the source's).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -285,30 +288,56 @@ def convert(
       statekit convert optim.bpk muon.pt --also-out adamw.pt
     A Megatron torch_dist checkpoint for a run at another TP/PP/DP (a new save root):
       statekit convert ckpt/ ckpt-tp2/ --to megatron --tp 2
+    A Megatron legacy checkpoint (mp_rank_*) resharded as legacy files:
+      statekit convert ckpt/ ckpt-tp1/ --to megatron-legacy --tp 1 --pp 1 --dp 2
     A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
     state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
-    _jobs(jobs)
+    from types import SimpleNamespace
+
+    _convert(SimpleNamespace(**locals()))
+
+
+def _convert(a) -> None:
+    """The body of :func:`convert` (its parameters as ``a``'s attributes)."""
+    _jobs(a.jobs)
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
     from statekit.ops.shares import resolve as resolve_share
 
-    out = _output(fmt, json_out)
-    opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
-                        preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
-                        names_order=names_order, model=model, dtype=dtype, step_policy=_step_policy(step),
-                        allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
-                        settings=hyper, fuse=fuse, split=split, stack=stack, unstack=unstack)
-    result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
-                         plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
-                         share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None, no_schedule=no_schedule,
-                         parallel={k: v for k, v in (("tp", tp), ("pp", pp), ("dp", dp), ("sharding", sharding),
-                                                     ("megatron_args", str(megatron_args) if megatron_args else None),
-                                                     ("model_path", str(model) if megatron_args and model else None))
-                                   if v is not None} or None)
+    out = _output(a.fmt, a.json_out)
+    if a.to == "megatron-legacy":  # a Megatron legacy checkpoint at other parallel sizes (ops/megatron_reshard.py)
+        if a.sharding is not None or a.megatron_args is not None:
+            raise UsageError("--sharding/--megatron-args: only with --to megatron (torch_dist)")
+        from statekit.ops.megatron_reshard import reshard
+
+        result = reshard(str(a.src), str(a.dst), tp=a.tp, pp=a.pp, ep=a.ep, dp=a.dp,
+                         vocab_divisible_by=a.vocab_divisible_by, distributed=a.distributed_optimizer,
+                         dry_run=a.dry_run)
+        if out.json_mode:
+            out.json(result.to_json())
+        else:
+            _finish(result, out)
+        return
+    if any(v is not None for v in (a.ep, a.vocab_divisible_by, a.distributed_optimizer)):
+        raise UsageError("--ep/--vocab-divisible-by/--[no-]distributed-optimizer: only with --to megatron-legacy")
+    opts = make_options(optimizer=a.optimizer, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
+                        amsgrad=a.amsgrad, momentum=a.momentum, dampening=a.dampening, nesterov=a.nesterov,
+                        rename=a.rename, rules=a.rules, preset=a.preset, transpose=a.transpose,
+                        no_transpose=a.no_transpose, names=a.names, names_order=a.names_order, model=a.model,
+                        dtype=a.dtype, step_policy=_step_policy(a.step), allow_nonfinite=a.allow_nonfinite,
+                        model_config=a.model_config, trust_remote_code=a.trust_remote_code, settings=a.hyper,
+                        fuse=a.fuse, split=a.split, stack=a.stack, unstack=a.unstack)
+    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("dp", a.dp), ("sharding", a.sharding),
+                                  ("megatron_args", str(a.megatron_args) if a.megatron_args else None),
+                                  ("model_path", str(a.model) if a.megatron_args and a.model else None))
+                if v is not None}
+    result = run_convert(str(a.src), str(a.dst), opts, to=a.to, key=a.key, dry_run=a.dry_run,
+                         plan_in=str(a.plan) if a.plan else None, plan_out=str(a.plan_out) if a.plan_out else None,
+                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, a.dry_run), shards=a.shards,
+                         share=resolve_share(a.shard), also=str(a.also) if a.also else None, also_key=a.also_key,
+                         also_out=str(a.also_out) if a.also_out else None, no_schedule=a.no_schedule,
+                         parallel=parallel or None)
     _finish(result, out)
 
 

@@ -587,7 +587,8 @@ def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, pa
     """Megatron torch_dist → torch_dist at the parallel sizes ``parallel`` names
     (:mod:`statekit.frameworks.megatron.write_dist`); ``dst`` is the new save root."""
     if to != "megatron":
-        raise UsageError("--tp/--pp/--dp/--sharding/--megatron-args apply to --to megatron")
+        raise UsageError("--tp/--pp/--dp apply to --to megatron or --to megatron-legacy; --sharding/--megatron-args "
+                         "to --to megatron")
     from dataclasses import replace as _replace
 
     megatron_args = parallel.get("megatron_args")

@@ -12,6 +12,7 @@ from statekit import dtypes
 from statekit.errors import MappingError
 from statekit.formats import limits
 from statekit.formats.torch_pickle.dtype_table import _STORAGE_CLASS_FOR, STATEKIT_TO_TORCH, TorchDtype
+from statekit.formats.torch_pickle.values import Record, RecordClass
 from statekit.tensor import TensorRef
 
 _TUPLE_OPS = (pickle.EMPTY_TUPLE, pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
@@ -65,6 +66,10 @@ class _Pickler:
             self.call("builtins", "complex", (obj.real, obj.imag), where)
         elif isinstance(obj, tuple | list | dict | set):
             self.save_container(obj, where)
+        elif isinstance(obj, RecordClass):
+            self.global_(*obj.name.rsplit(".", 1))
+        elif isinstance(obj, Record):
+            self.save_record(obj, where)
         else:
             raise MappingError(f"cannot write a {type(obj).__name__} to a .pt file (at {where})")
 
@@ -96,6 +101,36 @@ class _Pickler:
         self.global_(module, name)
         self.save_tuple(args, where)
         self.emit(pickle.REDUCE)
+
+    def save_record(self, record: Record, where: str) -> None:
+        """A :class:`Record` as read back: ``NEWOBJ(cls, ()) + BUILD(fields)`` for a class record
+        (``argparse.Namespace``: its ``__dict__``), ``cls(*args)`` (+ ``BUILD(state)``) for the
+        records an allowed callable made (numpy's ``_reconstruct``, a ``torch.Generator``: their
+        pickled arguments and state kept as read). The names written are the record's own."""
+        module, _, name = record.cls.rpartition(".")
+        if not module:
+            raise MappingError(f"cannot write a record of class {record.cls!r} (at {where})")
+        fields = record.fields
+        if set(fields) <= {"args", "state"} and "args" in fields and isinstance(fields["args"], tuple):
+            self.call(module, name, fields["args"], where)
+            if "state" in fields:
+                self.save(fields["state"], f"{where} state")
+                self.emit(pickle.BUILD)
+            return
+        if record.cls in ("_io.BytesIO", "io.BytesIO"):
+            self.global_(module, name)
+            self.emit(pickle.EMPTY_TUPLE, pickle.NEWOBJ)
+            self.save(tuple(fields.get(k) for k in ("value", "position", "attributes")), f"{where} state")
+            self.emit(pickle.BUILD)
+            return
+        if record.cls == "types.SimpleNamespace":
+            self.call(module, name, (dict(fields),), where)
+            return
+        self.global_(module, name)
+        self.emit(pickle.EMPTY_TUPLE, pickle.NEWOBJ)
+        if fields:
+            self.save(dict(fields), f"{where} fields")
+            self.emit(pickle.BUILD)
 
     def save_container(self, obj: tuple | list | dict | set, where: str) -> None:
         if id(obj) in self.active:
