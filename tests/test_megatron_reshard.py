@@ -255,7 +255,7 @@ def test_cli_writes_and_refuses_in_one_line(tmp_path):
     assert got["bytes_written"] is None and got["rank_folders"] == [f"mp_rank_00_{e:03d}" for e in range(4)]
     assert not (tmp_path / "dry").exists()
     done = _cli("convert", str(TP2PP2), str(tmp_path / "x.pt"), "--tp", "2")
-    assert done.returncode != 0 and "only with --to megatron-legacy" in done.stderr
+    assert done.returncode != 0 and "apply to --to megatron or --to megatron-legacy" in done.stderr
 
 
 # ------------------------------------------------------------- megatron-core's own load of it
