@@ -254,6 +254,9 @@ def convert(
     fmt: FormatOpt = None,
     json_out: JsonOpt = False,
     jobs: JobsOpt = None,
+    hf_model_type: Annotated[str | None, typer.Option("--hf-model-type", metavar="TYPE", help="A Megatron source: the Hugging Face model its names are for (llama, qwen2, qwen3, mixtral, qwen3_moe; default: what the run's args describe).")] = None,
+    hf_config: Annotated[Path | None, typer.Option("--hf-config", metavar="CONFIG", help="A Megatron source to a Trainer folder: this config.json (checked against the run's args) instead of one built from them.")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", metavar="WHICH", help="A Megatron source to a Trainer folder: model.safetensors holds the fp32 masters (master, the default) or them rounded to the run's dtype (model).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -268,6 +271,8 @@ def convert(
     A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
       statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
       statekit convert optim.bpk muon.pt --also-out adamw.pt
+    A Megatron checkpoint → a Hugging Face Trainer folder that resume_from_checkpoint continues from:
+      statekit convert megatron-run/ checkpoint-3/ [--hf-model-type llama] [--weights model]
     A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
     state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
@@ -289,7 +294,8 @@ def convert(
                          plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
                          share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None)
+                         also_out=str(also_out) if also_out else None, hf_model_type=hf_model_type,
+                         hf_config=str(hf_config) if hf_config else None, weights=weights)
     _finish(result, out)
 
 

@@ -125,15 +125,31 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
             shards: int | None = None, share: Share | None = None, also: str | None = None,
-            also_key: str | None = None, also_out: str | None = None) -> Result:
+            also_key: str | None = None, also_out: str | None = None, hf_model_type: str | None = None,
+            hf_config: str | None = None, weights: str | None = None) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
     this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index).
     ``also`` / ``also_key``: a second torch optimizer state over the same model (a Muon run's AdamW)
     joining a burn output as further groups; ``also_out``: where a burn record's second optimizer
-    goes as its own torch state_dict (:mod:`statekit.ops.pair`)."""
+    goes as its own torch state_dict (:mod:`statekit.ops.pair`). ``hf_model_type`` / ``hf_config`` /
+    ``weights``: a Megatron source to a Hugging Face Trainer folder (``to="hf-trainer"`` or a ``checkpoint-N``
+    destination; :mod:`statekit.ops.megatron_trainer`)."""
     opts = opts or Options()
+    from statekit.ops import megatron_trainer
+
+    if megatron_trainer.is_target(dst, to):
+        if plan_in or shards or also or also_out or (share is not None and share.count > 1 and share.index != 0):
+            raise UsageError("a Hugging Face Trainer folder is written by one process, from no saved plan, "
+                             "shards or second state")
+        with _naming(src):
+            return megatron_trainer.convert_folder(src, dst, opts, hf_model_type=hf_model_type, hf_config=hf_config,
+                                                   weights=weights or "master", dry_run=dry_run, progress=progress,
+                                                   on_plan=on_plan)
+    if hf_config is not None or weights is not None:
+        raise UsageError("--hf-config and --weights apply to a Hugging Face Trainer folder (DST checkpoint-N/ "
+                         "or --to hf-trainer)")
     if also is not None or also_key is not None or also_out is not None:
         return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
                              progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out)
@@ -185,7 +201,9 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None))
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(
+                opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None,
+                hf_type=hf_model_type))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
@@ -243,17 +261,23 @@ def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
                       "file records); --to torch writes torch's own")
 
 
-def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = None) -> Options:
+def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = None,
+                hf_type: str | None = None) -> Options:
     """``opts`` with the structural map its --fuse/--split/--stack/--unstack rules describe; a Megatron
     source going to another framework: the map to Hugging Face names its args give (:mod:`.megatron_hf`)."""
     from dataclasses import replace
 
+    if hf_type is not None and megatron_facts is None:
+        raise UsageError("--hf-model-type names a Megatron checkpoint's parameters for a Hugging Face model; "
+                         f"{src} is not a Megatron checkpoint")
     if megatron_facts is not None and opts.structure is None and not (opts.fuse or opts.split or opts.stack
                                                                            or opts.unstack):
         from statekit.ops import megatron_hf
 
         shapes = {p.path: tuple(p.shape) for p in state.params if p.path and p.shape is not None}
-        return replace(opts, structure=megatron_hf.build(megatron_facts, shapes, src))
+        structure = megatron_hf.build(megatron_facts, shapes, src, hf_type)
+        megatron_hf.trainer_groups(state, src)
+        return replace(opts, structure=structure)
     if not (opts.fuse or opts.split or opts.stack or opts.unstack):
         return opts
     from statekit.ops import structural
