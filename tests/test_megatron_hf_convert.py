@@ -118,12 +118,30 @@ def test_torch_adamw_over_the_hf_model_loads_it(converted):
     opt.step()  # the loaded state steps the HF model
 
 
-def test_a_moe_model_is_refused_in_one_line(tmp_path):
+def test_a_moe_model_goes_to_stacked_experts_in_two_trainer_groups(tmp_path):
+    """Megatron's expert group (ChainedOptimizer) joins the decayed group, as a Trainer groups a Mixtral: each
+    expert's moments land at its index of transformers 5's stacked gate_up_proj / down_proj."""
     out = tmp_path / "o.pt"
     run = subprocess.run([sys.executable, "-m", "statekit", "convert", "fixtures/megatron/0.19.2/moe_torch_distopt_ep2dp2",
                           str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "proved against its stored weights" in run.stdout + run.stderr
+    assert "give --old-model" not in run.stdout + run.stderr
+    sd = torch.load(out, weights_only=True)
+    assert [g["weight_decay"] for g in sd["param_groups"]] == [0.1, 0.0]
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.gate.weight" in names
+    by_name = {n: sd["state"][i] for g in sd["param_groups"] for n, i in zip(g["param_names"], g["params"], strict=True)}
+    assert tuple(by_name["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape) == (4, 64, 64)
+    assert tuple(by_name["model.layers.0.mlp.experts.down_proj"]["exp_avg"].shape) == (4, 64, 32)
+
+
+def test_a_model_type_the_run_does_not_fit_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "o.pt"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--hf-model-type", "qwen3"],
+                         capture_output=True, text=True)
     assert run.returncode != 0 and not out.exists()
-    assert "mixture-of-experts" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "QK norms" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert "Traceback" not in run.stderr
 
 

@@ -78,8 +78,8 @@ def refuse_unmapped(meta: dict, hf_type: str, where: str) -> None:
             raise MappingError(f"args.{key} is {_arg(meta, key)}: {what}, which a Hugging Face {hf_type} does "
                                "not compute", where)
     if meta.get("megatron.add_bias_linear") == "True":
-        raise MappingError("args.add_bias_linear is True: a Hugging Face {hf_type} has no biases in its linear "
-                           "layers besides q/k/v (qwen2)".format(hf_type=hf_type), where)
+        raise MappingError(f"args.add_bias_linear is True: a Hugging Face {hf_type} has no biases in its linear "
+                           "layers besides q/k/v (qwen2)", where)
 
 
 def build(meta: dict, hf_type: str, dtype: str, where: str) -> dict:

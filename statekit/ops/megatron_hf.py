@@ -74,6 +74,15 @@ def model_type(meta: dict, given: str | None, where: str) -> str:
         if (given in MOE_TYPES) != moe:
             raise MappingError(f"--hf-model-type {given} is a {'mixture-of-experts' if given in MOE_TYPES else 'dense'}"
                                f" model; this run is {'a mixture of experts' if moe else 'dense'}", where)
+        bias = meta.get("megatron.add_qkv_bias") == "True"
+        if (given == "qwen2") != bias:  # a field the model has and the run not: from_pretrained would invent it
+            raise MappingError(f"--hf-model-type {given}: " + ("a qwen2 has a q/k/v bias, this run has none (no "
+                               "--add-qkv-bias)" if given == "qwen2" else f"this run has a q/k/v bias, a {given} "
+                               "has none (qwen2 has)"), where)
+        if (given in ("qwen3", "qwen3_moe")) != qk_norm:
+            raise MappingError(f"--hf-model-type {given}: " + (f"a {given} has QK norms, this run has none (no "
+                               "--qk-layernorm)" if given.startswith("qwen3") else f"this run has QK norms, a "
+                               f"{given} has none (qwen3 / qwen3_moe have)"), where)
         return given
     if moe:
         return "qwen3_moe" if qk_norm else "mixtral"

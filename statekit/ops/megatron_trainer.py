@@ -70,9 +70,11 @@ def trainer_state(meta: dict, step: int) -> dict:
     iteration = int(meta.get("megatron.iteration") or step)
     train_iters = meta.get("megatron.args.train_iters")
     flops = meta.get("megatron.flops_so_far")
+    micro = meta.get("megatron.args.micro_batch_size")  # per rank and micro-step, as Trainer's per-device size
     return {"epoch": 0.0, "global_step": iteration,
             "max_steps": int(train_iters) if train_iters not in (None, "None") else iteration,
-            "logging_steps": 500, "eval_steps": None, "save_steps": 500, "train_batch_size": None,
+            "logging_steps": 500, "eval_steps": None, "save_steps": 500,
+            "train_batch_size": int(micro) if micro not in (None, "None") else 1,
             "num_train_epochs": 1, "num_input_tokens_seen": 0, "total_flos": float(flops) if flops else 0.0,
             "log_history": [], "best_metric": None, "best_global_step": None, "best_model_checkpoint": None,
             "is_local_process_zero": True, "is_world_process_zero": True, "is_hyper_param_search": False,

@@ -251,6 +251,7 @@ _HF_ARGS = ("layernorm_epsilon", "norm_epsilon", "rotary_base", "rotary_percent"
             "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_layer_freq",
             "moe_grouped_gemm", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_num_groups",
             "moe_z_loss_coeff", "moe_input_jitter_eps", "attention_output_gate", "qk_l2_norm", "no_rope_freq",
+            "micro_batch_size",
             "multi_latent_attention", "hidden_dropout", "attention_dropout", "params_dtype")
 
 
