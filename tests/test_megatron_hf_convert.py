@@ -3,6 +3,7 @@ against the fixture's own optimizer state read by real torch (q/k/v rows indexed
 the Megatron format notes), and loaded by torch AdamW over a transformers Llama of the run's sizes."""
 
 import glob
+import json
 import os
 import pickle
 import subprocess
@@ -153,3 +154,28 @@ def test_dry_run_shows_the_split_and_writes_nothing(tmp_path):
     assert not out.exists()
     assert "model.layers.0.self_attn.k_proj.weight" in run.stdout
     assert "vocab 100" in run.stdout
+
+
+def test_a_safetensors_target_holds_the_same_split_state(tmp_path):
+    """statekit's safetensors layout from a Megatron source: one entry per Hugging Face tensor (linear_qkv split
+    into three, each under its own key), the moments the fixture's own, read by torch."""
+    out = tmp_path / "o.safetensors"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    from safetensors import safe_open
+
+    mega, args = _megatron_state()
+    nq, ng, d, vocab = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"], args["vocab_size"]
+    per = nq // ng
+    with safe_open(str(out), "pt") as f:
+        entries = json.loads(f.metadata()["params"]) if "params" in f.metadata() else None
+        keys = set(f.keys())
+        layout = {e["path"]: e["slots"] for e in entries} if entries else None
+        assert layout is not None and len(layout) == len(entries)
+        for layer in range(args["num_layers"]):
+            qkv = mega[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]["exp_avg"]
+            k_rows = [g * (per + 2) * d + per * d + j for g in range(ng) for j in range(d)]
+            name = layout[f"model.layers.{layer}.self_attn.k_proj.weight"]["exp_avg"]
+            assert name in keys and torch.equal(f.get_tensor(name), qkv[k_rows])
+        emb = f.get_tensor(layout["model.embed_tokens.weight"]["exp_avg_sq"])
+        assert torch.equal(emb, mega["embedding.word_embeddings.weight"]["exp_avg_sq"][:vocab])
