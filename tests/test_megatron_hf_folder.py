@@ -305,3 +305,50 @@ def test_a_given_config_that_disagrees_with_the_args_is_refused(tmp_path):
     out = tmp_path / "checkpoint-3"
     err = _one_line_refusal(_statekit("convert", LEGACY, str(out), "--hf-config", str(cfg), ok=False))
     assert "hidden_size is 128 here, 64" in err and not out.exists()
+
+
+TIED_PP2 = f"{ROOT}/gpt_torch_distopt_tp2pp2dp1"
+
+
+@pytest.mark.hf
+def test_tied_embeddings_with_pp2_keep_one_tensor(tmp_path):
+    """TP2·PP2 with tied embeddings: the last stage's output_layer copy (its own state, equal to the
+    embedding's) is not a second tensor in a tied Hugging Face model; the Trainer's optimizer loads the rest."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "checkpoint-3"
+    run = _statekit("convert", TIED_PP2, str(folder))
+    assert "equals the embedding in every slot" in run.stdout
+    s, _, meta = _read_megatron(TIED_PP2)
+    args = {k: int(meta[k]) for k in ("num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+                                      "num_layers")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    named = dict(model.named_parameters())
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, weight_decay=0.1, optim="adamw_torch"))
+    opt = trainer.create_optimizer()
+    opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    s = {n: v for n, v in s.items() if n != "output_layer.weight"}
+    for slot in ("exp_avg", "exp_avg_sq"):
+        want = to_hf({n: v[slot] for n, v in s.items()}, args)
+        assert set(want) == set(named)
+        for n, p in named.items():
+            assert torch.equal(opt.state[p][slot], want[n]), (n, slot)
+    master = to_hf({n: v["fp32_master"] for n, v in s.items()}, args)
+    for n, p in named.items():
+        assert torch.equal(p.detach(), master[n]), n
+
+
+def test_a_tied_copy_that_differs_is_refused():
+    from statekit import io
+    from statekit.errors import MappingError
+    from statekit.ops import megatron_hf
+    from statekit.tensor import TensorRef
+
+    with io.open_checkpoint(TIED_PP2) as c:
+        out = next(p for p in c.optimizer.params if p.path == "output_layer.weight")
+        moved = np.array(out.slots["exp_avg_sq"].numpy(), dtype=np.float32).copy()
+        moved.reshape(-1)[5] = np.nextafter(moved.reshape(-1)[5], np.float32(1))
+        out.slots["exp_avg_sq"] = TensorRef.from_array(moved)
+        with pytest.raises(MappingError, match="exp_avg_sq differs from the embedding's at element 5"):
+            megatron_hf.drop_tied_copy(c.optimizer, c.metadata, TIED_PP2)

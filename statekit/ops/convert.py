@@ -274,8 +274,11 @@ def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = No
                                                                            or opts.unstack):
         from statekit.ops import megatron_hf
 
+        tied = megatron_hf.drop_tied_copy(state, megatron_facts, src)
         shapes = {p.path: tuple(p.shape) for p in state.params if p.path and p.shape is not None}
         structure = megatron_hf.build(megatron_facts, shapes, src, hf_type)
+        if tied:
+            structure.notes.append(tied)
         megatron_hf.trainer_groups(state, src)
         return replace(opts, structure=structure)
     if not (opts.fuse or opts.split or opts.stack or opts.unstack):

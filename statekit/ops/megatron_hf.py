@@ -276,3 +276,41 @@ def trainer_groups(state, where: str) -> None:
     for p in state.params:
         p.group = where_to[p.group]
     state.groups[:] = merged
+
+
+def drop_tied_copy(state, meta: dict, where: str) -> str | None:
+    """Tied embeddings with PP > 1: the last stage keeps ``output_layer.weight``, a copy of the embedding with
+    its own optimizer state (the two are all-reduced every step, so they stay equal). A Hugging Face model with
+    ``tie_word_embeddings`` has one tensor: the copy is dropped once every slot of it (moments, master) equals
+    the embedding's bit for bit, else refused naming the slot and element. Returns a line for the plan, or None."""
+    if meta.get("megatron.untie_embeddings") != "False":
+        return None
+    by_path = {p.path: p for p in state.params}
+    emb, out = by_path.get("embedding.word_embeddings.weight"), by_path.get("output_layer.weight")
+    if emb is None or out is None:
+        return None
+    from statekit.lazy import numpy as np
+
+    for slot in sorted(set(emb.slots) | set(out.slots)):
+        a, b = emb.slots.get(slot), out.slots.get(slot)
+        if a is None or b is None or tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise MappingError(f"output_layer.weight: tied to the embedding, but its {slot} is not the embedding's "
+                               "(missing, or another shape or dtype)", where)
+        seen = 0
+        for x, y in zip(a.pieces(1 << 18), b.pieces(1 << 18), strict=True):
+            bits = f"u{x.dtype.itemsize}"
+            differ = np.flatnonzero(x.view(bits) != y.view(bits))
+            if differ.size:
+                raise MappingError(f"output_layer.weight: tied to the embedding (a copy on the last pipeline stage), "
+                                   f"but its {slot} differs from the embedding's at element {seen + int(differ[0])}: "
+                                   "a Hugging Face model with tied embeddings has one tensor for both", where)
+            seen += x.size
+    if (out.step or 0) != (emb.step or 0):
+        raise MappingError(f"output_layer.weight: tied to the embedding, at step {out.step}, the embedding at "
+                           f"{emb.step}", where)
+    state.params.remove(out)
+    for g in state.groups:
+        if out.key in g.keys:
+            g.keys.remove(out.key)
+    return ("tied embeddings: output_layer.weight (the last pipeline stage's copy) equals the embedding in every "
+            "slot, bit for bit; dropped, as a tied Hugging Face model has one tensor")

@@ -122,12 +122,15 @@ def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None
                 raise MappingError(f"{p.path}: no fp32 master in the checkpoint, so no weight for model.safetensors",
                                    src)
             masters[p.path] = p.slots[naming.MASTER_SLOT]
+        tied = megatron_hf.drop_tied_copy(state, meta, src)
         shapes = {p.path: tuple(p.shape) for p in state.params}
         hf_type = megatron_hf.model_type(meta, hf_model_type, src)
         if hf_config is not None and hf_model_type is None:
             with open(hf_config, encoding="utf-8") as fh:
                 hf_type = megatron_hf.model_type(meta, (json.load(fh) or {}).get("model_type"), src)
         structure = megatron_hf.build(meta, shapes, src, hf_type)
+        if tied:
+            structure.notes.append(tied)
         config = megatron_config.build(meta, hf_type, dtype, src)
         if hf_config is not None:
             config = megatron_config.given(hf_config, config, src)
