@@ -352,3 +352,29 @@ def test_a_tied_copy_that_differs_is_refused():
         out.slots["exp_avg_sq"] = TensorRef.from_array(moved)
         with pytest.raises(MappingError, match="exp_avg_sq differs from the embedding's at element 5"):
             megatron_hf.drop_tied_copy(c.optimizer, c.metadata, TIED_PP2)
+
+
+BRIDGE = "fixtures/megatron_bridge/0.6.2/gpt_torch_no_distopt_tp1pp1dp2"
+
+
+def test_the_folder_equals_megatron_bridges_own_mapping(tmp_path):
+    """Megatron-Bridge 0.6.2's LlamaBridge mappings of the same checkpoint (scripts/make_megatron_bridge_reference.py:
+    its QKVMapping / GatedMLPMapping / AutoMapping run on the weights and on each moment): model.safetensors
+    (--weights model) and optimizer.pt's moments equal them element for element, every tensor."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "checkpoint-3"
+    _statekit("convert", LEGACY, str(folder), "--weights", "model")
+    weights = load_file(folder / "model.safetensors")
+    bridge = load_file(f"{BRIDGE}/weights.safetensors")
+    assert set(weights) == set(bridge) and len(bridge) == 21
+    for name, t in bridge.items():
+        assert t.dtype == weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], t), name
+    sd = torch.load(folder / "optimizer.pt", weights_only=True)
+    by_name = {n: sd["state"][i] for g in sd["param_groups"] for n, i in zip(g["param_names"], g["params"],
+                                                                              strict=True)}
+    for slot in ("exp_avg", "exp_avg_sq"):
+        moved = load_file(f"{BRIDGE}/{slot}.safetensors")
+        assert set(moved) == set(by_name)
+        for name, t in moved.items():
+            assert torch.equal(by_name[name][slot], t), (name, slot)
