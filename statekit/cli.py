@@ -214,7 +214,7 @@ def _finish(result, out: Output) -> None:
 def convert(
     src: FileArg,
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle or dcp.")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle, dcp, or hf-trainer (a Megatron source to a Trainer folder; also chosen by a DST named checkpoint-N).")] = None,
     shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,

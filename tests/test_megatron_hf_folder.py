@@ -290,6 +290,15 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path):
     err = _one_line_refusal(_statekit("convert", LEGACY, str(out), ok=False))
     assert "not empty" in err and os.listdir(out) == ["keep.txt"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    err = _one_line_refusal(_statekit("convert", "fixtures/hf/v5/llama/checkpoint-2", str(tmp_path / "x"), "--to",
+                                      "hf-trainer", ok=False))
+    assert "written from a Megatron checkpoint" in err and not (tmp_path / "x").exists()
+
+
+def test_another_source_to_a_folder_named_checkpoint_n_is_still_dcp(tmp_path):
+    out = tmp_path / "checkpoint-5"
+    _statekit("convert", "fixtures/hf/v5/llama/checkpoint-2", str(out))
+    assert (out / ".metadata").exists() and not (out / "config.json").exists()
 
 
 def test_dry_run_writes_nothing(tmp_path):

@@ -139,7 +139,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
     opts = opts or Options()
     from statekit.ops import megatron_trainer
 
-    if megatron_trainer.is_target(dst, to):
+    if megatron_trainer.is_target(src, dst, to):
         if plan_in or shards or also or also_out or (share is not None and share.count > 1 and share.index != 0):
             raise UsageError("a Hugging Face Trainer folder is written by one process, from no saved plan, "
                              "shards or second state")

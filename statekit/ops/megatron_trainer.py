@@ -40,9 +40,19 @@ WEIGHTS = ("master", "model")
 FILES = ("config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json")
 
 
-def is_target(dst: str, to: str | None) -> bool:
-    """``--to hf-trainer``, or a destination named like a Trainer checkpoint (``checkpoint-N``)."""
-    return to == "hf-trainer" or bool(re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.normpath(dst))))
+def is_target(src: str, dst: str, to: str | None) -> bool:
+    """``--to hf-trainer``, or a Megatron source going to a destination named like a Trainer checkpoint
+    (``checkpoint-N``: any other source keeps its own meaning of a folder, a DCP checkpoint)."""
+    if to == "hf-trainer":
+        return True
+    if to is not None or not re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.normpath(dst))):
+        return False
+    from statekit.errors import StatekitError
+
+    try:
+        return registry.framework_of(registry.sniff(src)) == "megatron"
+    except (StatekitError, OSError):
+        return False  # the ordinary path names the file and what is wrong with it
 
 
 def scheduler_state(groups) -> dict:
@@ -111,8 +121,8 @@ def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None
     _refuse_existing(dst)
     with io.open_checkpoint(src) as ckpt:
         if registry.framework_of(ckpt.format) != "megatron" or ckpt.optimizer is None:
-            raise UsageError(f"a Hugging Face Trainer folder is written from a Megatron checkpoint; {src} is "
-                             f"{ckpt.format}")
+            raise UsageError(f"a Hugging Face Trainer folder (--to hf-trainer) is written from a Megatron "
+                             f"checkpoint, not from a {ckpt.format} one")
         state, meta = ckpt.optimizer, ckpt.metadata
         refuse_bad_steps(state, src)
         dtype = _weights_dtype(meta, weights, src)
