@@ -37,6 +37,7 @@ import types
 from pathlib import Path
 
 CASE = "gpt_torch_no_distopt_tp1pp1dp2"
+MOE_CASE = "moe_torch_distopt_ep2dp2"
 
 
 def _packages(bridge: str) -> None:
@@ -45,7 +46,7 @@ def _packages(bridge: str) -> None:
 
     root = os.path.join(bridge, "megatron", "bridge")
     for name in ("", ".models", ".models.conversion", ".utils", ".models.llama", ".peft", ".models.gpt",
-                 ".models.hf_pretrained", ".models.decorators"):
+                 ".models.hf_pretrained", ".models.decorators", ".models.qwen"):
         mod = types.ModuleType("megatron.bridge" + name)
         mod.__path__ = [os.path.join(root, *name.split(".")[1:])]
         sys.modules["megatron.bridge" + name] = mod
@@ -131,7 +132,64 @@ def main() -> None:
     for kind, tensors in out.items():
         save_file(tensors, dest / f"{kind}.safetensors", metadata={"source": f"{CASE}, Megatron-Bridge 0.6.2"})
     print(f"wrote {dest}: {len(out['weights'])} tensors each")
+    _moe(ns, config_from_args=core_transformer_config_from_args)
     dist.destroy_process_group()
+
+
+def _moe(ns, config_from_args) -> None:
+    """The MoE case, weights only: Qwen3MoEBridge's mappings (the Megatron-Bridge MoE bridge of a Llama-like
+    model with SwiGLU experts; its HF names are per expert, ``mlp.experts.{e}.gate_proj.weight`` …) of the
+    legacy EP2 save's bf16 weights. Expert ``l`` of EP rank ``r``'s folder is global expert ``r·E/EP + l``
+    (Megatron's own numbering, §4.5); the moments of this save are in ``distrib_optim.pt``'s bucket space, which
+    torch alone does not name, so none are written."""
+    import torch
+    from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from safetensors.torch import save_file
+
+    files = sorted(glob.glob(f"{ns.fixtures}/{MOE_CASE}/iter_*/mp_rank_00_00[0-9]/model_optim_rng.pt"))
+    ckpts = [torch.load(f, weights_only=False, map_location="cpu") for f in files]
+    args = ckpts[0]["args"]
+    ep, experts = args.expert_model_parallel_size, args.num_experts
+    if len(files) != ep:
+        raise SystemExit(f"{MOE_CASE}: {len(files)} EP folders, args say EP {ep}")
+    weights = {}
+    for rank, ckpt in enumerate(ckpts):
+        for name, value in ckpt["model"].items():
+            if not torch.is_tensor(value) or "_extra_state" in name:
+                continue
+            parts = name.split(".")
+            if "local_experts" in parts:
+                at = parts.index("local_experts") + 1
+                parts[at] = str(rank * (experts // ep) + int(parts[at]))
+            elif rank:
+                continue  # dense parameters: every EP rank holds the same; rank 0's
+            weights[".".join(parts)] = value
+    args.expert_model_parallel_size = 1  # one process builds all experts (the modules only tell the sharding)
+    config = config_from_args(args)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                   max_sequence_length=args.max_position_embeddings, pre_process=True, post_process=True,
+                   share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                   position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                   rotary_base=args.rotary_base)
+    registry = Qwen3MoEBridge().mapping_registry()
+    out = {}
+    for name, weight in weights.items():
+        mapping = registry.megatron_to_hf_lookup(name)
+        if mapping is None:
+            raise SystemExit(f"Megatron-Bridge has no mapping for {name}")
+        for hf, value in mapping.megatron_to_hf(weight.clone(), gpt.get_submodule(name.rsplit(".", 1)[0])).items():
+            if hf in ("model.embed_tokens.weight", "lm_head.weight"):
+                value = value[: args.vocab_size]
+            out[hf] = value.contiguous()
+    dest = Path(ns.out) / "0.6.2" / MOE_CASE
+    dest.mkdir(parents=True, exist_ok=True)
+    save_file(out, dest / "weights.safetensors", metadata={"source": f"{MOE_CASE}, Megatron-Bridge 0.6.2"})
+    print(f"wrote {dest}: {len(out)} tensors")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,8 @@ def test_trainer_resumes_and_takes_megatrons_own_next_step(tmp_path):
     _statekit("convert", f"{NEXT}/iter_0000003", str(folder))
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+    doctor = _statekit("doctor", str(folder))  # statekit's own resume checks find nothing in what it wrote
+    assert "no problems found" in doctor.stdout
 
     class GivenGradient(transformers.Trainer):  # the step's gradient is Megatron's, not a new batch's
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -285,6 +287,8 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path):
     assert "q/k/v bias" in err and not out.exists()
     err = _one_line_refusal(_statekit("convert", LEGACY, str(out), "--hf-model-type", "mixtral", ok=False))
     assert "mixture-of-experts" in err and not out.exists()
+    err = _one_line_refusal(_statekit("convert", LEGACY, str(out), "--weights", "fp32", ok=False))
+    assert "--weights fp32" in err and not out.exists()
     out.mkdir()
     (out / "keep.txt").write_text("x")
     err = _one_line_refusal(_statekit("convert", LEGACY, str(out), ok=False))
@@ -387,3 +391,28 @@ def test_the_folder_equals_megatron_bridges_own_mapping(tmp_path):
         assert set(moved) == set(by_name)
         for name, t in moved.items():
             assert torch.equal(by_name[name][slot], t), (name, slot)
+
+
+def test_moe_weights_equal_megatron_bridges_own_mapping(tmp_path):
+    """Megatron-Bridge 0.6.2's Qwen3MoEBridge mappings of the legacy EP2 save (per-expert HF names, the form
+    before transformers 5 stacked them): each expert's gate/up/down, the router and the dense tensors equal
+    statekit's stacked model.safetensors (--weights model) at that expert's index, element for element."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "checkpoint-3"
+    _statekit("convert", f"{ROOT}/moe_torch_distopt_ep2dp2", str(folder), "--weights", "model")
+    ours = load_file(folder / "model.safetensors")
+    bridge = load_file("fixtures/megatron_bridge/0.6.2/moe_torch_distopt_ep2dp2/weights.safetensors")
+    per_expert = [n for n in bridge if ".mlp.experts." in n]
+    assert len(per_expert) == 2 * 4 * 3 and len(bridge) - len(per_expert) + 4 == len(ours)
+    for name, t in ours.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            head, kind = name.rsplit(".", 1)
+            for e in range(4):
+                if kind == "gate_up_proj":
+                    want = torch.cat([bridge[f"{head}.{e}.gate_proj.weight"], bridge[f"{head}.{e}.up_proj.weight"]])
+                else:
+                    want = bridge[f"{head}.{e}.down_proj.weight"]
+                assert torch.equal(t[e], want), (name, e)
+        else:
+            assert torch.equal(t, bridge[name]), name

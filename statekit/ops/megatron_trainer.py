@@ -154,6 +154,9 @@ def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None
         plan.warnings.append(f"Hugging Face Trainer folder ({hf_type}): model.safetensors holds the {how}; "
                              "config.json, optimizer.pt, scheduler.pt, trainer_state.json beside it; no rng_state.pth")
         sched = scheduler_state(state.groups)
+        if len(plan.hyperparams) == len(sched["base_lrs"]):  # what a scheduler built over the optimizer adds
+            for group, base in zip(plan.hyperparams, sched["base_lrs"], strict=True):
+                group.setdefault("initial_lr", base)
         tstate = trainer_state(meta, sched["last_epoch"])
         if on_plan is not None:
             on_plan(plan)
