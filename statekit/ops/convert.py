@@ -140,13 +140,13 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
     from statekit.ops import megatron_trainer
 
     if megatron_trainer.is_target(src, dst, to):
-        if plan_in or shards or also or also_out or (share is not None and share.count > 1 and share.index != 0):
+        if plan_in or shards or also or also_out or (share is not None and share.count > 1):
             raise UsageError("a Hugging Face Trainer folder is written by one process, from no saved plan, "
                              "shards or second state")
         with _naming(src):
             return megatron_trainer.convert_folder(src, dst, opts, hf_model_type=hf_model_type, hf_config=hf_config,
                                                    weights=weights or "master", dry_run=dry_run, progress=progress,
-                                                   on_plan=on_plan)
+                                                   on_plan=on_plan, plan_out=plan_out)
     if hf_config is not None or weights is not None:
         raise UsageError("--hf-config and --weights apply to a Hugging Face Trainer folder (DST checkpoint-N/ "
                          "or --to hf-trainer)")

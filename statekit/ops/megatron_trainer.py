@@ -109,7 +109,8 @@ def _refuse_existing(dst: str) -> None:
 
 
 def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None, hf_config: str | None = None,
-                   weights: str = "master", dry_run: bool = False, progress=None, on_plan=None):
+                   weights: str = "master", dry_run: bool = False, progress=None, on_plan=None,
+                   plan_out: str | None = None):
     """``statekit convert MEGATRON checkpoint-N/``: the folder described in the module docstring."""
     from statekit.ops import convert as conv
     from statekit.ops import megatron_config, megatron_hf
@@ -158,6 +159,11 @@ def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None
             for group, base in zip(plan.hyperparams, sched["base_lrs"], strict=True):
                 group.setdefault("initial_lr", base)
         tstate = trainer_state(meta, sched["last_epoch"])
+        if plan_out:  # the optimizer.pt's plan, as for any convert
+            from statekit.atomic import atomic_write
+
+            with atomic_write(plan_out) as fh:
+                fh.write(plan.dumps().encode() + b"\n")
         if on_plan is not None:
             on_plan(plan)
         if dry_run:
