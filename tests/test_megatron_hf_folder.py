@@ -416,3 +416,21 @@ def test_moe_weights_equal_megatron_bridges_own_mapping(tmp_path):
                 assert torch.equal(t[e], want), (name, e)
         else:
             assert torch.equal(t, bridge[name]), name
+
+
+@pytest.mark.hf
+def test_a_given_config_that_fits_is_kept(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _, _, args = _legacy()
+    cfg = transformers.LlamaConfig(vocab_size=args["vocab_size"], hidden_size=args["hidden_size"],
+                                   intermediate_size=args["ffn_hidden_size"], num_hidden_layers=args["num_layers"],
+                                   num_attention_heads=args["num_attention_heads"],
+                                   num_key_value_heads=args["num_query_groups"], head_dim=args["kv_channels"],
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=7, eos_token_id=8)
+    cfg.save_pretrained(tmp_path / "mine")
+    out = tmp_path / "checkpoint-3"
+    _statekit("convert", LEGACY, str(out), "--hf-config", str(tmp_path / "mine" / "config.json"))
+    written = json.loads((out / "config.json").read_text())
+    assert written["bos_token_id"] == 7 and written["eos_token_id"] == 8 and written["dtype"] == "float32"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.bos_token_id == 7

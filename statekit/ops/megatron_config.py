@@ -138,9 +138,8 @@ _CHECKED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num
             "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
-def given(path: str, built: dict, where: str) -> dict:
-    """``--hf-config FILE``: that config, each field the run also decides checked against the args (one line
-    naming the first that differs); its ``dtype`` becomes what ``model.safetensors`` holds."""
+def read(path: str) -> dict:
+    """A ``config.json`` as a dict (one line naming the file when it is not one)."""
     try:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
@@ -148,6 +147,13 @@ def given(path: str, built: dict, where: str) -> dict:
         raise MappingError(f"not a readable config.json ({exc})", path) from None
     if not isinstance(cfg, dict):
         raise MappingError("config.json is not a JSON object", path)
+    return cfg
+
+
+def given(path: str, built: dict, where: str) -> dict:
+    """``--hf-config FILE``: that config, each field the run also decides checked against the args (one line
+    naming the first that differs); its ``dtype`` becomes what ``model.safetensors`` holds."""
+    cfg = read(path)
     for key in _CHECKED:
         if key in cfg and key in built and cfg[key] is not None and cfg[key] != built[key]:
             raise MappingError(f"{key} is {cfg[key]!r} here, {built[key]!r} in the Megatron run's args ({where})",

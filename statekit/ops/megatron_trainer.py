@@ -137,8 +137,7 @@ def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None
         shapes = {p.path: tuple(p.shape) for p in state.params}
         hf_type = megatron_hf.model_type(meta, hf_model_type, src)
         if hf_config is not None and hf_model_type is None:
-            with open(hf_config, encoding="utf-8") as fh:
-                hf_type = megatron_hf.model_type(meta, (json.load(fh) or {}).get("model_type"), src)
+            hf_type = megatron_hf.model_type(meta, megatron_config.read(hf_config).get("model_type"), src)
         structure = megatron_hf.build(meta, shapes, src, hf_type)
         if tied:
             structure.notes.append(tied)
