@@ -80,6 +80,11 @@ def to_hf(t: dict, args: dict) -> dict:
                 "v": [g * (per + 2) * d + (per + 1) * d + j for g in range(ng) for j in range(d)]}
         for proj, r in rows.items():
             out[hf + f"self_attn.{proj}_proj.weight"] = qkv[r]
+            if mc + "self_attention.linear_qkv.bias" in t:
+                out[hf + f"self_attn.{proj}_proj.bias"] = t[mc + "self_attention.linear_qkv.bias"][r]
+        for qk in ("q", "k"):
+            if mc + f"self_attention.{qk}_layernorm.weight" in t:
+                out[hf + f"self_attn.{qk}_norm.weight"] = t[mc + f"self_attention.{qk}_layernorm.weight"]
         out[hf + "self_attn.o_proj.weight"] = t[mc + "self_attention.linear_proj.weight"]
         out[hf + "input_layernorm.weight"] = t[mc + "input_layernorm.weight"]
         out[hf + "post_attention_layernorm.weight"] = t[mc + "pre_mlp_layernorm.weight"]
@@ -434,3 +439,35 @@ def test_a_given_config_that_fits_is_kept(tmp_path):
     assert written["bos_token_id"] == 7 and written["eos_token_id"] == 8 and written["dtype"] == "float32"
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.config.bos_token_id == 7
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("case,cls", [("qwen2_torch_qkv_bias_tp1pp1dp1", "Qwen2ForCausalLM"),
+                                      ("moe_torch_qk_layernorm_tp1pp1dp1", "Qwen3MoeForCausalLM")])
+def test_qwen2_and_qwen3_moe_shaped_runs(tmp_path, case, cls):
+    """A run with --add-qkv-bias → qwen2 (biases split per query group like the weight); a MoE run with
+    --qk-layernorm → qwen3_moe (q_norm / k_norm; its layer registers the experts before the router, so the
+    Trainer's positions differ from Mixtral's): from_pretrained builds it with the Megatron masters, and the
+    Trainer's own optimizer loads optimizer.pt with every moment at its parameter (by name)."""
+    transformers = pytest.importorskip("transformers")
+    src = f"{ROOT}/{case}"
+    s, _, meta = _read_megatron(src)
+    args = {k: int(meta[k]) for k in ("num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+                                      "num_layers")}
+    args["num_experts"] = int(meta.get("num_experts") or 0)
+    folder = tmp_path / "checkpoint-3"
+    _statekit("convert", src, str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert type(model).__name__ == cls
+    named = dict(model.named_parameters())
+    want = {slot: to_hf({n: v[slot] for n, v in s.items()}, args) for slot in ("fp32_master", "exp_avg", "exp_avg_sq")}
+    assert set(named) == set(want["fp32_master"])
+    for n, p in named.items():
+        assert torch.equal(p.detach(), want["fp32_master"][n]), n
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, weight_decay=0.1, optim="adamw_torch"))
+    opt = trainer.create_optimizer()
+    opt.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    for n, p in named.items():
+        for slot in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][slot], want[slot][n]), (n, slot)
