@@ -271,8 +271,6 @@ def convert(
     A torch Muon run (Muon + AdamW, two state_dicts) ⇄ one burn record with two groups:
       statekit convert muon.pt optim.bpk --also adamw.pt --names names.txt --transpose '*.weight'
       statekit convert optim.bpk muon.pt --also-out adamw.pt
-    A Megatron checkpoint → a Hugging Face Trainer folder that resume_from_checkpoint continues from:
-      statekit convert megatron-run/ checkpoint-3/ [--hf-model-type llama] [--weights model]
     A torch state's positions are named by solving, never by assuming an order: --model MODEL.pt (a
     state_dict keeps named_parameters() order) or --names with shapes; ambiguity is refused.
     """
@@ -280,22 +278,18 @@ def convert(
     from statekit.ops.convert import convert as run_convert
     from statekit.ops.options import make_options
     from statekit.ops.shares import resolve as resolve_share
-
     out = _output(fmt, json_out)
-    if step not in (None, "max"):
-        raise UsageError(f"--step {step!r}: the only policy is 'max'")
     opts = make_options(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         momentum=momentum, dampening=dampening, nesterov=nesterov, rename=rename, rules=rules,
                         preset=preset, transpose=transpose, no_transpose=no_transpose, names=names,
                         names_order=names_order, model=model, dtype=dtype, step_policy=step,
                         allow_nonfinite=allow_nonfinite, model_config=model_config, trust_remote_code=trust_remote_code,
                         settings=hyper, fuse=fuse, split=split, stack=stack, unstack=unstack)
-    result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run,
-                         plan_in=str(plan) if plan else None, plan_out=str(plan_out) if plan_out else None,
-                         progress=out.progress, on_plan=lambda p: _show_plan(p, out, dry_run), shards=shards,
-                         share=resolve_share(shard), also=str(also) if also else None, also_key=also_key,
-                         also_out=str(also_out) if also_out else None, hf_model_type=hf_model_type,
-                         hf_config=str(hf_config) if hf_config else None, weights=weights)
+    result = run_convert(str(src), str(dst), opts, to=to, key=key, dry_run=dry_run, plan_in=plan and str(plan),
+                         plan_out=plan_out and str(plan_out), progress=out.progress, shards=shards,
+                         on_plan=lambda p: _show_plan(p, out, dry_run), share=resolve_share(shard),
+                         also=also and str(also), also_key=also_key, also_out=also_out and str(also_out),
+                         hf_model_type=hf_model_type, hf_config=hf_config and str(hf_config), weights=weights)
     _finish(result, out)
 
 

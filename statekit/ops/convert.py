@@ -125,31 +125,19 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             dry_run: bool = False, plan_in: str | None = None, plan_out: str | None = None,
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
             shards: int | None = None, share: Share | None = None, also: str | None = None,
-            also_key: str | None = None, also_out: str | None = None, hf_model_type: str | None = None,
-            hf_config: str | None = None, weights: str | None = None) -> Result:
+            also_key: str | None = None, also_out: str | None = None, **folder) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
     this process writes (:mod:`statekit.ops.shares`; the last process to finish writes the index).
     ``also`` / ``also_key``: a second torch optimizer state over the same model (a Muon run's AdamW)
     joining a burn output as further groups; ``also_out``: where a burn record's second optimizer
-    goes as its own torch state_dict (:mod:`statekit.ops.pair`). ``hf_model_type`` / ``hf_config`` /
-    ``weights``: a Megatron source to a Hugging Face Trainer folder (``to="hf-trainer"`` or a ``checkpoint-N``
-    destination; :mod:`statekit.ops.megatron_trainer`)."""
+    goes as its own torch state_dict (:mod:`statekit.ops.pair`). ``folder``: ``hf_model_type``, ``hf_config``,
+    ``weights`` of a Megatron source going to Hugging Face (a Trainer folder: :func:`_trainer_folder`)."""
     opts = opts or Options()
-    from statekit.ops import megatron_trainer
-
-    if megatron_trainer.is_target(src, dst, to):
-        if plan_in or shards or also or also_out or (share is not None and share.count > 1):
-            raise UsageError("a Hugging Face Trainer folder is written by one process, from no saved plan, "
-                             "shards or second state")
-        with _naming(src):
-            return megatron_trainer.convert_folder(src, dst, opts, hf_model_type=hf_model_type, hf_config=hf_config,
-                                                   weights=weights or "master", dry_run=dry_run, progress=progress,
-                                                   on_plan=on_plan, plan_out=plan_out)
-    if hf_config is not None or weights is not None:
-        raise UsageError("--hf-config and --weights apply to a Hugging Face Trainer folder (DST checkpoint-N/ "
-                         "or --to hf-trainer)")
+    if _trainer_folder_wanted(src, dst, to, folder, plan_in or shards or also or also_out or (share is not None and share.count > 1)):
+        return _trainer_folder(src, dst, opts, folder, dry_run=dry_run, progress=progress, on_plan=on_plan,
+                               plan_out=plan_out)
     if also is not None or also_key is not None or also_out is not None:
         return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
                              progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out)
@@ -201,23 +189,69 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(
-                opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None,
-                hf_type=hf_model_type))
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None, folder.get("hf_model_type")))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
             plan.warnings.extend(said)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
-        if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
-            from statekit.frameworks.deepspeed_io import universal_weights
+        with _writer_context(fmt, opts, ckpt):
+            return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                             on_plan=on_plan)
 
-            with universal_weights(opts.model if opts.model is not None else ckpt.model):
-                return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+
+def _writer_context(fmt: str, opts: Options, ckpt: Checkpoint):
+    """What the target's writer needs around it: DeepSpeed universal output takes the fp32 master weights
+    (--model, else the input's own model)."""
+    if fmt != "deepspeed-universal":
+        return contextlib.nullcontext()
+    from statekit.frameworks.deepspeed_io import universal_weights
+
+    return universal_weights(opts.model if opts.model is not None else ckpt.model)
+
+
+def _trainer_folder_wanted(src: str, dst: str, to: str | None, folder: dict, others) -> bool:
+    """A Megatron source to a Hugging Face Trainer folder (``to="hf-trainer"``, or a ``checkpoint-N`` DST);
+    --hf-config / --weights anywhere else, and options a folder has no use for, are refused."""
+    from statekit.ops import megatron_trainer
+
+    unknown = set(folder) - {"hf_model_type", "hf_config", "weights"}
+    if unknown:
+        raise TypeError(f"convert() got unexpected keyword arguments {sorted(unknown)}")
+    if not megatron_trainer.is_target(src, dst, to):
+        if folder.get("hf_config") is not None or folder.get("weights") is not None:
+            raise UsageError("--hf-config and --weights apply to a Hugging Face Trainer folder (DST checkpoint-N/ "
+                             "or --to hf-trainer)")
+        return False
+    if others:
+        raise UsageError("a Hugging Face Trainer folder is written by one process, from no saved plan, shards or "
+                         "second state")
+    return True
+
+
+def _trainer_folder(src: str, dst: str, opts: Options, folder: dict, *, dry_run: bool, progress, on_plan,
+                    plan_out: str | None) -> Result:
+    """``statekit convert MEGATRON checkpoint-N/`` (:mod:`statekit.ops.megatron_trainer`): optimizer.pt by the
+    ordinary plan, with model.safetensors, config.json, scheduler.pt and trainer_state.json beside it."""
+    from dataclasses import replace
+
+    from statekit.ops import megatron_trainer as trainer
+
+    trainer.refuse_existing(dst)
+    with io.open_checkpoint(src) as ckpt, _naming(src):
+        parts = trainer.prepare(ckpt, src, folder.get("hf_model_type"), folder.get("hf_config"),
+                                folder.get("weights") or "master")
+        opts, _, said = _prepare(ckpt, replace(opts, structure=parts.structure), src, "torch", "torch")
+        plan = build_plan(ckpt.optimizer, src, ckpt.format, os.path.join(dst, "optimizer.pt"), "torch", opts)
+        trainer.finish_plan(plan, parts, said, dst)
+        written = carry_out_with(plan, ckpt.nbytes, lambda advance, warnings: 0, dry_run=True, plan_out=plan_out,
                                  on_plan=on_plan)
-        return carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
-                         on_plan=on_plan)
+        if dry_run:
+            return written
+        size, warnings = trainer.write_folder(plan, ckpt.optimizer, ckpt, parts, dst, progress)
+    files = ", ".join(trainer.FILES)
+    return Result(plan, size, messages=[f"wrote {dst} ({size} bytes: {files})"], warnings=warnings)
 
 
 def _prepare(ckpt: Checkpoint, opts: Options, src: str, fmt: str, to: str | None) -> tuple[Options, str, list[str]]:

@@ -109,7 +109,6 @@ def build(meta: dict, shapes: dict[str, tuple[int, ...]], where: str, hf_type: s
     d = int(meta.get("megatron.kv_channels") or 0) or h // nq
     if nq % ng:
         raise MappingError(f"num-attention-heads {nq} is not a multiple of num-query-groups {ng}", where)
-    per = nq // ng
     vocab = _fact(meta, "vocab_size", where, "stripping the vocabulary's padding rows")
     targets: dict[str, TargetMap] = {}
 
@@ -122,14 +121,7 @@ def build(meta: dict, shapes: dict[str, tuple[int, ...]], where: str, hf_type: s
     for name, shape in shapes.items():
         shape = tuple(shape)
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            hf = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
-            if len(shape) != 2 or shape[0] < vocab:
-                raise MappingError(f"{name} is {list(shape)}: not [padded vocab ≥ {vocab}, hidden]", where)
-            t = TargetMap(hf, (vocab, shape[1]), [Piece(name, (vocab, shape[1]), 0, (shape[1], 1), 0, (shape[1], 1))],
-                          kind="split" if shape[0] > vocab else "whole")
-            if shape[0] > vocab:
-                t.notes.append(f"rows {vocab}…{shape[0] - 1} are vocabulary padding (--vocab-size {vocab}): stripped")
-            add(t)
+            add(_vocab_rows(name, shape, vocab, where))
             continue
         if name in _TOP:
             add(TargetMap(_TOP[name], shape, [_whole(name, shape)], kind="whole"))
@@ -159,27 +151,12 @@ def build(meta: dict, shapes: dict[str, tuple[int, ...]], where: str, hf_type: s
         elif rest in _RENAMED:
             add(TargetMap(prefix + _RENAMED[rest], shape, [_whole(name, shape)], kind="whole"))
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            cols = shape[1] if len(shape) == 2 else 1
-            if shape[0] != (nq + 2 * ng) * d or (len(shape) == 2 and cols != h):
-                raise MappingError(f"{name} is {list(shape)}: the args say [(heads {nq} + 2·groups {ng})·kv_channels "
-                                   f"{d} = {(nq + 2 * ng) * d}{', ' + str(h) if len(shape) == 2 else ''}]", where)
-            kind = rest.rsplit(".", 1)[1]
-            for proj, first, rows in (("q", 0, per * d), ("k", per * d, d), ("v", (per + 1) * d, d)):
-                box = (ng, rows, cols) if len(shape) == 2 else (ng, rows)
-                src = ((per + 2) * d * cols, cols, 1) if len(shape) == 2 else ((per + 2) * d, 1)
-                dst = (rows * cols, cols, 1) if len(shape) == 2 else (rows, 1)
-                t = TargetMap(f"{prefix}self_attn.{proj}_proj.{kind}",
-                              (ng * rows, cols) if len(shape) == 2 else (ng * rows,),
-                              [Piece(name, box, first * cols, src, 0, dst)], kind="split")
-                t.notes.append(f"{proj} rows of each of {ng} query groups ({per} q heads, 1 k, 1 v of {d} rows)")
+            for t in _qkv_split(name, shape, prefix + "self_attn.{}_proj." + rest.rsplit(".", 1)[1], h, nq, ng, d,
+                                where):
                 add(t)
         elif rest == "mlp.linear_fc1.weight":
-            if len(shape) != 2 or shape[0] % 2:
-                raise MappingError(f"{name} is {list(shape)}: not [2·ffn, hidden] (gate; up)", where)
-            f, cols = shape[0] // 2, shape[1]
-            for proj, first in (("gate", 0), ("up", f)):
-                add(TargetMap(f"{prefix}mlp.{proj}_proj.weight", (f, cols),
-                              [Piece(name, (f, cols), first * cols, (cols, 1), 0, (cols, 1))], kind="split"))
+            for t in _gate_up(name, shape, prefix, where):
+                add(t)
         else:
             raise MappingError(f"{name}: no Hugging Face Llama/Qwen2 tensor is known for this Megatron parameter "
                                "(a layer kind or bias statekit does not map)", where)
@@ -190,6 +167,49 @@ def build(meta: dict, shapes: dict[str, tuple[int, ...]], where: str, hf_type: s
              f"({nq} heads, {ng} query groups, kv_channels {d}, vocab {vocab}"
              + (f", {n_experts} experts stacked" if n_experts else "") + ")"]
     return StructureMap(targets, "rules", notes, order=sorted(targets, key=lambda p: _hf_position(p, hf_type)))
+
+
+def _vocab_rows(name: str, shape: tuple[int, ...], vocab: int, where: str) -> TargetMap:
+    """The embedding or output layer without its vocabulary padding rows (§4.4)."""
+    hf = "model.embed_tokens.weight" if name.startswith("embedding") else "lm_head.weight"
+    if len(shape) != 2 or shape[0] < vocab:
+        raise MappingError(f"{name} is {list(shape)}: not [padded vocab ≥ {vocab}, hidden]", where)
+    t = TargetMap(hf, (vocab, shape[1]), [Piece(name, (vocab, shape[1]), 0, (shape[1], 1), 0, (shape[1], 1))],
+                  kind="split" if shape[0] > vocab else "whole")
+    if shape[0] > vocab:
+        t.notes.append(f"rows {vocab}…{shape[0] - 1} are vocabulary padding (--vocab-size {vocab}): stripped")
+    return t
+
+
+def _qkv_split(name: str, shape: tuple[int, ...], path: str, h: int, nq: int, ng: int, d: int,
+               where: str) -> list[TargetMap]:
+    """``linear_qkv`` (weight or bias) grouped per query group (``q…q k v``, §4.1) → q, k, v: each one strided
+    piece over the groups. ``path`` has ``{}`` for the projection letter."""
+    per = nq // ng
+    cols = shape[1] if len(shape) == 2 else 1
+    if shape[0] != (nq + 2 * ng) * d or (len(shape) == 2 and cols != h):
+        raise MappingError(f"{name} is {list(shape)}: the args say [(heads {nq} + 2·groups {ng})·kv_channels "
+                           f"{d} = {(nq + 2 * ng) * d}{', ' + str(h) if len(shape) == 2 else ''}]", where)
+    out = []
+    for proj, first, rows in (("q", 0, per * d), ("k", per * d, d), ("v", (per + 1) * d, d)):
+        box = (ng, rows, cols) if len(shape) == 2 else (ng, rows)
+        src = ((per + 2) * d * cols, cols, 1) if len(shape) == 2 else ((per + 2) * d, 1)
+        dst = (rows * cols, cols, 1) if len(shape) == 2 else (rows, 1)
+        t = TargetMap(path.format(proj), (ng * rows, cols) if len(shape) == 2 else (ng * rows,),
+                      [Piece(name, box, first * cols, src, 0, dst)], kind="split")
+        t.notes.append(f"{proj} rows of each of {ng} query groups ({per} q heads, 1 k, 1 v of {d} rows)")
+        out.append(t)
+    return out
+
+
+def _gate_up(name: str, shape: tuple[int, ...], prefix: str, where: str) -> list[TargetMap]:
+    """A SwiGLU ``linear_fc1`` ``[gate; up]`` along rows (§4.2) → gate_proj, up_proj."""
+    if len(shape) != 2 or shape[0] % 2:
+        raise MappingError(f"{name} is {list(shape)}: not [2·ffn, hidden] (gate; up)", where)
+    f, cols = shape[0] // 2, shape[1]
+    return [TargetMap(f"{prefix}mlp.{proj}_proj.weight", (f, cols),
+                      [Piece(name, (f, cols), first * cols, (cols, 1), 0, (cols, 1))], kind="split")
+            for proj, first in (("gate", 0), ("up", f))]
 
 
 def _stacked(path: str, by_expert: dict[int, tuple[str, tuple[int, ...]]], n: int, fc: str, where: str) -> TargetMap:

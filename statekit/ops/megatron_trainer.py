@@ -30,9 +30,9 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, field
 
-from statekit import io, naming
+from statekit import naming
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry
 
@@ -101,102 +101,102 @@ def _weights_dtype(meta: dict, weights: str, where: str) -> str:
     return "F16" if meta.get("megatron.fp16") == "True" else "F32"
 
 
-def _refuse_existing(dst: str) -> None:
+@dataclass
+class Folder:
+    """What a Trainer folder is made of besides optimizer.pt: the map, the masters it reads, the weights'
+    dtype, config.json, and the notes for the plan."""
+
+    hf_type: str
+    structure: object
+    masters: dict
+    dtype: str
+    config: dict
+    notes: list[str] = field(default_factory=list)
+
+
+def refuse_existing(dst: str) -> None:
     if os.path.isdir(dst) and os.listdir(dst):
         raise UsageError(f"{dst} exists and is not empty: a Trainer folder is written whole, never over another")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise UsageError(f"{dst} is a file; a Hugging Face Trainer checkpoint is a folder")
 
 
-def convert_folder(src: str, dst: str, opts, *, hf_model_type: str | None = None, hf_config: str | None = None,
-                   weights: str = "master", dry_run: bool = False, progress=None, on_plan=None,
-                   plan_out: str | None = None):
-    """``statekit convert MEGATRON checkpoint-N/``: the folder described in the module docstring."""
-    from statekit.ops import convert as conv
+def prepare(ckpt, src: str, hf_model_type: str | None, hf_config: str | None, weights: str) -> Folder:
+    """The folder's parts from an opened Megatron checkpoint (its masters taken before the optimizer
+    state drops them; a tied PP copy dropped; the Hugging Face type, map and config)."""
     from statekit.ops import megatron_config, megatron_hf
-    from statekit.ops.build import build_plan
-    from statekit.ops.execute import write
-    from statekit.ops.progress import silent
     from statekit.state import refuse_bad_steps
 
-    _refuse_existing(dst)
-    with io.open_checkpoint(src) as ckpt:
-        if registry.framework_of(ckpt.format) != "megatron" or ckpt.optimizer is None:
-            raise UsageError(f"a Hugging Face Trainer folder (--to hf-trainer) is written from a Megatron "
-                             f"checkpoint, not from a {ckpt.format} one")
-        state, meta = ckpt.optimizer, ckpt.metadata
-        refuse_bad_steps(state, src)
-        dtype = _weights_dtype(meta, weights, src)
-        masters = {}
-        for p in state.params:
-            if naming.MASTER_SLOT not in p.slots:
-                raise MappingError(f"{p.path}: no fp32 master in the checkpoint, so no weight for model.safetensors",
-                                   src)
-            masters[p.path] = p.slots[naming.MASTER_SLOT]
-        tied = megatron_hf.drop_tied_copy(state, meta, src)
-        shapes = {p.path: tuple(p.shape) for p in state.params}
-        hf_type = megatron_hf.model_type(meta, hf_model_type, src)
-        if hf_config is not None and hf_model_type is None:
-            hf_type = megatron_hf.model_type(meta, megatron_config.read(hf_config).get("model_type"), src)
-        structure = megatron_hf.build(meta, shapes, src, hf_type)
-        if tied:
-            structure.notes.append(tied)
-        config = megatron_config.build(meta, hf_type, dtype, src)
-        if hf_config is not None:
-            config = megatron_config.given(hf_config, config, src)
-        opts, _, said = conv._prepare(ckpt, replace(opts, structure=structure), src, "torch", "torch")
-        megatron_hf.trainer_groups(state, src)
-        plan = build_plan(state, src, ckpt.format, os.path.join(dst, "optimizer.pt"), "torch", opts)
-        plan.warnings = [w for w in plan.warnings if not w.startswith("structural rules: the map is not proved")]
-        plan.warnings += [w for w in said if not w.startswith("the fp32 master weights")]
-        plan.target = dst
-        how = "fp32 masters" if dtype == "F32" else f"fp32 masters rounded to {dtype} (the model's stored weights)"
-        plan.warnings.append(f"Hugging Face Trainer folder ({hf_type}): model.safetensors holds the {how}; "
-                             "config.json, optimizer.pt, scheduler.pt, trainer_state.json beside it; no rng_state.pth")
-        sched = scheduler_state(state.groups)
-        if len(plan.hyperparams) == len(sched["base_lrs"]):  # what a scheduler built over the optimizer adds
-            for group, base in zip(plan.hyperparams, sched["base_lrs"], strict=True):
-                group.setdefault("initial_lr", base)
-        tstate = trainer_state(meta, sched["last_epoch"])
-        if plan_out:  # the optimizer.pt's plan, as for any convert
-            from statekit.atomic import atomic_write
+    if registry.framework_of(ckpt.format) != "megatron" or ckpt.optimizer is None:
+        raise UsageError(f"a Hugging Face Trainer folder (--to hf-trainer) is written from a Megatron "
+                         f"checkpoint, not from a {ckpt.format} one")
+    state, meta = ckpt.optimizer, ckpt.metadata
+    refuse_bad_steps(state, src)
+    dtype = _weights_dtype(meta, weights, src)
+    masters = {}
+    for p in state.params:
+        if naming.MASTER_SLOT not in p.slots:
+            raise MappingError(f"{p.path}: no fp32 master in the checkpoint, so no weight for model.safetensors", src)
+        masters[p.path] = p.slots[naming.MASTER_SLOT]
+    tied = megatron_hf.drop_tied_copy(state, meta, src)
+    given = megatron_config.read(hf_config).get("model_type") if hf_config is not None else None
+    hf_type = megatron_hf.model_type(meta, hf_model_type or given, src)
+    structure = megatron_hf.build(meta, {p.path: tuple(p.shape) for p in state.params}, src, hf_type)
+    if tied:
+        structure.notes.append(tied)
+    config = megatron_config.build(meta, hf_type, dtype, src)
+    if hf_config is not None:
+        config = megatron_config.given(hf_config, config, src)
+    megatron_hf.trainer_groups(state, src)
+    how = "fp32 masters" if dtype == "F32" else f"fp32 masters rounded to {dtype} (the model's stored weights)"
+    note = (f"Hugging Face Trainer folder ({hf_type}): model.safetensors holds the {how}; config.json, "
+            "optimizer.pt, scheduler.pt, trainer_state.json beside it; no rng_state.pth")
+    return Folder(hf_type, structure, masters, dtype, config, [note])
 
-            with atomic_write(plan_out) as fh:
-                fh.write(plan.dumps().encode() + b"\n")
-        if on_plan is not None:
-            on_plan(plan)
-        if dry_run:
-            return conv.Result(plan, None, messages=["dry run: nothing written"])
-        from statekit.formats.safetensors import write_safetensors
-        from statekit.formats.torch_pt import save_pt
-        from statekit.structure.apply import assembled
 
-        parent = os.path.dirname(os.path.abspath(dst))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(dst))}.statekit-", dir=parent)
-        warnings: list[str] = []
-        try:
-            total = ckpt.nbytes
-            with (progress or silent)("writing", total, unit_bytes=True) as advance:
-                size = write(plan, state, os.path.join(tmp, "optimizer.pt"), progress=advance,
-                             on_warning=warnings.append)
-                tensors = [(path, assembled(structure.targets[path], masters, dtype))
-                           for path in structure.order]
-                size += write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
-            for name, obj in (("config.json", config), ("trainer_state.json", tstate)):
-                with open(os.path.join(tmp, name), "w", encoding="utf-8") as fh:
-                    json.dump(obj, fh, indent=2)
-                    fh.write("\n")
-            save_pt(sched, os.path.join(tmp, "scheduler.pt"))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700: a folder as mkdir makes it
-            _refuse_existing(dst)
-            if os.path.isdir(dst):
-                os.rmdir(dst)
-            os.rename(tmp, dst)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        size = sum(os.path.getsize(os.path.join(dst, n)) for n in FILES)
-        return conv.Result(plan, size, messages=[f"wrote {dst} ({size} bytes: {', '.join(FILES)})"],
-                           warnings=warnings)
+def finish_plan(plan, folder: Folder, said: list[str], dst: str) -> None:
+    """The optimizer.pt plan as the folder's: its target the folder, the notes that fit this source, and
+    ``initial_lr`` in each group (what a torch scheduler built over the optimizer adds)."""
+    plan.warnings = [w for w in plan.warnings if not w.startswith("structural rules: the map is not proved")]
+    plan.warnings += [w for w in said if not w.startswith("the fp32 master weights")] + folder.notes
+    plan.target = dst
+    base = [float(h.get("max_lr", h.get("lr", 0.0))) * float(h.get("lr_mult", 1.0)) for h in plan.hyperparams]
+    for group, lr in zip(plan.hyperparams, base, strict=True):
+        group.setdefault("initial_lr", lr)
+
+
+def write_folder(plan, state, ckpt, folder: Folder, dst: str, progress=None) -> tuple[int, list[str]]:
+    """Write the folder in a temporary sibling and rename it into place; (bytes written, writer warnings)."""
+    from statekit.formats.safetensors import write_safetensors
+    from statekit.formats.torch_pt import save_pt
+    from statekit.ops.execute import write
+    from statekit.ops.progress import silent
+    from statekit.structure.apply import assembled
+
+    sched = scheduler_state(state.groups)
+    tstate = trainer_state(ckpt.metadata, sched["last_epoch"])
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(dst))}.statekit-", dir=parent)
+    warnings: list[str] = []
+    try:
+        with (progress or silent)("writing", ckpt.nbytes, unit_bytes=True) as advance:
+            write(plan, state, os.path.join(tmp, "optimizer.pt"), progress=advance, on_warning=warnings.append)
+            tensors = [(path, assembled(folder.structure.targets[path], folder.masters, folder.dtype))
+                       for path in folder.structure.order]
+            write_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+        for name, obj in (("config.json", folder.config), ("trainer_state.json", tstate)):
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as fh:
+                json.dump(obj, fh, indent=2)
+                fh.write("\n")
+        save_pt(sched, os.path.join(tmp, "scheduler.pt"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700: a folder as mkdir makes it
+        refuse_existing(dst)
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.rename(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sum(os.path.getsize(os.path.join(dst, n)) for n in FILES), warnings
