@@ -471,3 +471,23 @@ def test_qwen2_and_qwen3_moe_shaped_runs(tmp_path, case, cls):
     for n, p in named.items():
         for slot in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][slot], want[slot][n]), (n, slot)
+
+
+def test_a_group_split_the_trainer_would_not_make_is_refused():
+    """A norm in Megatron's decayed group (as --apply-wd-to-qk-layernorm puts the QK norms there): a Trainer
+    never decays a norm, so the saved groups could not be the Trainer's; refused naming the tensor."""
+    from statekit import io
+    from statekit.errors import MappingError
+    from statekit.ops import megatron_hf
+
+    with io.open_checkpoint(f"{ROOT}/moe_torch_qk_layernorm_tp1pp1dp1") as c:
+        state = c.optimizer
+        shapes = {p.path: tuple(p.shape) for p in state.params}
+        structure = megatron_hf.build(c.metadata, shapes, "x")
+        megatron_hf.trainer_groups(state, "x")
+        megatron_hf.check_trainer_decay(state, structure, "x")  # as saved: the Trainer's split
+        decayed = next(i for i, g in enumerate(state.groups) if g.hyperparams["weight_decay"] > 0)
+        norm = next(p for p in state.params if p.path == "decoder.layers.1.self_attention.q_layernorm.weight")
+        norm.group = decayed
+        with pytest.raises(MappingError, match="model.layers.1.self_attn.q_norm.weight: .* does not decay"):
+            megatron_hf.check_trainer_decay(state, structure, "x")

@@ -314,6 +314,7 @@ def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = No
         if tied:
             structure.notes.append(tied)
         megatron_hf.trainer_groups(state, src)
+        megatron_hf.check_trainer_decay(state, structure, src)
         return replace(opts, structure=structure)
     if not (opts.fuse or opts.split or opts.stack or opts.unstack):
         return opts

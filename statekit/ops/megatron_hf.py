@@ -334,3 +334,28 @@ def drop_tied_copy(state, meta: dict, where: str) -> str | None:
             g.keys.remove(out.key)
     return ("tied embeddings: output_layer.weight (the last pipeline stage's copy) equals the embedding in every "
             "slot, bit for bit; dropped, as a tied Hugging Face model has one tensor")
+
+
+# transformers 5.24's Trainer.get_decay_parameter_names: no weight decay for these names (and LayerNorm modules)
+_NO_DECAY = tuple(re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                                          r"_norm(?:$|\.)"))
+
+
+def check_trainer_decay(state, structure: StructureMap, where: str) -> None:
+    """Each Hugging Face tensor's Megatron sources are in a decayed group exactly when a Trainer decays that
+    tensor: the optimizer.pt groups are then the Trainer's own (else torch would pair the saved positions
+    with other parameters, or refuse). One line naming the tensor otherwise (``--apply-wd-to-qk-layernorm``,
+    a ``wd_mult`` that the Trainer has no word for)."""
+    by_path = {p.path: p for p in state.params}
+    for path, t in structure.targets.items():
+        decays = not any(p.search(path.lower()) for p in _NO_DECAY)
+        for src in t.sources:
+            p = by_path.get(src)
+            if p is None:
+                continue
+            wd = float(state.groups[p.group].hyperparams.get("weight_decay") or 0.0)
+            if (wd > 0) != decays:
+                raise MappingError(f"{path}: Megatron's {src} is in a group with weight_decay {wd}, but a Hugging "
+                                   f"Face Trainer {'decays' if decays else 'does not decay'} {path} (its "
+                                   "get_decay_parameter_names): the optimizer's groups would not be the Trainer's",
+                                   where)

@@ -148,6 +148,7 @@ def prepare(ckpt, src: str, hf_model_type: str | None, hf_config: str | None, we
     if hf_config is not None:
         config = megatron_config.given(hf_config, config, src)
     megatron_hf.trainer_groups(state, src)
+    megatron_hf.check_trainer_decay(state, structure, src)
     how = "fp32 masters" if dtype == "F32" else f"fp32 masters rounded to {dtype} (the model's stored weights)"
     note = (f"Hugging Face Trainer folder ({hf_type}): model.safetensors holds the {how}; config.json, "
             "optimizer.pt, scheduler.pt, trainer_state.json beside it; no rng_state.pth")
