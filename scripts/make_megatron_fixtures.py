@@ -155,6 +155,16 @@ CASES = {
         ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
          "--ckpt-format", "torch"] + MOE,
         [3], "MoE, 4 experts top-2, EP2, legacy torch format with distrib_optim.pt lists"),
+    "qwen2_torch_qkv_bias_tp1pp1dp1": (
+        1, 1, 1, 1,
+        ["--untie-embeddings-and-output-weights", "--ckpt-format", "torch", "--add-qkv-bias"],
+        [3], "legacy torch format, no distributed optimizer, a q/k/v bias (a Qwen2-shaped model: "
+             "the Trainer-folder conversion's qwen2 type)"),
+    "moe_torch_qk_layernorm_tp1pp1dp1": (
+        1, 1, 1, 1,
+        ["--untie-embeddings-and-output-weights", "--ckpt-format", "torch", "--qk-layernorm"] + MOE,
+        [3], "MoE with QK layernorm (a Qwen3-MoE-shaped model: the Trainer-folder conversion's "
+             "qwen3_moe type), legacy torch format, no distributed optimizer"),
 }
 
 # appended to every case's Megatron arguments (``--model-args``; Megatron's parser keeps the last

@@ -223,7 +223,7 @@ def _step_policy(step: str | None) -> str | None:
 def convert(
     src: FileArg,
     dst: Annotated[Path, typer.Argument(metavar="DST", help="Output file; its extension picks the format (.bpk, .pt, .safetensors; an existing directory: DCP) unless --to is given.")],
-    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle, dcp or megatron (torch_dist).")] = None,
+    to: Annotated[str | None, typer.Option("--to", metavar="FORMAT", help="Output format: burnpack, torch, safetensors, candle, dcp, megatron (torch_dist), megatron-legacy, or hf-trainer (a Megatron source to a Trainer folder; also chosen by a DST named checkpoint-N).")] = None,
     shards: Annotated[int | None, typer.Option("--shards", metavar="N", help="DCP output (a directory): the number of data files; torch.distributed reshards on load.")] = None,
     shard: Annotated[str | None, typer.Option("--shard", metavar="I/N", help="Write share I of N of a DCP output (default: from torchrun RANK/WORLD_SIZE or SLURM); the last share to finish writes .metadata.")] = None,
     key: KeyOpt = None,
@@ -272,6 +272,9 @@ def convert(
     ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
     distributed_optimizer: Annotated[bool | None, typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="--to megatron-legacy: the optimizer's form, the distributed optimizer's distrib_optim.pt or the non-distributed state (default: the source's).")] = None,
     vocab_divisible_by: Annotated[int | None, typer.Option("--vocab-divisible-by", metavar="N", help="--to megatron-legacy: the target's make_vocab_size_divisible_by (the padded vocabulary is a multiple of N × TP; default: the source's).")] = None,
+    hf_model_type: Annotated[str | None, typer.Option("--hf-model-type", metavar="TYPE", help="A Megatron source: the Hugging Face model its names are for (llama, qwen2, qwen3, mixtral, qwen3_moe; default: what the run's args describe).")] = None,
+    hf_config: Annotated[Path | None, typer.Option("--hf-config", metavar="CONFIG", help="A Megatron source to a Trainer folder: this config.json (checked against the run's args) instead of one built from them.")] = None,
+    weights: Annotated[str | None, typer.Option("--weights", metavar="WHICH", help="A Megatron source to a Trainer folder: model.safetensors holds the fp32 masters (master, the default) or them rounded to the run's dtype (model).")] = None,
 ) -> None:
     """Convert optimizer state between burn (.bpk), PyTorch (.pt), candle and safetensors.
 
@@ -337,7 +340,8 @@ def _convert(a) -> None:
                          progress=out.progress, on_plan=lambda p: _show_plan(p, out, a.dry_run), shards=a.shards,
                          share=resolve_share(a.shard), also=str(a.also) if a.also else None, also_key=a.also_key,
                          also_out=str(a.also_out) if a.also_out else None, no_schedule=a.no_schedule,
-                         parallel=parallel or None)
+                         parallel=parallel or None, hf_model_type=a.hf_model_type,
+                         hf_config=a.hf_config and str(a.hf_config), weights=a.weights)
     _finish(result, out)
 
 

@@ -3,6 +3,7 @@ against the fixture's own optimizer state read by real torch (q/k/v rows indexed
 the Megatron format notes), and loaded by torch AdamW over a transformers Llama of the run's sizes."""
 
 import glob
+import json
 import os
 import pickle
 import subprocess
@@ -118,12 +119,30 @@ def test_torch_adamw_over_the_hf_model_loads_it(converted):
     opt.step()  # the loaded state steps the HF model
 
 
-def test_a_moe_model_is_refused_in_one_line(tmp_path):
+def test_a_moe_model_goes_to_stacked_experts_in_two_trainer_groups(tmp_path):
+    """Megatron's expert group (ChainedOptimizer) joins the decayed group, as a Trainer groups a Mixtral: each
+    expert's moments land at its index of transformers 5's stacked gate_up_proj / down_proj."""
     out = tmp_path / "o.pt"
     run = subprocess.run([sys.executable, "-m", "statekit", "convert", "fixtures/megatron/0.19.2/moe_torch_distopt_ep2dp2",
                           str(out), "--no-schedule"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "proved against its stored weights" in run.stdout + run.stderr
+    assert "give --old-model" not in run.stdout + run.stderr
+    sd = torch.load(out, weights_only=True)
+    assert [g["weight_decay"] for g in sd["param_groups"]] == [0.1, 0.0]
+    names = [n for g in sd["param_groups"] for n in g["param_names"]]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.gate.weight" in names
+    by_name = {n: sd["state"][i] for g in sd["param_groups"] for n, i in zip(g["param_names"], g["params"], strict=True)}
+    assert tuple(by_name["model.layers.0.mlp.experts.gate_up_proj"]["exp_avg"].shape) == (4, 64, 64)
+    assert tuple(by_name["model.layers.0.mlp.experts.down_proj"]["exp_avg"].shape) == (4, 64, 32)
+
+
+def test_a_model_type_the_run_does_not_fit_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "o.pt"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--hf-model-type", "qwen3", "--no-schedule"],
+                         capture_output=True, text=True)
     assert run.returncode != 0 and not out.exists()
-    assert "mixture-of-experts" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert "QK norms" in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert "Traceback" not in run.stderr
 
 
@@ -149,3 +168,28 @@ def test_the_megatron_schedule_is_not_dropped_in_silence(tmp_path):
                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
     assert run.returncode == 0 and out.exists()
     assert "schedule" in (run.stdout + run.stderr) and "dropped" in (run.stdout + run.stderr)
+
+
+def test_a_safetensors_target_holds_the_same_split_state(tmp_path):
+    """statekit's safetensors layout from a Megatron source: one entry per Hugging Face tensor (linear_qkv split
+    into three, each under its own key), the moments the fixture's own, read by torch."""
+    out = tmp_path / "o.safetensors"
+    run = subprocess.run([sys.executable, "-m", "statekit", "convert", FIX, str(out), "--no-schedule"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    from safetensors import safe_open
+
+    mega, args = _megatron_state()
+    nq, ng, d, vocab = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"], args["vocab_size"]
+    per = nq // ng
+    with safe_open(str(out), "pt") as f:
+        entries = json.loads(f.metadata()["params"]) if "params" in f.metadata() else None
+        keys = set(f.keys())
+        layout = {e["path"]: e["slots"] for e in entries} if entries else None
+        assert layout is not None and len(layout) == len(entries)
+        for layer in range(args["num_layers"]):
+            qkv = mega[f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]["exp_avg"]
+            k_rows = [g * (per + 2) * d + per * d + j for g in range(ng) for j in range(d)]
+            name = layout[f"model.layers.{layer}.self_attn.k_proj.weight"]["exp_avg"]
+            assert name in keys and torch.equal(f.get_tensor(name), qkv[k_rows])
+        emb = f.get_tensor(layout["model.embed_tokens.weight"]["exp_avg_sq"])
+        assert torch.equal(emb, mega["embedding.word_embeddings.weight"]["exp_avg_sq"][:vocab])

@@ -20,6 +20,8 @@ from statekit.ops.plan import ParamAction, Plan
 from statekit.ops.rules import NORM_PRESET, RenameRule, matches_any, rename
 from statekit.state import OptimizerState, ParamState, refuse_unusable
 
+MEGATRON_NOTE = "Megatron GPT → Hugging Face"  # statekit.ops.megatron_hf's map notes start so
+
 # burn-store's PyTorchToBurnAdapter renames a norm layer's weight/bias (decided here by the module class)
 NORM_RENAMES = {"weight": "gamma", "bias": "beta"}
 # torch families statekit reads but does not convert (their state or update is not modelled)
@@ -331,7 +333,11 @@ def _structural(state, family, opts, plan, problems, actions) -> tuple[list[Para
         else:
             out.append(a)
     out += [a for a in targets if a.action == "assemble"]
-    if smap.origin == "rules":
+    if smap.origin == "rules" and any(n.startswith(MEGATRON_NOTE) for n in smap.notes):
+        plan.warnings.append("Megatron → Hugging Face names by the run's args (q/k/v per query group, gate/up, "
+                             "vocabulary padding stripped): the checkpoint holds no Hugging Face weights to prove "
+                             "the map on; its masters were proved against its stored weights when it was read")
+    elif smap.origin == "rules":
         plan.warnings.append("structural rules: the map is not proved on weights (give --old-model and --model "
                              "with values to prove it)")
     elif smap.origin == "rules, proved":

@@ -128,7 +128,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             progress: ProgressFactory | None = None, on_plan: Callable[[Plan], None] | None = None,
             shards: int | None = None, share: Share | None = None, also: str | None = None,
             also_key: str | None = None, also_out: str | None = None, no_schedule: bool = False,
-            parallel: dict | None = None) -> Result:
+            parallel: dict | None = None, **folder) -> Result:
     """Convert ``src`` to ``dst``; the Python API behind ``statekit convert``. ``on_plan(plan)`` is
     called with the finished plan before any byte is written (the CLI shows it there). ``shards``
     (DCP output, a directory) is the number of data files to write; ``share`` is the part of them
@@ -138,11 +138,16 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
     goes as its own torch state_dict (:mod:`statekit.ops.pair`). The source's LR schedule: carried, else
     refused unless ``no_schedule`` (:mod:`statekit.ops.schedule_carry`). ``to="megatron"``: a Megatron
     torch_dist checkpoint for another parallel layout, ``parallel`` = {tp, pp, dp, sharding}
-    (:func:`convert_to_megatron`)."""
+    (:func:`convert_to_megatron`). ``folder``: ``hf_model_type``, ``hf_config``, ``weights`` of a Megatron
+    source going to Hugging Face (a Trainer folder: :func:`_trainer_folder`)."""
     opts = opts or Options()
     if to == "megatron" or parallel:
         return convert_to_megatron(src, dst, opts, to=to, parallel=parallel or {}, dry_run=dry_run, shards=shards,
                                    plan_in=plan_in, plan_out=plan_out, share=share, no_schedule=no_schedule)
+    several = plan_in or shards or also or also_out or (share is not None and share.count > 1)
+    if _trainer_folder_wanted(src, dst, to, folder, several):
+        return _trainer_folder(src, dst, opts, folder, dry_run=dry_run, progress=progress, on_plan=on_plan,
+                               plan_out=plan_out)
     if also is not None or also_key is not None or also_out is not None:
         return _convert_pair(src, dst, opts, to=to, key=key, dry_run=dry_run, plan_out=plan_out, plan_in=plan_in,
                              progress=progress, on_plan=on_plan, also=also, also_key=also_key, also_out=also_out,
@@ -196,7 +201,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None))
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None, folder.get("hf_model_type")))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)
@@ -205,18 +210,63 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
         plan.warnings.extend(carry.warnings)
         if fmt == "dcp" and shards:  # the DCP writer's layout choice travels with the plan (and a saved plan)
             plan.metadata[SHARDS_KEY] = str(shards)
-        result = _write_planned(plan, state, ckpt, fmt, opts, dry_run=dry_run, plan_out=plan_out, progress=progress,
-                                on_plan=on_plan)
+        with _writer_context(fmt, opts, ckpt):
+            result = carry_out(plan, state, ckpt.nbytes, dry_run=dry_run, plan_out=plan_out, progress=progress,
+                               on_plan=on_plan)
         return schedule_carry.write_files(carry, result, dst, dry_run)
 
 
-def _write_planned(plan, state, ckpt, fmt, opts, **kw) -> Result:
-    if fmt == "deepspeed-universal":  # the fp32 master weights: --model, else the input's own model
-        from statekit.frameworks.deepspeed_io import universal_weights
+def _writer_context(fmt: str, opts: Options, ckpt: Checkpoint):
+    """What the target's writer needs around it: DeepSpeed universal output takes the fp32 master weights
+    (--model, else the input's own model)."""
+    if fmt != "deepspeed-universal":
+        return contextlib.nullcontext()
+    from statekit.frameworks.deepspeed_io import universal_weights
 
-        with universal_weights(opts.model if opts.model is not None else ckpt.model):
-            return carry_out(plan, state, ckpt.nbytes, **kw)
-    return carry_out(plan, state, ckpt.nbytes, **kw)
+    return universal_weights(opts.model if opts.model is not None else ckpt.model)
+
+
+def _trainer_folder_wanted(src: str, dst: str, to: str | None, folder: dict, others) -> bool:
+    """A Megatron source to a Hugging Face Trainer folder (``to="hf-trainer"``, or a ``checkpoint-N`` DST);
+    --hf-config / --weights anywhere else, and options a folder has no use for, are refused."""
+    from statekit.ops import megatron_trainer
+
+    unknown = set(folder) - {"hf_model_type", "hf_config", "weights"}
+    if unknown:
+        raise TypeError(f"convert() got unexpected keyword arguments {sorted(unknown)}")
+    if not megatron_trainer.is_target(src, dst, to):
+        if folder.get("hf_config") is not None or folder.get("weights") is not None:
+            raise UsageError("--hf-config and --weights apply to a Hugging Face Trainer folder (DST checkpoint-N/ "
+                             "or --to hf-trainer)")
+        return False
+    if others:
+        raise UsageError("a Hugging Face Trainer folder is written by one process, from no saved plan, shards or "
+                         "second state")
+    return True
+
+
+def _trainer_folder(src: str, dst: str, opts: Options, folder: dict, *, dry_run: bool, progress, on_plan,
+                    plan_out: str | None) -> Result:
+    """``statekit convert MEGATRON checkpoint-N/`` (:mod:`statekit.ops.megatron_trainer`): optimizer.pt by the
+    ordinary plan, with model.safetensors, config.json, scheduler.pt and trainer_state.json beside it."""
+    from dataclasses import replace
+
+    from statekit.ops import megatron_trainer as trainer
+
+    trainer.refuse_existing(dst)
+    with io.open_checkpoint(src) as ckpt, _naming(src):
+        parts = trainer.prepare(ckpt, src, folder.get("hf_model_type"), folder.get("hf_config"),
+                                folder.get("weights") or "master")
+        opts, _, said = _prepare(ckpt, replace(opts, structure=parts.structure), src, "torch", "torch")
+        plan = build_plan(ckpt.optimizer, src, ckpt.format, os.path.join(dst, "optimizer.pt"), "torch", opts)
+        trainer.finish_plan(plan, parts, said, dst)
+        written = carry_out_with(plan, ckpt.nbytes, lambda advance, warnings: 0, dry_run=True, plan_out=plan_out,
+                                 on_plan=on_plan)
+        if dry_run:
+            return written
+        size, warnings = trainer.write_folder(plan, ckpt.optimizer, ckpt, parts, dst, progress)
+    files = ", ".join(trainer.FILES)
+    return Result(plan, size, messages=[f"wrote {dst} ({size} bytes: {files})"], warnings=warnings)
 
 
 def _prepare(ckpt: Checkpoint, opts: Options, src: str, fmt: str, to: str | None) -> tuple[Options, str, list[str]]:
@@ -260,17 +310,27 @@ def _library_layout(state, fmt: str, to: str | None) -> tuple[str, str | None]:
                       "file records); --to torch writes torch's own")
 
 
-def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = None) -> Options:
+def _with_rules(opts: Options, state, src: str, megatron_facts: dict | None = None,
+                hf_type: str | None = None) -> Options:
     """``opts`` with the structural map its --fuse/--split/--stack/--unstack rules describe; a Megatron
     source going to another framework: the map to Hugging Face names its args give (:mod:`.megatron_hf`)."""
     from dataclasses import replace
 
+    if hf_type is not None and megatron_facts is None:
+        raise UsageError("--hf-model-type names a Megatron checkpoint's parameters for a Hugging Face model; "
+                         f"{src} is not a Megatron checkpoint")
     if megatron_facts is not None and opts.structure is None and not (opts.fuse or opts.split or opts.stack
                                                                            or opts.unstack):
         from statekit.ops import megatron_hf
 
+        tied = megatron_hf.drop_tied_copy(state, megatron_facts, src)
         shapes = {p.path: tuple(p.shape) for p in state.params if p.path and p.shape is not None}
-        return replace(opts, structure=megatron_hf.build(megatron_facts, shapes, src))
+        structure = megatron_hf.build(megatron_facts, shapes, src, hf_type)
+        if tied:
+            structure.notes.append(tied)
+        megatron_hf.trainer_groups(state, src)
+        megatron_hf.check_trainer_decay(state, structure, src)
+        return replace(opts, structure=structure)
     if not (opts.fuse or opts.split or opts.stack or opts.unstack):
         return opts
     from statekit.ops import structural

@@ -82,6 +82,11 @@ def apply_plan(plan: Plan, state: OptimizerState) -> OptimizerState:
                 params.append(ParamState(key=str(a.dst_index), index=a.dst_index, path=a.dst_path, group=a.group))
             continue
         params.append(_move(a, by_key[a.src_key], plan, target_fw, by_key))
+    seen: set[str] = set()
+    for p in params:  # one source split into several targets (Megatron's linear_qkv → q/k/v) keeps no one key
+        if p.key in seen and p.path and p.path not in seen:
+            p.key = p.path
+        seen.add(p.key)
     groups = [ParamGroup(hyperparams=dict(h), keys=[]) for h in plan.hyperparams] or [ParamGroup()]
     for p in params:
         if p.group >= len(groups):

@@ -159,6 +159,9 @@ def make_options(*, optimizer: str | None = None, names: object = None, names_or
     weights that share any)."""
     from statekit.ops.rules import read_rules_file
 
+    if step_policy not in (None, "max"):
+        raise UsageError(f"--step {step_policy!r}: the only policy is 'max'")
+
     renames = list(rename or ())
     for path in rules or ():
         renames += read_rules_file(os.fspath(path))

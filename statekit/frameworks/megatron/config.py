@@ -236,7 +236,23 @@ class MegatronConfig:
             value = getattr(self, key)
             if value is not None:
                 out[f"megatron.{key}"] = str(value)
+        for key in _HF_ARGS:  # as read, for a Hugging Face config.json built from the run (ops/megatron_config)
+            if self.raw.get(key) is not None:
+                out[f"megatron.args.{key}"] = str(self.raw[key])
         return out
+
+
+# args a Hugging Face model config is built from (ops/megatron_config.py), kept as read
+_HF_ARGS = ("layernorm_epsilon", "norm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved",
+            "rotary_scaling_factor", "use_rope_scaling", "rope_type", "mrope_section", "position_embedding_type",
+            "max_position_embeddings", "seq_length", "init_method_std", "layernorm_zero_centered_gamma",
+            "apply_layernorm_1p", "softmax_type", "train_iters", "global_batch_size", "moe_router_topk",
+            "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
+            "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+            "moe_grouped_gemm", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_num_groups",
+            "moe_z_loss_coeff", "moe_input_jitter_eps", "attention_output_gate", "qk_l2_norm", "no_rope_freq",
+            "micro_batch_size",
+            "multi_latent_attention", "hidden_dropout", "attention_dropout", "params_dtype")
 
 
 # args that first appeared in a release (each checked in that tag's arguments.py, §0)
