@@ -173,6 +173,14 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
                              on_plan=on_plan if share.index == 0 else None, shards=shards, no_schedule=no_schedule)
         result.messages.append(_share_summary(share, dst))
         return result
+    return _convert_state(src, dst, fmt, opts, to=to, key=key, dry_run=dry_run, plan_in=plan_in, plan_out=plan_out,
+                          progress=progress, on_plan=on_plan, shards=shards, no_schedule=no_schedule,
+                          hf_model_type=folder.get("hf_model_type"))
+
+
+def _convert_state(src: str, dst: str, fmt: str, opts: Options, *, to, key, dry_run, plan_in, plan_out, progress,
+                   on_plan, shards, no_schedule, hf_model_type) -> Result:
+    """One process's convert of an optimizer state (or a model, or a container copy) to ``fmt``."""
     with io.open_checkpoint(src, **open_options(opts, key)) as ckpt, _naming(src):
         refuse_bad_steps(ckpt.optimizer, src)  # before any path that writes, copies included
         if plan_in is None and opts == Options() and is_container_copy(ckpt, fmt):
@@ -201,7 +209,7 @@ def convert(src: str, dst: str, opts: Options | None = None, *, to: str | None =
             plan.source, plan.target = src, dst
         else:
             opts, recorded = recorded_layout(ckpt, fmt, opts)
-            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None, folder.get("hf_model_type")))
+            plan = build_plan(state, src, ckpt.format, dst, fmt, _with_rules(opts, state, src, ckpt.metadata if registry.framework_of(ckpt.format) == "megatron" else None, hf_model_type))
             plan.warnings.extend(adapted)
             if recorded:
                 plan.warnings.append(recorded)

@@ -340,6 +340,21 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
     new_args = _args(args, cfg, sizes, target.sharding)
     if target.sharding == "dp_reshardable":
         flat.update(_bucket_space(source.model, config.from_args(new_args, where), model_space, groups, rows, where))
+    new_common = _new_common(common, new_args, target, groups, same_tp_pp, same_world)
+    legacy_common = source.common_pt
+    if not legacy_common:
+        flat[f"{megatron_dist.COMMON_STATE}/shard_0_1"] = dcp.RawBytes(megatron_dist.common_archive([new_common]))
+
+    nbytes = _save(dst, folder_name, flat, shards, source, new_common, legacy_common, iteration)
+    n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
+    changed = ", ".join(f"{k.upper()} {getattr(cfg, k)} → {sizes[k]}" for k in ("tp", "pp", "dp")
+                        if getattr(cfg, k) != sizes[k]) or "sizes unchanged"
+    notes.insert(0, f"{source.sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
+    return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
+
+
+def _new_common(common: dict, new_args, target: Target, groups, same_tp_pp: bool, same_world: bool) -> dict:
+    """The target's common state: the source's, with the target's args, optimizer skeleton and content metadata."""
     new_common = dict(common)
     new_common["args"] = new_args
     if not same_tp_pp:  # the args name the target's sizes: without this Megatron would ask for its RNG states
@@ -360,10 +375,12 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
     content.setdefault("singleton_local_shards", False)
     content.setdefault("chained_optim_avoid_prefix", True)
     new_common["content_metadata"] = content
-    legacy_common = source.common_pt
-    if not legacy_common:
-        flat[f"{megatron_dist.COMMON_STATE}/shard_0_1"] = dcp.RawBytes(megatron_dist.common_archive([new_common]))
+    return new_common
 
+
+def _save(dst: str, folder_name: str, flat: dict, shards: int | None, source: _Source, new_common: dict,
+          legacy_common: bool, iteration) -> int:
+    """The iteration folder written in a temporary sibling and renamed into place, then the tracker file."""
     os.makedirs(dst, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{folder_name}.", suffix=".tmp", dir=dst)
     try:
@@ -374,18 +391,14 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
         with atomic_write(os.path.join(tmp, megatron_dist.METADATA_JSON)) as fh:  # last: marks it complete
             fh.write(json.dumps(source.backend or {"sharded_backend": "torch_dist", "sharded_backend_version": 1}).encode())
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 is not a checkpoint's
-        os.rename(tmp, out_folder)
+        os.rename(tmp, os.path.join(dst, folder_name))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tracker = "release" if folder_name == "release" else str(iteration)
     with atomic_write(os.path.join(dst, megatron_dist.TRACKER)) as fh:
         fh.write(tracker.encode())
-    n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
-    changed = ", ".join(f"{k.upper()} {getattr(cfg, k)} → {sizes[k]}" for k in ("tp", "pp", "dp")
-                        if getattr(cfg, k) != sizes[k]) or "sizes unchanged"
-    notes.insert(0, f"{source.sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
-    return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
+    return nbytes
 
 
 def _vocab_note(key: str, ref: TensorRef, rows: int, cfg: config.MegatronConfig) -> list[str]:
