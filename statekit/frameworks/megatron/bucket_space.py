@@ -377,5 +377,4 @@ def _slice(dist: megatron_dist.MegatronDist, entry: dcp.TensorEntry, start: int,
            name: str) -> TensorRef:
     numel = math.prod(shape)
     box = ((start, start + numel),)
-    return TensorRef(entry.dtype, shape, array_loader=lambda: regions.read_box(dist.reader, entry, box).reshape(shape),
-                     info={"dcp_key": entry.key, "bucket_offset": start, "param": name})
+    return regions.boxed(dist.reader, entry, box, shape, {"dcp_key": entry.key, "bucket_offset": start, "param": name})

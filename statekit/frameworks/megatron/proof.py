@@ -26,7 +26,7 @@ import math
 
 from statekit.errors import FormatError
 from statekit.lazy import numpy as np
-from statekit.tensor import TensorRef
+from statekit.tensor import TensorRef, rechunk
 
 PIECE_ELEMENTS = 1 << 18  # elements compared at a time (1 MiB of fp32 per side)
 
@@ -55,8 +55,26 @@ def rounded_bits(values, dtype: str):
     raise ProofError(f"no rounding rule from F32 to {dtype}")
 
 
-def _bits(piece, dtype: str):
-    return piece.view({"F32": np.uint32, "F16": np.uint16, "BF16": np.uint16}[dtype])
+_UINT = {"F32": "<u4", "F16": "<u2", "BF16": "<u2"}
+_NAN_ABOVE = {"BF16": 0x7F80, "F16": 0x7C00}  # |bits| above infinity's: a NaN
+
+
+def bit_pieces(ref: TensorRef, elements: int):
+    """``ref``'s elements as unsigned bit patterns, flat in C order, in pieces of exactly
+    ``elements`` (the last shorter): read as raw bytes, so a bf16 weight needs no bf16 type
+    (importing ml_dtypes costs a second)."""
+    bits = np.dtype(_UINT[ref.dtype])
+    if ref.array_loader is not None:  # (an in-memory array: its own dtype is already there)
+        source = (p.view(bits) for p in ref.pieces(elements))
+    else:
+        source = (np.frombuffer(b, dtype=bits) for b in ref.iter_bytes(elements * bits.itemsize))
+    return rechunk(source, elements)
+
+
+def _nan_bits(bits, dtype: str):
+    if dtype == "F32":
+        return np.isnan(bits.view(np.float32))
+    return (bits & np.uint16(0x7FFF)) > _NAN_ABOVE[dtype]
 
 
 def _floats(bits, dtype: str) -> str:
@@ -81,20 +99,15 @@ def prove(name: str, master: TensorRef, weight: TensorRef, rule: str, source: st
         raise ProofError(f"parameter {name}: its master has {master.numel} elements, the stored weight "
                          f"{weight.numel} ({list(weight.shape)}): {rule} does not hold", source)
     done = 0
-    for m, w in zip(master.pieces(PIECE_ELEMENTS), weight.pieces(PIECE_ELEMENTS), strict=False):
-        if m.size != w.size:  # (both read exact pieces; a short one is a truncated file)
+    for mb, got in zip(bit_pieces(master, PIECE_ELEMENTS), bit_pieces(weight, PIECE_ELEMENTS), strict=False):
+        if mb.size != got.size:  # (both read exact pieces; a short one is a truncated file)
             raise ProofError(f"parameter {name}: master and weight pieces differ in length at element {done}",
                              source)
+        m = mb.view(np.float32)
         want = rounded_bits(m, weight.dtype)
-        got = _bits(np.ascontiguousarray(w), weight.dtype)
         bad = want != got
         if bad.any():
-            m_nan = np.isnan(m)
-            if weight.dtype != "F32":
-                w_nan = np.isnan(w.astype(np.float32))
-            else:
-                w_nan = np.isnan(w)
-            bad &= ~(m_nan & w_nan)
+            bad &= ~(np.isnan(m) & _nan_bits(got, weight.dtype))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ProofError(
