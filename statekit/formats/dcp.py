@@ -349,10 +349,12 @@ class DcpReader:
         self.meta = read_metadata(self.directory, extra_globals, metadata_kinds)
         self._maps: dict[str, mmap.mmap] = {}
         self._sources: dict[str, SourceFile] = {}
+        self._chunks: dict[tuple[str, Chunk], TensorRef] = {}
 
     def close(self) -> None:
         self._maps.clear()  # views handed out keep their maps alive until dropped
         self._sources.clear()  # a file closes with the last tensor span that reads it
+        self._chunks.clear()
 
     def _map(self, name: str) -> mmap.mmap:
         if name not in self._maps:
@@ -375,7 +377,12 @@ class DcpReader:
             raise FormatError(f"{key}: {exc.message}", os.path.join(self.directory, file)) from None
 
     def chunk(self, entry: TensorEntry, c: Chunk) -> TensorRef:
-        """One chunk as a lazy tensor, checked against the metadata."""
+        """One chunk as a lazy tensor, checked against the metadata; its archive is parsed once
+        (a stacked tensor's chunk is asked for by every layer cut out of it). Not to be changed
+        by the caller: the same object is handed out again."""
+        cached = self._chunks.get((entry.key, c))
+        if cached is not None:
+            return cached
         ref = self._archive(entry.key, c.file, c.offset, c.length)
         where = os.path.join(self.directory, c.file)
         if not isinstance(ref, TensorRef):
@@ -384,6 +391,7 @@ class DcpReader:
         if tuple(ref.shape) != c.sizes or ref.dtype != entry.dtype:
             raise FormatError(f"{entry.key}: the chunk at {list(c.offsets)} is {ref.dtype} {list(ref.shape)}, "
                               f"the metadata says {entry.dtype} {list(c.sizes)}", where)
+        self._chunks[entry.key, c] = ref
         return ref
 
     def value(self, key: str) -> object:

@@ -145,19 +145,20 @@ def _slabs(reader: dcp.DcpReader, entry: dcp.TensorEntry, box: Box, size: int) -
 
 def boxed(reader: dcp.DcpReader, entry: dcp.TensorEntry, box: Box, shape: tuple[int, ...], info: dict) -> TensorRef:
     """The values of ``entry`` inside ``box`` as a lazy tensor of ``shape`` (the box's element
-    count), streamed: one file span where the box is one run of one file, the runs of each chunk
-    in order, else slabs of the box copied out of the rows of the chunks they touch. Memory is one
-    piece, whatever the box's size."""
-    spans = _runs(reader, entry, box)
-    if spans is not None and len(spans) == 1:
-        return TensorRef(entry.dtype, shape, span=spans[0], info=info)
-    if spans is not None:
-        def pieces(size: int) -> Iterator[bytes | memoryview]:
-            for sp in spans:
-                yield from sp.chunks(size or PIECE)
-    else:
-        def pieces(size: int) -> Iterator[bytes | memoryview]:
+    count), streamed: the runs of each chunk's file in order where the chunks cut the box along
+    one axis, else slabs of the box copied out of the rows of the chunks they touch. Memory is one
+    piece, whatever the box's size; nothing is read (not even a chunk's archive) until asked."""
+    plan: list[list[FileSpan] | None] = []
+
+    def pieces(size: int) -> Iterator[bytes | memoryview]:
+        if not plan:
+            plan.append(_runs(reader, entry, box))
+        spans = plan[0]
+        if spans is None:
             yield from _slabs(reader, entry, box, size or PIECE)
+            return
+        for sp in spans:
+            yield from sp.chunks(size or PIECE)
 
     return TensorRef(entry.dtype, shape, loader=lambda: b"".join(bytes(p) for p in pieces(PIECE)),
                      chunk_reader=pieces, info=info)

@@ -1,0 +1,185 @@
+"""The Megatron read path at speed (issue 35's bench goal), checked against real torch and the
+real megatron-core fixtures:
+
+- the master-vs-weight proof works on raw bits: its bf16 fast path agrees with torch 2.13's own
+  fp32 → bf16 rounding bit for bit, on weights read as file bytes, across pieces, and refuses
+  what the exact rule refuses (NaN masters whose bits would carry into an inf or a signed zero);
+- opening a real checkpoint (torch_dist bucket space and model space, legacy TP·PP, MoE) and
+  proving every master imports no ml_dtypes (its import costs a second);
+- boxes of torch_dist tensors are streamed in bounded pieces that reassemble to torch's own
+  ``dcp.load`` of the same keys;
+- proofs on several threads name the same first failing parameter as one thread does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from statekit import io
+from statekit.errors import FormatError
+from statekit.frameworks.megatron import proof
+from statekit.stream import using_jobs
+from statekit.tensor import FileSpan, SourceFile, TensorRef
+from tests.conftest import ROOT
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+REAL = ROOT / "fixtures" / "megatron" / "0.19.2"
+TWO_BUCKETS = ROOT / "fixtures" / "megatron" / "0.19.2" / "gpt_torch_dist_fully_reshardable_2buckets_tp1pp1dp2"
+PIECE = proof.PIECE_ELEMENTS
+
+
+def _file_ref(tmp_path, name: str, data: bytes, dtype: str, n: int) -> TensorRef:
+    """A tensor read from a file span (as every checkpoint reader hands them out)."""
+    path = tmp_path / name
+    path.write_bytes(b"\0" * 7 + data)  # (an odd offset: nothing aligned by luck)
+    src = SourceFile.open(str(path))
+    return TensorRef(dtype, (n,), span=FileSpan.at(src, 7, len(data)))
+
+
+def _torch_bf16_bits(values: np.ndarray) -> bytes:
+    return torch.from_numpy(values.copy()).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+
+
+def _masters() -> np.ndarray:
+    """Three pieces and a bit of fp32 values: normals, every exponent with a tie (bit 15 set, the
+    rest clear), subnormals, infinities, zeros of both signs."""
+    rng = np.random.default_rng(35)
+    ties = (np.arange(1 << 16, dtype=np.uint32) << 16 | 0x8000).view(np.float32)
+    ties = ties[~np.isnan(ties)]
+    parts = [rng.standard_normal(PIECE).astype(np.float32), ties,
+             (rng.standard_normal(PIECE) * 1e-39).astype(np.float32),
+             np.array([np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.4e38], np.float32),
+             rng.standard_normal(PIECE + 12345).astype(np.float32) * 1e4]
+    return np.concatenate(parts)
+
+
+def test_bf16_proof_on_file_bits_agrees_with_torch_rounding(tmp_path):
+    master = _masters()
+    n = master.size
+    m_ref = _file_ref(tmp_path, "m", master.tobytes(), "F32", n)
+    w = _torch_bf16_bits(master)
+    assert proof.prove("p", m_ref, _file_ref(tmp_path, "w", w, "BF16", n), "rule R") == n
+    # one bit off, in the third piece: refused at that element, as the exact rule words it
+    at = 2 * PIECE + 5
+    bad = bytearray(w)
+    bad[2 * at] ^= 1
+    with pytest.raises(proof.ProofError, match=rf"^parameter p: its fp32 master rounded to BF16 is not the stored "
+                                               rf"weight at element {at} of {n} \(.*\): rule R does not hold"):
+        proof.prove("p", m_ref, _file_ref(tmp_path, "bad", bytes(bad), "BF16", n), "rule R")
+    # the same values as an fp16 weight (numpy's rounding: torch's, checked below) and as fp32
+    f16 = torch.from_numpy(master.copy()).to(torch.float16).numpy()
+    assert proof.prove("p", m_ref, _file_ref(tmp_path, "h", f16.tobytes(), "F16", n), "r") == n
+    assert proof.prove("p", m_ref, _file_ref(tmp_path, "f", master.tobytes(), "F32", n), "r") == n
+
+
+@pytest.mark.parametrize("nan_bits,weight_bits,proves", [
+    (0x7FFFFFFF, 0x8000, False),  # the plain integer rounding would carry it into -0.0
+    (0x7F800001, 0x7F80, False),  # ... and this one into +inf
+    (0xFFFFFFFF, 0x0000, False),  # ... and a negative NaN into +0.0
+    (0x7FC00000, None, True),  # torch's own rounding of the NaN: a NaN
+    (0x7F800001, 0x7FC1, True),  # another NaN's bits: NaN == NaN for the proof
+])
+def test_nan_master_never_proves_a_number(tmp_path, nan_bits, weight_bits, proves):
+    master = np.random.default_rng(1).standard_normal(PIECE + 100).astype(np.float32)
+    at = PIECE + 3
+    master.view(np.uint32)[at] = nan_bits
+    weight = np.frombuffer(_torch_bf16_bits(master), np.uint16).copy()
+    assert (int(weight[at]) & 0x7FFF) > 0x7F80  # torch keeps a NaN a NaN
+    if weight_bits is not None:
+        weight[at] = weight_bits
+    m = _file_ref(tmp_path, "m", master.tobytes(), "F32", master.size)
+    w = _file_ref(tmp_path, "w", weight.tobytes(), "BF16", master.size)
+    if proves:
+        assert proof.prove("p", m, w, "r") == master.size
+    else:
+        with pytest.raises(proof.ProofError, match=rf"at element {at} of {master.size}"):
+            proof.prove("p", m, w, "r")
+
+
+_NO_ML_DTYPES = """
+import json, sys
+from statekit import io
+with io.open_checkpoint(sys.argv[1]) as ckpt:
+    notes = [n for n in ckpt.optimizer.notes if n.startswith("proved")]
+print(json.dumps({"ml_dtypes": "ml_dtypes" in sys.modules, "notes": notes}))
+"""
+
+
+@pytest.mark.parametrize("case", ["gpt_torch_dist_dp_reshardable_tp1pp1dp2", "gpt_torch_dist_fully_reshardable_tp2pp1dp2",
+                                  "gpt_torch_distopt_tp2pp2dp1", "moe_torch_dist_dp_reshardable_ep2dp2",
+                                  "moe_torch_distopt_ep2dp2"])
+def test_opening_and_proving_imports_no_ml_dtypes(case):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _NO_ML_DTYPES, str(REAL / case)], capture_output=True, text=True,
+                         env=env, timeout=300, check=True)
+    got = json.loads(out.stdout)
+    assert got["notes"] and "did not prove" not in got["notes"][0]
+    assert got["ml_dtypes"] is False, case
+
+
+def _torch_load(folder, keys) -> dict:
+    import torch.distributed.checkpoint as tdcp
+
+    meta = tdcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
+    tdcp.load(out, checkpoint_id=str(folder), no_dist=True)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("case", ["gpt_torch_dist_fully_reshardable_tp2pp1dp2",
+                                  "gpt_torch_dist_dp_reshardable_tp1pp1dp2"])
+def test_boxes_stream_in_bounded_pieces_equal_to_torch_load(case):
+    """Every parameter's master, moments and weight, read in pieces of 4 KiB (so that spans, runs
+    of several chunks and slabs all cut), reassemble to torch's own load of the stored tensors;
+    no piece is larger than asked."""
+    from statekit.frameworks.megatron import regions
+
+    folder = REAL / case
+    it = next(folder.glob("iter_*"))
+    with io.open_checkpoint(folder) as ckpt:
+        dist = ckpt.container.dist
+        entries = dist.tensor_entries()
+        full = _torch_load(it, list(entries))
+        seen = 0
+        for key, entry in entries.items():
+            # every row block a layer and a TP shard can be cut to: the whole tensor, one layer, rows
+            lead = entry.shape[:1] if key.startswith(("decoder.layers.", "optimizer.state.")) and len(
+                entry.shape) > 2 else ()
+            for i in range(lead[0] if lead else 1):
+                boxes = [((i, i + 1), *((0, d) for d in entry.shape[1:]))] if lead else [tuple((0, d) for d in entry.shape)]
+                if entry.shape:  # a band of the last axis too: cut across chunks (DP ranges, TP shards)
+                    b = list(boxes[0])
+                    lo, hi = b[-1]
+                    b[-1] = (lo + (hi - lo) // 3, hi - (hi - lo) // 5)
+                    boxes.append(tuple(b))
+                for box in boxes:
+                    shape = tuple(b - a for a, b in box)
+                    ref = regions.boxed(dist.reader, entry, box, shape, {})
+                    parts = list(ref.iter_bytes(4096))
+                    assert all(len(p) <= 4096 for p in parts)
+                    want = full[key][tuple(slice(a, b) for a, b in box)].contiguous()
+                    want = want.view(torch.int16 if want.element_size() == 2 else torch.int32).numpy().tobytes()
+                    assert b"".join(bytes(p) for p in parts) == want, (key, box)
+                    seen += 1
+        assert seen >= 32
+
+
+def test_parallel_proofs_refuse_the_same_first_parameter():
+    """The 2-bucket fully_reshardable save of 0.19.2 (states shifted after bucket 0): the refusal
+    names the first parameter in named_parameters order, whatever the thread count."""
+    messages = []
+    for jobs in (1, 4):
+        with using_jobs(jobs), pytest.raises(FormatError) as exc:
+            io.open_checkpoint(TWO_BUCKETS)
+        messages.append(str(exc.value))
+    assert messages[0] == messages[1]
+    assert "parameter embedding.word_embeddings.weight:" in messages[0]
