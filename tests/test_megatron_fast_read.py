@@ -149,7 +149,7 @@ def test_boxes_stream_in_bounded_pieces_equal_to_torch_load(case):
         dist = ckpt.container.dist
         entries = dist.tensor_entries()
         full = _torch_load(it, list(entries))
-        seen = 0
+        seen, kinds = 0, set()
         for key, entry in entries.items():
             # every row block a layer and a TP shard can be cut to: the whole tensor, one layer, rows
             lead = entry.shape[:1] if key.startswith(("decoder.layers.", "optimizer.state.")) and len(
@@ -164,13 +164,17 @@ def test_boxes_stream_in_bounded_pieces_equal_to_torch_load(case):
                 for box in boxes:
                     shape = tuple(b - a for a, b in box)
                     ref = regions.boxed(dist.reader, entry, box, shape, {})
+                    runs = regions._runs(dist.reader, entry, box)
+                    kinds.add("slabs" if runs is None else "one span" if len(runs) == 1 else "spans")
                     parts = list(ref.iter_bytes(4096))
                     assert all(len(p) <= 4096 for p in parts)
                     want = full[key][tuple(slice(a, b) for a, b in box)].contiguous()
                     want = want.view(torch.int16 if want.element_size() == 2 else torch.int32).numpy().tobytes()
                     assert b"".join(bytes(p) for p in parts) == want, (key, box)
                     seen += 1
-        assert seen >= 32
+        assert seen >= 32 and kinds >= {"one span", "spans"}
+        if "tp2" in case:
+            assert "slabs" in kinds
 
 
 def test_parallel_proofs_refuse_the_same_first_parameter():
