@@ -187,3 +187,110 @@ def test_parallel_proofs_refuse_the_same_first_parameter():
         messages.append(str(exc.value))
     assert messages[0] == messages[1]
     assert "parameter embedding.word_embeddings.weight:" in messages[0]
+
+
+# ------------------------------------------------- bucket space beyond TP = PP = 1 (mcore 0.19.2's own saves)
+
+LAYER = ("input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight",
+         "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+NAMES = (["embedding.word_embeddings.weight"] + [f"decoder.layers.{i}.{n}" for i in range(2) for n in LAYER]
+         + ["decoder.final_layernorm.weight", "output_layer.weight"])
+AXIS = {"embedding.word_embeddings.weight": 0, "output_layer.weight": 0, "self_attention.linear_qkv.weight": 0,
+        "mlp.linear_fc1.weight": 0, "self_attention.linear_proj.weight": 1, "mlp.linear_fc2.weight": 1}
+
+
+def _axis(name: str):
+    return AXIS.get(name) if name in AXIS else AXIS.get(name.split(".", 3)[-1])
+
+
+def _stage(name: str, pp: int) -> int:
+    """Megatron's uniform split of the fixtures' 2 layers: the embedding and layer 0 on stage 0 of
+    PP2, layer 1, the final norm and the output layer on stage 1."""
+    if pp == 1 or name.startswith("embedding.") or name.startswith("decoder.layers.0."):
+        return 0
+    return 1
+
+
+def _hand_cut(folder, tp: int, pp: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's states, from torch's own dcp.load of each model-parallel rank's bucket
+    tensors (rank = pp_rank × TP + tp_rank), cut by hand: each stage's parameters reversed, every
+    size a multiple of 64 (so no gaps), the TP-local shapes joined on each parameter's TP axis
+    (SwiGLU fc1: the ranks' W halves first, then their V halves), replicated ones TP rank 0's."""
+    import torch.distributed.checkpoint as tdcp
+
+    it = next(folder.glob("iter_*"))
+    meta = tdcp.FileSystemReader(str(it)).read_metadata().state_dict_metadata
+    shapes = {n: tuple(meta[_model_key(n)].size)[1:] if "layers." in n else tuple(meta[_model_key(n)].size)
+              for n in NAMES}
+    local = {}
+    for n in NAMES:
+        s, a = list(shapes[n]), _axis(n)
+        if a is not None:
+            s[a] //= tp
+        local[n] = tuple(s)
+    per_rank = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            mp = pp_rank * tp + tp_rank
+            prefix = f"optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0."
+            flat = {s: torch.empty(tuple(meta[prefix + s].size), dtype=torch.float32) for s in ("param", "exp_avg", "exp_avg_sq")}
+            tdcp.load({prefix + s: t for s, t in flat.items()}, checkpoint_id=str(it), no_dist=True)
+            at = 0
+            for n in reversed([n for n in NAMES if _stage(n, pp) == pp_rank]):
+                size = int(np.prod(local[n]))
+                assert size % 64 == 0
+                per_rank[n, tp_rank] = {s: t[at:at + size].reshape(local[n]) for s, t in flat.items()}
+                at += size
+            assert at == flat["param"].numel()
+    out = {}
+    for n in NAMES:
+        a = _axis(n)
+        parts = [per_rank[n, t] for t in range(tp)]
+        if tp == 1 or a is None:
+            out[n] = parts[0]
+        elif n.endswith("linear_fc1.weight"):
+            out[n] = {s: torch.cat([p[s].chunk(2)[0] for p in parts] + [p[s].chunk(2)[1] for p in parts])
+                      for s in parts[0]}
+        else:
+            out[n] = {s: torch.cat([p[s] for p in parts], dim=a) for s in parts[0]}
+    return out
+
+
+def _model_key(name: str) -> str:
+    """The torch_dist key a parameter's weight is saved under (stacked layers; the local spec's
+    norms under TE's fused names)."""
+    if not name.startswith("decoder.layers."):
+        return name
+    rest = name.split(".", 3)[3]
+    rest = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}.get(rest, rest)
+    return f"decoder.layers.{rest}"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("case,tp,pp", [("gpt_torch_dist_dp_reshardable_tp2pp1dp2", 2, 1),
+                                        ("gpt_torch_dist_dp_reshardable_tp1pp2dp2", 1, 2)])
+def test_real_dp_reshardable_tp_pp_cut_and_joined_by_hand(case, tp, pp):
+    folder = REAL / case
+    want = _hand_cut(folder, tp, pp)
+    with io.open_checkpoint(folder) as ckpt:
+        assert ckpt.metadata["megatron.sharding"] == "dp_reshardable"
+        state = ckpt.optimizer
+        assert [p.path for p in state.params] == NAMES
+        assert any(n.startswith(f"proved: {len(NAMES)} of {len(NAMES)} parameters") for n in state.notes)
+        for p in state.params:
+            for slot, stored in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("fp32_master", "param")):
+                assert np.array_equal(p.slots[slot].numpy(), want[p.path][stored].numpy()), (p.path, slot)
+            assert p.step == 3
+
+
+def test_real_dp_reshardable_tp2_wrong_rank_order_is_refused(monkeypatch):
+    """TP ranks taken in the wrong order (PP fastest instead of TP) join the shards wrongly: refused
+    by the proof, naming the first parameter and the rule."""
+    from statekit.frameworks.megatron import bucket_space
+
+    real = bucket_space._tp_joined
+    monkeypatch.setattr(bucket_space, "_tp_joined", lambda reader, parts, *a: real(reader, parts[::-1], *a))
+    with pytest.raises(FormatError, match=r"parameter embedding\.word_embeddings\.weight: its fp32 master rounded to "
+                                          r"BF16 is not the stored weight .*\(dp_reshardable\) does not hold"):
+        io.open_checkpoint(REAL / "gpt_torch_dist_dp_reshardable_tp2pp1dp2")
