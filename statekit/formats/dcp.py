@@ -39,6 +39,7 @@ import os
 import pickle
 import posixpath
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -350,6 +351,7 @@ class DcpReader:
         self._maps: dict[str, mmap.mmap] = {}
         self._sources: dict[str, SourceFile] = {}
         self._chunks: dict[tuple[str, Chunk], TensorRef] = {}
+        self._lock = threading.Lock()  # (readers on several threads: one parses an archive at a time)
 
     def close(self) -> None:
         self._maps.clear()  # views handed out keep their maps alive until dropped
@@ -383,6 +385,13 @@ class DcpReader:
         cached = self._chunks.get((entry.key, c))
         if cached is not None:
             return cached
+        with self._lock:
+            cached = self._chunks.get((entry.key, c))
+            if cached is not None:
+                return cached
+            return self._parse_chunk(entry, c)
+
+    def _parse_chunk(self, entry: TensorEntry, c: Chunk) -> TensorRef:
         ref = self._archive(entry.key, c.file, c.offset, c.length)
         where = os.path.join(self.directory, c.file)
         if not isinstance(ref, TensorRef):
