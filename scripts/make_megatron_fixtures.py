@@ -117,6 +117,18 @@ CASES = {
          "--ckpt-format", "torch_dist"],
         [3, 4], "the run of gpt_torch_dist_dp_reshardable_tp1pp1dp2 saved at 3 and again "
                 "one step later at 4 (same run, same seed)"),
+    "gpt_torch_dist_dp_reshardable_tp2pp1dp2": (
+        2, 1, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist"],
+        [3], "distributed optimizer, dp_reshardable, TP2 (one buffer per model-parallel rank, "
+             "TP-local shapes), untied embeddings"),
+    "gpt_torch_dist_dp_reshardable_tp1pp2dp2": (
+        1, 2, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist"],
+        [3], "distributed optimizer, dp_reshardable, PP2 (stage-local layers per model-parallel "
+             "rank), untied embeddings"),
     "gpt_torch_dist_fully_reshardable_tp2pp1dp2": (
         2, 1, 1, 2,
         ["--use-distributed-optimizer", "--ckpt-format", "torch_dist",

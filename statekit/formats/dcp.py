@@ -39,6 +39,7 @@ import os
 import pickle
 import posixpath
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -349,10 +350,13 @@ class DcpReader:
         self.meta = read_metadata(self.directory, extra_globals, metadata_kinds)
         self._maps: dict[str, mmap.mmap] = {}
         self._sources: dict[str, SourceFile] = {}
+        self._chunks: dict[tuple[str, Chunk], TensorRef] = {}
+        self._lock = threading.Lock()  # (readers on several threads: one parses an archive at a time)
 
     def close(self) -> None:
         self._maps.clear()  # views handed out keep their maps alive until dropped
         self._sources.clear()  # a file closes with the last tensor span that reads it
+        self._chunks.clear()
 
     def _map(self, name: str) -> mmap.mmap:
         if name not in self._maps:
@@ -375,7 +379,19 @@ class DcpReader:
             raise FormatError(f"{key}: {exc.message}", os.path.join(self.directory, file)) from None
 
     def chunk(self, entry: TensorEntry, c: Chunk) -> TensorRef:
-        """One chunk as a lazy tensor, checked against the metadata."""
+        """One chunk as a lazy tensor, checked against the metadata; its archive is parsed once
+        (a stacked tensor's chunk is asked for by every layer cut out of it). Not to be changed
+        by the caller: the same object is handed out again."""
+        cached = self._chunks.get((entry.key, c))
+        if cached is not None:
+            return cached
+        with self._lock:
+            cached = self._chunks.get((entry.key, c))
+            if cached is not None:
+                return cached
+            return self._parse_chunk(entry, c)
+
+    def _parse_chunk(self, entry: TensorEntry, c: Chunk) -> TensorRef:
         ref = self._archive(entry.key, c.file, c.offset, c.length)
         where = os.path.join(self.directory, c.file)
         if not isinstance(ref, TensorRef):
@@ -384,6 +400,7 @@ class DcpReader:
         if tuple(ref.shape) != c.sizes or ref.dtype != entry.dtype:
             raise FormatError(f"{entry.key}: the chunk at {list(c.offsets)} is {ref.dtype} {list(ref.shape)}, "
                               f"the metadata says {entry.dtype} {list(c.sizes)}", where)
+        self._chunks[entry.key, c] = ref
         return ref
 
     def value(self, key: str) -> object:

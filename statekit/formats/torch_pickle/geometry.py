@@ -60,14 +60,16 @@ def _int_tuple(value: object, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-_DTYPE_CACHE: dict[str, tuple[str, np.dtype, int]] = {}
+_DTYPE_CACHE: dict[str, tuple[str, np.dtype | None, int]] = {}
 _SMALL = 1 << 28  # a dimension and stride up to this, times each other and any item size, fit in 63 bits
 
 
-def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype, int]:
+def _dtype_entry(torch_dtype: str) -> tuple[str, np.dtype | None, int]:
+    """(statekit name, numpy dtype, item size); the numpy dtype is None for BF16 (ml_dtypes',
+    imported only when a strided BF16 view is read: a file span needs no numpy dtype)."""
     name = statekit_dtype(torch_dtype)
-    np_dtype = dtypes.numpy_dtype(name)
-    _DTYPE_CACHE[torch_dtype] = entry = (name, np_dtype, np_dtype.itemsize)
+    np_dtype = None if name == "BF16" else dtypes.numpy_dtype(name)
+    _DTYPE_CACHE[torch_dtype] = entry = (name, np_dtype, dtypes.itemsize(name))
     return entry
 
 
@@ -178,7 +180,7 @@ _new_object = object.__new__
 _set_file, _set_offset, _set_length = (getattr(FileSpan, name).__set__ for name in ("file", "offset", "length"))
 
 
-def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtype: np.dtype, itemsize: int,
+def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtype: np.dtype | None, itemsize: int,
                 numel: int, extent: int, flat: bool, shared: dict) -> Callable[[object], TensorRef]:
     """The views of ``storage`` with this geometry, as a function of the offset (see view_plan)."""
     key, capacity, length, span = storage.key, storage.nbytes // itemsize, numel * itemsize, storage.span
@@ -222,7 +224,7 @@ def _view_maker(storage: Storage, size: tuple, stride: tuple, name: str, np_dtyp
                 check(offset)
 
             def strided() -> np.ndarray:
-                base = storage.array(np_dtype)[offset:]
+                base = storage.array(np_dtype or dtypes.numpy_dtype(name))[offset:]
                 strides = tuple(s * itemsize for s in stride)
                 return np.lib.stride_tricks.as_strided(base, size, strides, writeable=False)
 

@@ -18,15 +18,21 @@ is a proposal: every parameter's fp32 master is then proved against its stored w
 (:mod:`.proof`) before any state is called that parameter's; a layout that does not prove is
 refused naming the parameter and the rule.
 
-Read here: TP = PP = 1 (and ETP = 1), dense models and MoE models whose ChainedOptimizer keeps
-the experts apart (one model-parallel index per EP rank, each with its local experts; expert DP
-= world / (EP × PP × ETP)). Other layouts are refused by name.
+Read here: dense models at any TP and PP (uniform or uneven pipeline splits, untied embeddings):
+one model-parallel index per (TP, PP) rank, ``pp_rank × TP + tp_rank`` (mcore's model-parallel
+group, TP fastest), each holding its stage's parameters in TP-local shapes; the TP shards are
+joined on each parameter's TP axis (SwiGLU fc1 per half), replicated parameters are TP rank 0's.
+MoE models at TP = PP = 1 whose ChainedOptimizer keeps the experts apart (one model-parallel
+index per EP rank, each with its local experts; expert DP = world / (EP × PP × ETP)). Other
+layouts (virtual pipelines, tied embeddings with PP > 1, experts with TP or PP > 1, ETP > 1) are
+refused by name.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from statekit import dtypes
@@ -35,7 +41,8 @@ from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import TorchDtype
 from statekit.frameworks.megatron import buckets, regions, stacking
 from statekit.frameworks.megatron.config import MegatronConfig
-from statekit.tensor import TensorRef
+from statekit.lazy import numpy as np
+from statekit.tensor import PIECE, TensorRef
 
 SLOTS = ("param", "exp_avg", "exp_avg_sq")
 _KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
@@ -172,14 +179,18 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
     the expert parameters (the ChainedOptimizer's expert part: one model-parallel index per
     expert-parallel rank, each with its local experts)."""
     where = dist.directory
-    for what, value in (("tensor", cfg.tp), ("pipeline", cfg.pp)):
-        if (value or 1) != 1:
-            raise FormatError(f"args say {what}-model-parallel size {value}: statekit reads bucket-space torch_dist "
-                              "state of TP = PP = 1 only yet", where)
+    tp, pp = cfg.tp or 1, cfg.pp or 1
     if cfg.vp:
         raise FormatError(f"args say virtual pipeline size {cfg.vp}: not read in bucket space yet", where)
-    if (cfg.etp or 1) != 1:
+    if (cfg.etp or 1) != 1 and cfg.raw.get("num_experts"):  # (without experts it only mirrors TP)
         raise FormatError(f"args say expert-tensor-parallel size {cfg.etp}: not read in bucket space yet", where)
+    if (tp > 1 or pp > 1) and (expert or sharding != "dp_reshardable"):
+        what = "expert parameters" if expert else sharding
+        raise FormatError(f"args say TP {tp} · PP {pp}: statekit reads bucket-space {what} of TP = PP = 1 only yet",
+                          where)
+    if pp > 1 and not cfg.need("untie_embeddings", "the pipeline stages' parameters"):
+        raise FormatError(f"args say PP {pp} with tied embeddings (the last stage's copy of the embedding has a "
+                          "bucket of its own): not read in bucket space yet", where)
     order = registration_order(model, cfg, where)
     chain = "" if member is None else f"chained_{member}."
     if sharding == "dp_zero_gather_scatter":
@@ -188,7 +199,7 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
     else:
         found = _found(states, where)
     ranks = sorted(found)
-    want = list(range(cfg.ep or 1)) if expert else [0]
+    want = list(range(cfg.ep or 1)) if expert else list(range(tp * pp))
     if not expert and member is None and any(_is_expert(r[0]) for r in order):
         raise FormatError("expert parameters but a single optimizer: not a layout statekit knows", where)
     if ranks != want:
@@ -196,38 +207,142 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
                           f"{'expert-parallel' if expert else 'model-parallel'} ranks are {want}", where)
     origin = {name: (key, lead, shape, dtype) for name, key, lead, shape, dtype in order}
     pieces: list[Piece] = []
+    shards: dict[str, dict[int, dict[str, tuple[dcp.TensorEntry, int]]]] = {}
     for mp in ranks:
+        tp_rank, pp_rank = (0, 0) if expert else (mp % tp, mp // tp)  # (mcore's model-parallel rank: TP fastest)
         if expert:
             mine = _local_experts(cfg, mp, where)
             names = [r[0] for r in order if _is_expert(r[0]) and _expert_index(r[0]) in mine]
             dp = cfg.expert_dp_size()
         else:
-            names = [r[0] for r in order if not _is_expert(r[0])]
+            names = [r[0] for r in order if not _is_expert(r[0]) and _on_stage(r[0], cfg, pp_rank, where)]
             dp = cfg.dp_cp_size()
         prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp}"
-        rows = [(*origin[n], n) for n in names]
+        rows = [(*origin[n][:2], _local_shape(n, origin[n][2], tp, where), origin[n][3], n) for n in names]
         if sharding == "dp_zero_gather_scatter":
             pieces += _cut_coalesced(dist, cfg, found[mp], rows, dp, model)
-        else:
-            pieces += _cut(dist, cfg, prefix, rows, found[mp], dp, model)
+            continue
+        for name, slots in _cut(dist, cfg, prefix, rows, found[mp], dp, pp_rank):
+            shards.setdefault(name, {})[tp_rank] = slots
+    for name, by_rank in shards.items():
+        key, lead, shape, _ = origin[name]
+        if sorted(by_rank) != list(range(tp)):
+            raise FormatError(f"parameter {name}: bucket-space state of TP ranks {sorted(by_rank)} of {tp}", where)
+        local = _local_shape(name, shape, tp, where)
+        axis = _tp_axis(name, tp, where)
+        swiglu = bool(cfg.swiglu) and ".linear_fc1." in name and axis == 0
+        slots = {}
+        for slot in by_rank[0]:
+            parts = [by_rank[t][slot] for t in range(tp)]
+            info = {"dcp_key": parts[0][0].key, "bucket_offset": parts[0][1], "param": name}
+            slots[slot] = (_slice(dist, parts[0][0], parts[0][1], local, name) if axis is None else
+                           _tp_joined(dist.reader, parts, local, axis, swiglu, info))  # (replicated: TP rank 0's)
+        weight = regions.plain(dist.reader, model[key], lead, {"megatron_key": key})
+        pieces.append(Piece(name, key, lead, shape, slots, slots.pop("param"), weight))
     rank = {row[0]: i for i, row in enumerate(order)}
     pieces.sort(key=lambda x: rank[x.name])
     return pieces
 
 
+def _on_stage(name: str, cfg: MegatronConfig, pp_rank: int, where: str) -> bool:
+    """Whether pipeline rank ``pp_rank`` holds ``name`` (a global name): the embedding on the
+    first stage, the final norm and the output layer on the last, each stage its layers
+    (:func:`.names.layer_offset`, uneven splits included)."""
+    from statekit.frameworks.megatron import names as megatron_names  # noqa: PLC0415 (same floor)
+
+    pp = cfg.pp or 1
+    if pp == 1:
+        return True
+    if name in BEFORE:
+        return pp_rank == 0
+    if name in AFTER:
+        return pp_rank == pp - 1
+    m = re.match(r"^decoder\.layers\.(\d+)\.", name)
+    if m is None:
+        raise FormatError(f"{name}: statekit does not know which pipeline stage holds it", where)
+    lo = megatron_names.layer_offset(cfg, pp_rank)
+    hi = megatron_names.layer_offset(cfg, pp_rank + 1) if pp_rank + 1 < pp else cfg.need(
+        "num_layers", "the last pipeline stage's layers")
+    return lo <= int(m.group(1)) < hi
+
+
+def _tp_axis(name: str, tp: int, where: str) -> int | None:
+    if tp == 1:
+        return None
+    from statekit.frameworks.megatron.legacy import tp_axis  # noqa: PLC0415 (same floor)
+
+    known, axis = tp_axis(name)
+    if not known:
+        raise FormatError(f"parameter {name}: statekit knows no TP axis for it (TP {tp}); refusing to guess how its "
+                          "bucket-space shards join", where)
+    return axis
+
+
+def _local_shape(name: str, shape: tuple[int, ...], tp: int, where: str) -> tuple[int, ...]:
+    """A parameter's shape on one TP rank: its TP axis divided by TP (replicated: the whole)."""
+    axis = _tp_axis(name, tp, where)
+    if axis is None:
+        return tuple(shape)
+    if axis >= len(shape) or shape[axis] % tp:
+        raise FormatError(f"parameter {name}: its shape {list(shape)} does not split over TP {tp} on axis {axis}",
+                          where)
+    return tuple(d // tp if i == axis else d for i, d in enumerate(shape))
+
+
+def _tp_joined(reader: dcp.DcpReader, parts: list[tuple[dcp.TensorEntry, int]], local: tuple[int, ...],
+               axis: int, swiglu: bool, info: dict) -> TensorRef:
+    """The whole parameter out of its TP ranks' bucket ranges (``parts``: each rank's bucket
+    tensor and the parameter's start in it, TP order), joined along ``axis`` as Megatron's
+    torch_dist weight is (SwiGLU fc1: each rank's ``[W_r; V_r]``, the whole ``[W_0…; V_0…]``).
+    Streamed: row blocks of each rank's range, copied as bits, a piece at a time."""
+    dtype = parts[0][0].dtype
+    item = dtypes.itemsize(dtype)
+    tp, n_local = len(parts), math.prod(local)
+    shape = tuple(d * tp if i == axis else d for i, d in enumerate(local))
+
+    def bits(entry: dcp.TensorEntry, lo: int, hi: int):
+        return regions.read_box_bits(reader, entry, ((lo, hi),))
+
+    if axis == 0:
+        halves = 2 if swiglu else 1
+        size_of = n_local // halves
+        segments = [(e, s + h * size_of, s + (h + 1) * size_of) for h in range(halves) for e, s in parts]
+
+        def pieces(size: int) -> Iterator[memoryview]:
+            step = max(1, (size or PIECE) // item)
+            for e, lo, hi in segments:
+                for a in range(lo, hi, step):
+                    yield memoryview(bits(e, a, min(hi, a + step)).view(np.uint8))
+    else:
+        outer, width = math.prod(local[:axis]), math.prod(local[axis:])
+
+        def pieces(size: int) -> Iterator[memoryview]:
+            size = max(item, (size or PIECE) // item * item)
+            rows = max(1, size // (width * tp * item))
+            for a in range(0, outer, rows):
+                b = min(outer, a + rows)
+                blocks = [bits(e, s + a * width, s + b * width).reshape(b - a, width) for e, s in parts]
+                block = memoryview(np.concatenate(blocks, axis=1).reshape(-1).view(np.uint8))
+                for lo in range(0, len(block), size):  # (one row wider than a piece: cut)
+                    yield block[lo:lo + size]
+
+    return TensorRef(dtype, shape, loader=lambda: b"".join(bytes(p) for p in pieces(PIECE)), chunk_reader=pieces,
+                     info={**info, "megatron_tp_join": f"axis {axis} of {tp}"})
+
+
 def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, rows: list[tuple],
-         found: dict, dp: int, model: dict[str, dcp.TensorEntry]) -> list[Piece]:
-    """One model-parallel index's buffers cut into its parameters ``rows`` (key, lead, shape,
-    dtype, name; registration order)."""
+         found: dict, dp: int, pp_rank: int = 0) -> list[tuple[str, dict[str, tuple[dcp.TensorEntry, int]]]]:
+    """One model-parallel index's buffers cut into its parameters ``rows`` (key, lead, local
+    shape, dtype, name; registration order): per parameter, each slot's bucket tensor and the
+    parameter's start in it."""
     where = dist.directory
     params, split = _buffers(cfg, rows)
     if sorted(found) != list(range(len(split))):
         raise FormatError(f"{prefix}: buffers {sorted(found)} stored, the model's parameters make {len(split)} "
                           f"({', '.join(f'{k.param_dtype}/{k.grad_dtype}' for k in split)})", where)
     per_bucket = _per_bucket(dist, prefix)
-    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
-    where_of = {row[4]: row for row in rows}
-    pieces: list[Piece] = []
+    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=pp_rank, chunk=0)
+    out = []
     for g, (bkey, members) in enumerate(split.items()):
         dtype_key, tensors = found[g]
         if dtype_key != (bkey.param_dtype, bkey.grad_dtype):
@@ -249,14 +364,11 @@ def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, row
                                       f"{b.numel_unpadded} ({layout.describe()})", where)
         for p in members:
             place = layout.placements[p.name]
-            slots = {slot: _slice(dist, entry, place.bucket_offset, p.shape, p.name)
-                     for slot, entry in tensors[place.bucket].items()}
+            slots = {slot: (entry, place.bucket_offset) for slot, entry in tensors[place.bucket].items()}
             if "param" not in slots:
                 raise FormatError(f"{what}: no fp32 master ('param') stored beside the moments", where)
-            key, lead = where_of[p.name][0], where_of[p.name][1]
-            weight = regions.plain(dist.reader, model[key], lead, {"megatron_key": key})
-            pieces.append(Piece(p.name, key, lead, p.shape, slots, slots.pop("param"), weight))
-    return pieces
+            out.append((p.name, slots))
+    return out
 
 
 def _buffers(cfg: MegatronConfig, rows: list[tuple]) -> tuple[list, dict]:
@@ -377,5 +489,4 @@ def _slice(dist: megatron_dist.MegatronDist, entry: dcp.TensorEntry, start: int,
            name: str) -> TensorRef:
     numel = math.prod(shape)
     box = ((start, start + numel),)
-    return TensorRef(entry.dtype, shape, array_loader=lambda: regions.read_box(dist.reader, entry, box).reshape(shape),
-                     info={"dcp_key": entry.key, "bucket_offset": start, "param": name})
+    return regions.boxed(dist.reader, entry, box, shape, {"dcp_key": entry.key, "bucket_offset": start, "param": name})

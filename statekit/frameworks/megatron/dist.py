@@ -526,22 +526,26 @@ def _check_stack(key: str, shape: tuple[int, ...], args: dict, where: str) -> No
 def _prove(params, model: ModelInfo, weights: dict, container: MegatronDistCheckpoint, prove: str,
            where: str) -> tuple[int, int]:
     """Every master against its stored weight (:func:`.proof.prove`); refused, or recorded.
+    ``--jobs`` proofs at a time (threads: numpy and ``pread`` release the GIL); the outcomes are
+    taken in parameter order, so the first failure named does not depend on timing.
     Returns the parameters and elements proved."""
     rule = f"{PROOF_RULE} ({container.sharding})"
-    proved = elements = 0
+    pending = []
     for p in params:
         master = p.slots.get(naming.MASTER_SLOT)
-        if p.path not in weights or master is None:
-            continue
-        key, weight = weights[p.path]
-        try:
-            elements += proof.prove(p.path, master, weight, rule, where)
-            proved += 1
-        except proof.ProofError as exc:
+        if p.path in weights and master is not None:
+            pending.append((p.path, weights[p.path][0], master, weights[p.path][1]))
+    proved = elements = 0
+    for (path, key, _, _), outcome in zip(pending, proof.run_all(
+            [(path, master, weight, rule, where) for path, _, master, weight in pending]), strict=True):
+        if isinstance(outcome, proof.ProofError):
             if prove == "refuse":
-                raise proof.ProofError(f"{exc.message}, so its state is not this parameter's"
+                raise proof.ProofError(f"{outcome.message}, so its state is not this parameter's"
                                        f"{_cause(container.sharding)}", where) from None
-            container.disproofs.append(Disproved(p.path, key, exc.message, container.sharding))
+            container.disproofs.append(Disproved(path, key, outcome.message, container.sharding))
+            continue
+        elements += outcome
+        proved += 1
     return proved, elements
 
 

@@ -131,19 +131,21 @@ def joined(parts: list[TensorRef], axis: int | None, swiglu: bool = False) -> Te
     outer = math.prod(shape[:axis])
     widths = [math.prod(p.shape[axis:]) for p in parts]
     row = sum(widths)
-    np_dtype = dtypes.numpy_dtype(dtype)
+    bits = np.dtype(f"<u{item}")  # (copied as bit patterns: a bf16 shard needs no bf16 type)
 
-    def pieces(elements: int) -> Iterator[np.ndarray]:
-        rows = max(1, elements // max(1, row))
+    def chunks(size: int) -> Iterator[bytes | memoryview]:
+        size = max(item, (size or PIECE) // item * item)
+        rows = max(1, size // (row * item))
         for a in range(0, outer, rows):
             b = min(outer, a + rows)
-            blocks = [np.frombuffer(bytes(_read(p, a * w * item, (b - a) * w * item)), dtype=np_dtype).reshape(b - a, w)
+            blocks = [np.frombuffer(_read(p, a * w * item, (b - a) * w * item), dtype=bits).reshape(b - a, w)
                       for p, w in zip(parts, widths, strict=True)]
-            block = np.concatenate(blocks, axis=1).reshape(-1)
-            for lo in range(0, block.size, elements):  # (one row wider than a piece: cut)
-                yield block[lo:lo + elements]
+            block = memoryview(np.concatenate(blocks, axis=1).reshape(-1).view(np.uint8))
+            for lo in range(0, len(block), size):  # (one row wider than a piece: cut)
+                yield block[lo:lo + size]
 
-    return TensorRef(dtype, tuple(shape), piece_source=pieces, info={"megatron_tp_join": f"axis {axis} of {len(parts)}"})
+    return TensorRef(dtype, tuple(shape), loader=lambda: b"".join(bytes(c) for c in chunks(PIECE)),
+                     chunk_reader=chunks, info={"megatron_tp_join": f"axis {axis} of {len(parts)}"})
 
 
 # ------------------------------------------------------------------------------- rank records
@@ -586,21 +588,11 @@ class _Reader:
     def _run_proofs(self) -> None:
         """Every queued proof, ``--jobs`` at a time (threads: numpy and ``pread`` release the GIL);
         the first failure in queue order is raised, so the message does not depend on timing."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from statekit.stream import current_jobs
-
         pending, self._pending = self._pending, []
-        jobs = max(1, min(current_jobs(), 8, len(pending)))
-        if jobs == 1:
-            results = [proof.prove(*item) for item in pending]
-        else:
-            pool = ThreadPoolExecutor(jobs)
-            try:
-                futures = [pool.submit(proof.prove, *item) for item in pending]
-                results = [f.result() for f in futures]  # (in order: the first failure queued is raised)
-            finally:
-                pool.shutdown(cancel_futures=True)
+        results = proof.run_all(pending, stop_at_first=True)
+        for outcome in results:
+            if isinstance(outcome, proof.ProofError):
+                raise outcome
         self.proved += len(results)
         self.proved_elements += sum(results)
 
