@@ -269,7 +269,7 @@ def _on_stage(name: str, cfg: MegatronConfig, pp_rank: int, where: str) -> bool:
 def _tp_axis(name: str, tp: int, where: str) -> int | None:
     if tp == 1:
         return None
-    from statekit.frameworks.megatron.legacy import tp_axis  # noqa: PLC0415 (same floor)
+    from statekit.frameworks.megatron.names import tp_axis  # noqa: PLC0415 (same floor)
 
     known, axis = tp_axis(name)
     if not known:

@@ -40,6 +40,7 @@ from statekit.errors import FormatError
 from statekit.formats import megatron_legacy as container
 from statekit.formats.torch_pickle import TorchDtype
 from statekit.frameworks.megatron import buckets, config, names, proof
+from statekit.frameworks.megatron.names import _FC1, TP_AXES, tp_axis  # noqa: F401 (the TP axes: names.py)
 from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import PIECE, FileSpan, TensorRef, spanned_ref
@@ -54,28 +55,6 @@ _EXPERT = re.compile(r"\.mlp\.experts\.")
 _GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 _GROUP_AGREE = ("lr", "weight_decay", "max_lr", "min_lr", "step", "betas", "eps")
 
-# a parameter's TP axis by the end of its Megatron name (None: replicated over TP); first match wins
-TP_AXES: tuple[tuple[re.Pattern, int | None], ...] = (
-    (re.compile(r"\.layer_norm_(weight|bias)$"), None),
-    (re.compile(r"(layernorm|_norm|\.norm)\.(weight|bias)$"), None),
-    (re.compile(r"\.router\.(weight|bias)$"), None),
-    (re.compile(r"\.linear_qkv\.(weight|bias)$"), 0),
-    (re.compile(r"\.linear_fc1\.(weight|bias)\d*$"), 0),
-    (re.compile(r"(^|\.)word_embeddings\.weight$"), 0),
-    (re.compile(r"(^|\.)output_layer\.weight$"), 0),
-    (re.compile(r"(^|\.)position_embeddings\.weight$"), None),
-    (re.compile(r"\.linear_(proj|fc2)\.weight\d*$"), 1),
-    (re.compile(r"\.linear_(proj|fc2)\.bias\d*$"), None),
-)
-_FC1 = re.compile(r"\.linear_fc1\.(weight|bias)\d*$")
-
-
-def tp_axis(name: str) -> tuple[bool, int | None]:
-    """(known, axis) of a parameter by its name (:data:`TP_AXES`)."""
-    for pattern, axis in TP_AXES:
-        if pattern.search(name):
-            return True, axis
-    return False, None
 
 
 # --------------------------------------------------------------------------------- lazy views

@@ -121,3 +121,27 @@ def parse_rank_dir(name: str, cfg: MegatronConfig | None) -> RankDir:
     if ep > 1:
         return RankDir(name, tp, 0, int(a))
     raise FormatError(f"{name}: args say PP 1 and EP 1, so the folder should be mp_rank_{tp:02d}")
+
+
+# a parameter's TP axis by the end of its Megatron name (None: replicated over TP); first match wins
+TP_AXES: tuple[tuple[re.Pattern, int | None], ...] = (
+    (re.compile(r"\.layer_norm_(weight|bias)$"), None),
+    (re.compile(r"(layernorm|_norm|\.norm)\.(weight|bias)$"), None),
+    (re.compile(r"\.router\.(weight|bias)$"), None),
+    (re.compile(r"\.linear_qkv\.(weight|bias)$"), 0),
+    (re.compile(r"\.linear_fc1\.(weight|bias)\d*$"), 0),
+    (re.compile(r"(^|\.)word_embeddings\.weight$"), 0),
+    (re.compile(r"(^|\.)output_layer\.weight$"), 0),
+    (re.compile(r"(^|\.)position_embeddings\.weight$"), None),
+    (re.compile(r"\.linear_(proj|fc2)\.weight\d*$"), 1),
+    (re.compile(r"\.linear_(proj|fc2)\.bias\d*$"), None),
+)
+_FC1 = re.compile(r"\.linear_fc1\.(weight|bias)\d*$")
+
+
+def tp_axis(name: str) -> tuple[bool, int | None]:
+    """(known, axis) of a parameter by its name (:data:`TP_AXES`)."""
+    for pattern, axis in TP_AXES:
+        if pattern.search(name):
+            return True, axis
+    return False, None
