@@ -96,13 +96,9 @@ def write_trainer_state(path: str, state: dict) -> int:
 
 def write_trainer_state_max_steps(src: str, dst: str, max_steps: int) -> dict:
     """``trainer_state.json`` with ``max_steps`` set; returns the state written."""
-    try:
-        with open(src, encoding="utf-8") as fh:
-            state = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"not a readable trainer_state.json ({exc})", src) from None
-    if not isinstance(state, dict):
-        raise FormatError("trainer_state.json is not a JSON object", src)
+    from statekit.frameworks.schedule_hf import trainer_state
+
+    state = trainer_state(src)
     state["max_steps"] = int(max_steps)
     write_trainer_state(dst, state)
     return state
