@@ -1,9 +1,9 @@
 """Import Megatron-Bridge 0.6.2's training modules on Python 3.11 / CPU (work in progress, issue 35 item 1).
 
 Imported by the (not yet written) Bridge fixture generator inside a megatron-core 0.19.2 venv, after
-``mcore_cpu_shim.install()``; never by statekit. **Status**: ``megatron.bridge.training.checkpointing`` (and
-with it ``training.config``, ``training.state``) imports; Bridge's ``save_checkpoint`` has not been run yet, and no
-fixture has been written with it (none may be hand-written in its place).
+``mcore_cpu_shim.install()``; never by statekit (used by ``make_megatron_bridge_fixtures.py``, which adds the
+training-loop patches). ``megatron.bridge.training.checkpointing`` (and with it ``training.config``,
+``training.state``) imports with what follows.
 
 Bridge's wheel declares Python >= 3.12 and, among others, Transformer Engine, flashinfer, nvidia-resiliency-ext,
 datasets, wandb. Its modules compile on 3.11 (``py_compile`` of training/{checkpointing,state,config,pretrain,
@@ -28,9 +28,6 @@ What stands in for what, and why none of it changes what a save writes:
 * **``megatron.bridge.models.conversion.peft_bridge``**: any attribute is an empty class (as in
   ``make_megatron_bridge_reference.py``): its LoRA half needs Transformer Engine; never called.
 
-Next: build a ConfigContainer (a tiny Llama-like ``GPTModelProvider``, mock data, the distributed optimizer,
-``ckpt_format="torch_dist"``) and run Bridge's ``pretrain`` (or its ``save_checkpoint`` on the state it sets up)
-on 2 gloo processes.
 """
 
 from __future__ import annotations
