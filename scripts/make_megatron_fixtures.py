@@ -185,7 +185,7 @@ CASES = {
          "--ckpt-format", "torch_dist", "--context-parallel-size", "2"],
         [3], "distributed optimizer, dp_reshardable, context parallel 2 x DP 2: the buckets are "
              "sharded over DP x CP = 4 (attention per CP rank's own chunk: the shim's)"),
-    "gpt_torch_dist_dp_reshardable_cp3dp1_2buckets": (
+    "gpt_torch_dist_dp_reshardable_cp3dp1_buckets2": (
         1, 1, 1, 1,
         ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
          "--ckpt-format", "torch_dist", "--context-parallel-size", "3",
