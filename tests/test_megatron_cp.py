@@ -85,19 +85,39 @@ def test_cp3_buckets_are_padded_for_dp_times_cp():
         unpadded = d.object("optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded")
     finally:
         d.close()
-    (numel,), (raw,) = [list(v.values()) for v in sizes], [list(v.values()) for v in unpadded]
+    ((numel,),), ((raw,),) = [list(v.values()) for v in sizes], [list(v.values()) for v in unpadded]
     assert len(numel) == 2
-    assert all(n % math.lcm(3, 128) == 0 for n in numel[:-1]), numel  # every end but the last: padded for DP×CP
+    assert all(n % math.lcm(3, 128) == 0 for n in numel), numel  # each bucket end padded for DP × CP = 3
     assert any(n % 384 for n in raw), raw  # the padding is needed (a DP-only rule would differ)
 
 
 @_present(CP3)
 def test_cp3_read_with_dp_alone_would_refuse(monkeypatch):
-    """What a DP-only layout does on a real CP3 save: the proof refuses, naming the parameter — never
-    a silently wrong cut (the reader takes DP × CP, as Megatron does)."""
+    """What a DP-only layout does on a real CP3 save: refused, the stored bucket sizes naming the
+    disagreement (32256 = 84 × 384 stored, 32000 = 250 × 128 for DP 1) — never a silent cut (the
+    reader takes DP × CP, as Megatron does)."""
     monkeypatch.setattr(config.MegatronConfig, "dp_cp_size", lambda self: self.need("dp", "test"))
-    with pytest.raises(StatekitError, match="does not|disagree|numel"):
+    with pytest.raises(StatekitError, match=r"per_bucket_numel is \[32256, 31872\], the layout gives \[32000, 31872\]"):
         io.open_checkpoint(CP3)
+
+
+@_present(CP3)
+def test_cp3_written_at_its_own_sizes_and_back_from_cp1_is_megatrons_own(tmp_path):
+    """The bucket writer pads for DP × CP = 3 (384) as Megatron does: CP3 rewritten dp_reshardable at
+    its own sizes, and CP3 → CP1 → CP3, give megatron-core's own tensors and bucket-size objects."""
+    write_dist.write(str(CP3), str(tmp_path / "same"), write_dist.Target(sharding="dp_reshardable"))
+    write_dist.write(str(CP3), str(tmp_path / "cp1"), write_dist.Target(cp=1, sharding="dp_reshardable"))
+    write_dist.write(str(tmp_path / "cp1"), str(tmp_path / "back"), write_dist.Target(cp=3, sharding="dp_reshardable"))
+    theirs, objects = _tensors(CP3), _bytes_objects(CP3)
+    for out in ("same", "back"):
+        assert _tensors(tmp_path / out) == theirs, out
+        assert _bytes_objects(tmp_path / out) == objects, out
+    d = megatron_dist.MegatronDist(str(tmp_path / "cp1"))
+    try:  # at CP 1 the ends are padded to 128
+        assert [list(v.values()) for v in d.object("optimizer.distributed.dp_group_idx_0.per_bucket_numel")] == [
+            [[32000, 31872]]]
+    finally:
+        d.close()
 
 
 @pytest.mark.parametrize("src", [CP2, CP2DP2], ids=lambda p: p.name)
