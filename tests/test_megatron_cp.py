@@ -178,11 +178,11 @@ def test_legacy_cp2_to_cp1_to_cp2_is_bit_for_bit(tmp_path):
 
 @_present(CP2)
 def test_cp_refusals(tmp_path, cli):
-    with pytest.raises(UsageError, match=r"--cp 3: seq_length 16 is not a multiple of 2 × CP = 6"):
+    with pytest.raises(MappingError, match=r"--cp 3: the run's seq_length 16 is not a multiple of 2 × CP = 6"):
         write_dist.write(str(CP2), str(tmp_path / "a"), write_dist.Target(cp=3))
     with pytest.raises(UsageError, match="at least 1"):
         write_dist.write(str(CP2), str(tmp_path / "b"), write_dist.Target(cp=0))
-    with pytest.raises(UsageError, match=r"--cp 3"):
+    with pytest.raises(MappingError, match=r"--cp 3"):
         write_legacy.write(str(LEGACY_CP2), str(tmp_path / "c"), write_legacy.Target(1, 1, 1, 1, cp=3))
     assert not any((tmp_path / n).exists() and os.listdir(tmp_path / n) for n in "abc")
     r = cli("convert", str(CP2), str(tmp_path / "x.pt"), "--cp", "1")
@@ -225,7 +225,7 @@ def test_target_cp_follows_megatrons_own_checks():
     cfg = config.from_args({"context_parallel_size": 2, "seq_length": 16, "tensor_model_parallel_size": 1,
                             "pipeline_model_parallel_size": 1, "data_parallel_size": 1})
     assert config.target_cp(cfg, None, "x") == 2 and config.target_cp(cfg, 4, "x") == 4
-    with pytest.raises(UsageError):
+    with pytest.raises(MappingError, match="seq_length 16"):
         config.target_cp(cfg, 3, "x")
     hier = config.from_args({**cfg.raw, "hierarchical_context_parallel_sizes": [2, 1]})
     with pytest.raises(MappingError, match="hierarchical_context_parallel_sizes"):

@@ -342,5 +342,6 @@ def target_cp(cfg: MegatronConfig, cp: int | None, where: str | None) -> int:
                            "not rewrite it", where)
     seq = cfg.raw.get("seq_length")
     if cp > 1 and isinstance(seq, int) and seq % (2 * cp):
-        raise UsageError(f"--cp {cp}: seq_length {seq} is not a multiple of 2 × CP = {2 * cp} (Megatron refuses such a run)")
+        raise MappingError(f"--cp {cp}: the run's seq_length {seq} is not a multiple of 2 × CP = {2 * cp} (Megatron "
+                           "refuses such a run)", where)
     return cp
