@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import os
+import subprocess
 
 import pytest
 
@@ -29,7 +30,7 @@ from statekit.formats import dcp, megatron_dist
 from statekit.formats import megatron_legacy as container
 from statekit.formats.torch_pickle import STATEKIT_TO_TORCH
 from statekit.frameworks.megatron import config, write_dist, write_legacy
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, MCORE_PY, ROOT
 from tests.test_megatron_reshard import rank_diffs
 from tests.test_megatron_write_dist import _tensors
 
@@ -230,3 +231,21 @@ def test_target_cp_follows_megatrons_own_checks():
     hier = config.from_args({**cfg.raw, "hierarchical_context_parallel_sizes": [2, 1]})
     with pytest.raises(MappingError, match="hierarchical_context_parallel_sizes"):
         config.target_cp(hier, 4, "x")
+
+
+@pytest.mark.megatron
+@_present(CP2)
+def test_megatron_loads_a_cp1_folder_from_cp2_now(tmp_path):
+    """megatron-core's own load of statekit's CP2 → CP1 folder, run now (STATEKIT_MCORE_PY)."""
+    if not MCORE_PY:
+        pytest.skip("STATEKIT_MCORE_PY (a megatron-core 0.19.2 venv's python) is not set")
+    write_dist.write(str(CP2), str(tmp_path / "cp1"), write_dist.Target(cp=1))
+    result = tmp_path / "result.json"
+    run = subprocess.run([MCORE_PY, str(ROOT / "scripts" / "check_megatron_load.py"), "--source", CP2.name,
+                          "--written", str(tmp_path / "cp1"), "--tp", "1", "--cp", "1", "--result", str(result),
+                          "--port", "29911"], capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = json.loads(result.read_text())
+    recorded = json.loads((CHECKS / "cp2dp1_to_cp1dp1.json").read_text())
+    assert {k: v["sha256"] for k, v in got["tensors"].items()} == {
+        k: v["sha256"] for k, v in recorded["tensors"].items()}
