@@ -9,6 +9,9 @@ never imports Megatron)::
         --source gpt_torch_dist_dp_reshardable_tp1pp1dp2 --written /tmp/sk-tp2 --tp 2 \
         --result fixtures/megatron/0.19.2/load_check_tp1dp2_to_tp2dp2.json
 
+``--cp N`` loads at context-parallel size N (default: the source case's; the world is
+TP × PP × CP × DP).
+
 What it does, every step Megatron's own code (the fixture generator's worker:
 ``initialize_megatron``, ``setup_model_and_optimizer``, ``load_checkpoint``, ``train_step``,
 ``save_checkpoint``, with the CPU shim):
@@ -56,12 +59,14 @@ VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP sums in another order; "
                   "when the padded vocabulary changes with TP the extra (zero) logits enter the softmax; at another "
                   "DP the driver's batches differ (seeded per DP rank and micro-batch): then the step is another "
-                  "computation. At the same sizes it must be equal")
+                  "computation; at another CP the fixtures' attention (the CPU shim's, within each CP rank's chunk) "
+                  "sees other tokens. At the same sizes it must be equal")
 
 
-def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path) -> None:
+def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path,
+         cp: int = 1) -> None:
     src_tp, src_pp, ep, src_dp, extra, _, _ = gen.CASES[name]
-    world = tp * pp * dp
+    world = tp * pp * cp * dp
     gbs = 2 * src_dp * (2 if src_pp > 1 else 1)  # the source run's global batch (gen.case_argv)
     if gbs % (2 * dp):
         raise SystemExit(f"global batch {gbs} does not split over DP {dp} (micro batch 2)")
@@ -69,7 +74,7 @@ def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: st
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--expert-model-parallel-size", str(ep), "--global-batch-size", str(gbs),
         "--save", str(save), "--load", str(load),
-    ] + extra + ["--dist-ckpt-optim-fully-reshardable"]
+    ] + extra + ["--dist-ckpt-optim-fully-reshardable", "--context-parallel-size", str(cp)]
     if "torch" in extra and "torch_dist" not in extra:  # a legacy source: Megatron detects it on load, saves torch_dist
         argv += ["--ckpt-format", "torch_dist", "--auto-detect-ckpt-format"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
@@ -115,6 +120,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, help="default: the source's")
+    p.add_argument("--cp", type=int, help="the context-parallel size to load at (default: the source's)")
     p.add_argument("--result", required=True, help="the JSON to write")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--no-reference", action="store_true", help="the folder was not converted from --source (an HF "
@@ -127,7 +133,9 @@ def main() -> None:
     version = megatron.core.__version__
     case = gen.CASES[ns.source]
     src_tp, src_pp, _, src_dp = case[:4]
+    src_cp = gen.case_cp(ns.source)
     dp = ns.dp or src_dp
+    cp = ns.cp or src_cp
     fixture = Path(ns.fixtures) / version / ns.source
     written = Path(ns.written)
     iteration = int((written / "latest_checkpointed_iteration.txt").read_text())
@@ -139,10 +147,11 @@ def main() -> None:
         (ref_load / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         saves = f"{iteration},{iteration + 1}"
         if not ns.no_reference:
-            print(f"A: Megatron {version} loads the source at TP{src_tp} PP{src_pp} DP{src_dp} ...", flush=True)
-            _run(ns.source, ref_load, tmp / "ref", src_tp, src_pp, src_dp, saves, ns.port, tmp / "ref.log")
-        print(f"B: Megatron loads statekit's folder at TP{ns.tp} PP{ns.pp} DP{dp} ...", flush=True)
-        _run(ns.source, written, tmp / "new", ns.tp, ns.pp, dp, saves, ns.port + 1, tmp / "new.log")
+            print(f"A: Megatron {version} loads the source at TP{src_tp} PP{src_pp} DP{src_dp} CP{src_cp} ...",
+                  flush=True)
+            _run(ns.source, ref_load, tmp / "ref", src_tp, src_pp, src_dp, saves, ns.port, tmp / "ref.log", src_cp)
+        print(f"B: Megatron loads statekit's folder at TP{ns.tp} PP{ns.pp} DP{dp} CP{cp} ...", flush=True)
+        _run(ns.source, written, tmp / "new", ns.tp, ns.pp, dp, saves, ns.port + 1, tmp / "new.log", cp)
         log = (tmp / "new.log").read_text()
         it = f"iter_{iteration:07d}"
         nxt = f"iter_{iteration + 1:07d}"
@@ -210,8 +219,10 @@ def main() -> None:
             "torch_version": torch.__version__,
             "source": os.path.relpath(fixture, HERE.parent) if fixture.resolve().is_relative_to(HERE.parent)
                       else str(fixture),
-            "source_sizes": {"tp": src_tp, "pp": src_pp, "dp": src_dp},
-            "loaded_at": {"tp": ns.tp, "pp": ns.pp, "dp": dp, "world_size": ns.tp * ns.pp * dp},
+            "source_sizes": {"tp": src_tp, "pp": src_pp, "dp": src_dp} | ({"cp": src_cp} if cp != 1 or src_cp != 1
+                                                                          else {}),
+            "loaded_at": {"tp": ns.tp, "pp": ns.pp, "dp": dp, "world_size": ns.tp * ns.pp * cp * dp}
+                         | ({"cp": cp} if cp != 1 or src_cp != 1 else {}),
             "iteration": iteration,
             "written_sharding": "dp_reshardable" if bucket_space else "fully_reshardable",
             "common_state_after_load": common,

@@ -267,6 +267,7 @@ def convert(
     tp: Annotated[int | None, typer.Option("--tp", metavar="N", help="--to megatron / megatron-legacy: the tensor-parallel size of the run that loads it (default: the source's).")] = None,
     pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron / megatron-legacy: the pipeline-parallel size (uniform stages; default: the source's).")] = None,
     dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron / megatron-legacy: the data-parallel size (the distributed optimizer's layout; default: the source's).")] = None,
+    cp: Annotated[int | None, typer.Option("--cp", metavar="N", help="--to megatron / megatron-legacy: the context-parallel size (the distributed optimizer shards over DP × CP; default: the source's).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="TYPE", help="--to megatron: the distributed optimizer's sharding type (fully_reshardable).")] = None,
     megatron_args: Annotated[Path | None, typer.Option("--megatron-args", metavar="DIR", help="--to megatron from an HF / torch state: a Megatron torch_dist checkpoint of the same model whose args and layout to write (the masters come from --model).")] = None,
     ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
@@ -316,7 +317,7 @@ def _convert(a) -> None:
 
         result = reshard(str(a.src), str(a.dst), tp=a.tp, pp=a.pp, ep=a.ep, dp=a.dp,
                          vocab_divisible_by=a.vocab_divisible_by, distributed=a.distributed_optimizer,
-                         dry_run=a.dry_run)
+                         dry_run=a.dry_run, cp=a.cp)
         if out.json_mode:
             out.json(result.to_json())
         else:
@@ -331,7 +332,7 @@ def _convert(a) -> None:
                         dtype=a.dtype, step_policy=_step_policy(a.step), allow_nonfinite=a.allow_nonfinite,
                         model_config=a.model_config, trust_remote_code=a.trust_remote_code, settings=a.hyper,
                         fuse=a.fuse, split=a.split, stack=a.stack, unstack=a.unstack)
-    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("dp", a.dp), ("sharding", a.sharding),
+    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("dp", a.dp), ("cp", a.cp), ("sharding", a.sharding),
                                   ("megatron_args", str(a.megatron_args) if a.megatron_args else None),
                                   ("model_path", str(a.model) if a.megatron_args and a.model else None))
                 if v is not None}

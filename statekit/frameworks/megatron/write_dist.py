@@ -86,6 +86,7 @@ class Target:
     pp: int | None = None
     dp: int | None = None
     sharding: str = "fully_reshardable"
+    cp: int | None = None  # the context-parallel size (the distributed optimizer shards over DP x CP)
 
 
 @dataclass
@@ -164,7 +165,7 @@ def _target_sizes(cfg: config.MegatronConfig, target: Target, where: str) -> dic
     tp = target.tp or cfg.need("tp", "the source's tensor-parallel size")
     pp = target.pp or cfg.need("pp", "the source's pipeline-parallel size")
     dp = target.dp or cfg.need("dp", "the source's data-parallel size")
-    cp = cfg.cp or 1
+    cp = config.target_cp(cfg, target.cp, where)
     for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if value < 1:
             raise UsageError(f"{name} {value}: a parallel size is at least 1")
@@ -193,6 +194,7 @@ def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], shard
         "tensor_model_parallel_size": sizes["tp"],
         "pipeline_model_parallel_size": sizes["pp"],
         "data_parallel_size": sizes["dp"],
+        "context_parallel_size": sizes["cp"],
         "world_size": sizes["world_size"],
         "padded_vocab_size": sizes["padded_vocab_size"],
         "use_distributed_optimizer": True,
@@ -347,8 +349,8 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
 
     nbytes = _save(dst, folder_name, flat, shards, source, new_common, legacy_common, iteration)
     n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
-    changed = ", ".join(f"{k.upper()} {getattr(cfg, k)} → {sizes[k]}" for k in ("tp", "pp", "dp")
-                        if getattr(cfg, k) != sizes[k]) or "sizes unchanged"
+    changed = ", ".join(f"{k.upper()} {getattr(cfg, k) or 1} → {sizes[k]}" for k in ("tp", "pp", "dp", "cp")
+                        if (getattr(cfg, k) or 1) != sizes[k]) or "sizes unchanged"
     notes.insert(0, f"{source.sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
     return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
 

@@ -61,6 +61,7 @@ class Target:
     dp: int
     vocab_divisible_by: int | None = None
     distributed: bool | None = None  # the optimizer's form (None: the source's)
+    cp: int | None = None  # the context-parallel size (None: the source's); distrib_optim.pt spans DP x CP
 
 
 @dataclass
@@ -172,7 +173,7 @@ class _Writer:
         layers = cfg.need("num_layers", "the pipeline stages")
         if layers % t.pp:
             raise UsageError(f"--pp {t.pp}: the model's {layers} layers do not split into PP {t.pp} equal stages")
-        cp = cfg.cp or 1
+        cp = config.target_cp(cfg, t.cp, self.src)
         world = t.tp * t.pp * t.dp * cp
         if world % (t.tp * t.ep * t.pp):
             raise UsageError(f"--ep {t.ep}: world size TP×PP×DP×CP = {world} is not a multiple of TP×EP×PP")
@@ -190,6 +191,7 @@ class _Writer:
         self.distributed = source_distributed if t.distributed is None else t.distributed
         raw.update({"tensor_model_parallel_size": t.tp, "pipeline_model_parallel_size": t.pp,
                     "expert_model_parallel_size": t.ep, "data_parallel_size": t.dp, "world_size": world,
+                    "context_parallel_size": cp,
                     "padded_vocab_size": padded, "use_distributed_optimizer": self.distributed})
         for key, value in (("expert_tensor_parallel_size", t.tp), ("transformer_pipeline_model_parallel_size", t.pp),
                            ("tensor_parallel_num_weight_shards", t.tp),
@@ -534,7 +536,8 @@ def source_sizes(src: str) -> dict[str, int]:
     if not isinstance(obj, dict) or "args" not in obj:
         raise FormatError("no args in model_optim_rng.pt: the run's parallel layout is unknown", file)
     cfg = config.from_args(obj["args"], file)
-    return {"tp": cfg.tp or 1, "pp": cfg.pp or 1, "ep": cfg.ep or 1, "dp": cfg.need("dp", "the source's DP size")}
+    return {"tp": cfg.tp or 1, "pp": cfg.pp or 1, "ep": cfg.ep or 1, "dp": cfg.need("dp", "the source's DP size"),
+            "cp": cfg.cp or 1}
 
 
 def check(src: str, out: str, target: Target) -> _Writer:
