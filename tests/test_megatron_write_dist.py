@@ -61,7 +61,8 @@ def _base(key: str) -> str:
 
 
 @pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_to_tp2pp2dp1", "tp1dp2_same_sizes",
-                                   "tp1dp2_to_tp1dp1_dp_reshardable", "legacy_tp2pp2dp1_to_tp1dp2"])
+                                   "tp1dp2_to_tp1dp1_dp_reshardable", "tp1dp2_to_tp2dp2_dp_reshardable",
+                                   "legacy_tp2pp2dp1_to_tp1dp2"])
 def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
     """Megatron's own load (recorded) took every tensor statekit writes, bit for bit, and equal to
     the source as Megatron itself reads it. A dp_reshardable folder Megatron re-saves in model space:
