@@ -62,7 +62,7 @@ def _base(key: str) -> str:
 
 @pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_to_tp2pp2dp1", "tp1dp2_same_sizes",
                                    "tp1dp2_to_tp1dp1_dp_reshardable", "tp1dp2_to_tp2dp2_dp_reshardable",
-                                   "legacy_tp2pp2dp1_to_tp1dp2"])
+                                   "tp1dp2_to_tp2pp2dp1_dp_reshardable", "legacy_tp2pp2dp1_to_tp1dp2"])
 def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
     """Megatron's own load (recorded) took every tensor statekit writes, bit for bit, and equal to
     the source as Megatron itself reads it. A dp_reshardable folder Megatron re-saves in model space:
@@ -345,19 +345,25 @@ def test_cli(tmp_path, cli):
 
 
 @pytest.mark.megatron
-def test_megatron_loads_it_now(tmp_path):
-    """megatron-core's own load of a statekit-written folder at TP2, run now (STATEKIT_MCORE_PY)."""
+@pytest.mark.parametrize("check, sizes", [
+    ("tp1dp2_to_tp2dp2", {"tp": 2}),
+    ("tp1dp2_to_tp2pp2dp1_dp_reshardable", {"tp": 2, "pp": 2, "dp": 1, "sharding": "dp_reshardable"}),
+])
+def test_megatron_loads_it_now(tmp_path, check, sizes):
+    """megatron-core's own load of a statekit-written folder (TP2 fully_reshardable; TP2·PP2·DP1
+    bucket space), run now (STATEKIT_MCORE_PY): the tensors Megatron holds are the recorded ones."""
     python = MCORE_PY
     if not python:
         pytest.skip("STATEKIT_MCORE_PY (a megatron-core 0.19.2 venv's python) is not set")
-    _write(DP_RESHARDABLE, tmp_path / "tp2", tp=2)
+    _write(DP_RESHARDABLE, tmp_path / "out", **sizes)
     result = tmp_path / "result.json"
+    dims = [str(x) for k in ("tp", "pp", "dp") if k in sizes for x in (f"--{k}", sizes[k])]
     run = subprocess.run([python, str(ROOT / "scripts" / "check_megatron_load.py"),
-                          "--source", DP_RESHARDABLE.name, "--written", str(tmp_path / "tp2"), "--tp", "2",
+                          "--source", DP_RESHARDABLE.name, "--written", str(tmp_path / "out"), *dims,
                           "--result", str(result)], capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = json.loads(result.read_text())
-    recorded = json.loads((CHECKS / "tp1dp2_to_tp2dp2.json").read_text())
+    recorded = json.loads((CHECKS / f"{check}.json").read_text())
     assert {k: v["sha256"] for k, v in got["tensors"].items()} == {
         k: v["sha256"] for k, v in recorded["tensors"].items()}
 
