@@ -295,6 +295,29 @@ def test_two_buckets_megatron_resumes_statekits_folder_as_its_own(tmp_path):
         assert same == (key not in shifted), key
 
 
+def test_megatron_resumes_five_tp2_buckets_as_its_own(tmp_path):
+    """The legacy TP2·DP2 run with --overlap-grad-reduce --ddp-bucket-size 5000 (tied; five buckets
+    per model-parallel rank) written dp_reshardable at its own sizes: Megatron's load of statekit's
+    buckets holds the source as its own load of the legacy files does, and trains the next step
+    bit for bit alike (recorded); the weights it holds are statekit's."""
+    result = json.loads((CHECKS / "legacy_tp2dp2_bucket5000_same_sizes_dp_reshardable.json").read_text())
+    assert result["written_sharding"] == "dp_reshardable" and result["loaded_at"]["tp"] == 2
+    assert result["all_equal_statekit_written"] and result["all_equal_source_as_megatron_reads_it"]
+    assert result["next_step_max_abs_diff"] == 0.0 and not result["problems"]
+    _write(ROOT / result["source"], tmp_path / "out", sharding="dp_reshardable")
+    out = megatron_dist.MegatronDist(str(tmp_path / "out"))
+    try:
+        for mp in range(2):
+            sizes = out.object(f"optimizer.distributed.dp_group_idx_{mp}.per_bucket_numel")
+            assert len(next(iter(sizes[0].values()))) == 5, mp
+    finally:
+        out.close()
+    ours = {k: v for k, v in _tensors(tmp_path / "out").items() if not k.startswith("optimizer.")}
+    assert set(ours) == {k for k in result["tensors"] if not k.startswith("optimizer.")}
+    for key, (_dtype, _shape, raw) in ours.items():
+        assert hashlib.sha256(raw).hexdigest() == result["tensors"][key]["sha256"], key
+
+
 LEGACY = MCORE / "gpt_torch_distopt_tp2pp2dp1"  # legacy files, TP2 PP2, tied: the last stage's output copy
 
 
