@@ -23,7 +23,8 @@ buckets for the DP×CP ranks by the rules the reader cuts them with (:mod:`.buck
 A TP shard is what the reader joins (:func:`.bucket_space._tp_joined`): column-parallel weights
 cut on axis 0, row-parallel on axis 1, SwiGLU's ``linear_fc1`` ``[W; V]`` as ``[W_r; V_r]``,
 replicated parameters whole. It is streamed from the parameter's global state: each rank's
-bucket reads the parameter through once and keeps its ranges (memory: one piece).
+bucket reads the parameter through once and keeps its ranges (memory: one piece; a column-parallel
+shard's rows pass as views of the pieces read, a row-parallel shard's column blocks are gathered).
 
 Refused in one line (:func:`check`): tied embeddings with PP > 1 (the last stage's copy has a
 bucket of its own, which no fixture has proved), virtual pipelines, non-uniform pipeline
@@ -185,9 +186,11 @@ def tp_shard(whole: TensorRef, name: str, cfg: config.MegatronConfig, rank: int)
     return TensorRef(whole.dtype, local, chunk_reader=pieces, info={"param": name, "megatron_tp_shard": f"{rank} of {tp}"})
 
 
-def _select(ref: TensorRef, ranges: list[tuple[int, int]], size: int) -> Iterator[bytes]:
+def _select(ref: TensorRef, ranges: list[tuple[int, int]], size: int) -> Iterator[bytes | memoryview]:
     """The bytes of ``ref`` inside the sorted, disjoint byte ``ranges``, streamed: ``ref`` read
-    once from its start to the last range's end, kept bytes given out in pieces of about ``size``."""
+    once from its start to the last range's end. A kept run of a quarter piece or more is given
+    out as a view of the piece read (no copy); shorter runs (a row-parallel shard's rows) are
+    gathered into pieces of about ``size`` bytes."""
     held = bytearray()
     it = iter(ranges)
     lo, hi = next(it, (None, None))
@@ -197,15 +200,20 @@ def _select(ref: TensorRef, ranges: list[tuple[int, int]], size: int) -> Iterato
         end = at + len(buf)
         while lo is not None and lo < end:
             a, b = max(lo, at), min(hi, end)
-            if a < b:
+            if b - a >= size // 4:
+                if held:
+                    yield bytes(held)
+                    held = bytearray()
+                yield buf[a - at:b - at]
+            elif a < b:
                 held += buf[a - at:b - at]
+                if len(held) >= size:
+                    yield bytes(held)
+                    held = bytearray()
             if hi > end:
                 break
             lo, hi = next(it, (None, None))
         at = end
-        while len(held) >= size:
-            yield bytes(held[:size])
-            del held[:size]
         if lo is None:
             break
     if lo is not None:
