@@ -367,6 +367,15 @@ def test_cli(tmp_path, cli):
     assert not (tmp_path / "x.pt").exists()
 
 
+def _free_port() -> int:
+    """A port no one listens on now (the script uses it and the next: helpers' runs at once must not meet)."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.megatron
 @pytest.mark.parametrize("check, sizes", [
     ("tp1dp2_to_tp2dp2", {"tp": 2}),
@@ -383,7 +392,8 @@ def test_megatron_loads_it_now(tmp_path, check, sizes):
     dims = [str(x) for k in ("tp", "pp", "dp") if k in sizes for x in (f"--{k}", sizes[k])]
     run = subprocess.run([python, str(ROOT / "scripts" / "check_megatron_load.py"),
                           "--source", DP_RESHARDABLE.name, "--written", str(tmp_path / "out"), *dims,
-                          "--result", str(result)], capture_output=True, text=True, timeout=1200)
+                          "--result", str(result), "--port", str(_free_port())],
+                         capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = json.loads(result.read_text())
     recorded = json.loads((CHECKS / f"{check}.json").read_text())
