@@ -29,18 +29,18 @@ exp_avg_sq}.<model key>`` with the model key's own global shape, so a change of 
   change it sees). ``rerun_state_machine_state`` and the common state's ``rerun_state_machine``
   only at the same world, TP, PP and DP.
 
-``--sharding dp_reshardable`` (TP = PP = 1, dense): the same model tensors, and per buffer and
-bucket the 1-D ``optimizer.distributed.dp_group_idx_0.gbuf_idx_{g}.dtype_(…).bucket_idx_{b}.{slot}``
-as the target DP lays the bucket out (the rules :mod:`.bucket_space` reads with, :mod:`.buckets`:
-registration order reversed, 64-element starts, ends padded to lcm(DP, 128); the gaps zero), beside
+``--sharding dp_reshardable`` (dense, any TP and PP): the same model tensors, and per
+model-parallel rank, buffer and bucket the 1-D
+``optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_{g}.dtype_(…).bucket_idx_{b}.{slot}`` holding
+the rank's stage's parameters in TP-local shapes as the target DP lays the bucket out, beside
 them the ShardedObjects ``.optimizer`` (the param groups), ``.per_bucket_numel`` and
-``.per_bucket_numel_unpadded``. Written at a source's own sizes it gives megatron-core's own
-dp_reshardable tensors back bit for bit.
+``.per_bucket_numel_unpadded``: :mod:`.write_buckets`. Written at a source's own sizes it gives
+megatron-core's own dp_reshardable tensors and objects back bit for bit.
 
 The iteration folder is written under a temporary name and renamed when complete (``metadata.json``
 last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
 Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
-change, ``dp_reshardable`` output at TP or PP > 1 (its buckets hold each rank's TP/PP shards),
+change, ``dp_reshardable`` output with tied embeddings at PP > 1 (:func:`.write_buckets.check`),
 the non-distributed optimizer.
 
 A legacy source (``--ckpt-format torch`` with ``distrib_optim.pt``) is read by
@@ -66,9 +66,10 @@ from statekit import dtypes, naming
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
-from statekit.formats.torch_pickle import STATEKIT_TO_TORCH, Record, TorchDtype
-from statekit.frameworks.megatron import bucket_space, buckets, config, stacking
+from statekit.formats.torch_pickle import Record
+from statekit.frameworks.megatron import config, stacking, write_buckets
 from statekit.frameworks.megatron import dist as dist_reader
+from statekit.frameworks.megatron.write_buckets import sharded_object as _object
 from statekit.tensor import TensorRef
 
 SHARDINGS = ("fully_reshardable", "dp_reshardable")
@@ -302,10 +303,6 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
 
     flat: dict[str, object] = {}
     model_space: dict[str, dict[str, TensorRef]] = {}
-    if target.sharding == "dp_reshardable" and (sizes["tp"], sizes["pp"]) != (1, 1):
-        raise MappingError(f"--sharding dp_reshardable at TP {sizes['tp']} PP {sizes['pp']}: its buckets hold each rank's "
-                           "TP/PP shards, which statekit does not cut yet (TP = PP = 1 only; fully_reshardable loads at "
-                           "any TP/PP)", where)
     states = dict(source.states)
     rows = sizes["padded_vocab_size"]
     for key in source.model:
@@ -341,7 +338,9 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
     groups = source.groups
     new_args = _args(args, cfg, sizes, target.sharding)
     if target.sharding == "dp_reshardable":
-        flat.update(_bucket_space(source.model, config.from_args(new_args, where), model_space, groups, rows, where))
+        target_model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS
+                        else e for k, e in source.model.items()}
+        flat.update(write_buckets.write(target_model, config.from_args(new_args, where), model_space, groups, where))
     new_common = _new_common(common, new_args, target, groups, same_tp_pp, same_world)
     legacy_common = source.common_pt
     if not legacy_common:
@@ -457,86 +456,6 @@ def _optimizer_tensors(params: list, model: dict[str, dcp.TensorEntry], args: di
         raise MappingError(f"{left[0]}: its optimizer state belongs to no model tensor of the checkpoint", where)
     return out
 
-
-
-# ----------------------------------------------------------------------------- bucket space
-
-
-def _object(value: object) -> dcp.RawBytes:
-    """A ShardedObject's payload: ``torch.save`` of the list of its (one) shard's data."""
-    return dcp.RawBytes(megatron_dist.common_archive([value]))
-
-
-def _bucket_space(source_model: dict[str, dcp.TensorEntry], cfg: config.MegatronConfig, model_space: dict,
-                  groups: list, rows: int, where: str) -> dict[str, object]:
-    """``dp_reshardable`` at TP = PP = 1 (one model-parallel index): each buffer's buckets as the
-    target DP lays them out (:mod:`.buckets`, the rules :mod:`.bucket_space` reads with), the
-    64-element gaps zero, and the ShardedObjects beside them (the param groups, the bucket sizes)."""
-    model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS else e
-             for k, e in source_model.items()}
-    order = bucket_space.registration_order(model, cfg, where)
-    rows = [(key, lead, shape, dtype, name) for name, key, lead, shape, dtype in order]
-    params, split = bucket_space._buffers(cfg, rows)
-    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
-    origin = {name: (key, lead) for name, key, lead, _shape, _dtype in order}
-    prefix = "optimizer.distributed.dp_group_idx_0"
-    out: dict[str, object] = {}
-    numel, unpadded = [], []
-    for g, (bkey, members) in enumerate(split.items()):
-        if bkey.expert:
-            raise MappingError("expert parameters in their own buffer: not written in bucket space yet", where)
-        layout = buckets.layout_buffer(members, size, cfg.dp_cp_size(), buckets.rule(bucket_space.RULE),
-                                       bool(cfg.pad_buckets_for_high_nccl_busbw))
-        torch_names = tuple(f"torch.{STATEKIT_TO_TORCH[d]}" for d in (bkey.param_dtype, bkey.grad_dtype))
-        dtype_key = tuple(TorchDtype(STATEKIT_TO_TORCH[d]) for d in (bkey.param_dtype, bkey.grad_dtype))
-        for b in layout.buckets:
-            placed = sorted((layout.placements[n] for n in b.params), key=lambda p: p.start)
-            for slot, _ in SLOTS:
-                parts = []
-                for place in placed:
-                    key, lead = origin[place.name]
-                    ref = _piece(model_space[key][slot], lead, model[key].shape)
-                    if ref.dtype != "F32":
-                        raise MappingError(f"{place.name}: its {slot} state is {ref.dtype}; the buckets hold F32", where)
-                    parts.append((place.bucket_offset, ref))
-                name = f"{prefix}.gbuf_idx_{g}.dtype_({torch_names[0]}, {torch_names[1]}).bucket_idx_{b.index}.{slot}"
-                out[name] = _bucket(parts, b.numel_unpadded)
-        numel.append({dtype_key: [b.numel for b in layout.buckets]})
-        unpadded.append({dtype_key: [b.numel_unpadded for b in layout.buckets]})
-    out[f"{prefix}.optimizer/shard_0_1"] = _object({"param_groups": groups})
-    out[f"{prefix}.per_bucket_numel/shard_0_1"] = _object(numel)
-    out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = _object(unpadded)
-    return out
-
-
-def _piece(stacked: TensorRef, lead: tuple[int, ...], shape: tuple[int, ...]) -> TensorRef:
-    """Element ``lead`` of the stacked axes of ``stacked``: the parameter's own state it was stacked from."""
-    if not lead:
-        return stacked
-    parts = stacked.info.get("parts")
-    if parts is None:
-        raise MappingError(f"a stacked state of shape {list(stacked.shape)} without its parameters' parts")
-    return parts[int(np.ravel_multi_index(lead, shape[:len(lead)]))]
-
-
-def _bucket(parts: list[tuple[int, TensorRef]], numel: int) -> TensorRef:
-    """A 1-D F32 bucket of ``numel`` elements: each part at its offset, zeros between."""
-    item = 4
-
-    def pieces(size: int):
-        at = 0
-        for offset, ref in parts:
-            gap = (offset - at) * item
-            if gap < 0:
-                raise MappingError("two parameters overlap in a bucket")
-            if gap:
-                yield bytes(gap)
-            yield from ref.iter_bytes(size)
-            at = offset + ref.numel
-        if numel > at:
-            yield bytes((numel - at) * item)
-
-    return TensorRef("F32", (numel,), chunk_reader=pieces)
 
 
 # ----------------------------------------------------------------------------- legacy sources
