@@ -59,8 +59,10 @@ NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only:
                   "computation. At the same sizes it must be equal")
 
 
-def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path) -> None:
-    src_tp, src_pp, ep, src_dp, extra, _, _ = gen.CASES[name]
+def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path,
+         ep: int | None = None) -> None:
+    src_tp, src_pp, src_ep, src_dp, extra, _, _ = gen.CASES[name]
+    ep = ep or src_ep
     world = tp * pp * dp
     gbs = 2 * src_dp * (2 if src_pp > 1 else 1)  # the source run's global batch (gen.case_argv)
     if gbs % (2 * dp):
@@ -107,6 +109,26 @@ def _base(key: str) -> str:
     return key
 
 
+def _members(common: dict) -> int:
+    opt = common["optimizer"]
+    return len(opt) if opt and all(isinstance(k, int) for k in opt) else 1
+
+
+def _param_groups(common: dict) -> list:
+    """The param groups of every optimizer member (a ChainedOptimizer's dense + expert: ``{0: …, 1: …}``),
+    each without its ``is_expert_parallel`` flag, once each: an EP change moves the expert groups between
+    members (joined into the dense twins at EP 1), the groups' values stay."""
+    opt = common["optimizer"]
+    parts = [opt[k] for k in sorted(opt)] if _members(common) > 1 else [opt]
+    out = []
+    for part in parts:
+        for g in part["optimizer"]["param_groups"]:
+            g = {k: v for k, v in g.items() if k not in ("is_expert_parallel", "params")}
+            if g not in out:
+                out.append(g)
+    return sorted(out, key=repr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="the fixture case statekit converted (under --fixtures)")
@@ -114,6 +136,7 @@ def main() -> None:
     p.add_argument("--written", required=True, help="the save root statekit wrote")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, help="the expert-parallel size to load at (default: the source's)")
     p.add_argument("--dp", type=int, help="default: the source's")
     p.add_argument("--result", required=True, help="the JSON to write")
     p.add_argument("--port", type=int, default=29611)
@@ -126,8 +149,9 @@ def main() -> None:
 
     version = megatron.core.__version__
     case = gen.CASES[ns.source]
-    src_tp, src_pp, _, src_dp = case[:4]
+    src_tp, src_pp, src_ep, src_dp = case[:4]
     dp = ns.dp or src_dp
+    ep = ns.ep or src_ep
     fixture = Path(ns.fixtures) / version / ns.source
     written = Path(ns.written)
     iteration = int((written / "latest_checkpointed_iteration.txt").read_text())
@@ -141,8 +165,8 @@ def main() -> None:
         if not ns.no_reference:
             print(f"A: Megatron {version} loads the source at TP{src_tp} PP{src_pp} DP{src_dp} ...", flush=True)
             _run(ns.source, ref_load, tmp / "ref", src_tp, src_pp, src_dp, saves, ns.port, tmp / "ref.log")
-        print(f"B: Megatron loads statekit's folder at TP{ns.tp} PP{ns.pp} DP{dp} ...", flush=True)
-        _run(ns.source, written, tmp / "new", ns.tp, ns.pp, dp, saves, ns.port + 1, tmp / "new.log")
+        print(f"B: Megatron loads statekit's folder at TP{ns.tp} PP{ns.pp} EP{ep} DP{dp} ...", flush=True)
+        _run(ns.source, written, tmp / "new", ns.tp, ns.pp, dp, saves, ns.port + 1, tmp / "new.log", ep)
         log = (tmp / "new.log").read_text()
         it = f"iter_{iteration:07d}"
         nxt = f"iter_{iteration + 1:07d}"
@@ -159,7 +183,7 @@ def main() -> None:
         common = {}
         for name, get in (("iteration", lambda c: c.get("iteration")),
                           ("opt_param_scheduler", lambda c: c.get("opt_param_scheduler")),
-                          ("param_groups", lambda c: c["optimizer"]["optimizer"]["param_groups"]),
+                          ("param_groups", _param_groups),
                           ("consumed_train_samples", lambda c: c["args"].consumed_train_samples)):
             common[name] = {"equal": None if ns.no_reference else get(ca) == get(cb), "loaded": repr(get(cb))[:400]}
             if not ns.no_reference and get(ca) != get(cb):
@@ -210,8 +234,9 @@ def main() -> None:
             "torch_version": torch.__version__,
             "source": os.path.relpath(fixture, HERE.parent) if fixture.resolve().is_relative_to(HERE.parent)
                       else str(fixture),
-            "source_sizes": {"tp": src_tp, "pp": src_pp, "dp": src_dp},
-            "loaded_at": {"tp": ns.tp, "pp": ns.pp, "dp": dp, "world_size": ns.tp * ns.pp * dp},
+            "source_sizes": {"tp": src_tp, "pp": src_pp, "ep": src_ep, "dp": src_dp},
+            "loaded_at": {"tp": ns.tp, "pp": ns.pp, "ep": ep, "dp": dp, "world_size": ns.tp * ns.pp * dp},
+            "optimizer_members_after_load": _members(cb),
             "iteration": iteration,
             "written_sharding": "dp_reshardable" if bucket_space else "fully_reshardable",
             "common_state_after_load": common,

@@ -1,0 +1,156 @@
+"""A MoE run (ChainedOptimizer: dense + expert members) to torch_dist fully_reshardable, with EP
+changes (``convert --to megatron --ep N``; :mod:`statekit.frameworks.megatron.write_moe`).
+
+References, none of them statekit's own output:
+
+- the fixtures megatron-core 0.19.2 wrote (``scripts/make_megatron_fixtures.py``): the same MoE
+  run (4 experts, top-2, 2 layers) saved dp_reshardable and fully_reshardable at EP 2 and at EP 1
+  (four runs of the same args and seed; the runs are not bit-identical to each other, so across
+  runs only the structure, the args and the param groups compare);
+- ``fixtures/megatron/0.19.2/load_checks/moe_*.json``: what megatron-core's own ``load_checkpoint``
+  loaded from statekit's folders at EP 2 → EP 1, EP 1 → EP 2 and the same sizes
+  (``scripts/check_megatron_load.py``), re-checked here by digest;
+- hand-computed sizes: 29 parameters and 88896 elements (embedding and output 112 × 64 each, the
+  final norm 64; per layer qkv 128 × 64, proj 64 × 64, two norms 64, router 4 × 64, 4 experts of
+  fc1 64 × 64 and fc2 64 × 32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from statekit.formats import dcp, megatron_dist
+from statekit.frameworks.megatron import dist as dist_reader
+from statekit.frameworks.megatron import write_dist
+from tests.conftest import FIXTURES
+
+MCORE = FIXTURES / "megatron" / "0.19.2"
+EP2_DPR = MCORE / "moe_torch_dist_dp_reshardable_ep2dp2"
+EP2_FR = MCORE / "moe_torch_dist_fully_reshardable_ep2dp2"
+EP1_DPR = MCORE / "moe_torch_dist_dp_reshardable_ep1dp2"
+EP1_FR = MCORE / "moe_torch_dist_fully_reshardable_ep1dp2"
+CHECKS = MCORE / "load_checks"
+ITER = "iter_0000003"
+ELEMENTS = 2 * 112 * 64 + 64 + 2 * (128 * 64 + 64 * 64 + 2 * 64 + 4 * 64 + 4 * (64 * 64 + 64 * 32))
+
+
+def _write(src, dst, **target) -> write_dist.Written:
+    return write_dist.write(str(src), str(dst), write_dist.Target(**target))
+
+
+def _open(folder):
+    return megatron_dist.MegatronDist(str(folder))
+
+
+def _tensors(folder) -> dict[str, tuple]:
+    d = _open(folder)
+    try:
+        return {k: (e.dtype, e.shape, bytes(d.reader.tensor(e).raw())) for k, e in d.tensor_entries().items()}
+    finally:
+        d.close()
+
+
+def _objects(folder) -> dict[str, bytes]:
+    d = _open(folder)
+    try:
+        return {k: d.raw_object(k) for k, e in d.meta.entries.items()
+                if isinstance(e, dcp.BytesEntry) and not k.startswith("common_state/")}
+    finally:
+        d.close()
+
+
+def _common(folder) -> dict:
+    d = _open(folder)
+    try:
+        return d.common()
+    finally:
+        d.close()
+
+
+def _args(common: dict) -> dict:
+    return {k: v for k, v in common["args"].fields.items() if k not in ("save", "load")}
+
+
+@pytest.mark.parametrize("src", [EP1_DPR, EP1_FR, EP2_DPR, EP2_FR])
+def test_every_element_proved_and_experts_where_megatron_puts_them(src):
+    """At EP 1 megatron-core 0.19.2 keeps the experts as dense parameters (one optimizer, groups not
+    marked is_expert_parallel); at EP 2 in the expert member. Every element is proved either way."""
+    ckpt = dist_reader.open_checkpoint(str(src))
+    try:
+        state = ckpt.optimizer
+        assert len(state.params) == 29
+        assert f"{ELEMENTS} elements" in next(n for n in state.notes if n.startswith("proved: 29 of 29"))
+        ep = _common(src)["args"].fields["expert_model_parallel_size"]
+        for p in state.params:
+            expert = ".mlp.experts." in p.key
+            assert state.groups[p.group].hyperparams["is_expert_parallel"] is (expert and ep > 1), p.key
+    finally:
+        ckpt.container.close()
+
+
+@pytest.mark.parametrize("src", [EP2_FR, EP1_FR])
+def test_same_sizes_give_megatrons_own_back(tmp_path, src):
+    """A Megatron-written MoE fully_reshardable save rewritten at its own sizes: every tensor, every
+    ShardedObject and the common state are Megatron's own."""
+    _write(src, tmp_path / "out")
+    assert _tensors(tmp_path / "out") == _tensors(src)
+    assert _objects(tmp_path / "out") == _objects(src)
+    ours, theirs = _common(tmp_path / "out"), _common(src)
+    assert set(ours) == set(theirs)
+    assert {k: v for k, v in ours.items() if k != "args"} == {k: v for k, v in theirs.items() if k != "args"}
+    assert _args(ours) == _args(theirs)
+
+
+@pytest.mark.parametrize("src, ep, want", [
+    (EP2_DPR, None, EP2_FR),  # the sharding type only
+    (EP2_DPR, 1, EP1_FR),  # EP 2 -> 1: the expert member joins the dense one
+    (EP1_DPR, None, EP1_FR),
+    (EP1_DPR, 2, EP2_FR),  # EP 1 -> 2: the experts get their own member
+    (EP1_FR, 2, EP2_FR),
+])
+def test_written_as_megatron_writes_that_run(tmp_path, src, ep, want):
+    """statekit's folder against megatron-core's own fully_reshardable save of the same run at the
+    target EP: the same tensor keys, dtypes and shapes, the same ShardedObjects, the same common
+    state (param groups per member, sharding types, content metadata, scheduler), the same args but
+    the save path, the RNG and the rerun state (not carried at another EP)."""
+    _write(src, tmp_path / "out", ep=ep)
+    ours, theirs = _tensors(tmp_path / "out"), _tensors(want)
+    assert {k: v[:2] for k, v in ours.items()} == {k: v[:2] for k, v in theirs.items()}
+    moved = ep is not None
+    assert set(_objects(tmp_path / "out")) == {k for k in _objects(want)
+                                               if not (moved and k.startswith(("rng_state/", "rerun_state")))}
+    c_ours, c_theirs = _common(tmp_path / "out"), _common(want)
+    assert c_ours["optimizer"] == c_theirs["optimizer"]
+    assert c_ours["content_metadata"] == c_theirs["content_metadata"]
+    assert c_ours["opt_param_scheduler"] == c_theirs["opt_param_scheduler"]
+    a_ours, a_theirs = _args(c_ours), _args(c_theirs)
+    if moved:
+        assert a_ours.pop("no_save_rng") is True and not a_theirs.pop("no_save_rng", None)
+        assert "rerun_state_machine" not in c_ours
+    assert a_ours == a_theirs
+
+
+def test_round_trip_ep2_ep1_ep2(tmp_path):
+    """EP 2 → EP 1 → EP 2 gives Megatron's EP 2 save back: every tensor bit for bit, the layers'
+    ShardedObjects, the members' param groups."""
+    _write(EP2_FR, tmp_path / "ep1", ep=1)
+    _write(tmp_path / "ep1", tmp_path / "ep2", ep=2)
+    assert _tensors(tmp_path / "ep2") == _tensors(EP2_FR)
+    src = _objects(EP2_FR)
+    assert _objects(tmp_path / "ep2") == {k: v for k, v in src.items()
+                                          if not k.startswith(("rng_state/", "rerun_state"))}
+    assert _common(tmp_path / "ep2")["optimizer"] == _common(EP2_FR)["optimizer"]
+    assert len(_common(tmp_path / "ep1")["optimizer"]) == 2  # one member: its {optimizer, param_state_sharding_type}
+
+
+def test_cli_says_the_ep_change(tmp_path, cli):
+    r = cli("convert", EP2_DPR, tmp_path / "ep1", "--to", "megatron", "--ep", "1")
+    assert r.returncode == 0, r.stderr
+    assert "TP 1 PP 1 EP 1 (expert DP 2) DP 2 (world 2)" in r.stdout
+    assert "EP 2 → 1" in r.stdout and "EP 1: the experts are dense parameters" in r.stdout
+    r = cli("convert", EP2_DPR, tmp_path / "bad", "--to", "megatron", "--ep", "3")
+    assert r.returncode != 0 and "4 experts do not split into EP 3" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists() or not os.listdir(tmp_path / "bad")
