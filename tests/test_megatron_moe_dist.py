@@ -17,11 +17,15 @@ References, none of them statekit's own output:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import pytest
 
+from statekit.errors import MappingError
 from statekit.formats import dcp, megatron_dist
+from statekit.formats.torch_pickle import STATEKIT_TO_TORCH
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.frameworks.megatron import write_dist
 from tests.conftest import FIXTURES
@@ -61,6 +65,16 @@ def _objects(folder) -> dict[str, bytes]:
         d.close()
 
 
+def _values(folder) -> dict[str, object]:
+    """The ShardedObjects' values (their pickles differ in bytes from Megatron's, not in value)."""
+    d = _open(folder)
+    try:
+        return {k: d.reader.value(k) for k, e in d.meta.entries.items()
+                if isinstance(e, dcp.BytesEntry) and k.startswith("optimizer.distributed.")}
+    finally:
+        d.close()
+
+
 def _common(folder) -> dict:
     d = _open(folder)
     try:
@@ -71,6 +85,30 @@ def _common(folder) -> dict:
 
 def _args(common: dict) -> dict:
     return {k: v for k, v in common["args"].fields.items() if k not in ("save", "load")}
+
+
+@pytest.mark.parametrize("check", ["moe_ep2dp2_same_sizes", "moe_ep2dp2_to_ep1dp2", "moe_ep1dp2_to_ep2dp2"])
+def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
+    """megatron-core 0.19.2's own load_checkpoint (recorded) of statekit's folder at the target EP:
+    every tensor it held after the load is what statekit writes, bit for bit (re-written here, the
+    digests compared), and equal to the source as Megatron itself reads it; its optimizer has the
+    target's members (two at EP 2, one at EP 1) with the source's param groups."""
+    result = json.loads((CHECKS / f"{check}.json").read_text())
+    assert result["megatron_core_version"] == "0.19.2"
+    assert result["all_equal_statekit_written"] and result["all_equal_source_as_megatron_reads_it"]
+    assert not result["problems"] and result["next_step_saved"]
+    assert all(v["equal"] for v in result["common_state_after_load"].values())
+    loaded, source = result["loaded_at"], result["source_sizes"]
+    assert result["optimizer_members_after_load"] == (2 if loaded["ep"] > 1 else 1)
+    if loaded["ep"] == source["ep"]:
+        assert result["next_step_max_abs_diff"] == 0.0  # the same run: Megatron's next step is its own resume's
+    _write(MCORE / os.path.basename(result["source"]), tmp_path / "out", ep=loaded["ep"])
+    ours = _tensors(tmp_path / "out")
+    assert set(ours) == set(result["tensors"])
+    for key, (dtype, shape, raw) in ours.items():
+        want = result["tensors"][key]
+        assert (list(shape), STATEKIT_TO_TORCH[dtype]) == (want["shape"], want["dtype"]), key
+        assert hashlib.sha256(raw).hexdigest() == want["sha256"], key
 
 
 @pytest.mark.parametrize("src", [EP1_DPR, EP1_FR, EP2_DPR, EP2_FR])
@@ -154,3 +192,31 @@ def test_cli_says_the_ep_change(tmp_path, cli):
     assert r.returncode != 0 and "4 experts do not split into EP 3" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists() or not os.listdir(tmp_path / "bad")
+
+
+def test_ep1_dp_reshardable_at_its_own_sizes_is_megatrons_own(tmp_path):
+    """At EP 1 the experts sit in the dense buffer: written dp_reshardable at the source's sizes it is
+    megatron-core's own save bit for bit (every tensor: the bucket with its gaps), the layers' and
+    RNG objects byte for byte, the optimizer's objects (groups, bucket sizes) in value."""
+    _write(EP1_DPR, tmp_path / "out", sharding="dp_reshardable")
+    assert _tensors(tmp_path / "out") == _tensors(EP1_DPR)
+    ours, theirs = _objects(tmp_path / "out"), _objects(EP1_DPR)
+    assert set(ours) == set(theirs)
+    assert all(ours[k] == theirs[k] for k in theirs if not k.startswith("optimizer."))
+    assert _values(tmp_path / "out") == _values(EP1_DPR)
+    assert _common(tmp_path / "out")["optimizer"] == _common(EP1_DPR)["optimizer"]
+
+
+def test_ep2_to_ep1_dp_reshardable_lays_the_buckets_out_as_megatron(tmp_path):
+    """EP 2 → EP 1 in bucket space: the keys, shapes, bucket sizes and param groups of megatron-core's
+    own EP 1 dp_reshardable save of the run (another run: its values differ)."""
+    _write(EP2_DPR, tmp_path / "out", ep=1, sharding="dp_reshardable")
+    ours, theirs = _tensors(tmp_path / "out"), _tensors(EP1_DPR)
+    assert {k: v[:2] for k, v in ours.items()} == {k: v[:2] for k, v in theirs.items()}
+    assert _values(tmp_path / "out") == _values(EP1_DPR)  # [{(bf16, fp32): [88960]}] and the groups
+
+
+def test_dp_reshardable_with_an_expert_member_is_refused(tmp_path):
+    with pytest.raises(MappingError, match="expert optimizer fully_reshardable only"):
+        _write(EP1_DPR, tmp_path / "out", ep=2, sharding="dp_reshardable")
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")

@@ -39,9 +39,9 @@ dp_reshardable tensors back bit for bit.
 
 The iteration folder is written under a temporary name and renamed when complete (``metadata.json``
 last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
-Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
-change, ``dp_reshardable`` output at TP or PP > 1 (its buckets hold each rank's TP/PP shards),
-the non-distributed optimizer.
+A MoE run (a ChainedOptimizer's dense + expert members) and an EP change: :mod:`.write_moe`.
+Refused in one line: virtual pipelines, ``dp_reshardable`` output at TP or PP > 1 (its buckets hold
+each rank's TP/PP shards), the non-distributed optimizer.
 
 A legacy source (``--ckpt-format torch`` with ``distrib_optim.pt``) is read by
 :mod:`.legacy` (TP shards joined, layer indices global, masters proved) and stacked into the

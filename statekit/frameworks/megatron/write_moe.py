@@ -140,10 +140,11 @@ def target(members: list[list[dict]] | None, used: dict[int, set[bool]], sizes: 
             raise MappingError("a MoE run (experts) from this source: statekit writes the torch_dist optimizer of a "
                                "MoE torch_dist source only yet", where)
         return None
-    if sharding != "fully_reshardable":
-        raise MappingError(f"--sharding {sharding} for a MoE run: statekit writes its optimizer fully_reshardable "
-                           "only yet (Megatron loads that at any EP/TP/PP/DP)", where)
-    out, note = target_groups(members, used, experts_apart(sizes["ep"], sizes["tp"], sizes["tp"]), where)
+    apart = experts_apart(sizes["ep"], sizes["tp"], sizes["tp"])
+    if sharding != "fully_reshardable" and apart:
+        raise MappingError(f"--sharding {sharding} for a MoE run at EP {sizes['ep']}: statekit writes the expert "
+                           "optimizer fully_reshardable only yet (Megatron loads that at any EP/TP/PP/DP)", where)
+    out, note = target_groups(members, used, apart, where)
     if note:
         notes.append(note)
     return out
