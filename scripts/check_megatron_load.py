@@ -1,4 +1,4 @@
-"""Megatron-Core's own load of a statekit-written torch_dist checkpoint at another TP/PP/DP.
+"""Megatron-Core's own load of a statekit-written torch_dist checkpoint at another TP/PP/EP/DP.
 
 Run with the interpreter of a megatron-core venv (as ``make_megatron_fixtures.py``; statekit
 never imports Megatron)::
@@ -8,6 +8,11 @@ never imports Megatron)::
     /work/venvs/mcore-0.19.2/bin/python scripts/check_megatron_load.py \
         --source gpt_torch_dist_dp_reshardable_tp1pp1dp2 --written /tmp/sk-tp2 --tp 2 \
         --result fixtures/megatron/0.19.2/load_check_tp1dp2_to_tp2dp2.json
+
+A MoE run at another expert-parallel size: ``--ep N`` (statekit's ``convert … --to megatron --ep N``),
+e.g. ``--source moe_torch_dist_dp_reshardable_ep2dp2 --written /tmp/sk-ep1 --tp 1 --ep 1``; the
+param groups are compared over all optimizer members (an EP change moves the expert groups
+between them).
 
 What it does, every step Megatron's own code (the fixture generator's worker:
 ``initialize_megatron``, ``setup_model_and_optimizer``, ``load_checkpoint``, ``train_step``,
@@ -53,7 +58,7 @@ import make_megatron_legacy_buckets as bucket_cases  # noqa: E402  (fixtures/meg
 gen.CASES.update(bucket_cases.CASES)
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP sums in another order; "
+NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP or EP sums in another order; "
                   "when the padded vocabulary changes with TP the extra (zero) logits enter the softmax; at another "
                   "DP the driver's batches differ (seeded per DP rank and micro-batch): then the step is another "
                   "computation. At the same sizes it must be equal")

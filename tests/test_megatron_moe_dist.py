@@ -27,7 +27,7 @@ from statekit.errors import MappingError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import STATEKIT_TO_TORCH
 from statekit.frameworks.megatron import dist as dist_reader
-from statekit.frameworks.megatron import write_dist
+from statekit.frameworks.megatron import write_dist, write_moe
 from tests.conftest import FIXTURES
 
 MCORE = FIXTURES / "megatron" / "0.19.2"
@@ -220,3 +220,30 @@ def test_dp_reshardable_with_an_expert_member_is_refused(tmp_path):
     with pytest.raises(MappingError, match="expert optimizer fully_reshardable only"):
         _write(EP1_DPR, tmp_path / "out", ep=2, sharding="dp_reshardable")
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def _group(wd_mult: float, expert: bool, **more) -> dict:
+    return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": False, "is_expert_parallel": expert,
+            "lr": 0.01, "step": 3.0, **more}
+
+
+def test_groups_join_only_when_every_entry_agrees():
+    """EP 2 → 1: an expert group whose lr or step is not its dense twin's is refused, never merged."""
+    dense, expert = [_group(1.0, False), _group(0.0, False)], [_group(1.0, True)]
+    joined, note = write_moe.target_groups([dense, expert], {}, apart=False, where="x")
+    assert joined == [dense] and note.startswith("EP 1")
+    for bad in ({"lr": 0.02}, {"step": 4.0}):
+        with pytest.raises(MappingError, match="other .* than the dense group it joins"):
+            write_moe.target_groups([dense, [_group(1.0, True, **bad)]], {}, apart=False, where="x")
+
+
+def test_groups_split_by_where_the_parameters_are():
+    """EP 1 → 2: each member keeps the groups its parameters are in; a group only the experts use
+    leaves the dense member, one only dense parameters use is not given to the experts."""
+    groups = [_group(1.0, False), _group(0.0, False), _group(1.0, False, lr_mult=2.0)]
+    used = {0: {False, True}, 1: {False}, 2: {True}}
+    (dense, expert), _ = write_moe.target_groups([groups], used, apart=True, where="x")
+    assert dense == groups[:2]
+    assert expert == [dict(groups[0], is_expert_parallel=True), dict(groups[2], is_expert_parallel=True)]
+    with pytest.raises(MappingError, match="is_expert_parallel"):
+        write_moe.target_groups([[_group(1.0, True)]], {}, apart=False, where="x")
