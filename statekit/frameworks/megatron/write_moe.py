@@ -54,7 +54,7 @@ def sizes(cfg: config.MegatronConfig, ep: int | None, tp: int, pp: int, dp: int,
                            "write such a MoE run yet", where)
     if (tp, pp) != (cfg.tp or 1, cfg.pp or 1):
         raise MappingError(f"a MoE run at TP {tp} PP {pp} (the source's TP {cfg.tp or 1} PP {cfg.pp or 1}): statekit "
-                           "changes a MoE run's EP and DP only yet (Megatron's load of another TP/PP is not checked)",
+                           "changes a MoE run's EP and DP only yet (Megatron's own load at another TP/PP is not checked)",
                            where)
     if experts % ep:
         raise UsageError(f"--ep {ep}: the model's {experts} experts do not split into EP {ep}")
