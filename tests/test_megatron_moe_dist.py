@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -28,7 +29,7 @@ from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import STATEKIT_TO_TORCH
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.frameworks.megatron import write_dist, write_moe
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, MCORE_PY, ROOT
 
 MCORE = FIXTURES / "megatron" / "0.19.2"
 EP2_DPR = MCORE / "moe_torch_dist_dp_reshardable_ep2dp2"
@@ -109,6 +110,25 @@ def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
         want = result["tensors"][key]
         assert (list(shape), STATEKIT_TO_TORCH[dtype]) == (want["shape"], want["dtype"]), key
         assert hashlib.sha256(raw).hexdigest() == want["sha256"], key
+
+
+@pytest.mark.megatron
+def test_megatron_loads_ep2_to_ep1_now(tmp_path):
+    """megatron-core's own load of statekit's EP 2 → EP 1 folder, run now (STATEKIT_MCORE_PY): the
+    tensors it holds after the load are the recorded ones."""
+    if not MCORE_PY:
+        pytest.skip("STATEKIT_MCORE_PY (a megatron-core 0.19.2 venv's python) is not set")
+    _write(EP2_DPR, tmp_path / "ep1", ep=1)
+    result = tmp_path / "result.json"
+    run = subprocess.run([MCORE_PY, str(ROOT / "scripts" / "check_megatron_load.py"), "--source", EP2_DPR.name,
+                          "--written", str(tmp_path / "ep1"), "--tp", "1", "--ep", "1", "--result", str(result),
+                          "--port", "29741"], capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = json.loads(result.read_text())
+    recorded = json.loads((CHECKS / "moe_ep2dp2_to_ep1dp2.json").read_text())
+    assert got["optimizer_members_after_load"] == 1
+    assert {k: v["sha256"] for k, v in got["tensors"].items()} == {
+        k: v["sha256"] for k, v in recorded["tensors"].items()}
 
 
 @pytest.mark.parametrize("src", [EP1_DPR, EP1_FR, EP2_DPR, EP2_FR])
