@@ -162,6 +162,24 @@ CASES = {
          "--ckpt-format", "torch_dist"] + MOE,
         [3], "MoE, 4 experts top-2, EP2 (expert DP 1, dense DP 2), ChainedOptimizer "
              "dense + expert, dp_reshardable"),
+    "moe_torch_dist_fully_reshardable_ep2dp2": (
+        1, 1, 2, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"] + MOE,
+        [3], "MoE, 4 experts top-2, EP2 (expert DP 1, dense DP 2), ChainedOptimizer "
+             "dense + expert, fully_reshardable"),
+    "moe_torch_dist_fully_reshardable_ep1dp2": (
+        1, 1, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"] + MOE,
+        [3], "MoE, 4 experts top-2, EP1 (the experts are dense parameters: one optimizer), "
+             "fully_reshardable"),
+    "moe_torch_dist_dp_reshardable_ep1dp2": (
+        1, 1, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist"] + MOE,
+        [3], "MoE, 4 experts top-2, EP1 (the experts in the dense buffer: one optimizer), "
+             "dp_reshardable"),
     "moe_torch_distopt_ep2dp2": (
         1, 1, 2, 2,
         ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",

@@ -270,7 +270,7 @@ def convert(
     cp: Annotated[int | None, typer.Option("--cp", metavar="N", help="--to megatron / megatron-legacy: the context-parallel size (the distributed optimizer shards over DP × CP; default: the source's).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="TYPE", help="--to megatron: the distributed optimizer's sharding type (fully_reshardable).")] = None,
     megatron_args: Annotated[Path | None, typer.Option("--megatron-args", metavar="DIR", help="--to megatron from an HF / torch state: a Megatron torch_dist checkpoint of the same model whose args and layout to write (the masters come from --model).")] = None,
-    ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron / megatron-legacy: the target expert-parallel size (default: the source's).")] = None,
     distributed_optimizer: Annotated[bool | None, typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="--to megatron-legacy: the optimizer's form, the distributed optimizer's distrib_optim.pt or the non-distributed state (default: the source's).")] = None,
     vocab_divisible_by: Annotated[int | None, typer.Option("--vocab-divisible-by", metavar="N", help="--to megatron-legacy: the target's make_vocab_size_divisible_by (the padded vocabulary is a multiple of N × TP; default: the source's).")] = None,
     hf_model_type: Annotated[str | None, typer.Option("--hf-model-type", metavar="TYPE", help="A Megatron source: the Hugging Face model its names are for (llama, qwen2, qwen3, mixtral, qwen3_moe; default: what the run's args describe).")] = None,
@@ -323,8 +323,10 @@ def _convert(a) -> None:
         else:
             _finish(result, out)
         return
-    if any(v is not None for v in (a.ep, a.vocab_divisible_by, a.distributed_optimizer)):
-        raise UsageError("--ep/--vocab-divisible-by/--[no-]distributed-optimizer: only with --to megatron-legacy")
+    if any(v is not None for v in (a.vocab_divisible_by, a.distributed_optimizer)):
+        raise UsageError("--vocab-divisible-by/--[no-]distributed-optimizer: only with --to megatron-legacy")
+    if a.ep is not None and a.to != "megatron":
+        raise UsageError("--ep: only with --to megatron or --to megatron-legacy")
     opts = make_options(optimizer=a.optimizer, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
                         amsgrad=a.amsgrad, momentum=a.momentum, dampening=a.dampening, nesterov=a.nesterov,
                         rename=a.rename, rules=a.rules, preset=a.preset, transpose=a.transpose,
@@ -332,7 +334,8 @@ def _convert(a) -> None:
                         dtype=a.dtype, step_policy=_step_policy(a.step), allow_nonfinite=a.allow_nonfinite,
                         model_config=a.model_config, trust_remote_code=a.trust_remote_code, settings=a.hyper,
                         fuse=a.fuse, split=a.split, stack=a.stack, unstack=a.unstack)
-    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("dp", a.dp), ("cp", a.cp), ("sharding", a.sharding),
+    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("ep", a.ep), ("dp", a.dp), ("cp", a.cp),
+                                   ("sharding", a.sharding),
                                   ("megatron_args", str(a.megatron_args) if a.megatron_args else None),
                                   ("model_path", str(a.model) if a.megatron_args and a.model else None))
                 if v is not None}

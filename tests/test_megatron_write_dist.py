@@ -95,7 +95,7 @@ def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
 
 def test_tp_change_pads_the_vocabulary_and_rewrites_args(tmp_path):
     done = _write(DP_RESHARDABLE, tmp_path / "out", tp=2)
-    assert done.sizes == {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "world_size": 4, "padded_vocab_size": 128}
+    assert done.sizes == {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "world_size": 4, "padded_vocab_size": 128, "ep": 1}
     assert (tmp_path / "out" / megatron_dist.TRACKER).read_text() == "3"
     out = megatron_dist.MegatronDist(str(tmp_path / "out"))
     src = megatron_dist.MegatronDist(str(DP_RESHARDABLE))
@@ -260,9 +260,13 @@ def test_cut_rows_that_held_state_are_said(tmp_path):
 
 
 @pytest.mark.parametrize("src, target, error, words", [
-    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"tp": 2}, MappingError, "ChainedOptimizer"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"tp": 2}, MappingError, "EP and DP only"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"ep": 3}, UsageError, "4 experts do not split"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"ep": 4}, UsageError, "not a multiple of EP×TP×PP"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"sharding": "dp_reshardable"}, MappingError,
+     "fully_reshardable only"),
+    (DP_RESHARDABLE, {"ep": 2}, UsageError, "no experts"),
     (FULLY_TP2, {"sharding": "dp_reshardable", "pp": 2}, MappingError, "PP 2 with tied embeddings"),
-    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"sharding": "dp_reshardable"}, MappingError, "ChainedOptimizer"),
     (DP_RESHARDABLE, {"sharding": "zero"}, UsageError, "one of fully_reshardable, dp_reshardable"),
     (DP_RESHARDABLE, {"tp": 3}, UsageError, "num_attention_heads 4 is not divisible"),
     (DP_RESHARDABLE, {"pp": 3}, UsageError, "num_layers 2"),

@@ -200,7 +200,8 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
         found = _found(states, where)
     ranks = sorted(found)
     want = list(range(cfg.ep or 1)) if expert else list(range(tp * pp))
-    if not expert and member is None and any(_is_expert(r[0]) for r in order):
+    apart = cfg.experts_in_own_buffer()  # at EP 1 (ETP = TP) the experts are dense parameters
+    if not expert and member is None and apart and any(_is_expert(r[0]) for r in order):
         raise FormatError("expert parameters but a single optimizer: not a layout statekit knows", where)
     if ranks != want:
         raise FormatError(f"{chain}optimizer.distributed: model-parallel indices {ranks} stored, the run's "
@@ -215,7 +216,7 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
             names = [r[0] for r in order if _is_expert(r[0]) and _expert_index(r[0]) in mine]
             dp = cfg.expert_dp_size()
         else:
-            names = [r[0] for r in order if not _is_expert(r[0]) and _on_stage(r[0], cfg, pp_rank, where)]
+            names = [r[0] for r in order if not (apart and _is_expert(r[0])) and _on_stage(r[0], cfg, pp_rank, where)]
             dp = cfg.dp_cp_size()
         prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp}"
         rows = [(*origin[n][:2], _local_shape(n, origin[n][2], tp, where), origin[n][3], n) for n in names]

@@ -217,7 +217,7 @@ def _group_of(name: str, shape: tuple[int, ...], groups: list[dict], args: dict,
     no_wd = name.endswith(".bias") or len(shape) == 1
     if args.get("apply_wd_to_qk_layernorm") and re.search(r"\.(q|k)_layernorm\.", name):
         no_wd = False
-    expert = ".mlp.experts." in name
+    expert = ".mlp.experts." in name and _experts_apart(args)
     decoupled = args.get("decoupled_lr") is not None and (
         name.startswith("embedding.") or name.startswith("output_layer."))
     fits = []
@@ -238,6 +238,15 @@ def _group_of(name: str, shape: tuple[int, ...], groups: list[dict], args: dict,
         raise MappingError(f"{name}: {len(fits)} of the optimizer{'' if member is None else f' member {member}'}'s "
                            f"{len(groups)} param groups fit it ({what}); statekit cannot tell which group it is in")
     return fits[0]
+
+
+def _experts_apart(args: dict) -> bool:
+    """Whether the experts are expert-parallel parameters (``allreduce=False``: their own groups
+    and optimizer member): megatron-core 0.19.2 marks them so only when EP > 1 or ETP ≠ TP
+    (``tensor_parallel/layers.py`` ``use_expert_pgs``); at EP 1 they are dense parameters."""
+    tp = args.get("tensor_model_parallel_size") or 1
+    etp = args.get("expert_tensor_parallel_size")
+    return (args.get("expert_model_parallel_size") or 1) > 1 or (etp is not None and etp != tp)
 
 
 def _family(args: dict, groups: list[dict]) -> str | None:

@@ -39,9 +39,9 @@ megatron-core's own dp_reshardable tensors and objects back bit for bit.
 
 The iteration folder is written under a temporary name and renamed when complete (``metadata.json``
 last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
-Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
-change, ``dp_reshardable`` output with tied embeddings at PP > 1 (:func:`.write_buckets.check`),
-the non-distributed optimizer.
+A MoE run (a ChainedOptimizer's dense + expert members) and an EP change: :mod:`.write_moe`.
+Refused in one line: virtual pipelines, ``dp_reshardable`` output with tied embeddings at PP > 1
+or with experts beyond EP = TP = PP = 1 (:func:`.write_buckets.check`), the non-distributed optimizer.
 
 A legacy source (``--ckpt-format torch`` with ``distrib_optim.pt``) is read by
 :mod:`.legacy` (TP shards joined, layer indices global, masters proved) and stacked into the
@@ -67,7 +67,7 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import config, stacking, write_buckets
+from statekit.frameworks.megatron import config, stacking, write_buckets, write_moe
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.frameworks.megatron.write_buckets import sharded_object as _object
 from statekit.tensor import TensorRef
@@ -88,6 +88,7 @@ class Target:
     dp: int | None = None
     sharding: str = "fully_reshardable"
     cp: int | None = None  # the context-parallel size (the distributed optimizer shards over DP x CP)
+    ep: int | None = None
 
 
 @dataclass
@@ -173,9 +174,6 @@ def _target_sizes(cfg: config.MegatronConfig, target: Target, where: str) -> dic
     if cfg.vp not in (None, 1):
         raise MappingError(f"args.virtual_pipeline_model_parallel_size is {cfg.vp}: statekit does not write "
                            "interleaved-pipeline checkpoints yet", where)
-    if (cfg.ep or 1) != 1 or cfg.num_experts:
-        raise MappingError("a MoE run (experts, a dense + expert ChainedOptimizer): statekit does not write its "
-                           "torch_dist optimizer yet", where)
     layers = cfg.need("num_layers", "the pipeline split")
     if layers % pp:
         raise UsageError(f"--pp {pp}: num_layers {layers} is not divisible by it (Megatron's even split)")
@@ -186,7 +184,8 @@ def _target_sizes(cfg: config.MegatronConfig, target: Target, where: str) -> dic
     vocab = cfg.need("vocab_size", "the vocabulary padding of the target TP")
     divisible = cfg.need("make_vocab_size_divisible_by", "the vocabulary padding of the target TP")
     return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "world_size": tp * pp * dp * cp,
-            "padded_vocab_size": config.padded_vocab(vocab, divisible, tp)}
+            "padded_vocab_size": config.padded_vocab(vocab, divisible, tp),
+            **write_moe.sizes(cfg, target.ep, tp, pp, dp, where)}
 
 
 def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], sharding: str) -> Record:
@@ -204,6 +203,8 @@ def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], shard
     # sizes Megatron derives from TP/PP at start-up, where the source has them
     if fields.get("expert_tensor_parallel_size") == cfg.tp:
         fields["expert_tensor_parallel_size"] = sizes["tp"]
+    if "expert_model_parallel_size" in fields or sizes["ep"] != 1:
+        fields["expert_model_parallel_size"] = sizes["ep"]
     if "transformer_pipeline_model_parallel_size" in fields:
         fields["transformer_pipeline_model_parallel_size"] = sizes["pp"]
     return Record(args.cls, fields)
@@ -230,6 +231,8 @@ class _Source:
     common_pt: bool = False  # the common state as common.pt (core <= 0.18) rather than the common_state item
     rng_kept: bool = True  # the source's RNG states are torch_dist ShardedObjects (kept at the same TP/PP)
     notes: list[str] = field(default_factory=list)
+    members: list[list[dict]] | None = None  # a MoE run's optimizer members' groups (:mod:`.write_moe`)
+    used: dict[int, set[bool]] = field(default_factory=dict)  # one member's groups: dense / expert params in it
 
 
 def write(src: str, dst: str, target: Target, shards: int | None = None) -> Written:
@@ -262,14 +265,13 @@ def _from_dist(ckpt) -> _Source:
     common = dist.common_to_rewrite()
     cfg = config.from_args(_namespace(common, where), where)
     members = dist_reader._members(dist.common(), where)
-    if len(members) != 1:
-        raise MappingError(f"a ChainedOptimizer of {len(members)} members: statekit does not write it yet", where)
     sharding = ckpt.container.sharding
     if sharding == "non_distributed":
         raise MappingError("the source's optimizer is not Megatron's distributed optimizer (no fp32 master "
                            "'param' slot to write): not written yet", where)
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in dist_reader._groups(dist, next(iter(members.values())), None, sharding)]
+    member_groups = [[{k: v for k, v in g.items() if k != "params"} for g in dist_reader._groups(dist, m, i, sharding)]
+                     for i, m in members.items()]
+    groups = member_groups[0]
     model = {k: e for k, e in dist.tensor_entries().items() if not k.startswith(("optimizer.", "chained_"))}
     args = dist_reader._fields(dist.common().get("args"))
     states = _optimizer_tensors(ckpt.optimizer.params, model, args, where)
@@ -283,9 +285,11 @@ def _from_dist(ckpt) -> _Source:
         if not (base.endswith("._extra_state") or base in ("rng_state", "rerun_state_machine_state")):
             raise MappingError(f"ShardedObject {key}: statekit does not know whether the target run needs it", where)
         objects[key] = dist.raw_object(key)
+    moe = (len(member_groups) > 1 or bool(cfg.num_experts)) or None
     return _Source(where, os.path.basename(where.rstrip(os.sep)), common, cfg, sharding, groups, model,
                    {k: dist.reader.tensor(e) for k, e in model.items()}, states, objects, dict(dist.backend),
-                   dist.common_source == megatron_dist.COMMON_PT)
+                   dist.common_source == megatron_dist.COMMON_PT, members=moe and member_groups,
+                   used=write_moe.groups_used(ckpt.optimizer) if moe else {})
 
 
 def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Written:
@@ -322,7 +326,7 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
     if states:
         raise MappingError(f"optimizer state for {next(iter(states))}, which the checkpoint's model does not hold", where)
 
-    same_tp_pp = source.rng_kept and (sizes["tp"], sizes["pp"]) == (cfg.tp, cfg.pp)
+    same_tp_pp = source.rng_kept and (sizes["tp"], sizes["pp"], sizes["ep"]) == (cfg.tp, cfg.pp, cfg.ep or 1)
     same_world = same_tp_pp and sizes["dp"] == cfg.dp and sizes["world_size"] == cfg.world_size
     for key, raw in source.objects.items():
         base = key.split("/shard_", 1)[0]
@@ -330,31 +334,32 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
             continue
         flat[key] = raw
     if not same_tp_pp:
-        notes.append("rng_state not carried (the source's TP/PP ranks are not the target's): args.no_save_rng set, "
+        notes.append("rng_state not carried (the source's TP/PP/EP ranks are not the target's): args.no_save_rng set, "
                      "so Megatron starts the RNG afresh as after any TP/PP change")
     if not same_world:
-        notes.append("rerun state not carried (another world): Megatron ignores it then")
+        notes.append("rerun state not carried (other ranks): Megatron ignores it then")
 
     groups = source.groups
     new_args = _args(args, cfg, sizes, target.sharding)
+    members = write_moe.target(source.members, source.used, sizes, target.sharding, notes, where)
     if target.sharding == "dp_reshardable":
         target_model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS
                         else e for k, e in source.model.items()}
         flat.update(write_buckets.write(target_model, config.from_args(new_args, where), model_space, groups, where))
-    new_common = _new_common(common, new_args, target, groups, same_tp_pp, same_world)
+    new_common = _new_common(common, new_args, target, members or [groups], same_tp_pp, same_world)
     legacy_common = source.common_pt
     if not legacy_common:
         flat[f"{megatron_dist.COMMON_STATE}/shard_0_1"] = dcp.RawBytes(megatron_dist.common_archive([new_common]))
 
     nbytes = _save(dst, folder_name, flat, shards, source, new_common, legacy_common, iteration)
     n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
-    changed = ", ".join(f"{k.upper()} {getattr(cfg, k) or 1} → {sizes[k]}" for k in ("tp", "pp", "dp", "cp")
+    changed = ", ".join(f"{k.upper()} {getattr(cfg, k) or 1} → {sizes[k]}" for k in ("tp", "pp", "ep", "dp", "cp")
                         if (getattr(cfg, k) or 1) != sizes[k]) or "sizes unchanged"
     notes.insert(0, f"{source.sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
     return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
 
 
-def _new_common(common: dict, new_args, target: Target, groups, same_tp_pp: bool, same_world: bool) -> dict:
+def _new_common(common: dict, new_args, target: Target, members, same_tp_pp: bool, same_world: bool) -> dict:
     """The target's common state: the source's, with the target's args, optimizer skeleton and content metadata."""
     new_common = dict(common)
     new_common["args"] = new_args
@@ -363,8 +368,7 @@ def _new_common(common: dict, new_args, target: Target, groups, same_tp_pp: bool
     if not same_world:
         new_common.pop("rerun_state_machine", None)
     if target.sharding == "fully_reshardable":
-        new_common["optimizer"] = {"optimizer": {"param_groups": groups},
-                                   "param_state_sharding_type": target.sharding}
+        new_common["optimizer"] = write_moe.common_optimizer(members, target.sharding)
     else:  # the groups are each model-parallel rank's ShardedObject
         new_common["optimizer"] = {"param_state_sharding_type": target.sharding}
     content = dict(common.get("content_metadata") or {})
