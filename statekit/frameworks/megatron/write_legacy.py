@@ -90,6 +90,7 @@ def _shard_ref(ref: TensorRef, rows: int | None, name: str, tp: int, rank: int, 
     source's rows are read in order, a few MiB at a time, and only the shard's bytes kept."""
     if tp == 1 and (rows is None or rows == ref.shape[0]):
         return ref
+    rank = rank if tp > 1 else 0  # (a replicated tensor: every rank's is the whole)
     full = (rows, *ref.shape[1:])
     item = dtypes.itemsize(ref.dtype)
     row = math.prod(ref.shape[1:]) * item
