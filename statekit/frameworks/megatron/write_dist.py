@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from statekit import dtypes, naming
+from statekit import dtypes, naming, stream
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
@@ -514,9 +514,9 @@ def _from_legacy(ckpt, src: str) -> _Source:
     tied = cfg.untie_embeddings is False
     if tied and "output_layer.weight" in params:  # the last stage's copy (PP > 1): kept only if identical
         a, b = params.pop("output_layer.weight"), params["embedding.word_embeddings.weight"]
-        same = all(bytes(a.slots[s].raw()) == bytes(b.slots[s].raw()) for s in b.slots) and set(a.slots) == set(b.slots)
-        same = same and bytes(by_name["output_layer.weight"].tensor.raw()) == bytes(
-            by_name["embedding.word_embeddings.weight"].tensor.raw())
+        same = set(a.slots) == set(b.slots) and all(stream.same_bytes(a.slots[s], b.slots[s]) for s in b.slots)
+        same = same and stream.same_bytes(by_name["output_layer.weight"].tensor,
+                                          by_name["embedding.word_embeddings.weight"].tensor)
         if not same:
             raise MappingError("tied embeddings with PP > 1: the last stage's output_layer.weight copy holds other "
                                "values or state than embedding.word_embeddings.weight; torch_dist keeps one", folder)
