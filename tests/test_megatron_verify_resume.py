@@ -179,3 +179,22 @@ def test_source_element_follows_the_qkv_rows():
             for col in range(3):
                 name, flat = megatron_verify.source_element(t, (i, col))
                 assert name == "decoder.layers.0.self_attention.linear_qkv.weight" and flat == r * 3 + col
+
+
+@pytest.mark.torch
+def test_a_legacy_tp2_pp2_tied_save_against_its_trainer_folder_and_its_reshard(tmp_path):
+    """megatron-core's legacy save (TP 2 × PP 2, distributed optimizer, tied embeddings: the last stage's copy of the
+    embedding is dropped once equal) against the Trainer folder and the TP1·PP1·DP2 legacy reshard convert writes."""
+    legacy = f"{ROOT}/gpt_torch_distopt_tp2pp2dp1"
+    folder, flat = tmp_path / "checkpoint-3", tmp_path / "tp1"
+    assert _statekit("convert", legacy, str(folder)).returncode == 0
+    assert _statekit("convert", legacy, str(flat), "--to", "megatron-legacy", "--tp", "1", "--pp", "1", "--dp", "2",
+                     "--vocab-divisible-by", "32", "--no-schedule").returncode == 0
+    for target, flavors, n in ((folder, {"original": "megatron", "migrated": "torch"}, 20),
+                               (flat, {"original": "megatron", "migrated": "megatron"}, 14)):
+        run, report = _verify(legacy, str(target))
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert report["flavors"] == flavors and report["criterion"] == "bit-exact"
+        assert len(report["params"]) == n and all(r["bit_exact"] for r in report["params"])
+        assert "output_layer.weight" not in {r["path"] for r in report["params"]}  # the tied copy: one tensor
+        assert any(note.startswith("tied embeddings: output_layer.weight") for note in report["notes"])
