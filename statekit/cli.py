@@ -407,14 +407,14 @@ def remap(
 
 
 KernelOpt = Annotated[str, typer.Option("--kernel", metavar="NAME", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference; CuPy's on CuPy arrays), torch, numba, cupy or reference; all give the same bits.")]
-FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, torch-foreach, burn or candle (default: the state's framework).")]
+FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, torch-foreach, burn, candle or megatron (megatron-core's Adam over its fp32 masters; default: the state's framework).")]
 
 
 @app.command()
 def replay(
-    params: Annotated[Path, typer.Option("--params", metavar="FILE", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
     grads: Annotated[list[Path], typer.Option("--grads", metavar="G1", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
     out_params: Annotated[Path, typer.Option("--out-params", metavar="FILE", help="Where to write the parameters after the last step.")],
+    params: Annotated[Path | None, typer.Option("--params", metavar="FILE", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path; omit for a Megatron --state (its fp32 masters are the parameters).")] = None,
     state: Annotated[Path | None, typer.Option("--state", metavar="FILE", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
     out_state: Annotated[Path | None, typer.Option("--out-state", metavar="FILE", help="Where to write the state after the last step (format by extension).")] = None,
     optimizer: OptimizerOpt = None,
@@ -449,7 +449,7 @@ def replay(
     out = _output(fmt, json_out)
     given = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                               momentum=momentum, dampening=dampening, nesterov=nesterov)
-    result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
+    result = replay_files(str(params) if params else None, [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
                           state=str(state) if state else None, out_state=str(out_state) if out_state else None,
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
                           progress=out.progress, kernel=kernel)
