@@ -150,6 +150,62 @@ def measure(src: str, tmp: str, repeat: int) -> dict[str, dict[str, tuple[float,
     return out
 
 
+# (label, source case, convert arguments after SRC DST, DST's last component)
+CONVERSIONS = [
+    ("→ torch_dist TP2 (fully_reshardable)", CASES[0][0], ["--to", "megatron", "--tp", "2"], "out"),
+    ("→ torch_dist dp_reshardable (TP1)", CASES[0][0], ["--to", "megatron", "--sharding", "dp_reshardable"], "out"),
+    ("legacy → TP1·PP1 (megatron-legacy)", CASES[2][0], ["--to", "megatron-legacy", "--tp", "1", "--pp", "1"], "out"),
+    ("→ HF Trainer folder", CASES[0][0], ["--to", "hf-trainer"], "checkpoint-3"),
+]
+
+
+def measure_convert(src: str, tmp: str, repeat: int, rows: list[tuple[str, list[str], str]]
+                    ) -> dict[str, dict[str, tuple[float, int]]]:
+    """Each conversion of ``src`` (written into ``tmp``, then ``sync``) against ``cp -r`` of it."""
+    out_root = os.path.join(tmp, "convert")
+    sk = f"'{sys.executable}' -m statekit convert"
+
+    def fresh() -> None:
+        if os.path.exists(out_root):
+            shutil.rmtree(out_root)
+        os.makedirs(out_root)
+
+    def cp() -> list[str]:
+        fresh()
+        return ["sh", "-c", f"cp -r '{src}' '{out_root}/copy' && sync"]
+
+    def convert(args: list[str], leaf: str):
+        def make() -> list[str]:
+            fresh()
+            quoted = " ".join(f"'{a}'" for a in args)
+            return ["sh", "-c", f"{sk} '{src}' '{out_root}/{leaf}' {quoted} && sync"]
+        return make
+
+    commands = {"cp -r + sync": cp}
+    for name, args, leaf in rows:
+        commands[name] = convert(args, leaf)
+    out: dict[str, dict[str, tuple[float, int]]] = {}
+    for make in list(commands.values())[1:]:
+        _run(make())  # (untimed: writes the bytecode cache, and fails early)
+    for name, make in commands.items():
+        out[name] = {}
+        for state in ("cold", "warm"):
+            best = None
+            for _ in range(repeat):
+                cmd = make()
+                if state == "cold":
+                    evict(src)
+                else:
+                    warm(src)
+                os.sync()
+                got = _run(cmd)
+                best = got if best is None or got[0] < best[0] else best
+            out[name][state] = best
+    if os.path.exists(out_root):
+        shutil.rmtree(out_root)
+    return out
+
+
 def table(label: str, nbytes: int, res: dict[str, dict[str, tuple[float, int]]]) -> str:
     base = res["cp -r + sync"]
     head = (f"| {label} ({nbytes / 2**30:.2f} GiB) | cold s | × cp cold | warm s | × cp warm | GB/s warm "
@@ -169,16 +225,24 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--mcore-python", default=MCORE_PYTHON, help="a python with megatron-core (see the generator)")
     ap.add_argument("--case", action="append", help="only these cases")
+    ap.add_argument("--only", choices=("read", "convert"), help="only the reading or the converting rows")
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = args.keep or os.path.join(tmp, "build")
         build(root, args.mcore_python)
         for case, label in CASES:
-            if args.case and case not in args.case:
+            if (args.case and case not in args.case) or args.only == "convert":
                 continue
             src = os.path.join(root, VERSION, case)
             print("\n" + table(label, _bytes(src), measure(src, tmp, args.repeat)), flush=True)
+        for case, label in CASES:
+            rows = [(name, a, leaf) for name, c, a, leaf in CONVERSIONS if c == case]
+            if not rows or (args.case and case not in args.case) or args.only == "read":
+                continue
+            src = os.path.join(root, VERSION, case)
+            res = measure_convert(src, tmp, args.repeat, rows)
+            print("\n" + table(f"convert {label}", _bytes(src), res), flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 

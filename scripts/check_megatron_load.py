@@ -1,4 +1,4 @@
-"""Megatron-Core's own load of a statekit-written torch_dist checkpoint at another TP/PP/DP.
+"""Megatron-Core's own load of a statekit-written torch_dist checkpoint at another TP/PP/EP/DP.
 
 Run with the interpreter of a megatron-core venv (as ``make_megatron_fixtures.py``; statekit
 never imports Megatron)::
@@ -8,6 +8,14 @@ never imports Megatron)::
     /work/venvs/mcore-0.19.2/bin/python scripts/check_megatron_load.py \
         --source gpt_torch_dist_dp_reshardable_tp1pp1dp2 --written /tmp/sk-tp2 --tp 2 \
         --result fixtures/megatron/0.19.2/load_check_tp1dp2_to_tp2dp2.json
+
+``--cp N`` loads at context-parallel size N (default: the source case's; the world is
+TP × PP × CP × DP).
+
+A MoE run at another expert-parallel size: ``--ep N`` (statekit's ``convert … --to megatron --ep N``),
+e.g. ``--source moe_torch_dist_dp_reshardable_ep2dp2 --written /tmp/sk-ep1 --tp 1 --ep 1``; the
+param groups are compared over all optimizer members (an EP change moves the expert groups
+between them).
 
 What it does, every step Megatron's own code (the fixture generator's worker:
 ``initialize_megatron``, ``setup_model_and_optimizer``, ``load_checkpoint``, ``train_step``,
@@ -53,15 +61,18 @@ import make_megatron_legacy_buckets as bucket_cases  # noqa: E402  (fixtures/meg
 gen.CASES.update(bucket_cases.CASES)
 
 VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP sums in another order; "
+NEXT_STEP_NOTE = ("after one more step B and A are compared at a tolerance only: another TP or EP sums in another order; "
                   "when the padded vocabulary changes with TP the extra (zero) logits enter the softmax; at another "
                   "DP the driver's batches differ (seeded per DP rank and micro-batch): then the step is another "
-                  "computation. At the same sizes it must be equal")
+                  "computation; at another CP the fixtures' attention (the CPU shim's, within each CP rank's chunk) "
+                  "sees other tokens. At the same sizes it must be equal")
 
 
-def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path) -> None:
-    src_tp, src_pp, ep, src_dp, extra, _, _ = gen.CASES[name]
-    world = tp * pp * dp
+def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: str, port: int, log: Path,
+         cp: int = 1, ep: int | None = None) -> None:
+    src_tp, src_pp, src_ep, src_dp, extra, _, _ = gen.CASES[name]
+    ep = ep or src_ep
+    world = tp * pp * cp * dp
     gbs = 2 * src_dp * (2 if src_pp > 1 else 1)  # the source run's global batch (gen.case_argv)
     if gbs % (2 * dp):
         raise SystemExit(f"global batch {gbs} does not split over DP {dp} (micro batch 2)")
@@ -69,7 +80,7 @@ def _run(name: str, load: Path, save: Path, tp: int, pp: int, dp: int, saves: st
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--expert-model-parallel-size", str(ep), "--global-batch-size", str(gbs),
         "--save", str(save), "--load", str(load),
-    ] + extra + ["--dist-ckpt-optim-fully-reshardable"]
+    ] + extra + ["--dist-ckpt-optim-fully-reshardable", "--context-parallel-size", str(cp)]
     if "torch" in extra and "torch_dist" not in extra:  # a legacy source: Megatron detects it on load, saves torch_dist
         argv += ["--ckpt-format", "torch_dist", "--auto-detect-ckpt-format"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={port}",
@@ -107,6 +118,26 @@ def _base(key: str) -> str:
     return key
 
 
+def _members(common: dict) -> int:
+    opt = common["optimizer"]
+    return len(opt) if opt and all(isinstance(k, int) for k in opt) else 1
+
+
+def _param_groups(common: dict) -> list:
+    """The param groups of every optimizer member (a ChainedOptimizer's dense + expert: ``{0: …, 1: …}``),
+    each without its ``is_expert_parallel`` flag, once each: an EP change moves the expert groups between
+    members (joined into the dense twins at EP 1), the groups' values stay."""
+    opt = common["optimizer"]
+    parts = [opt[k] for k in sorted(opt)] if _members(common) > 1 else [opt]
+    out = []
+    for part in parts:
+        for g in part["optimizer"]["param_groups"]:
+            g = {k: v for k, v in g.items() if k not in ("is_expert_parallel", "params")}
+            if g not in out:
+                out.append(g)
+    return sorted(out, key=repr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="the fixture case statekit converted (under --fixtures)")
@@ -114,7 +145,9 @@ def main() -> None:
     p.add_argument("--written", required=True, help="the save root statekit wrote")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, help="the expert-parallel size to load at (default: the source's)")
     p.add_argument("--dp", type=int, help="default: the source's")
+    p.add_argument("--cp", type=int, help="the context-parallel size to load at (default: the source's)")
     p.add_argument("--result", required=True, help="the JSON to write")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--no-reference", action="store_true", help="the folder was not converted from --source (an HF "
@@ -126,8 +159,11 @@ def main() -> None:
 
     version = megatron.core.__version__
     case = gen.CASES[ns.source]
-    src_tp, src_pp, _, src_dp = case[:4]
+    src_tp, src_pp, src_ep, src_dp = case[:4]
+    src_cp = gen.case_cp(ns.source)
     dp = ns.dp or src_dp
+    cp = ns.cp or src_cp
+    ep = ns.ep or src_ep
     fixture = Path(ns.fixtures) / version / ns.source
     written = Path(ns.written)
     iteration = int((written / "latest_checkpointed_iteration.txt").read_text())
@@ -139,10 +175,11 @@ def main() -> None:
         (ref_load / "latest_checkpointed_iteration.txt").write_text(str(iteration))
         saves = f"{iteration},{iteration + 1}"
         if not ns.no_reference:
-            print(f"A: Megatron {version} loads the source at TP{src_tp} PP{src_pp} DP{src_dp} ...", flush=True)
-            _run(ns.source, ref_load, tmp / "ref", src_tp, src_pp, src_dp, saves, ns.port, tmp / "ref.log")
-        print(f"B: Megatron loads statekit's folder at TP{ns.tp} PP{ns.pp} DP{dp} ...", flush=True)
-        _run(ns.source, written, tmp / "new", ns.tp, ns.pp, dp, saves, ns.port + 1, tmp / "new.log")
+            print(f"A: Megatron {version} loads the source at TP{src_tp} PP{src_pp} EP{src_ep} DP{src_dp} CP{src_cp} ...",
+                  flush=True)
+            _run(ns.source, ref_load, tmp / "ref", src_tp, src_pp, src_dp, saves, ns.port, tmp / "ref.log", cp=src_cp)
+        print(f"B: Megatron loads statekit's folder at TP{ns.tp} PP{ns.pp} EP{ep} DP{dp} CP{cp} ...", flush=True)
+        _run(ns.source, written, tmp / "new", ns.tp, ns.pp, dp, saves, ns.port + 1, tmp / "new.log", cp=cp, ep=ep)
         log = (tmp / "new.log").read_text()
         it = f"iter_{iteration:07d}"
         nxt = f"iter_{iteration + 1:07d}"
@@ -159,7 +196,7 @@ def main() -> None:
         common = {}
         for name, get in (("iteration", lambda c: c.get("iteration")),
                           ("opt_param_scheduler", lambda c: c.get("opt_param_scheduler")),
-                          ("param_groups", lambda c: c["optimizer"]["optimizer"]["param_groups"]),
+                          ("param_groups", _param_groups),
                           ("consumed_train_samples", lambda c: c["args"].consumed_train_samples)):
             common[name] = {"equal": None if ns.no_reference else get(ca) == get(cb), "loaded": repr(get(cb))[:400]}
             if not ns.no_reference and get(ca) != get(cb):
@@ -210,8 +247,11 @@ def main() -> None:
             "torch_version": torch.__version__,
             "source": os.path.relpath(fixture, HERE.parent) if fixture.resolve().is_relative_to(HERE.parent)
                       else str(fixture),
-            "source_sizes": {"tp": src_tp, "pp": src_pp, "dp": src_dp},
-            "loaded_at": {"tp": ns.tp, "pp": ns.pp, "dp": dp, "world_size": ns.tp * ns.pp * dp},
+            "source_sizes": {"tp": src_tp, "pp": src_pp, "ep": src_ep, "dp": src_dp}
+                            | ({"cp": src_cp} if cp != 1 or src_cp != 1 else {}),
+            "loaded_at": {"tp": ns.tp, "pp": ns.pp, "ep": ep, "dp": dp, "world_size": ns.tp * ns.pp * cp * dp}
+                         | ({"cp": cp} if cp != 1 or src_cp != 1 else {}),
+            "optimizer_members_after_load": _members(cb),
             "iteration": iteration,
             "written_sharding": "dp_reshardable" if bucket_space else "fully_reshardable",
             "common_state_after_load": common,

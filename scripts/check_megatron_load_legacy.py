@@ -57,7 +57,20 @@ CHECKS = {
                                                 ["--vocab-divisible-by", "8"], ["--make-vocab-size-divisible-by", "8"]),
     "moe_ep2dp2_to_ep4dp4": ("moe_torch_distopt_ep2dp2", 1, 1, 4, 4, [], []),
     "moe_ep2dp2_to_ep1dp2": ("moe_torch_distopt_ep2dp2", 1, 1, 1, 2, [], []),
+    # context parallelism: distrib_optim.pt is gathered over DP x CP; CP2 -> CP1, and CP1 -> CP2 (from the
+    # non-distributed form into the distributed one laid out for DP x CP = 2)
+    "cp2dp1_to_cp1dp1": ("gpt_torch_distopt_cp2dp1", 1, 1, 1, 1, ["--cp", "1"], ["--context-parallel-size", "1"]),
+    "no_distopt_dp2_to_cp2dp1": ("gpt_torch_no_distopt_tp1pp1dp2", 1, 1, 1, 1, ["--cp", "2", "--distributed-optimizer"],
+                                 ["--context-parallel-size", "2", "--use-distributed-optimizer"]),
 }
+
+
+def _cp(check: str) -> int:
+    """The context-parallel size Megatron runs a check at: its own option, else the source case's."""
+    case, *_, mg_extra = CHECKS[check]
+    if "--context-parallel-size" in mg_extra:
+        return int(mg_extra[mg_extra.index("--context-parallel-size") + 1])
+    return gen.case_cp(case)
 
 
 def command(check: str) -> list[str]:
@@ -133,7 +146,7 @@ def run_check(check: str, statekit_python: str, port: int) -> dict:
         raise SystemExit(f"{check}: statekit failed: {sk.stderr.strip()}")
     # Megatron at the target sizes: the case's own arguments with the sizes replaced (argparse keeps the last)
     _, base = gen.case_argv(case, str(tmp / "megatron"))
-    world = tp * pp * dp
+    world = tp * pp * _cp(check) * dp
     # the source run's global batch (the scheduler counts samples: Megatron refuses another), split over DP
     gbs = int(base[base.index("--global-batch-size") + 1])
     mbs = min(2, gbs // dp)

@@ -162,6 +162,24 @@ CASES = {
          "--ckpt-format", "torch_dist"] + MOE,
         [3], "MoE, 4 experts top-2, EP2 (expert DP 1, dense DP 2), ChainedOptimizer "
              "dense + expert, dp_reshardable"),
+    "moe_torch_dist_fully_reshardable_ep2dp2": (
+        1, 1, 2, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"] + MOE,
+        [3], "MoE, 4 experts top-2, EP2 (expert DP 1, dense DP 2), ChainedOptimizer "
+             "dense + expert, fully_reshardable"),
+    "moe_torch_dist_fully_reshardable_ep1dp2": (
+        1, 1, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable"] + MOE,
+        [3], "MoE, 4 experts top-2, EP1 (the experts are dense parameters: one optimizer), "
+             "fully_reshardable"),
+    "moe_torch_dist_dp_reshardable_ep1dp2": (
+        1, 1, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist"] + MOE,
+        [3], "MoE, 4 experts top-2, EP1 (the experts in the dense buffer: one optimizer), "
+             "dp_reshardable"),
     "moe_torch_distopt_ep2dp2": (
         1, 1, 2, 2,
         ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
@@ -172,6 +190,35 @@ CASES = {
         ["--untie-embeddings-and-output-weights", "--ckpt-format", "torch", "--add-qkv-bias"],
         [3], "legacy torch format, no distributed optimizer, a q/k/v bias (a Qwen2-shaped model: "
              "the Trainer-folder conversion's qwen2 type)"),
+    "gpt_torch_dist_dp_reshardable_cp2dp1": (
+        1, 1, 1, 1,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--context-parallel-size", "2"],
+        [3], "distributed optimizer, dp_reshardable, context parallel 2 x DP 1: the buckets are "
+             "sharded over DP x CP = 2 (attention per CP rank's own chunk: the shim's, see "
+             "attention_math)"),
+    "gpt_torch_dist_dp_reshardable_cp2dp2": (
+        1, 1, 1, 2,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--context-parallel-size", "2"],
+        [3], "distributed optimizer, dp_reshardable, context parallel 2 x DP 2: the buckets are "
+             "sharded over DP x CP = 4 (attention per CP rank's own chunk: the shim's)"),
+    "gpt_torch_dist_dp_reshardable_cp3dp1_buckets2": (
+        1, 1, 1, 1,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch_dist", "--context-parallel-size", "3",
+         "--seq-length", "12", "--max-position-embeddings", "12",
+         "--overlap-grad-reduce", "--ddp-num-buckets", "2"],
+        [3], "distributed optimizer, dp_reshardable, context parallel 3 x DP 1, 2 buckets: "
+             "bucket ends padded to lcm(DP x CP, 128) = 384, not lcm(DP, 128) = 128, so the second "
+             "bucket starts where only the DP x CP size puts it (sequence 12: 2 x CP chunks; "
+             "attention per CP rank's own chunk: the shim's)"),
+    "gpt_torch_distopt_cp2dp1": (
+        1, 1, 1, 1,
+        ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+         "--ckpt-format", "torch", "--context-parallel-size", "2"],
+        [3], "legacy torch format, distributed optimizer (distrib_optim.pt gathered over DP x CP "
+             "= 2), context parallel 2 (attention per CP rank's own chunk: the shim's)"),
     "moe_torch_qk_layernorm_tp1pp1dp1": (
         1, 1, 1, 1,
         ["--untie-embeddings-and-output-weights", "--ckpt-format", "torch", "--qk-layernorm"] + MOE,
@@ -196,9 +243,17 @@ PER_VERSION = {
 }
 
 
+def case_cp(name: str) -> int:
+    """The context-parallel size a case's arguments ask for (1 without the option)."""
+    extra = CASES[name][4]
+    if "--context-parallel-size" in extra:
+        return int(extra[extra.index("--context-parallel-size") + 1])
+    return 1
+
+
 def case_argv(name: str, save_dir: str) -> tuple[int, list[str]]:
     tp, pp, ep, dp, extra, saves, _ = CASES[name]
-    world = tp * pp * dp
+    world = tp * pp * case_cp(name) * dp
     n_micro = 2 if pp > 1 else 1
     gbs = 2 * dp * n_micro
     argv = COMMON + [
@@ -223,6 +278,8 @@ def _worker(ns: argparse.Namespace) -> None:
     import mcore_cpu_shim
 
     mcore_cpu_shim.install()
+    if "--context-parallel-size" in ns.megatron_args:
+        mcore_cpu_shim.local_cp_attention()
 
     import torch
     from megatron.core import mpu
@@ -366,6 +423,15 @@ def _worker(ns: argparse.Namespace) -> None:
     def forward_step(data_iterator, model):
         tokens, labels = next(data_iterator)
         position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+        if args.context_parallel_size > 1:
+            # what pretrain_gpt's get_batch does: each CP rank keeps its zigzag chunks of the
+            # sequence (Megatron's own split); the model slices the RoPE table the same way
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            part = get_batch_on_this_cp_rank(
+                {"tokens": tokens, "labels": labels, "position_ids": position_ids,
+                 "cu_seqlens": None}, False, cp_group=mpu.get_context_parallel_group())
+            tokens, labels, position_ids = part["tokens"], part["labels"], part["position_ids"]
         out = model(tokens, position_ids, None, labels=labels)
         return out, loss_func
 
@@ -494,7 +560,7 @@ def run_case(name: str, version: str, out_root: Path, src: str | None, port: int
             None if "--use-distributed-optimizer" not in argv or "torch_dist" not in argv
             else "fully_reshardable" if "--dist-ckpt-optim-fully-reshardable" in argv
             else "dp_reshardable"),
-        "tp": tp, "pp": pp, "ep": ep, "cp": 1, "dp": dp,
+        "tp": tp, "pp": pp, "ep": ep, "cp": case_cp(name), "dp": dp,
         "expert_dp": world // (tp * ep * pp) if "--num-experts" in argv else None,
         "world_size": world,
         "iterations_saved": saves,
@@ -502,12 +568,18 @@ def run_case(name: str, version: str, out_root: Path, src: str | None, port: int
         "tied_embeddings": "--untie-embeddings-and-output-weights" not in argv,
         "moe": "--num-experts" in argv,
         "model": MODEL | ({"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
-                          if "--num-experts" in argv else {}),
+                          if "--num-experts" in argv else {})
+                 | ({"seq_length": int(extra[extra.index("--seq-length") + 1])}
+                    if "--seq-length" in extra else {}),
         "params_dtype": "bfloat16 (fp32 masters in the optimizer)",
         "adam": "torch.optim.AdamW (no TE/Apex on CPU), via megatron's optimizer",
         "launcher": f"python -m torch.distributed.run --nproc-per-node={world} (gloo, CPU)",
         "megatron_args": shlex.join(shown),
-    }
+    } | ({"attention_math": (
+        "the CPU shim's (scripts/mcore_cpu_shim.py local_cp_attention): each CP rank attends "
+        "within its own sequence chunks, not ring attention across ranks; the values differ "
+        "from a TE run's, the parameters, buckets and optimizer layout do not")}
+        if case_cp(name) > 1 else {})
 
 
 _COMPARE = r"""

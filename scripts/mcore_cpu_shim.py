@@ -9,7 +9,9 @@ the CPU. What each redirect is, and why it changes no layout of what is saved:
   names CUDA (``"cuda"``, ``"cuda:N"``, an int, a ``torch.device('cuda')``) and
   every ``tensor.to('cuda')`` / ``.cuda()`` is rewritten to the CPU. Shapes,
   dtypes, element order and the values computed are those Megatron asked for;
-  only where the bytes live changes.
+  only where the bytes live changes. ``pin_memory=True`` (page-locked host
+  memory for faster copies to a GPU; RoPE's CP slicing asks for it) becomes
+  False: the same tensor, not page-locked.
 * ``torch.cuda.current_device`` returns 0 (then rewritten to the CPU by the
   mode); ``device_count`` returns 1 so that Megatron sets up its model-parallel
   RNG tracker as on a GPU; ``set_device`` does nothing.
@@ -34,6 +36,19 @@ the CPU. What each redirect is, and why it changes no layout of what is saved:
   Python >= 3.12 only for this decorator in ``megatron/training/models``.
 
 Nothing here touches what Megatron computes, names or writes.
+
+One more, only for the context-parallel fixtures (``local_cp_attention``, called
+by the fixture generator when a case sets ``--context-parallel-size``): the
+local spec's ``DotProductAttention`` asserts ``context_parallel_size == 1``
+("only supported by TEDotProductAttention"; TE's ring attention needs CUDA).
+The shim builds it as if CP were 1, so each CP rank computes causal attention
+over its own sequence chunks only, **not** the ring attention a TE run does
+across the CP group: the activations, losses and gradients (hence the values
+of the weights and moments) differ from a GPU run's. The model's parameters,
+the DDP buffers and buckets, the distributed optimizer's sharding over the
+DP x CP group and everything saved are built by Megatron's unchanged code from
+the real ``context_parallel_size``: the optimizer layout does not depend on the
+attention math. The manifest says so for each such case (``attention_math``).
 """
 
 from __future__ import annotations
@@ -78,6 +93,8 @@ class DeviceToCPU(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):  # page-locked host memory needs CUDA; same values unpinned
+            kwargs["pin_memory"] = False
         name = getattr(func, "__name__", "")
         if name == "to" and args:
             args = tuple(_CPU if (i > 0 and _is_cuda(a)) else a for i, a in enumerate(args))
@@ -185,3 +202,21 @@ def install() -> DeviceToCPU:
     mode = DeviceToCPU()
     mode.__enter__()
     return mode
+
+
+def local_cp_attention() -> None:
+    """Let the local spec's DotProductAttention be built under context parallelism (see the
+    module docstring: attention within each CP rank's own chunk; the layout is unchanged)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    orig = DotProductAttention.__init__
+
+    def init(self, config, *a, **k):
+        cp = config.context_parallel_size
+        config.context_parallel_size = 1  # the assert only; reset before anything else reads it
+        try:
+            orig(self, config, *a, **k)
+        finally:
+            config.context_parallel_size = cp
+
+    DotProductAttention.__init__ = init

@@ -267,9 +267,10 @@ def convert(
     tp: Annotated[int | None, typer.Option("--tp", metavar="N", help="--to megatron / megatron-legacy: the tensor-parallel size of the run that loads it (default: the source's).")] = None,
     pp: Annotated[int | None, typer.Option("--pp", metavar="N", help="--to megatron / megatron-legacy: the pipeline-parallel size (uniform stages; default: the source's).")] = None,
     dp: Annotated[int | None, typer.Option("--dp", metavar="N", help="--to megatron / megatron-legacy: the data-parallel size (the distributed optimizer's layout; default: the source's).")] = None,
+    cp: Annotated[int | None, typer.Option("--cp", metavar="N", help="--to megatron / megatron-legacy: the context-parallel size (the distributed optimizer shards over DP × CP; default: the source's).")] = None,
     sharding: Annotated[str | None, typer.Option("--sharding", metavar="TYPE", help="--to megatron: the distributed optimizer's sharding type (fully_reshardable).")] = None,
     megatron_args: Annotated[Path | None, typer.Option("--megatron-args", metavar="DIR", help="--to megatron from an HF / torch state: a Megatron torch_dist checkpoint of the same model whose args and layout to write (the masters come from --model).")] = None,
-    ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron-legacy: the target expert-parallel size.")] = None,
+    ep: Annotated[int | None, typer.Option("--ep", metavar="N", help="--to megatron / megatron-legacy: the target expert-parallel size (default: the source's).")] = None,
     distributed_optimizer: Annotated[bool | None, typer.Option("--distributed-optimizer/--no-distributed-optimizer", help="--to megatron-legacy: the optimizer's form, the distributed optimizer's distrib_optim.pt or the non-distributed state (default: the source's).")] = None,
     vocab_divisible_by: Annotated[int | None, typer.Option("--vocab-divisible-by", metavar="N", help="--to megatron-legacy: the target's make_vocab_size_divisible_by (the padded vocabulary is a multiple of N × TP; default: the source's).")] = None,
     hf_model_type: Annotated[str | None, typer.Option("--hf-model-type", metavar="TYPE", help="A Megatron source: the Hugging Face model its names are for (llama, qwen2, qwen3, mixtral, qwen3_moe; default: what the run's args describe).")] = None,
@@ -316,14 +317,16 @@ def _convert(a) -> None:
 
         result = reshard(str(a.src), str(a.dst), tp=a.tp, pp=a.pp, ep=a.ep, dp=a.dp,
                          vocab_divisible_by=a.vocab_divisible_by, distributed=a.distributed_optimizer,
-                         dry_run=a.dry_run)
+                         dry_run=a.dry_run, cp=a.cp)
         if out.json_mode:
             out.json(result.to_json())
         else:
             _finish(result, out)
         return
-    if any(v is not None for v in (a.ep, a.vocab_divisible_by, a.distributed_optimizer)):
-        raise UsageError("--ep/--vocab-divisible-by/--[no-]distributed-optimizer: only with --to megatron-legacy")
+    if any(v is not None for v in (a.vocab_divisible_by, a.distributed_optimizer)):
+        raise UsageError("--vocab-divisible-by/--[no-]distributed-optimizer: only with --to megatron-legacy")
+    if a.ep is not None and a.to != "megatron":
+        raise UsageError("--ep: only with --to megatron or --to megatron-legacy")
     opts = make_options(optimizer=a.optimizer, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
                         amsgrad=a.amsgrad, momentum=a.momentum, dampening=a.dampening, nesterov=a.nesterov,
                         rename=a.rename, rules=a.rules, preset=a.preset, transpose=a.transpose,
@@ -331,7 +334,8 @@ def _convert(a) -> None:
                         dtype=a.dtype, step_policy=_step_policy(a.step), allow_nonfinite=a.allow_nonfinite,
                         model_config=a.model_config, trust_remote_code=a.trust_remote_code, settings=a.hyper,
                         fuse=a.fuse, split=a.split, stack=a.stack, unstack=a.unstack)
-    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("dp", a.dp), ("sharding", a.sharding),
+    parallel = {k: v for k, v in (("tp", a.tp), ("pp", a.pp), ("ep", a.ep), ("dp", a.dp), ("cp", a.cp),
+                                   ("sharding", a.sharding),
                                   ("megatron_args", str(a.megatron_args) if a.megatron_args else None),
                                   ("model_path", str(a.model) if a.megatron_args and a.model else None))
                 if v is not None}
@@ -403,14 +407,14 @@ def remap(
 
 
 KernelOpt = Annotated[str, typer.Option("--kernel", metavar="NAME", help="Code that runs the steps: auto (torch's own kernels when installed, else numba, else the numpy reference; CuPy's on CuPy arrays), torch, numba, cupy or reference; all give the same bits.")]
-FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, torch-foreach, burn or candle (default: the state's framework).")]
+FlavorOpt = Annotated[str | None, typer.Option("--flavor", metavar="FLAVOR", help="Arithmetic to reproduce: torch-fused, torch, torch-foreach, burn, candle or megatron (megatron-core's Adam over its fp32 masters; default: the state's framework).")]
 
 
 @app.command()
 def replay(
-    params: Annotated[Path, typer.Option("--params", metavar="FILE", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path.")],
     grads: Annotated[list[Path], typer.Option("--grads", metavar="G1", help="Gradient files, one per step, in step order (same keys as --params): --grads G1 G2 ... or --grads G1 --grads G2.")],
     out_params: Annotated[Path, typer.Option("--out-params", metavar="FILE", help="Where to write the parameters after the last step.")],
+    params: Annotated[Path | None, typer.Option("--params", metavar="FILE", help="Parameters before the first step (.safetensors, .pt state_dict or .bpk model), keyed by path; omit for a Megatron --state (its fp32 masters are the parameters).")] = None,
     state: Annotated[Path | None, typer.Option("--state", metavar="FILE", help="Optimizer state before the first step (any format); omit to reconstruct it from the gradients.")] = None,
     out_state: Annotated[Path | None, typer.Option("--out-state", metavar="FILE", help="Where to write the state after the last step (format by extension).")] = None,
     optimizer: OptimizerOpt = None,
@@ -445,7 +449,7 @@ def replay(
     out = _output(fmt, json_out)
     given = given_hyperparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                               momentum=momentum, dampening=dampening, nesterov=nesterov)
-    result = replay_files(str(params), [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
+    result = replay_files(str(params) if params else None, [str(g) for g in [*grads, *(more_grads or [])]], str(out_params),
                           state=str(state) if state else None, out_state=str(out_state) if out_state else None,
                           optimizer=optimizer, flavor=flavor, hyperparams=given, device=device, backend=backend,
                           progress=out.progress, kernel=kernel)

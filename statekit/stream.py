@@ -432,6 +432,36 @@ def _memcmp() -> Callable | None:
 _MEMCMP = None
 
 
+def same_bytes(a: TensorRef, b: TensorRef, piece: int = 4 << 20) -> bool:
+    """Whether two tensors hold the same dtype, shape and bytes, read ``piece`` bytes at a time
+    from each (never a whole tensor: their pieces may be cut at different places)."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    ia, ib = a.iter_bytes(piece), b.iter_bytes(piece)
+    va = vb = memoryview(b"")
+    while True:
+        if not va:
+            va = memoryview(next(ia, b"")).cast("B")
+        if not vb:
+            vb = memoryview(next(ib, b"")).cast("B")
+        if not va or not vb:
+            return not va and not vb
+        n = min(len(va), len(vb))
+        if not _equal(va[:n], vb[:n]):
+            return False
+        va, vb = va[n:], vb[n:]
+
+
+def _equal(a: memoryview, b: memoryview) -> bool:
+    """Two byte views of one length compared with ``memcmp`` (a memoryview's ``==`` goes element
+    by element), or as bytes where there is none."""
+    memcmp = _memcmp()
+    if memcmp is None:
+        return bytes(a) == bytes(b)
+    xa, xb = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+    return memcmp(xa.ctypes.data, xb.ctypes.data, len(a)) == 0
+
+
 def same_spans(a, b) -> bool:
     """Whether two file spans (:class:`statekit.tensor.FileSpan`) hold the same bytes, compared
     where they lie: both mapped read-only :data:`MAP_WINDOW` bytes at a time and ``memcmp``'d, so

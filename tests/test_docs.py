@@ -60,7 +60,7 @@ DIR_PLACEHOLDERS = {
     "ds_ckpt": "deepspeed/stage2",
     "ds_ckpt_universal": "deepspeed/stage2/universal",
 }
-SKIPPED = ("pip ", "python3 -m pytest", "python -m pytest", "torchrun ", "srun ", "sbatch ", "cargo ")
+SKIPPED = ("pip ", "python bench/", "python3 bench/", "python3 -m pytest", "python -m pytest", "torchrun ", "srun ", "sbatch ", "cargo ")
 # What a snippet takes from the reader's own program, keyed by (document, the snippet's first line).
 SETUP = {
     ("sharded.md", 'state = {"optimizer": get_optimizer_state_dict(model, opt)}'): """

@@ -247,12 +247,13 @@ class _Foreign:
     pass
 
 
-def test_bucket_space_refused_by_name(made, tmp_path):
+def test_bucket_space_type_beside_model_space_keys_refused(made, tmp_path):
+    """A common state saying a bucket-space type over model-space tensors: refused, naming both."""
     root = _copy(made, "fully_reshardable", tmp_path)
     common = torch.load(root / ITER / "common.pt", weights_only=False)
     common["optimizer"]["param_state_sharding_type"] = "fully_sharded_bucket_space"
     torch.save(common, root / ITER / "common.pt")
-    with pytest.raises(FormatError, match="bucket space \\(fully_sharded_bucket_space\\)"):
+    with pytest.raises(FormatError, match="model-space optimizer state beside fully_sharded_bucket_space buffers"):
         io.open_checkpoint(root)
 
 

@@ -61,7 +61,8 @@ def _base(key: str) -> str:
 
 
 @pytest.mark.parametrize("check", ["tp1dp2_to_tp2dp2", "tp1dp2_to_tp2pp2dp1", "tp1dp2_same_sizes",
-                                   "tp1dp2_to_tp1dp1_dp_reshardable", "legacy_tp2pp2dp1_to_tp1dp2"])
+                                   "tp1dp2_to_tp1dp1_dp_reshardable", "tp1dp2_to_tp2dp2_dp_reshardable",
+                                   "tp1dp2_to_tp2pp2dp1_dp_reshardable", "legacy_tp2pp2dp1_to_tp1dp2"])
 def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
     """Megatron's own load (recorded) took every tensor statekit writes, bit for bit, and equal to
     the source as Megatron itself reads it. A dp_reshardable folder Megatron re-saves in model space:
@@ -94,7 +95,7 @@ def test_megatron_loaded_exactly_what_statekit_writes(tmp_path, check):
 
 def test_tp_change_pads_the_vocabulary_and_rewrites_args(tmp_path):
     done = _write(DP_RESHARDABLE, tmp_path / "out", tp=2)
-    assert done.sizes == {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "world_size": 4, "padded_vocab_size": 128}
+    assert done.sizes == {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "world_size": 4, "padded_vocab_size": 128, "ep": 1}
     assert (tmp_path / "out" / megatron_dist.TRACKER).read_text() == "3"
     out = megatron_dist.MegatronDist(str(tmp_path / "out"))
     src = megatron_dist.MegatronDist(str(DP_RESHARDABLE))
@@ -143,13 +144,18 @@ def test_same_sizes_give_megatrons_own_tensors_back(tmp_path):
         out.close()
 
 
-def test_dp_reshardable_at_the_same_sizes_is_megatrons_own(tmp_path):
-    """dp_reshardable written at the source's own sizes: every tensor (the buckets with their gaps)
-    and every ShardedObject's value is what megatron-core wrote."""
-    _write(DP_RESHARDABLE, tmp_path / "out", sharding="dp_reshardable")
-    theirs, ours = _tensors(DP_RESHARDABLE), _tensors(tmp_path / "out")
+@pytest.mark.parametrize("fixture", ["gpt_torch_dist_dp_reshardable_tp1pp1dp2", "gpt_torch_dist_dp_reshardable_tp2pp1dp2",
+                                     "gpt_torch_dist_dp_reshardable_tp1pp2dp2"])
+def test_dp_reshardable_at_the_same_sizes_is_megatrons_own(tmp_path, fixture):
+    """dp_reshardable written at the source's own sizes (TP1·DP2, TP2·DP2, PP2·DP2): every tensor
+    (each model-parallel rank's buckets, its TP-local shards at their offsets, the gaps) and every
+    ShardedObject's value is what megatron-core wrote."""
+    source = MCORE / fixture
+    _write(source, tmp_path / "out", sharding="dp_reshardable")
+    theirs, ours = _tensors(source), _tensors(tmp_path / "out")
     assert set(ours) == set(theirs) and all(ours[k] == theirs[k] for k in theirs)
-    src, out = megatron_dist.MegatronDist(str(DP_RESHARDABLE)), megatron_dist.MegatronDist(str(tmp_path / "out"))
+    assert sum(".bucket_idx_" in k for k in theirs) == 3 * (1 if fixture.endswith("tp1pp1dp2") else 2)
+    src, out = megatron_dist.MegatronDist(str(source)), megatron_dist.MegatronDist(str(tmp_path / "out"))
     try:
         objects = sorted(k for k, e in src.meta.entries.items() if isinstance(e, dcp.BytesEntry))
         assert objects == sorted(k for k, e in out.meta.entries.items() if isinstance(e, dcp.BytesEntry))
@@ -176,6 +182,49 @@ def test_dp_reshardable_at_another_dp_reads_back_as_the_source(tmp_path, cli):
         out.close()
     same = cli("diff", str(DP_RESHARDABLE), str(tmp_path / "dp1"), "--json")
     assert same.returncode == 0, same.stdout + same.stderr
+
+
+def test_dp_reshardable_round_trip_through_tp2_pp2(tmp_path):
+    """TP1·DP2 → TP2·PP2·DP1 → TP1·DP2, bucket space both ways: every tensor and every optimizer
+    ShardedObject is megatron-core's own save again, bit for bit. On the way, four model-parallel
+    ranks (mp = pp_rank × 2 + tp_rank), each one bucket (DP 1: ends padded to 128)."""
+    _write(DP_RESHARDABLE, tmp_path / "tp2pp2", sharding="dp_reshardable", tp=2, pp=2, dp=1)
+    mid = megatron_dist.MegatronDist(str(tmp_path / "tp2pp2"))
+    try:
+        fields = mid.common()["args"].fields
+        assert (fields["tensor_model_parallel_size"], fields["pipeline_model_parallel_size"],
+                fields["data_parallel_size"]) == (2, 2, 1)
+        for mp in range(4):
+            sizes = mid.object(f"optimizer.distributed.dp_group_idx_{mp}.per_bucket_numel")
+            assert [n % 128 for v in sizes for n in next(iter(v.values()))] == [0], mp
+        assert not any(k.startswith("optimizer.distributed.dp_group_idx_4") for k in mid.meta.entries)
+    finally:
+        mid.close()
+    _write(tmp_path / "tp2pp2", tmp_path / "back", sharding="dp_reshardable", tp=1, pp=1, dp=2)
+    theirs, back = _tensors(DP_RESHARDABLE), _tensors(tmp_path / "back")
+    assert set(back) == set(theirs) and all(back[k] == theirs[k] for k in theirs)
+    src, out = megatron_dist.MegatronDist(str(DP_RESHARDABLE)), megatron_dist.MegatronDist(str(tmp_path / "back"))
+    try:
+        objects = sorted(k for k in src.meta.entries if k.startswith("optimizer.distributed."))
+        assert objects == sorted(k for k in out.meta.entries if k.startswith("optimizer.distributed."))
+        for k in objects:
+            if isinstance(src.meta.entries[k], dcp.BytesEntry):
+                assert out.reader.value(k) == src.reader.value(k), k
+    finally:
+        src.close()
+        out.close()
+
+
+def test_tp_shard_ranges_by_hand():
+    """Which flat elements TP rank r keeps: row-parallel (axis 1) a column block per row; SwiGLU
+    fc1 ([W; V] on axis 0) W_r's rows then V_r's."""
+    from statekit.frameworks.megatron import write_buckets  # noqa: PLC0415
+
+    assert write_buckets.shard_ranges((4, 6), 1, 2, 1, False, "w") == [(3, 6), (9, 12), (15, 18), (21, 24)]
+    assert write_buckets.shard_ranges((8, 2), 0, 2, 1, True, "fc1") == [(4, 8), (12, 16)]
+    assert write_buckets.shard_ranges((8, 2), 0, 4, 0, False, "qkv") == [(0, 4)]
+    with pytest.raises(MappingError, match="does not split"):
+        write_buckets.shard_ranges((6, 2), 0, 4, 0, False, "qkv")
 
 
 def test_round_trip_tp2_tp1_tp2(tmp_path):
@@ -211,8 +260,13 @@ def test_cut_rows_that_held_state_are_said(tmp_path):
 
 
 @pytest.mark.parametrize("src, target, error, words", [
-    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"tp": 2}, MappingError, "ChainedOptimizer"),
-    (DP_RESHARDABLE, {"sharding": "dp_reshardable", "tp": 2}, MappingError, "TP = PP = 1 only"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"tp": 2}, MappingError, "EP and DP only"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"ep": 3}, UsageError, "4 experts do not split"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"ep": 4}, UsageError, "not a multiple of EP×TP×PP"),
+    (MCORE / "moe_torch_dist_dp_reshardable_ep2dp2", {"sharding": "dp_reshardable"}, MappingError,
+     "fully_reshardable only"),
+    (DP_RESHARDABLE, {"ep": 2}, UsageError, "no experts"),
+    (FULLY_TP2, {"sharding": "dp_reshardable", "pp": 2}, MappingError, "PP 2 with tied embeddings"),
     (DP_RESHARDABLE, {"sharding": "zero"}, UsageError, "one of fully_reshardable, dp_reshardable"),
     (DP_RESHARDABLE, {"tp": 3}, UsageError, "num_attention_heads 4 is not divisible"),
     (DP_RESHARDABLE, {"pp": 3}, UsageError, "num_layers 2"),
@@ -243,6 +297,29 @@ def test_two_buckets_megatron_resumes_statekits_folder_as_its_own(tmp_path):
     for key, (_dtype, _shape, raw) in ours.items():
         same = hashlib.sha256(raw).hexdigest() == result["tensors"][key]["sha256"]
         assert same == (key not in shifted), key
+
+
+def test_megatron_resumes_five_tp2_buckets_as_its_own(tmp_path):
+    """The legacy TP2·DP2 run with --overlap-grad-reduce --ddp-bucket-size 5000 (tied; five buckets
+    per model-parallel rank) written dp_reshardable at its own sizes: Megatron's load of statekit's
+    buckets holds the source as its own load of the legacy files does, and trains the next step
+    bit for bit alike (recorded); the weights it holds are statekit's."""
+    result = json.loads((CHECKS / "legacy_tp2dp2_bucket5000_same_sizes_dp_reshardable.json").read_text())
+    assert result["written_sharding"] == "dp_reshardable" and result["loaded_at"]["tp"] == 2
+    assert result["all_equal_statekit_written"] and result["all_equal_source_as_megatron_reads_it"]
+    assert result["next_step_max_abs_diff"] == 0.0 and not result["problems"]
+    _write(ROOT / result["source"], tmp_path / "out", sharding="dp_reshardable")
+    out = megatron_dist.MegatronDist(str(tmp_path / "out"))
+    try:
+        for mp in range(2):
+            sizes = out.object(f"optimizer.distributed.dp_group_idx_{mp}.per_bucket_numel")
+            assert len(next(iter(sizes[0].values()))) == 5, mp
+    finally:
+        out.close()
+    ours = {k: v for k, v in _tensors(tmp_path / "out").items() if not k.startswith("optimizer.")}
+    assert set(ours) == {k for k in result["tensors"] if not k.startswith("optimizer.")}
+    for key, (_dtype, _shape, raw) in ours.items():
+        assert hashlib.sha256(raw).hexdigest() == result["tensors"][key]["sha256"], key
 
 
 LEGACY = MCORE / "gpt_torch_distopt_tp2pp2dp1"  # legacy files, TP2 PP2, tied: the last stage's output copy
@@ -294,20 +371,36 @@ def test_cli(tmp_path, cli):
     assert not (tmp_path / "x.pt").exists()
 
 
+def _free_port() -> int:
+    """A port no one listens on now (the script uses it and the next: helpers' runs at once must not meet)."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.megatron
-def test_megatron_loads_it_now(tmp_path):
-    """megatron-core's own load of a statekit-written folder at TP2, run now (STATEKIT_MCORE_PY)."""
+@pytest.mark.parametrize("check, sizes", [
+    ("tp1dp2_to_tp2dp2", {"tp": 2}),
+    ("tp1dp2_to_tp2pp2dp1_dp_reshardable", {"tp": 2, "pp": 2, "dp": 1, "sharding": "dp_reshardable"}),
+])
+def test_megatron_loads_it_now(tmp_path, check, sizes):
+    """megatron-core's own load of a statekit-written folder (TP2 fully_reshardable; TP2·PP2·DP1
+    bucket space), run now (STATEKIT_MCORE_PY): the tensors Megatron holds are the recorded ones."""
     python = MCORE_PY
     if not python:
         pytest.skip("STATEKIT_MCORE_PY (a megatron-core 0.19.2 venv's python) is not set")
-    _write(DP_RESHARDABLE, tmp_path / "tp2", tp=2)
+    _write(DP_RESHARDABLE, tmp_path / "out", **sizes)
     result = tmp_path / "result.json"
+    dims = [str(x) for k in ("tp", "pp", "dp") if k in sizes for x in (f"--{k}", sizes[k])]
     run = subprocess.run([python, str(ROOT / "scripts" / "check_megatron_load.py"),
-                          "--source", DP_RESHARDABLE.name, "--written", str(tmp_path / "tp2"), "--tp", "2",
-                          "--result", str(result)], capture_output=True, text=True, timeout=1200)
+                          "--source", DP_RESHARDABLE.name, "--written", str(tmp_path / "out"), *dims,
+                          "--result", str(result), "--port", str(_free_port())],
+                         capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = json.loads(result.read_text())
-    recorded = json.loads((CHECKS / "tp1dp2_to_tp2dp2.json").read_text())
+    recorded = json.loads((CHECKS / f"{check}.json").read_text())
     assert {k: v["sha256"] for k, v in got["tensors"].items()} == {
         k: v["sha256"] for k, v in recorded["tensors"].items()}
 

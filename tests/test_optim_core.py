@@ -139,7 +139,7 @@ def test_registry_table():
     # other optimizers join the table (torch's NAdam, RAdam, … in tests/test_optim_torch_db.py)
     assert {"adam", "adamw", "sgd", "rmsprop", "adagrad", "adan", "nadam", "radam", "adamax",
             "lamb", "lion", "adafactor", "muon"} <= set(so.ALGORITHMS)
-    assert so.ALGORITHMS["adamw"].flavors == ("torch-fused", "torch", "burn", "candle")
+    assert so.ALGORITHMS["adamw"].flavors == ("torch-fused", "torch", "burn", "candle", "megatron")
     for algo in so.ALGORITHMS.values():
         assert {registry.FRAMEWORK_OF[fl] for fl in algo.flavors} == set(algo.frameworks)
         names = {fw: set(f.defaults) for fw, f in algo.frameworks.items()}

@@ -13,10 +13,11 @@ from statekit.ops.replay import _compare
 
 def test_a_nan_on_one_side_is_infinitely_far_and_the_same_nan_is_not():
     one = np.array([1.0, 2.0, np.nan], np.float32)
-    assert _compare(one, one.copy(), 1e-2, 10) == (0.0, 0.0, True)  # the same bits: the same run
+    assert _compare(one, one.copy(), 1e-2, 10) == (0.0, 0.0, True, None)  # the same bits: the same run
     other = np.array([1.0, np.nan, np.nan], np.float32)
-    max_diff, ratio, identical = _compare(one, other, 1e-2, 10)
+    max_diff, ratio, identical, first = _compare(one, other, 1e-2, 10)
     assert (max_diff, ratio, identical) == (np.inf, np.inf, False)
+    assert first[0] == [1] and first[1] == 2.0  # the first element whose bits differ: 2.0 against a NaN
     finite = np.array([1.0, 2.0, 3.0], np.float32)  # the original NaN, the migrated not
     assert _compare(one, finite, 1e-2, 10)[1] == np.inf
 

@@ -418,8 +418,9 @@ class DcpReader:
             c = chunks[0]
             return TensorRef(entry.dtype, entry.shape, loader=lambda: self.chunk(entry, c).raw(),
                              chunk_reader=lambda size: self.chunk(entry, c).iter_bytes(size), info=info)
-        if all(c.offsets[1:] == (0,) * (len(c.offsets) - 1) and c.sizes[1:] == entry.shape[1:] for c in chunks):
-            ordered = sorted(chunks, key=lambda c: c.offsets[0])  # row blocks: bytes in order
+        starts = [_flat_start(c, entry.shape) for c in chunks]
+        if None not in starts:  # each chunk one run of the C-order bytes (row blocks; a layer's halves)
+            ordered = [c for _, c in sorted(zip(starts, chunks, strict=True), key=lambda sc: sc[0])]
 
             def pieces(size: int) -> Iterator[bytes | memoryview]:
                 for c in ordered:
@@ -444,6 +445,16 @@ class DcpReader:
         for key in self.meta.entries:
             _set_element(root, self.meta.paths[key], self.value(key), key)
         return root
+
+
+def _flat_start(c: Chunk, shape: tuple[int, ...]) -> int | None:
+    """The C-order element index where chunk ``c`` starts, if its elements are one contiguous run of
+    the tensor's (size 1 on the axes before one, whole axes after it), else None. Chunks that tile
+    the tensor (checked on reading the metadata) and are each one run follow each other in this order."""
+    axis = next((a for a, n in enumerate(c.sizes) if n != 1), len(shape))
+    if any(c.offsets[a] or c.sizes[a] != shape[a] for a in range(axis + 1, len(shape))):
+        return None
+    return int(np.ravel_multi_index(c.offsets, shape)) if shape else 0
 
 
 def _set_element(root: dict, path: tuple, value: object, key: str) -> None:

@@ -381,6 +381,11 @@ def save_pt(obj: object, path: str | os.PathLike) -> None:
         write_pt_stream(fh, obj, _archive_name(path))
 
 
+WRITE_PIECE = 4 << 20  # bytes per piece a tensor is computed in on its way out: with the staging
+# blocks (statekit.atomic) and the tensors read ahead (stream.ordered, a few pieces per worker), what
+# writing holds, whatever the checkpoint's size (16 MiB pieces held ~100 MiB more in flight)
+
+
 def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive", dumps=None) -> int:
     """Write ``obj`` as one torch.save zip archive at ``fh``'s position; returns its length.
 
@@ -396,7 +401,7 @@ def write_pt_stream(fh: BinaryIO, obj: object, folder: str = "archive", dumps=No
     writer.add(".storage_alignment", str(ALIGNMENT).encode())
     writer.add("byteorder", b"little")
     sizes = [_tensor_size(tensor) for tensor in tensors]
-    for key, (_, stream) in enumerate(ordered(tensors, crc=True, out=fh)):
+    for key, (_, stream) in enumerate(ordered(tensors, crc=True, out=fh, piece=WRITE_PIECE)):
         writer.add(f"data/{key}", sizes[key], stream)
     writer.add("version", b"3\n")
     writer.add(".data/serialization_id", writer.serialization_id())

@@ -655,21 +655,22 @@ def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, pa
     """Megatron torch_dist → torch_dist at the parallel sizes ``parallel`` names
     (:mod:`statekit.frameworks.megatron.write_dist`); ``dst`` is the new save root."""
     if to != "megatron":
-        raise UsageError("--tp/--pp/--dp apply to --to megatron or --to megatron-legacy; --sharding/--megatron-args "
+        raise UsageError("--tp/--pp/--dp/--cp apply to --to megatron or --to megatron-legacy; --sharding/--megatron-args "
                          "to --to megatron")
     from dataclasses import replace as _replace
 
     megatron_args = parallel.get("megatron_args")
     extra = _replace(opts, model=None, names=None, names_order=None) if megatron_args else opts
     if extra != Options() or plan_in or plan_out or dry_run:
-        raise UsageError("--to megatron takes only --tp, --pp, --dp, --sharding, --shards and, from an HF / torch "
+        raise UsageError("--to megatron takes only --tp, --pp, --ep, --dp, --cp, --sharding, --shards and, from an HF / torch "
                          "state, --megatron-args with --model / --names (no plan, renames or hyperparameters)")
     if share is not None and share.count > 1:
         raise UsageError("--to megatron is written by one process")
     from statekit.frameworks.megatron import write_dist
 
     target = write_dist.Target(tp=parallel.get("tp"), pp=parallel.get("pp"), dp=parallel.get("dp"),
-                               sharding=parallel.get("sharding") or "fully_reshardable")
+                               sharding=parallel.get("sharding") or "fully_reshardable", ep=parallel.get("ep"),
+                               cp=parallel.get("cp"))
     if megatron_args:
         from statekit.ops import megatron_from_hf
 
@@ -680,8 +681,10 @@ def convert_to_megatron(src: str, dst: str, opts: Options, *, to: str | None, pa
     else:
         done = write_dist.write(src, dst, target, shards=shards)
     sizes = done.sizes
-    lines = [f"wrote {done.path}: Megatron torch_dist, {target.sharding}, TP {sizes['tp']} PP {sizes['pp']} "
-             f"DP {sizes['dp']} (world {sizes['world_size']}), {done.tensors} tensors, iteration {done.iteration}"]
+    ep = f"EP {sizes['ep']} (expert DP {sizes['expert_dp']}) " if "expert_dp" in sizes else ""
+    cp = f" CP {sizes['cp']}" if sizes.get("cp", 1) != 1 else ""
+    lines = [f"wrote {done.path}: Megatron torch_dist, {target.sharding}, TP {sizes['tp']} PP {sizes['pp']} {ep}"
+             f"DP {sizes['dp']}{cp} (world {sizes['world_size']}), {done.tensors} tensors, iteration {done.iteration}"]
     summary = {"path": done.path, "format": "megatron-dist", "sharding": target.sharding, "iteration": done.iteration,
                "sizes": done.sizes, "tensors": done.tensors, "bytes": done.nbytes, "notes": done.notes}
     return Result(None, done.nbytes, messages=lines + done.notes, summary=summary)

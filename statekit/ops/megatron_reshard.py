@@ -1,4 +1,4 @@
-"""``statekit convert MEGATRON_DIR OUT_DIR --to megatron-legacy --tp N --pp N --ep N --dp N``:
+"""``statekit convert MEGATRON_DIR OUT_DIR --to megatron-legacy --tp N --pp N --ep N --dp N [--cp N]``:
 a Megatron legacy checkpoint rewritten at other parallel sizes (:mod:`statekit.frameworks.megatron.
 write_legacy`), with a plan the CLI shows and a result it renders (never prints)."""
 
@@ -37,7 +37,7 @@ class Reshard:
 
 def reshard(src: str, dst: str, *, tp: int | None, pp: int | None, ep: int | None, dp: int | None,
             vocab_divisible_by: int | None = None, distributed: bool | None = None,
-            dry_run: bool = False) -> Reshard:
+            dry_run: bool = False, cp: int | None = None) -> Reshard:
     """Rewrite the legacy checkpoint ``src`` into the new save root ``dst`` at the given sizes
     (None: the source's)."""
     from statekit.frameworks.megatron import write_legacy
@@ -46,8 +46,10 @@ def reshard(src: str, dst: str, *, tp: int | None, pp: int | None, ep: int | Non
         raise UsageError(f"--vocab-divisible-by {vocab_divisible_by}: must be at least 1")
     source = write_legacy.source_sizes(src)
     target = write_legacy.Target(tp or source["tp"], pp or source["pp"], ep or source["ep"], dp or source["dp"],
-                                 vocab_divisible_by, distributed)
+                                 vocab_divisible_by, distributed, cp or source["cp"])
     sizes = {"tp": target.tp, "pp": target.pp, "ep": target.ep, "dp": target.dp}
+    if target.cp != 1 or source["cp"] != 1:
+        sizes["cp"] = target.cp
     if dry_run:
         writer = write_legacy.check(src, dst, target)
         return Reshard(src, dst, sizes, folders=writer.folders(), notes=writer.notes)

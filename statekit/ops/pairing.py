@@ -99,6 +99,7 @@ class Pairing:
     kept: tuple[int, ...] | None = None
     reset: bool = False
     via: str = "path"
+    origin: object = None  # where the original's state was read from, when not one parameter (megatron_verify.Origin)
 
     @property
     def migrated_shape(self) -> tuple[int, ...]:

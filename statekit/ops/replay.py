@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from statekit import dtypes, hyper, paramid
+from statekit import dtypes, hyper, naming, paramid
 from statekit.errors import MappingError, UsageError
 from statekit.formats import registry as formats
 from statekit.frameworks import bnb
+from statekit.ops import megatron_verify
 from statekit.ops.pairing import pair
 from statekit.ops.plan import Plan
 from statekit.ops.progress import ProgressFactory, silent
 from statekit.optim import kernels, registry
+from statekit.optim import megatron as megatron_optim
 from statekit.optim.backend import aligned_copy
 from statekit.optim.tolerance import exp_avg_bound, param_bound
 from statekit.state import Checkpoint, OptimizerState, ParamGroup, ParamState, refuse_unusable, settle_from
@@ -76,7 +78,7 @@ DIFFERENTIABLE_DIFFERS = frozenset({"adam", "adamw", "nadam"})
 def refuse_unmodelled_flags(state: OptimizerState | None, algorithm: str, flavor: str, path: str | None) -> None:
     """A torch param group whose flags make torch step in arithmetic statekit does not replay is
     refused, naming the group and the flag (never replayed as if the flag were off)."""
-    if state is None or state.framework != "torch" or not flavor.startswith("torch"):
+    if state is None or state.framework != "torch" or not registry.arithmetic(flavor).startswith("torch"):
         return
     for i, g in enumerate(state.groups):
         if g.hyperparams.get("capturable"):
@@ -220,7 +222,7 @@ def owned_float32(ref: TensorRef, transpose: bool = False) -> np.ndarray:
 
 def slots_of(p: ParamState, transpose: bool = False) -> dict[str, np.ndarray]:
     return {name: owned_float32(ref, transpose) for name, ref in p.slots.items()
-            if name != "avg"}  # burn RMSProp's derived copy
+            if name not in ("avg", naming.MASTER_SLOT)}  # burn RMSProp's derived copy; Megatron's parameter
 
 
 def _device_namespace(device: str, backend: str | None):
@@ -320,7 +322,7 @@ def write_state(state: OptimizerState, path: str, fmt: str, family: str, source:
     return save(state, path, family=family, groups=groups, metadata=metadata)
 
 
-def replay_files(params: str, grads: list[str], out_params: str, *, state: str | None = None,
+def replay_files(params: str | None, grads: list[str], out_params: str, *, state: str | None = None,
                  out_state: str | None = None, optimizer: str | None = None, flavor: str | None = None,
                  hyperparams: dict | None = None, device: str = "cpu", backend: str | None = None,
                  progress: ProgressFactory | None = None, kernel: str = "auto") -> dict:
@@ -339,13 +341,14 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
         refuse_unusable(st, state, "replay")
         _refuse_foreign(st, state)
         algorithm = pick_algorithm(st, given=optimizer, paths=(state,))
-        flav = flavor or default_flavor(st, algorithm)
+        start, megatron = _start_params(ckpt, params, flavor)
+        flav = flavor or (megatron or default_flavor(st, algorithm))
         refuse_unmodelled_flags(st, algorithm, flav, state)
         hps = group_hps(st, algorithm, flav, hyperparams or {})
         hp = hps[0]
         grad_sets = [read_tensors(g) for g in grads]
         with (progress or silent)("steps", len(grad_sets)) as advance:
-            lane = replay(st, read_tensors(params), grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
+            lane = replay(st, start, grad_sets, algorithm=algorithm, flavor=flav, hp=hp,
                           device=device, backend=backend, progress=advance, kernel=kernel, group_hp=hps,
                           source=state)
         write_tensors(out_params, lane.params, ids={p.path: p.id for p in st.params if p.id} if st else None)
@@ -360,6 +363,27 @@ def replay_files(params: str, grads: list[str], out_params: str, *, state: str |
     if warning:
         out["warnings"] = [warning]
     return out
+
+
+def _start_params(ckpt: Checkpoint | None, params: str | None, flavor: str | None) -> tuple[dict, str | None]:
+    """replay's parameters before the first step: ``params`` (a file), else a Megatron state's fp32 masters (the
+    parameters megatron-core's Adam steps); and the ``megatron`` flavor where the state is Megatron's."""
+    from statekit.ops.tensorfile import read_tensors
+
+    megatron = None
+    if ckpt is not None and megatron_verify.is_megatron(ckpt):
+        megatron_verify.refuse_fused(ckpt, flavor, "--flavor")
+        megatron = megatron_optim.MEGATRON
+    if params is not None:
+        return read_tensors(params), megatron
+    if megatron is None:
+        raise UsageError("give the parameters before the first step with --params (only a Megatron --state holds "
+                         "its own: the fp32 masters)")
+    lacking = [p.path for p in ckpt.optimizer.params if naming.MASTER_SLOT not in p.slots]
+    if lacking:
+        raise MappingError(f"{lacking[0]}: no fp32 master in the checkpoint, so no parameter to step (give --params)",
+                           ckpt.path)
+    return {p.path: p.slots[naming.MASTER_SLOT] for p in ckpt.optimizer.params}, megatron
 
 
 # ------------------------------------------------------------------ verify-resume
@@ -379,14 +403,18 @@ def synthetic(seed: int, index: int, step: int, shape: tuple[int, ...], scale: f
 
 
 def _compare(ref: np.ndarray, other: np.ndarray, lr: float, steps: int, block: int = 1 << 20):
-    """``(max |Δp|, max |Δp| / bound, bit-identical)`` of ``other`` against ``ref``, a block at a
-    time (the float64 differences never exist for the whole tensor)."""
+    """``(max |Δp|, max |Δp| / bound, bit-identical, first)`` of ``other`` against ``ref``, a block at a
+    time (the float64 differences never exist for the whole tensor); ``first``: the multi-index and both
+    values of the first element whose bits differ (None if none does)."""
     a, b = ref.reshape(-1), other.reshape(-1)
-    max_diff, ratio, identical = 0.0, 0.0, True
+    max_diff, ratio, identical, first = 0.0, 0.0, True, None
     for lo in range(0, a.shape[0], block):
         x, y = a[lo:lo + block], b[lo:lo + block]
         same = x.view(np.uint32) == y.view(np.uint32)
         identical &= bool(same.all())
+        if first is None and not identical:
+            at = lo + int(np.flatnonzero(~same)[0])
+            first = ([int(i) for i in np.unravel_index(at, ref.shape)], float(a[at]), float(b[at]))
         diff = np.abs(y.astype(np.float64) - x)
         # a NaN on one side only is as far off as can be (max() would pass over it: max(0.0, nan) is 0.0)
         diff[np.isnan(diff) & ~same] = np.inf
@@ -397,7 +425,7 @@ def _compare(ref: np.ndarray, other: np.ndarray, lr: float, steps: int, block: i
         share[same] = 0.0
         max_diff = max(max_diff, float(diff.max()))
         ratio = max(ratio, float(share.max()))
-    return max_diff, ratio, identical
+    return max_diff, ratio, identical, first
 
 
 def _region(ref: np.ndarray, other: np.ndarray, kept: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -550,7 +578,7 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
         del final
         if tick:
             tick(len(run))
-    max_diff, ratio, identical = seen["migrated"]
+    max_diff, ratio, identical, first = seen["migrated"]
     tracks = identical if exact or pr.reset else ratio <= 1.0
     if lossy:  # the same arithmetic from a state that is not the original's bits (a lossy conversion):
         # parameters and state within tolerance; a swapped moment is still far outside it. Moments
@@ -581,6 +609,12 @@ def _verify_param(pr, index: int, lanes: dict, seed: int, steps: int, lr: float,
         row["share_of_cold"] = max_diff / cold_diff if cold_diff else 0.0
     if pr.migrated is not None and pr.migrated.path and pr.migrated.path != pr.path:
         row["migrated_path"] = pr.migrated.path
+    if pr.origin is not None:  # a tensor read from pieces of others (Megatron → Hugging Face): which
+        row["from"] = pr.origin.describe()
+    if first is not None and not tracks:
+        row["first_difference"] = {"element": first[0], "original": first[1], "migrated": first[2]}
+        if pr.origin is not None:
+            row["first_difference"]["from"] = pr.origin.describe(tuple(first[0]))
     if pr.reset:
         row["reset"] = True
     if pr.kept:
@@ -638,6 +672,25 @@ def _lanes(algorithm: str, flavors: tuple[str, str], hps_a: list[dict], hps_b: l
     return lanes
 
 
+def _sides(original: Checkpoint, migrated: Checkpoint, optimizer: str | None, plan: Plan | None, flavors: tuple):
+    """Both sides as verify-resume steps them: an optimizer outside torch.optim as the one that continues it
+    (:func:`_as_continued`), a Megatron original without its masters and paired by convert's map
+    (:mod:`statekit.ops.megatron_verify`); returns them, the notes, each side's flavor and the Megatron pairing."""
+    original, migrated, adapted, (flavor_a, flavor_b) = _as_continued(original, migrated, optimizer)
+    mc = megatron_verify.prepare(original, migrated, flavors)
+    if mc is not None:  # a Megatron original: its masters are the parameters, its tensors paired by convert's map
+        if plan is not None:
+            raise UsageError("--plan pairs a remap's output; a Megatron checkpoint is paired by its own map")
+        original, migrated = mc.original, mc.migrated
+        flavor_a, flavor_b = flavor_a or mc.flavors[0], flavor_b or mc.flavors[1]
+        adapted += mc.notes
+    for side in (original, migrated):
+        if side.optimizer is None:
+            raise UsageError(f"{side.path}: holds no optimizer state")
+        refuse_unusable(side.optimizer, side.path, "verify a resume")
+    return original, migrated, adapted, (flavor_a, flavor_b), mc
+
+
 def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10, seed: int = 0,
                   optimizer: str | None = None, given: dict | None = None, flavor_original: str | None = None,
                   flavor_migrated: str | None = None, transpose: list[str] | None = None, progress=None,
@@ -646,14 +699,9 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     compare; returns a JSON-able report. Pairs come from ``plan``, the migrated file's record of
     its sources, or equal paths (:mod:`statekit.ops.pairing`). A resized state is compared on
     the region both hold; its new elements must step like a fresh state (hyper.fresh_value) at the migrated step."""
-    original, migrated, adapted, (flavor_a, flavor_b) = _as_continued(original, migrated, optimizer)
+    original, migrated, adapted, (flavor_a, flavor_b), mc = _sides(original, migrated, optimizer, plan,
+                                                                   (flavor_original, flavor_migrated))
     a_state, b_state = original.optimizer, migrated.optimizer
-    if a_state is None:
-        raise UsageError(f"{original.path}: holds no optimizer state")
-    if b_state is None:
-        raise UsageError(f"{migrated.path}: holds no optimizer state")
-    refuse_unusable(a_state, original.path, "verify a resume")
-    refuse_unusable(b_state, migrated.path, "verify a resume")
     if "mixed" in (a_state.family, b_state.family):
         return _verify_mixed(original, migrated, a_state, b_state, steps=steps, seed=seed, optimizer=optimizer,
                              given=given or {}, flavors=(flavor_original, flavor_migrated), transpose=transpose,
@@ -675,9 +723,10 @@ def verify_resume(original: Checkpoint, migrated: Checkpoint, *, steps: int = 10
     hps_a = group_hps(a_state, algorithm, flav_a, given, fallback_lr)
     hps_b = group_hps(b_state, algorithm, flav_b, given, fallback_lr)
     hp_a, hp_b = hps_a[0], hps_b[0]
-    pairs, pair_notes = pair(original, migrated, transpose or [], plan)
+    pairs, pair_notes = (mc.pairs, []) if mc is not None else pair(original, migrated, transpose or [], plan)
     lanes = _lanes(algorithm, (flav_a, flav_b), hps_a, hps_b, pairs, kernel, (original.path, migrated.path))
-    exact = flav_a == flav_b and registry.exactness(flav_a, algorithm=algorithm) == registry.BIT_EXACT
+    exact = registry.same_arithmetic(flav_a, flav_b) and registry.exactness(flav_a, algorithm=algorithm) == \
+        registry.BIT_EXACT
     if algorithm == "adafactor" and any(pr.transpose for pr in pairs):
         exact = False  # a transposed weight swaps the factors: the same update, rounded in another order
     quantized = _quantized(a_state, b_state)

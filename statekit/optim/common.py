@@ -17,6 +17,8 @@ from statekit.errors import UsageError
 from statekit.optim import driver, kernels
 from statekit.optim.backend import Backend, get_backend
 from statekit.optim.fp import f32
+from statekit.optim.megatron import ARITHMETIC as MEGATRON_ARITHMETIC
+from statekit.optim.megatron import MEGATRON
 
 TORCH_FUSED = "torch-fused"
 TORCH = "torch"
@@ -25,7 +27,14 @@ TORCH = "torch"
 TORCH_FOREACH = "torch-foreach"
 BURN = "burn"
 CANDLE = "candle"
-FLAVORS = (TORCH_FUSED, TORCH, TORCH_FOREACH, BURN, CANDLE)
+FLAVORS = (TORCH_FUSED, TORCH, TORCH_FOREACH, BURN, CANDLE, MEGATRON)  # megatron: statekit.optim.megatron
+#: flavors that run another flavor's arithmetic (a framework that steps with another's optimizer)
+ARITHMETIC_OF = {MEGATRON: MEGATRON_ARITHMETIC}
+
+
+def arithmetic(flavor: str) -> str:
+    """The flavor whose arithmetic ``flavor`` runs (``megatron`` → ``torch``; most flavors are their own)."""
+    return ARITHMETIC_OF.get(flavor, flavor)
 REFERENCE_KERNEL = "reference"
 
 
@@ -34,6 +43,7 @@ def make_step(builders: Mapping[str, Callable], slot_names: Callable, algorithm:
 
     def step(param, grad, slots, step: int, hp, flavor, xp=None, *, inplace=False, vector_width=None,
              kernel=REFERENCE_KERNEL, name=algorithm):
+        flavor = arithmetic(flavor) if flavor not in builders else flavor
         if flavor not in builders:
             raise UsageError(f"{algorithm} has no flavor {flavor!r} (has {', '.join(builders)})")
         b = get_backend(xp, like=param)

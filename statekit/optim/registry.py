@@ -38,12 +38,22 @@ from statekit.optim import (
     sgd,
 )
 from statekit.optim.backend import get_backend, torch_available
-from statekit.optim.common import BURN, CANDLE, FLAVORS, TORCH, TORCH_FOREACH, TORCH_FUSED
+from statekit.optim.common import (
+    BURN,
+    CANDLE,
+    FLAVORS,
+    MEGATRON,
+    TORCH,
+    TORCH_FOREACH,
+    TORCH_FUSED,
+    arithmetic,
+)
 
 BIT_EXACT = "bit-exact"
 TOLERANCE = "tolerance"
 
-FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", TORCH_FOREACH: "torch", BURN: "burn", CANDLE: "candle"}
+FRAMEWORK_OF = {TORCH_FUSED: "torch", TORCH: "torch", TORCH_FOREACH: "torch", BURN: "burn", CANDLE: "candle",
+                MEGATRON: "torch"}  # megatron-core steps with torch's (or TE/apex's) Adam, torch's hyperparameters
 
 
 @dataclass(frozen=True)
@@ -86,8 +96,8 @@ def _by_flavor(torch_step: Callable, burn_step: Callable) -> Callable:
 
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN)),
-    "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE)),
+    "adam": _algorithm("adam", adam, (TORCH_FUSED, TORCH, BURN, MEGATRON)),
+    "adamw": _algorithm("adamw", adam, (TORCH_FUSED, TORCH, BURN, CANDLE, MEGATRON)),
     "sgd": _algorithm("sgd", sgd, (TORCH_FUSED, TORCH, BURN, CANDLE)),
     "rmsprop": _algorithm("rmsprop", rmsprop, (TORCH, BURN)),
     "adagrad": _algorithm("adagrad", adagrad, (TORCH_FUSED, TORCH, BURN)),
@@ -199,7 +209,12 @@ def choose_kernel(name: str, flavor: str, xp=None, like=None, kernel: str | None
     from statekit.optim import kernels
 
     get_algorithm(name)
-    return kernels.choose(name, flavor, get_backend(xp, like=like), kernel, vector_width)
+    return kernels.choose(name, arithmetic(flavor), get_backend(xp, like=like), kernel, vector_width)
+
+
+def same_arithmetic(a: str, b: str) -> bool:
+    """Whether flavors ``a`` and ``b`` round every step the same way (``megatron`` and ``torch`` do)."""
+    return arithmetic(a) == arithmetic(b)
 
 
 def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
@@ -218,9 +233,12 @@ def exactness(flavor: str, xp=None, algorithm: str | None = None) -> str:
     * ``burn`` / ``candle``: bit-exact to the modelled reference (burn's ndarray backend,
       candle's CPU backend without ``mkl``: one IEEE rounding per tensor op), which was
       reconstructed from their sources, not run.
+    * ``megatron``: megatron-core's Adam/AdamW on CPU, which is torch's (:mod:`statekit.optim.megatron`): as
+      ``torch``.
     """
     if flavor not in FLAVORS:
         raise UsageError(f"unknown flavor {flavor!r} (known: {', '.join(FLAVORS)})")
+    flavor = arithmetic(flavor)
     if flavor not in (TORCH, TORCH_FOREACH) or algorithm == "sgd":
         return BIT_EXACT
     b = get_backend(xp)

@@ -320,6 +320,12 @@ def verify_view(report: dict) -> list:
                       result, f"{r['max_abs_diff']:.3g}", f"{r['tolerance_ratio']:.3g}", f"{r['cold_ratio']:.3g}",
                       style=None if r["tracks"] else "red")
     items = [head, sub, table]
+    first = next((r for r in report["params"] if not r["tracks"] and "first_difference" in r), None)
+    if first is not None:  # where the first diverging parameter parts from the original run
+        d = first["first_difference"]
+        items.append(Text(f"first divergence: {first['path']} element {d['element']}"
+                          + (f" (from {d['from']})" if d.get("from") else "")
+                          + f": {d['original']!r} in the original run, {d['migrated']!r} resumed", style="red"))
     a, b = report["hyperparams"]["original"], report["hyperparams"]["migrated"]
     differ = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     if differ:

@@ -33,13 +33,16 @@ def assembled(t: TargetMap, slots: dict[str, TensorRef], dtype: str, fill: float
         ref = slots.get(src)
         if ref is None:
             raise MappingError(f"{label}: no state for {src}, which the map reads")
+    whole = _whole(t, slots, dtype)
+    if whole is not None:
+        return whole
     np_dtype = dtypes.numpy_dtype(dtype)
     largest = max((slots[s].nbytes for s in t.sources), default=0)
 
     def source(elements: int) -> Iterator[np.ndarray]:
         out = np.full(t.numel, fill, np_dtype) if t.new else np.empty(t.numel, np_dtype)
         for src in t.sources:
-            flat = np.ascontiguousarray(slots[src].numpy()).reshape(-1)
+            flat = _flat(slots[src])
             if flat.dtype != np_dtype:
                 flat = flat.astype(np_dtype)
             for p in t.pieces:
@@ -50,6 +53,44 @@ def assembled(t: TargetMap, slots: dict[str, TensorRef], dtype: str, fill: float
             yield out[lo : lo + elements]
 
     return stream.derived(dtype, t.shape, source, resident=t.numel * np_dtype.itemsize + largest)
+
+
+def _flat(ref: TensorRef) -> np.ndarray:
+    """``ref``'s values flat, read piece by piece into one array (a streamed tensor's ``numpy()``
+    joins its pieces into bytes first: twice the tensor at once)."""
+    if ref.array_loader is not None or (ref.chunk_reader is None and ref.span is None):
+        return np.ascontiguousarray(ref.numpy()).reshape(-1)
+    out = np.empty(ref.numel, dtypes.numpy_dtype(ref.dtype))
+    view, at = memoryview(out.reshape(-1).view(np.uint8)), 0
+    for piece in ref.iter_bytes():
+        n = len(piece) if isinstance(piece, bytes) else memoryview(piece).nbytes
+        if at + n > len(view):
+            raise MappingError(f"a {ref.dtype} tensor of shape {list(ref.shape)} gave more than its {len(view)} bytes")
+        view[at:at + n] = memoryview(piece).cast("B")
+        at += n
+    if at != len(view):
+        raise MappingError(f"a {ref.dtype} tensor of shape {list(ref.shape)} gave {at} of its {len(view)} bytes")
+    return out
+
+
+def _whole(t: TargetMap, slots: dict[str, TensorRef], dtype: str) -> TensorRef | None:
+    """The source itself, streamed, where ``t`` is one source's elements in the same C order and
+    dtype (a rename or a reshape: nothing to hold whole), else None."""
+    if t.new or len(t.pieces) != 1:
+        return None
+    p = t.pieces[0]
+    ref = slots[p.source]
+    if ref.dtype != dtype or ref.numel != t.numel or p.numel != t.numel or p.src_offset or p.dst_offset:
+        return None
+    axes = [k for k, n in enumerate(p.shape) if n != 1]
+    step = 1
+    for k in reversed(axes):  # C order over the piece's box, in both tensors
+        if p.src_strides[k] != step or p.dst_strides[k] != step:
+            return None
+        step *= p.shape[k]
+    if tuple(ref.shape) == tuple(t.shape):
+        return ref
+    return TensorRef(ref.dtype, tuple(t.shape), chunk_reader=ref.iter_bytes, info=dict(ref.info))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,13 @@ is a proposal: every parameter's fp32 master is then proved against its stored w
 (:mod:`.proof`) before any state is called that parameter's; a layout that does not prove is
 refused naming the parameter and the rule.
 
+``fully_sharded_bucket_space`` (mcore 0.6-0.7 with ``--ckpt-fully-parallel-save``) has the same
+keys and objects, but each bucket tensor is the whole *padded* world bucket (``per_bucket_numel``
+elements; the last DP rank's end padding is ``torch.empty``) and the padding rules are that
+release's: no 64-element starts, bucket ends padded to ``lcm(DP, 128)`` (0.7) or to DP (0.6).
+Which of the two is told by the files: the rule whose buckets are the stored
+``per_bucket_numel`` / ``per_bucket_numel_unpadded`` and the tensors' sizes (:func:`_fsbs_layout`).
+
 Read here: dense models at any TP and PP (uniform or uneven pipeline splits, untied embeddings):
 one model-parallel index per (TP, PP) rank, ``pp_rank × TP + tp_rank`` (mcore's model-parallel
 group, TP fastest), each holding its stage's parameters in TP-local shapes; the TP shards are
@@ -70,6 +77,8 @@ LAYER_ORDER = {
 BEFORE = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
 AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 RULE = ">=0.8"  # dp_reshardable exists from core 0.15: 64-element starts, ends padded to lcm(DP, 128)
+FSBS = "fully_sharded_bucket_space"
+FSBS_RULES = ("0.7", "<=0.6")  # fully_sharded_bucket_space is written by core 0.6-0.7 only
 
 
 @dataclass
@@ -172,19 +181,20 @@ def _expert_index(name: str) -> int:
 
 def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | None, expert: bool,
          states: dict[str, dcp.TensorEntry], model: dict[str, dcp.TensorEntry],
-         sharding: str = "dp_reshardable") -> list[Piece]:
+         sharding: str = "dp_reshardable", notes: list[str] | None = None) -> list[Piece]:
     """Every parameter's state out of one optimizer member's bucket space: the bucket tensors
-    (``states``: their keys; ``dp_reshardable``) or each model-parallel rank's ``param_state``
-    object (``dp_zero_gather_scatter``: the legacy coalesced dict). ``expert``: the member holds
-    the expert parameters (the ChainedOptimizer's expert part: one model-parallel index per
-    expert-parallel rank, each with its local experts)."""
+    (``states``: their keys; ``dp_reshardable``, ``fully_sharded_bucket_space``) or each
+    model-parallel rank's ``param_state`` object (``dp_zero_gather_scatter``: the legacy coalesced
+    dict). ``expert``: the member holds the expert parameters (the ChainedOptimizer's expert part:
+    one model-parallel index per expert-parallel rank, each with its local experts). ``notes``
+    gets a line for each buffer whose padding rule the files told (fully_sharded_bucket_space)."""
     where = dist.directory
     tp, pp = cfg.tp or 1, cfg.pp or 1
     if cfg.vp:
         raise FormatError(f"args say virtual pipeline size {cfg.vp}: not read in bucket space yet", where)
     if (cfg.etp or 1) != 1 and cfg.raw.get("num_experts"):  # (without experts it only mirrors TP)
         raise FormatError(f"args say expert-tensor-parallel size {cfg.etp}: not read in bucket space yet", where)
-    if (tp > 1 or pp > 1) and (expert or sharding != "dp_reshardable"):
+    if (tp > 1 or pp > 1) and (expert or sharding not in ("dp_reshardable", FSBS)):
         what = "expert parameters" if expert else sharding
         raise FormatError(f"args say TP {tp} · PP {pp}: statekit reads bucket-space {what} of TP = PP = 1 only yet",
                           where)
@@ -200,7 +210,8 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
         found = _found(states, where)
     ranks = sorted(found)
     want = list(range(cfg.ep or 1)) if expert else list(range(tp * pp))
-    if not expert and member is None and any(_is_expert(r[0]) for r in order):
+    apart = cfg.experts_in_own_buffer()  # at EP 1 (ETP = TP) the experts are dense parameters
+    if not expert and member is None and apart and any(_is_expert(r[0]) for r in order):
         raise FormatError("expert parameters but a single optimizer: not a layout statekit knows", where)
     if ranks != want:
         raise FormatError(f"{chain}optimizer.distributed: model-parallel indices {ranks} stored, the run's "
@@ -215,14 +226,14 @@ def read(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, member: int | No
             names = [r[0] for r in order if _is_expert(r[0]) and _expert_index(r[0]) in mine]
             dp = cfg.expert_dp_size()
         else:
-            names = [r[0] for r in order if not _is_expert(r[0]) and _on_stage(r[0], cfg, pp_rank, where)]
+            names = [r[0] for r in order if not (apart and _is_expert(r[0])) and _on_stage(r[0], cfg, pp_rank, where)]
             dp = cfg.dp_cp_size()
         prefix = f"{chain}optimizer.distributed.dp_group_idx_{mp}"
         rows = [(*origin[n][:2], _local_shape(n, origin[n][2], tp, where), origin[n][3], n) for n in names]
         if sharding == "dp_zero_gather_scatter":
             pieces += _cut_coalesced(dist, cfg, found[mp], rows, dp, model)
             continue
-        for name, slots in _cut(dist, cfg, prefix, rows, found[mp], dp, pp_rank):
+        for name, slots in _cut(dist, cfg, prefix, rows, found[mp], dp, pp_rank, sharding, notes):
             shards.setdefault(name, {})[tp_rank] = slots
     for name, by_rank in shards.items():
         key, lead, shape, _ = origin[name]
@@ -331,7 +342,8 @@ def _tp_joined(reader: dcp.DcpReader, parts: list[tuple[dcp.TensorEntry, int]], 
 
 
 def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, rows: list[tuple],
-         found: dict, dp: int, pp_rank: int = 0) -> list[tuple[str, dict[str, tuple[dcp.TensorEntry, int]]]]:
+         found: dict, dp: int, pp_rank: int = 0, sharding: str = "dp_reshardable",
+         notes: list[str] | None = None) -> list[tuple[str, dict[str, tuple[dcp.TensorEntry, int]]]]:
     """One model-parallel index's buffers cut into its parameters ``rows`` (key, lead, local
     shape, dtype, name; registration order): per parameter, each slot's bucket tensor and the
     parameter's start in it."""
@@ -348,20 +360,17 @@ def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, row
         if dtype_key != (bkey.param_dtype, bkey.grad_dtype):
             raise FormatError(f"{prefix}: buffer {g} is stored as {dtype_key}, the model's parameters make "
                               f"({bkey.param_dtype}, {bkey.grad_dtype})", where)
-        layout = buckets.layout_buffer(members, size, dp, buckets.rule(RULE),
-                                       bool(cfg.pad_buckets_for_high_nccl_busbw))
         what = f"{prefix}.gbuf_idx_{g}"
-        if per_bucket is not None:
-            numel, unpadded = per_bucket
-            layout.check_buckets(_for(numel, g), _for(unpadded, g), what)
-        if sorted(tensors) != list(range(len(layout.buckets))):
-            raise FormatError(f"{what}: buckets {sorted(tensors)} stored, the layout has {len(layout.buckets)} "
-                              f"({layout.describe()})", where)
-        for b in layout.buckets:
-            for entry in tensors[b.index].values():
-                if entry.shape != (b.numel_unpadded,):
-                    raise FormatError(f"{entry.key}: {list(entry.shape)} elements, the layout's bucket {b.index} has "
-                                      f"{b.numel_unpadded} ({layout.describe()})", where)
+        stored = (None, None) if per_bucket is None else (_for(per_bucket[0], g), _for(per_bucket[1], g))
+        if sharding == FSBS:
+            layout, told = _fsbs_layout(members, size, dp, stored, tensors, what, where)
+            if notes is not None:
+                notes.append(f"{what}: bucket layout {layout.describe()}; {told}")
+        else:
+            layout = buckets.layout_buffer(members, size, dp, buckets.rule(RULE),
+                                           bool(cfg.pad_buckets_for_high_nccl_busbw))
+            layout.check_buckets(*stored, what)
+            _check_tensors(layout, tensors, what, where, padded=False)
         for p in members:
             place = layout.placements[p.name]
             slots = {slot: (entry, place.bucket_offset) for slot, entry in tensors[place.bucket].items()}
@@ -369,6 +378,49 @@ def _cut(dist: megatron_dist.MegatronDist, cfg: MegatronConfig, prefix: str, row
                 raise FormatError(f"{what}: no fp32 master ('param') stored beside the moments", where)
             out.append((p.name, slots))
     return out
+
+
+def _check_tensors(layout: buckets.BufferLayout, tensors: dict, what: str, where: str, padded: bool) -> None:
+    """Each stored bucket tensor has the layout's size: ``numel_unpadded`` (dp_reshardable) or the
+    padded world bucket (``padded``: fully_sharded_bucket_space)."""
+    if sorted(tensors) != list(range(len(layout.buckets))):
+        raise FormatError(f"{what}: buckets {sorted(tensors)} stored, the layout has {len(layout.buckets)} "
+                          f"({layout.describe()})", where)
+    for b in layout.buckets:
+        want = b.numel if padded else b.numel_unpadded
+        for entry in tensors[b.index].values():
+            if entry.shape != (want,):
+                raise FormatError(f"{entry.key}: {list(entry.shape)} elements, the layout's bucket {b.index} has "
+                                  f"{want} ({layout.describe()})", where)
+
+
+def _fsbs_layout(members: list, size: int | None, dp: int, stored: tuple, tensors: dict, what: str,
+                 where: str) -> tuple[buckets.BufferLayout, str]:
+    """The layout of a ``fully_sharded_bucket_space`` buffer and the line saying what chose its
+    rule: of mcore 0.7's (ends padded to lcm(DP, 128)) and 0.6's (to DP), neither with 64-element
+    starts, the one whose buckets are the stored ``per_bucket_numel`` / ``_unpadded`` and whose
+    padded sizes are the stored tensors'. Neither: refused, naming both."""
+    numel, unpadded = stored
+    sizes = {b: next(iter(t.values())).shape for b, t in tensors.items()}
+    tried = []
+    for name in FSBS_RULES:
+        layout = buckets.layout_buffer(members, size, dp, buckets.rule(name))
+        got = [b.numel for b in layout.buckets]
+        fits = (sorted(sizes) == list(range(len(got))) and all(sizes[i] == (n,) for i, n in enumerate(got))
+                and numel in (None, got) and unpadded in (None, [b.numel_unpadded for b in layout.buckets]))
+        if fits:
+            _check_tensors(layout, tensors, what, where, padded=True)
+            other = [r for r in FSBS_RULES if r != name]
+            same = [r for r in other if [b.numel for b in buckets.layout_buffer(members, size, dp, buckets.rule(r)
+                                                                                 ).buckets] == got]
+            told = (f"rule {name} told by per_bucket_numel {numel if numel is not None else '(not stored)'} and the "
+                    f"bucket tensors' sizes {got}" + (f" (rule {same[0]} lays it out the same)" if same else ""))
+            return layout, told
+        tried.append(f"rule {name}: {got}")
+    shown = [list(sizes[b]) for b in sorted(sizes)]
+    raise FormatError(f"{what}: bucket tensors of {shown} elements, per_bucket_numel {numel}, per_bucket_numel_unpadded "
+                      f"{unpadded}; the layouts of the model's parameters give {'; '.join(tried)} (DP×CP {dp}, "
+                      f"bucket size {size}): neither mcore 0.6's nor 0.7's bucket rule holds", where)
 
 
 def _buffers(cfg: MegatronConfig, rows: list[tuple]) -> tuple[list, dict]:

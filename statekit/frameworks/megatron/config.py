@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from statekit.errors import FormatError
+from statekit.errors import FormatError, MappingError, UsageError
 
 # args field → MegatronConfig field, where the names differ (both spellings Megatron used)
 _RENAMES = {
@@ -325,3 +325,23 @@ def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's padded vocabulary: a multiple of ``divisible_by × TP`` (§4.4)."""
     multiple = divisible_by * tp
     return math.ceil(vocab / multiple) * multiple
+
+
+def target_cp(cfg: MegatronConfig, cp: int | None, where: str | None) -> int:
+    """The context-parallel size of the run a rewritten checkpoint is for (None: the source's),
+    refused where Megatron's ``validate_args`` would refuse the run: the sequence must split into
+    ``2 × CP`` chunks, and hierarchical CP sizes (whose product must be CP) are not rewritten."""
+    source = cfg.cp or 1
+    if cp is None:
+        return source
+    if cp < 1:
+        raise UsageError(f"--cp {cp}: a parallel size is at least 1")
+    if cp != source and cfg.raw.get("hierarchical_context_parallel_sizes"):
+        raise MappingError(f"--cp {cp}: args.hierarchical_context_parallel_sizes is "
+                           f"{cfg.raw['hierarchical_context_parallel_sizes']} (its product must be CP): statekit does "
+                           "not rewrite it", where)
+    seq = cfg.raw.get("seq_length")
+    if cp > 1 and isinstance(seq, int) and seq % (2 * cp):
+        raise MappingError(f"--cp {cp}: the run's seq_length {seq} is not a multiple of 2 × CP = {2 * cp} (Megatron "
+                           "refuses such a run)", where)
+    return cp

@@ -12,7 +12,8 @@ the ShardedObjects; this module finds the optimizer's part (``shared/docs/megatr
   fp32 master ``fp32_param`` or, for fully_reshardable, ``param``), stacked like the model key;
   ``fully_sharded_model_space`` stores them N-D reformulated (:mod:`.regions`);
 - bucket-space types (``dp_reshardable``, ``fully_sharded_bucket_space``,
-  ``dp_zero_gather_scatter``) need the bucket layout rules and are refused for now, by name;
+  ``dp_zero_gather_scatter``) are cut into parameters by the bucket layout rules
+  (:mod:`.bucket_space`);
 - stacked keys are unstacked into ``decoder.layers.{i}.…`` and per-expert names (:mod:`.stacking`),
   NeMo 2's ``module.`` prefix dropped;
 - param groups: each parameter's group by Megatron's own rule (``_get_param_groups``: no weight
@@ -46,7 +47,7 @@ from statekit.tensor import TensorRef
 FORMAT = "megatron-dist"
 MODEL_SPACE = ("fully_sharded_model_space", "fully_reshardable")
 BUCKET_SPACE = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
-BUCKETS_READ = ("dp_reshardable", "dp_zero_gather_scatter")
+BUCKETS_READ = ("dp_reshardable", "fully_sharded_bucket_space", "dp_zero_gather_scatter")
 MASTERS = ("fp32_param", "param")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the fp32 master's slot name (fully_reshardable: param)
 _STATE_KEY = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*?)\.(.+)$")
@@ -217,7 +218,7 @@ def _group_of(name: str, shape: tuple[int, ...], groups: list[dict], args: dict,
     no_wd = name.endswith(".bias") or len(shape) == 1
     if args.get("apply_wd_to_qk_layernorm") and re.search(r"\.(q|k)_layernorm\.", name):
         no_wd = False
-    expert = ".mlp.experts." in name
+    expert = ".mlp.experts." in name and _experts_apart(args)
     decoupled = args.get("decoupled_lr") is not None and (
         name.startswith("embedding.") or name.startswith("output_layer."))
     fits = []
@@ -238,6 +239,15 @@ def _group_of(name: str, shape: tuple[int, ...], groups: list[dict], args: dict,
         raise MappingError(f"{name}: {len(fits)} of the optimizer{'' if member is None else f' member {member}'}'s "
                            f"{len(groups)} param groups fit it ({what}); statekit cannot tell which group it is in")
     return fits[0]
+
+
+def _experts_apart(args: dict) -> bool:
+    """Whether the experts are expert-parallel parameters (``allreduce=False``: their own groups
+    and optimizer member): megatron-core 0.19.2 marks them so only when EP > 1 or ETP ≠ TP
+    (``tensor_parallel/layers.py`` ``use_expert_pgs``); at EP 1 they are dense parameters."""
+    tp = args.get("tensor_model_parallel_size") or 1
+    etp = args.get("expert_tensor_parallel_size")
+    return (args.get("expert_model_parallel_size") or 1) > 1 or (etp is not None and etp != tp)
 
 
 def _family(args: dict, groups: list[dict]) -> str | None:
@@ -418,6 +428,7 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
                        MegatronDistCheckpoint(dist, sharding))
     reading.model.source = where
     member_of = _member_map(states, members, where)
+    layout_notes: list[str] = []
     for (member, target), slots in sorted(states.items(), key=lambda kv: _order(kv[0][1], model_entries)):
         reading.add_key(target, member_of[member, target], slots, model_entries.get(target))
     if sharding in BUCKET_SPACE:
@@ -429,7 +440,7 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
             chain = _chain(member)
             mine = {k: e for k, e in bucket_keys.items() if k.startswith(chain + "optimizer.")}
             expert = any(g.get("is_expert_parallel") for g in member_groups[member])
-            for piece in bucket_space.read(dist, cfg, member, expert, mine, model_entries, sharding):
+            for piece in bucket_space.read(dist, cfg, member, expert, mine, model_entries, sharding, layout_notes):
                 reading.origin[piece.name] = (piece.key, piece.lead)
                 reading.add(piece.name, _strip(piece.key)[0], piece.shape, member, piece.slots, piece.master)
                 if piece.weight is not None:
@@ -444,6 +455,7 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
                                        "global indices); every fp32 master proved against its stored weight bit for bit"))
     nemo = any(k.startswith(stacking.NEMO_PREFIX) for k in model_entries)
     state.notes.append(_note(sharding, dist, nemo, len(members)))
+    state.notes.extend(layout_notes)
     state.notes.append(f"proved: {proved} of {len(params)} parameters, {elements} elements (fp32 master rounded to "
                        "the weight's dtype == the stored weight)"
                        + (f"; {len(reading.container.disproofs)} did not prove" if reading.container.disproofs else ""))

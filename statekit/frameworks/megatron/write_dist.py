@@ -29,19 +29,19 @@ exp_avg_sq}.<model key>`` with the model key's own global shape, so a change of 
   change it sees). ``rerun_state_machine_state`` and the common state's ``rerun_state_machine``
   only at the same world, TP, PP and DP.
 
-``--sharding dp_reshardable`` (TP = PP = 1, dense): the same model tensors, and per buffer and
-bucket the 1-D ``optimizer.distributed.dp_group_idx_0.gbuf_idx_{g}.dtype_(…).bucket_idx_{b}.{slot}``
-as the target DP lays the bucket out (the rules :mod:`.bucket_space` reads with, :mod:`.buckets`:
-registration order reversed, 64-element starts, ends padded to lcm(DP, 128); the gaps zero), beside
+``--sharding dp_reshardable`` (dense, any TP and PP): the same model tensors, and per
+model-parallel rank, buffer and bucket the 1-D
+``optimizer.distributed.dp_group_idx_{mp}.gbuf_idx_{g}.dtype_(…).bucket_idx_{b}.{slot}`` holding
+the rank's stage's parameters in TP-local shapes as the target DP lays the bucket out, beside
 them the ShardedObjects ``.optimizer`` (the param groups), ``.per_bucket_numel`` and
-``.per_bucket_numel_unpadded``. Written at a source's own sizes it gives megatron-core's own
-dp_reshardable tensors back bit for bit.
+``.per_bucket_numel_unpadded``: :mod:`.write_buckets`. Written at a source's own sizes it gives
+megatron-core's own dp_reshardable tensors and objects back bit for bit.
 
 The iteration folder is written under a temporary name and renamed when complete (``metadata.json``
 last, then ``latest_checkpointed_iteration.txt``): nothing partial is left under its real name.
-Refused in one line: a ChainedOptimizer (MoE's dense + expert members), virtual pipelines, an EP
-change, ``dp_reshardable`` output at TP or PP > 1 (its buckets hold each rank's TP/PP shards),
-the non-distributed optimizer.
+A MoE run (a ChainedOptimizer's dense + expert members) and an EP change: :mod:`.write_moe`.
+Refused in one line: virtual pipelines, ``dp_reshardable`` output with tied embeddings at PP > 1
+or with experts beyond EP = TP = PP = 1 (:func:`.write_buckets.check`), the non-distributed optimizer.
 
 A legacy source (``--ckpt-format torch`` with ``distrib_optim.pt``) is read by
 :mod:`.legacy` (TP shards joined, layer indices global, masters proved) and stacked into the
@@ -62,13 +62,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from statekit import dtypes, naming
+from statekit import dtypes, naming, stream
 from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
-from statekit.formats.torch_pickle import STATEKIT_TO_TORCH, Record, TorchDtype
-from statekit.frameworks.megatron import bucket_space, buckets, config, stacking
+from statekit.formats.torch_pickle import Record
+from statekit.frameworks.megatron import config, stacking, write_buckets, write_moe
 from statekit.frameworks.megatron import dist as dist_reader
+from statekit.frameworks.megatron.write_buckets import sharded_object as _object
 from statekit.tensor import TensorRef
 
 SHARDINGS = ("fully_reshardable", "dp_reshardable")
@@ -86,6 +87,8 @@ class Target:
     pp: int | None = None
     dp: int | None = None
     sharding: str = "fully_reshardable"
+    cp: int | None = None  # the context-parallel size (the distributed optimizer shards over DP x CP)
+    ep: int | None = None
 
 
 @dataclass
@@ -164,16 +167,13 @@ def _target_sizes(cfg: config.MegatronConfig, target: Target, where: str) -> dic
     tp = target.tp or cfg.need("tp", "the source's tensor-parallel size")
     pp = target.pp or cfg.need("pp", "the source's pipeline-parallel size")
     dp = target.dp or cfg.need("dp", "the source's data-parallel size")
-    cp = cfg.cp or 1
+    cp = config.target_cp(cfg, target.cp, where)
     for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
         if value < 1:
             raise UsageError(f"{name} {value}: a parallel size is at least 1")
     if cfg.vp not in (None, 1):
         raise MappingError(f"args.virtual_pipeline_model_parallel_size is {cfg.vp}: statekit does not write "
                            "interleaved-pipeline checkpoints yet", where)
-    if (cfg.ep or 1) != 1 or cfg.num_experts:
-        raise MappingError("a MoE run (experts, a dense + expert ChainedOptimizer): statekit does not write its "
-                           "torch_dist optimizer yet", where)
     layers = cfg.need("num_layers", "the pipeline split")
     if layers % pp:
         raise UsageError(f"--pp {pp}: num_layers {layers} is not divisible by it (Megatron's even split)")
@@ -184,7 +184,8 @@ def _target_sizes(cfg: config.MegatronConfig, target: Target, where: str) -> dic
     vocab = cfg.need("vocab_size", "the vocabulary padding of the target TP")
     divisible = cfg.need("make_vocab_size_divisible_by", "the vocabulary padding of the target TP")
     return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "world_size": tp * pp * dp * cp,
-            "padded_vocab_size": config.padded_vocab(vocab, divisible, tp)}
+            "padded_vocab_size": config.padded_vocab(vocab, divisible, tp),
+            **write_moe.sizes(cfg, target.ep, tp, pp, dp, where)}
 
 
 def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], sharding: str) -> Record:
@@ -193,6 +194,7 @@ def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], shard
         "tensor_model_parallel_size": sizes["tp"],
         "pipeline_model_parallel_size": sizes["pp"],
         "data_parallel_size": sizes["dp"],
+        "context_parallel_size": sizes["cp"],
         "world_size": sizes["world_size"],
         "padded_vocab_size": sizes["padded_vocab_size"],
         "use_distributed_optimizer": True,
@@ -201,6 +203,8 @@ def _args(args: Record, cfg: config.MegatronConfig, sizes: dict[str, int], shard
     # sizes Megatron derives from TP/PP at start-up, where the source has them
     if fields.get("expert_tensor_parallel_size") == cfg.tp:
         fields["expert_tensor_parallel_size"] = sizes["tp"]
+    if "expert_model_parallel_size" in fields or sizes["ep"] != 1:
+        fields["expert_model_parallel_size"] = sizes["ep"]
     if "transformer_pipeline_model_parallel_size" in fields:
         fields["transformer_pipeline_model_parallel_size"] = sizes["pp"]
     return Record(args.cls, fields)
@@ -227,6 +231,8 @@ class _Source:
     common_pt: bool = False  # the common state as common.pt (core <= 0.18) rather than the common_state item
     rng_kept: bool = True  # the source's RNG states are torch_dist ShardedObjects (kept at the same TP/PP)
     notes: list[str] = field(default_factory=list)
+    members: list[list[dict]] | None = None  # a MoE run's optimizer members' groups (:mod:`.write_moe`)
+    used: dict[int, set[bool]] = field(default_factory=dict)  # one member's groups: dense / expert params in it
 
 
 def write(src: str, dst: str, target: Target, shards: int | None = None) -> Written:
@@ -259,14 +265,13 @@ def _from_dist(ckpt) -> _Source:
     common = dist.common_to_rewrite()
     cfg = config.from_args(_namespace(common, where), where)
     members = dist_reader._members(dist.common(), where)
-    if len(members) != 1:
-        raise MappingError(f"a ChainedOptimizer of {len(members)} members: statekit does not write it yet", where)
     sharding = ckpt.container.sharding
     if sharding == "non_distributed":
         raise MappingError("the source's optimizer is not Megatron's distributed optimizer (no fp32 master "
                            "'param' slot to write): not written yet", where)
-    groups = [{k: v for k, v in g.items() if k != "params"}
-              for g in dist_reader._groups(dist, next(iter(members.values())), None, sharding)]
+    member_groups = [[{k: v for k, v in g.items() if k != "params"} for g in dist_reader._groups(dist, m, i, sharding)]
+                     for i, m in members.items()]
+    groups = member_groups[0]
     model = {k: e for k, e in dist.tensor_entries().items() if not k.startswith(("optimizer.", "chained_"))}
     args = dist_reader._fields(dist.common().get("args"))
     states = _optimizer_tensors(ckpt.optimizer.params, model, args, where)
@@ -280,9 +285,11 @@ def _from_dist(ckpt) -> _Source:
         if not (base.endswith("._extra_state") or base in ("rng_state", "rerun_state_machine_state")):
             raise MappingError(f"ShardedObject {key}: statekit does not know whether the target run needs it", where)
         objects[key] = dist.raw_object(key)
+    moe = (len(member_groups) > 1 or bool(cfg.num_experts)) or None
     return _Source(where, os.path.basename(where.rstrip(os.sep)), common, cfg, sharding, groups, model,
                    {k: dist.reader.tensor(e) for k, e in model.items()}, states, objects, dict(dist.backend),
-                   dist.common_source == megatron_dist.COMMON_PT)
+                   dist.common_source == megatron_dist.COMMON_PT, members=moe and member_groups,
+                   used=write_moe.groups_used(ckpt.optimizer) if moe else {})
 
 
 def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Written:
@@ -300,10 +307,6 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
 
     flat: dict[str, object] = {}
     model_space: dict[str, dict[str, TensorRef]] = {}
-    if target.sharding == "dp_reshardable" and (sizes["tp"], sizes["pp"]) != (1, 1):
-        raise MappingError(f"--sharding dp_reshardable at TP {sizes['tp']} PP {sizes['pp']}: its buckets hold each rank's "
-                           "TP/PP shards, which statekit does not cut yet (TP = PP = 1 only; fully_reshardable loads at "
-                           "any TP/PP)", where)
     states = dict(source.states)
     rows = sizes["padded_vocab_size"]
     for key in source.model:
@@ -323,7 +326,7 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
     if states:
         raise MappingError(f"optimizer state for {next(iter(states))}, which the checkpoint's model does not hold", where)
 
-    same_tp_pp = source.rng_kept and (sizes["tp"], sizes["pp"]) == (cfg.tp, cfg.pp)
+    same_tp_pp = source.rng_kept and (sizes["tp"], sizes["pp"], sizes["ep"]) == (cfg.tp, cfg.pp, cfg.ep or 1)
     same_world = same_tp_pp and sizes["dp"] == cfg.dp and sizes["world_size"] == cfg.world_size
     for key, raw in source.objects.items():
         base = key.split("/shard_", 1)[0]
@@ -331,29 +334,32 @@ def _write(source: _Source, dst: str, target: Target, shards: int | None) -> Wri
             continue
         flat[key] = raw
     if not same_tp_pp:
-        notes.append("rng_state not carried (the source's TP/PP ranks are not the target's): args.no_save_rng set, "
+        notes.append("rng_state not carried (the source's TP/PP/EP ranks are not the target's): args.no_save_rng set, "
                      "so Megatron starts the RNG afresh as after any TP/PP change")
     if not same_world:
-        notes.append("rerun state not carried (another world): Megatron ignores it then")
+        notes.append("rerun state not carried (other ranks): Megatron ignores it then")
 
     groups = source.groups
     new_args = _args(args, cfg, sizes, target.sharding)
+    members = write_moe.target(source.members, source.used, sizes, target.sharding, notes, where)
     if target.sharding == "dp_reshardable":
-        flat.update(_bucket_space(source.model, config.from_args(new_args, where), model_space, groups, rows, where))
-    new_common = _new_common(common, new_args, target, groups, same_tp_pp, same_world)
+        target_model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS
+                        else e for k, e in source.model.items()}
+        flat.update(write_buckets.write(target_model, config.from_args(new_args, where), model_space, groups, where))
+    new_common = _new_common(common, new_args, target, members or [groups], same_tp_pp, same_world)
     legacy_common = source.common_pt
     if not legacy_common:
         flat[f"{megatron_dist.COMMON_STATE}/shard_0_1"] = dcp.RawBytes(megatron_dist.common_archive([new_common]))
 
     nbytes = _save(dst, folder_name, flat, shards, source, new_common, legacy_common, iteration)
     n_tensors = sum(isinstance(v, TensorRef) for v in flat.values())
-    changed = ", ".join(f"{k.upper()} {getattr(cfg, k)} → {sizes[k]}" for k in ("tp", "pp", "dp")
-                        if getattr(cfg, k) != sizes[k]) or "sizes unchanged"
+    changed = ", ".join(f"{k.upper()} {getattr(cfg, k) or 1} → {sizes[k]}" for k in ("tp", "pp", "ep", "dp", "cp")
+                        if (getattr(cfg, k) or 1) != sizes[k]) or "sizes unchanged"
     notes.insert(0, f"{source.sharding} → {target.sharding}; {changed}; padded vocabulary {cfg.padded_vocab_size} → {rows}")
     return Written(out_folder, iteration, sizes, n_tensors, nbytes, notes)
 
 
-def _new_common(common: dict, new_args, target: Target, groups, same_tp_pp: bool, same_world: bool) -> dict:
+def _new_common(common: dict, new_args, target: Target, members, same_tp_pp: bool, same_world: bool) -> dict:
     """The target's common state: the source's, with the target's args, optimizer skeleton and content metadata."""
     new_common = dict(common)
     new_common["args"] = new_args
@@ -362,8 +368,7 @@ def _new_common(common: dict, new_args, target: Target, groups, same_tp_pp: bool
     if not same_world:
         new_common.pop("rerun_state_machine", None)
     if target.sharding == "fully_reshardable":
-        new_common["optimizer"] = {"optimizer": {"param_groups": groups},
-                                   "param_state_sharding_type": target.sharding}
+        new_common["optimizer"] = write_moe.common_optimizer(members, target.sharding)
     else:  # the groups are each model-parallel rank's ShardedObject
         new_common["optimizer"] = {"param_state_sharding_type": target.sharding}
     content = dict(common.get("content_metadata") or {})
@@ -457,86 +462,6 @@ def _optimizer_tensors(params: list, model: dict[str, dcp.TensorEntry], args: di
 
 
 
-# ----------------------------------------------------------------------------- bucket space
-
-
-def _object(value: object) -> dcp.RawBytes:
-    """A ShardedObject's payload: ``torch.save`` of the list of its (one) shard's data."""
-    return dcp.RawBytes(megatron_dist.common_archive([value]))
-
-
-def _bucket_space(source_model: dict[str, dcp.TensorEntry], cfg: config.MegatronConfig, model_space: dict,
-                  groups: list, rows: int, where: str) -> dict[str, object]:
-    """``dp_reshardable`` at TP = PP = 1 (one model-parallel index): each buffer's buckets as the
-    target DP lays them out (:mod:`.buckets`, the rules :mod:`.bucket_space` reads with), the
-    64-element gaps zero, and the ShardedObjects beside them (the param groups, the bucket sizes)."""
-    model = {k: dataclasses.replace(e, shape=(rows, *e.shape[1:])) if dist_reader._strip(k)[0] in VOCAB_KEYS else e
-             for k, e in source_model.items()}
-    order = bucket_space.registration_order(model, cfg, where)
-    rows = [(key, lead, shape, dtype, name) for name, key, lead, shape, dtype in order]
-    params, split = bucket_space._buffers(cfg, rows)
-    size = cfg.bucket_size(sum(p.numel for p in params), pp_rank=0, chunk=0)
-    origin = {name: (key, lead) for name, key, lead, _shape, _dtype in order}
-    prefix = "optimizer.distributed.dp_group_idx_0"
-    out: dict[str, object] = {}
-    numel, unpadded = [], []
-    for g, (bkey, members) in enumerate(split.items()):
-        if bkey.expert:
-            raise MappingError("expert parameters in their own buffer: not written in bucket space yet", where)
-        layout = buckets.layout_buffer(members, size, cfg.dp_cp_size(), buckets.rule(bucket_space.RULE),
-                                       bool(cfg.pad_buckets_for_high_nccl_busbw))
-        torch_names = tuple(f"torch.{STATEKIT_TO_TORCH[d]}" for d in (bkey.param_dtype, bkey.grad_dtype))
-        dtype_key = tuple(TorchDtype(STATEKIT_TO_TORCH[d]) for d in (bkey.param_dtype, bkey.grad_dtype))
-        for b in layout.buckets:
-            placed = sorted((layout.placements[n] for n in b.params), key=lambda p: p.start)
-            for slot, _ in SLOTS:
-                parts = []
-                for place in placed:
-                    key, lead = origin[place.name]
-                    ref = _piece(model_space[key][slot], lead, model[key].shape)
-                    if ref.dtype != "F32":
-                        raise MappingError(f"{place.name}: its {slot} state is {ref.dtype}; the buckets hold F32", where)
-                    parts.append((place.bucket_offset, ref))
-                name = f"{prefix}.gbuf_idx_{g}.dtype_({torch_names[0]}, {torch_names[1]}).bucket_idx_{b.index}.{slot}"
-                out[name] = _bucket(parts, b.numel_unpadded)
-        numel.append({dtype_key: [b.numel for b in layout.buckets]})
-        unpadded.append({dtype_key: [b.numel_unpadded for b in layout.buckets]})
-    out[f"{prefix}.optimizer/shard_0_1"] = _object({"param_groups": groups})
-    out[f"{prefix}.per_bucket_numel/shard_0_1"] = _object(numel)
-    out[f"{prefix}.per_bucket_numel_unpadded/shard_0_1"] = _object(unpadded)
-    return out
-
-
-def _piece(stacked: TensorRef, lead: tuple[int, ...], shape: tuple[int, ...]) -> TensorRef:
-    """Element ``lead`` of the stacked axes of ``stacked``: the parameter's own state it was stacked from."""
-    if not lead:
-        return stacked
-    parts = stacked.info.get("parts")
-    if parts is None:
-        raise MappingError(f"a stacked state of shape {list(stacked.shape)} without its parameters' parts")
-    return parts[int(np.ravel_multi_index(lead, shape[:len(lead)]))]
-
-
-def _bucket(parts: list[tuple[int, TensorRef]], numel: int) -> TensorRef:
-    """A 1-D F32 bucket of ``numel`` elements: each part at its offset, zeros between."""
-    item = 4
-
-    def pieces(size: int):
-        at = 0
-        for offset, ref in parts:
-            gap = (offset - at) * item
-            if gap < 0:
-                raise MappingError("two parameters overlap in a bucket")
-            if gap:
-                yield bytes(gap)
-            yield from ref.iter_bytes(size)
-            at = offset + ref.numel
-        if numel > at:
-            yield bytes((numel - at) * item)
-
-    return TensorRef("F32", (numel,), chunk_reader=pieces)
-
-
 # ----------------------------------------------------------------------------- legacy sources
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -589,9 +514,9 @@ def _from_legacy(ckpt, src: str) -> _Source:
     tied = cfg.untie_embeddings is False
     if tied and "output_layer.weight" in params:  # the last stage's copy (PP > 1): kept only if identical
         a, b = params.pop("output_layer.weight"), params["embedding.word_embeddings.weight"]
-        same = all(bytes(a.slots[s].raw()) == bytes(b.slots[s].raw()) for s in b.slots) and set(a.slots) == set(b.slots)
-        same = same and bytes(by_name["output_layer.weight"].tensor.raw()) == bytes(
-            by_name["embedding.word_embeddings.weight"].tensor.raw())
+        same = set(a.slots) == set(b.slots) and all(stream.same_bytes(a.slots[s], b.slots[s]) for s in b.slots)
+        same = same and stream.same_bytes(by_name["output_layer.weight"].tensor,
+                                          by_name["embedding.word_embeddings.weight"].tensor)
         if not same:
             raise MappingError("tied embeddings with PP > 1: the last stage's output_layer.weight copy holds other "
                                "values or state than embedding.word_embeddings.weight; torch_dist keeps one", folder)

@@ -39,9 +39,10 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from statekit import dtypes
+from statekit import dtypes, stream
 from statekit.errors import FormatError, UsageError
 from statekit.formats import megatron_legacy as container
 from statekit.formats import torch_pt
@@ -61,6 +62,7 @@ class Target:
     dp: int
     vocab_divisible_by: int | None = None
     distributed: bool | None = None  # the optimizer's form (None: the source's)
+    cp: int | None = None  # the context-parallel size (None: the source's); distrib_optim.pt spans DP x CP
 
 
 @dataclass
@@ -82,9 +84,84 @@ class _Param:
     expert: bool
 
 
-def _bits(ref: TensorRef) -> np.ndarray:
-    a = ref.numpy()
-    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+def _shard_ref(ref: TensorRef, rows: int | None, name: str, tp: int, rank: int, axis: int | None, swiglu: bool,
+               shape: tuple[int, ...]) -> TensorRef:
+    """Rank ``rank``'s TP shard of ``ref`` with its first axis padded with zero rows or cut to
+    ``rows`` first (:func:`.shard.resize_rows` then :func:`.shard.tp_shard`), streamed: the
+    source's rows are read in order, a few MiB at a time, and only the shard's bytes kept."""
+    if tp == 1 and (rows is None or rows == ref.shape[0]):
+        return ref
+    rank = rank if tp > 1 else 0  # (a replicated tensor: every rank's is the whole)
+    full = (rows, *ref.shape[1:])
+    item = dtypes.itemsize(ref.dtype)
+    row = math.prod(ref.shape[1:]) * item
+    if axis == 0 or tp == 1:
+        size = full[0]
+        if swiglu and size % (2 * tp):
+            raise FormatError(f"parameter {name}: SwiGLU rows {size} do not split into 2 × TP {tp} equal parts")
+        part = size // (2 * tp if swiglu else tp)
+        spans = [(rank * part, (rank + 1) * part)]
+        if swiglu:
+            spans.append((size // 2 + rank * part, size // 2 + (rank + 1) * part))
+        cols = None
+    else:
+        part = full[axis] // tp
+        inner = math.prod(full[axis + 1:]) * item
+        spans = [(0, rows)]
+        cols = (math.prod(full[1:axis]), full[axis] * inner, rank * part * inner, (rank + 1) * part * inner)
+
+    def chunks(size: int) -> Iterator[bytes | memoryview]:
+        per = max(1, (size or PIECE) // max(1, row))
+        source = _Rows(ref.iter_bytes(per * row), row, ref.shape[0])
+        for lo, hi in spans:
+            source.skip_to(lo)
+            for a in range(lo, hi, per):
+                block = source.take(min(per, hi - a))
+                if cols is not None:
+                    outer, width, c0, c1 = cols
+                    block = np.ascontiguousarray(block.reshape(-1, outer, width)[:, :, c0:c1])
+                view = memoryview(block.reshape(-1))
+                for b in range(0, len(view), size or PIECE):  # (a row wider than a piece: cut)
+                    yield view[b:b + (size or PIECE)]
+
+    return TensorRef(ref.dtype, shape, loader=lambda: b"".join(bytes(c) for c in chunks(PIECE)), chunk_reader=chunks)
+
+
+class _Rows:
+    """A tensor's bytes read in order as rows of ``row`` bytes (uint8 arrays of ``n`` rows);
+    rows at and past ``have`` are zero (vocabulary padding)."""
+
+    def __init__(self, pieces: Iterator, row: int, have: int):
+        self._pieces, self._row, self._have = pieces, row, have
+        self._buf = memoryview(b"")
+        self.at = 0  # the next row's index
+
+    def _bytes(self, n: int) -> np.ndarray:
+        out = np.empty(n, np.uint8)
+        done = 0
+        while done < n:
+            if not self._buf:
+                piece = next(self._pieces, None)
+                if piece is None:
+                    raise FormatError(f"a tensor ended after {self.at} rows of {self._have}")
+                self._buf = memoryview(piece).cast("B")
+            k = min(n - done, len(self._buf))
+            out[done:done + k] = np.frombuffer(self._buf[:k], np.uint8)
+            self._buf = self._buf[k:]
+            done += k
+        return out
+
+    def take(self, n: int) -> np.ndarray:
+        real = max(0, min(n, self._have - self.at))
+        data = self._bytes(real * self._row)
+        if real < n:
+            data = np.concatenate([data, np.zeros((n - real) * self._row, np.uint8)])
+        self.at += n
+        return data
+
+    def skip_to(self, index: int) -> None:
+        while self.at < index:
+            self.take(min(index - self.at, max(1, PIECE // max(1, self._row))))
 
 
 class _Writer:
@@ -155,7 +232,7 @@ class _Writer:
         pa, pb = self.params[a], self.params[b]
         for what, x, y in (("weight", pa.weight, pb.weight), ("fp32 master", pa.master, pb.master),
                            *((s, pa.moments[s], pb.moments[s]) for s in SLOTS)):
-            if tuple(x.shape) != tuple(y.shape) or not np.array_equal(_bits(x), _bits(y)):
+            if not stream.same_bytes(x, y):  # (dtype, shape and bits; streamed, never whole tensors)
                 raise FormatError(f"tied embeddings: the {what} of {b} (the last stage's copy) differs from {a}'s: "
                                   "PP 1 has one tensor for both, so statekit does not choose", self.src)
 
@@ -172,7 +249,7 @@ class _Writer:
         layers = cfg.need("num_layers", "the pipeline stages")
         if layers % t.pp:
             raise UsageError(f"--pp {t.pp}: the model's {layers} layers do not split into PP {t.pp} equal stages")
-        cp = cfg.cp or 1
+        cp = config.target_cp(cfg, t.cp, self.src)
         world = t.tp * t.pp * t.dp * cp
         if world % (t.tp * t.ep * t.pp):
             raise UsageError(f"--ep {t.ep}: world size TP×PP×DP×CP = {world} is not a multiple of TP×EP×PP")
@@ -190,6 +267,7 @@ class _Writer:
         self.distributed = source_distributed if t.distributed is None else t.distributed
         raw.update({"tensor_model_parallel_size": t.tp, "pipeline_model_parallel_size": t.pp,
                     "expert_model_parallel_size": t.ep, "data_parallel_size": t.dp, "world_size": world,
+                    "context_parallel_size": cp,
                     "padded_vocab_size": padded, "use_distributed_optimizer": self.distributed})
         for key, value in (("expert_tensor_parallel_size", t.tp), ("transformer_pipeline_model_parallel_size", t.pp),
                            ("tensor_parallel_num_weight_shards", t.tp),
@@ -305,16 +383,8 @@ class _Writer:
             if shape[axis] % tp:
                 raise FormatError(f"parameter {name}: axis {axis} of {shape[axis]} does not split into TP {tp}")
             shape[axis] //= tp
-        np_dtype = dtypes.numpy_dtype(ref.dtype)
-
-        def load() -> bytes:
-            a = ref.numpy()
-            if vocab:
-                a = shard.resize_rows(a, self.padded)
-            a = shard.tp_shard(a, name, tp, tp_rank, swiglu)
-            return np.ascontiguousarray(a, dtype=np_dtype).tobytes()
-
-        return TensorRef(ref.dtype, tuple(shape), loader=load)
+        rows = self.padded if vocab else (ref.shape[0] if ref.shape else None)
+        return _shard_ref(ref, rows, name, tp if axis is not None else 1, tp_rank, axis, swiglu, tuple(shape))
 
     def layout(self, local: list[tuple[str, _Param]], pp: int, expert_part: bool | None):
         """The buffers of one rank's optimizer member: [(key, BufferLayout, {local name: param})]."""
@@ -355,11 +425,11 @@ class _Writer:
                     yield bytes(4 * (pl.coalesced - at))
                 p = by_local[pl.name]
                 ref = p.master if slot == "param" else p.moments[slot]
-                data = self.tensor(p, ref, tp_rank).raw()
-                if len(data) != 4 * pl.numel:
-                    raise FormatError(f"parameter {p.name}: its {slot} shard has {len(data) // 4} elements, the "
-                                      f"layout {pl.numel}")
-                yield bytes(data)
+                shard_ref = self.tensor(p, ref, tp_rank)
+                if shard_ref.numel != pl.numel or shard_ref.dtype != "F32":
+                    raise FormatError(f"parameter {p.name}: its {slot} shard is {shard_ref.dtype} of "
+                                      f"{shard_ref.numel} elements, the layout {pl.numel} F32")
+                yield from shard_ref.iter_bytes(size)
                 at = pl.coalesced + pl.numel
             if total > at:
                 yield bytes(4 * (total - at))
@@ -534,7 +604,8 @@ def source_sizes(src: str) -> dict[str, int]:
     if not isinstance(obj, dict) or "args" not in obj:
         raise FormatError("no args in model_optim_rng.pt: the run's parallel layout is unknown", file)
     cfg = config.from_args(obj["args"], file)
-    return {"tp": cfg.tp or 1, "pp": cfg.pp or 1, "ep": cfg.ep or 1, "dp": cfg.need("dp", "the source's DP size")}
+    return {"tp": cfg.tp or 1, "pp": cfg.pp or 1, "ep": cfg.ep or 1, "dp": cfg.need("dp", "the source's DP size"),
+            "cp": cfg.cp or 1}
 
 
 def check(src: str, out: str, target: Target) -> _Writer:
