@@ -39,7 +39,7 @@ from statekit import naming
 from statekit.errors import FormatError, MappingError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import bucket_space, config, proof, regions, stacking
+from statekit.frameworks.megatron import bridge_config, bucket_space, config, proof, regions, stacking
 from statekit.frameworks.torch_state import describe_scheduler
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
@@ -409,9 +409,21 @@ class _Reading:
             self.container.padding[name] = (vocab, shape[0])
 
 
+def _writers(where: str) -> int:
+    """How many ranks wrote the DCP files (``__<rank>_<n>.distcp``): the world size of a run that
+    stores none (Megatron-Bridge)."""
+    ranks = {m.group(1) for m in (re.fullmatch(r"__(\d+)_\d+\.distcp", n) for n in os.listdir(where)) if m}
+    if not ranks:
+        raise FormatError("no __<rank>_<n>.distcp files: the world size is unknown", where)
+    return len(ranks)
+
+
 def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint:
     where = dist.directory
     common = dist.common()
+    if common.get("args") is None and bridge_config.beside(where):
+        common = {**common, "args": bridge_config.args_from_run_config(bridge_config.beside(where),
+                                                                        _writers(where))}
     args = _fields(common.get("args"))
     members = _members(common, where)
     sharding = _one_sharding(members, where)
