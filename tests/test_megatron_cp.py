@@ -45,10 +45,6 @@ CHECKS = MCORE / "load_checks"
 PARAMS = 15  # the tiny GPT's parameters (untied): embedding, 2 × 6 per layer, final norm, output layer
 
 
-def _present(*paths):
-    return pytest.mark.skipif(not all(p.exists() for p in paths), reason="fixture not generated")
-
-
 def _bytes_objects(folder) -> dict[str, object]:
     d = megatron_dist.MegatronDist(str(folder))
     try:
@@ -60,8 +56,7 @@ def _bytes_objects(folder) -> dict[str, object]:
 
 @pytest.mark.parametrize("case", [CP2, CP2DP2, CP3, LEGACY_CP2], ids=lambda p: p.name)
 def test_cp_fixture_reads_every_parameter_proved(case):
-    if not case.exists():
-        pytest.skip("fixture not generated")
+    assert case.exists(), f"{case}: the committed fixture is missing"
     made = MANIFEST[f"0.19.2/{case.name}"]
     assert made["cp"] > 1 and "attention_math" in made  # the shim's attention, said where it was made
     with io.open_checkpoint(case) as ckpt:
@@ -76,7 +71,6 @@ def test_cp_fixture_reads_every_parameter_proved(case):
             assert set(p.slots) == {"exp_avg", "exp_avg_sq", "fp32_master"}, p.path
 
 
-@_present(CP3)
 def test_cp3_buckets_are_padded_for_dp_times_cp():
     """CP3·DP1, two buckets: Megatron pads each bucket end to lcm(DP × CP, 128) = 384; a reader
     that took DP alone (lcm(1, 128) = 128) would cut the second bucket elsewhere."""
@@ -92,7 +86,6 @@ def test_cp3_buckets_are_padded_for_dp_times_cp():
     assert any(n % 384 for n in raw), raw  # the padding is needed (a DP-only rule would differ)
 
 
-@_present(CP3)
 def test_cp3_read_with_dp_alone_would_refuse(monkeypatch):
     """What a DP-only layout does on a real CP3 save: refused, the stored bucket sizes naming the
     disagreement (32256 = 84 × 384 stored, 32000 = 250 × 128 for DP 1) — never a silent cut (the
@@ -102,7 +95,6 @@ def test_cp3_read_with_dp_alone_would_refuse(monkeypatch):
         io.open_checkpoint(CP3)
 
 
-@_present(CP3)
 def test_cp3_written_at_its_own_sizes_and_back_from_cp1_is_megatrons_own(tmp_path):
     """The bucket writer pads for DP × CP = 3 (384) as Megatron does: CP3 rewritten dp_reshardable at
     its own sizes, and CP3 → CP1 → CP3, give megatron-core's own tensors and bucket-size objects."""
@@ -125,8 +117,7 @@ def test_cp3_written_at_its_own_sizes_and_back_from_cp1_is_megatrons_own(tmp_pat
 def test_cp2_to_cp1_to_cp2_dp_reshardable_is_megatrons_own(tmp_path, src):
     """CP2 → CP1 (fully_reshardable and dp_reshardable) → CP2 dp_reshardable: every tensor and every
     optimizer ShardedObject is megatron-core's own CP2 save, bit for bit."""
-    if not src.exists():
-        pytest.skip("fixture not generated")
+    assert src.exists(), f"{src}: the committed fixture is missing"
     dp = MANIFEST[f"0.19.2/{src.name}"]["dp"]
     one = write_dist.write(str(src), str(tmp_path / "cp1"), write_dist.Target(cp=1))
     assert one.sizes["cp"] == 1 and one.sizes["world_size"] == dp
@@ -147,7 +138,6 @@ def test_cp2_to_cp1_to_cp2_dp_reshardable_is_megatrons_own(tmp_path, src):
         out.close()
 
 
-@_present(CP2, DP2)
 def test_cp1dp2_to_cp2dp1_keeps_the_buckets(tmp_path):
     """DP2 → CP2·DP1 keeps DP × CP = 2: the bucket tensors are the source's bit for bit (same layout)."""
     write_dist.write(str(DP2), str(tmp_path / "cp2"), write_dist.Target(dp=1, cp=2, sharding="dp_reshardable"))
@@ -161,7 +151,6 @@ def test_cp1dp2_to_cp2dp1_keeps_the_buckets(tmp_path):
         d.close()
 
 
-@_present(LEGACY_CP2)
 def test_legacy_cp2_to_cp1_to_cp2_is_bit_for_bit(tmp_path):
     """Legacy CP2 → CP1 → CP2: every entry of the rank files is Megatron's, bit for bit, but
     ``args.rank`` / ``local_rank``: at CP > 1 both CP ranks have data-parallel rank 0 and both write
@@ -177,7 +166,6 @@ def test_legacy_cp2_to_cp1_to_cp2_is_bit_for_bit(tmp_path):
     assert "rng_state" in container.load(str(one / "iter_0000003" / "mp_rank_00" / container.MODEL_FILE))
 
 
-@_present(CP2)
 def test_cp_refusals(tmp_path, cli):
     with pytest.raises(MappingError, match=r"--cp 3: the run's seq_length 16 is not a multiple of 2 × CP = 6"):
         write_dist.write(str(CP2), str(tmp_path / "a"), write_dist.Target(cp=3))
@@ -199,8 +187,7 @@ def test_megatron_loaded_exactly_what_statekit_writes_at_another_cp(tmp_path, ch
     are statekit's bit for bit and the source as Megatron reads it; statekit writes it again here and
     every digest must be the recorded one."""
     path = CHECKS / f"{check}.json"
-    if not path.exists():
-        pytest.skip("load check not recorded")
+    assert path.exists(), f"{path}: the committed load check is missing"
     result = json.loads(path.read_text())
     assert result["megatron_core_version"] == "0.19.2"
     assert result["all_equal_statekit_written"] and result["all_equal_source_as_megatron_reads_it"]
@@ -234,7 +221,6 @@ def test_target_cp_follows_megatrons_own_checks():
 
 
 @pytest.mark.megatron
-@_present(CP2)
 def test_megatron_loads_a_cp1_folder_from_cp2_now(tmp_path):
     """megatron-core's own load of statekit's CP2 → CP1 folder, run now (STATEKIT_MCORE_PY)."""
     if not MCORE_PY:
