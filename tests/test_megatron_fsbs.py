@@ -76,7 +76,8 @@ def _bucket_tensors(folder, n_buckets: int) -> dict:
 
 def _need(*names):
     missing = [n for n in names if not (V07 / n).exists()]
-    return pytest.mark.skipif(bool(missing), reason=f"fixtures not present: {missing}")
+    assert not missing, f"the committed fixtures are missing: {missing}"
+    return pytest.mark.usefixtures()
 
 
 @pytest.mark.parametrize("fsbs,_dpzero,bucket_size", PAIRS, ids=[p[0] for p in PAIRS])
@@ -85,8 +86,7 @@ def test_fsbs_cut_by_hand_computed_offsets(fsbs, _dpzero, bucket_size):
     """Every parameter named as Megatron names it, in registration order, proved; each slot equals
     torch's own load of the bucket tensor at the offset computed here by 0.7's rule."""
     folder = V07 / fsbs
-    if not folder.exists():
-        pytest.skip("fixture not present")
+    assert folder.exists(), f"{folder}: the committed fixture is missing"
     where, sizes = _hand_layout(bucket_size, math.lcm(2, 128))
     stored = _bucket_tensors(folder, len(sizes))
     assert [stored[f"{PREFIX}{b}.param"].numel() for b in range(len(sizes))] == sizes
@@ -127,8 +127,7 @@ def test_fsbs_equals_the_same_run_saved_dp_zero_gather_scatter(fsbs, dpzero, _si
     object, another code path): every parameter, moment and master equal bit for bit."""
     from statekit.ops.diff import diff_files
 
-    if not ((V07 / fsbs).exists() and (V07 / dpzero).exists()):
-        pytest.skip("fixtures not present")
+    assert (V07 / fsbs).exists() and (V07 / dpzero).exists(), "the committed fixtures are missing"
     result = diff_files(V07 / fsbs, V07 / dpzero)
     assert result["equal"], result.get("summary")
     with io.open_checkpoint(V07 / fsbs) as a, io.open_checkpoint(V07 / dpzero) as b:
@@ -150,7 +149,6 @@ def test_fsbs_tp2_joined_and_proved():
         assert f"proved: {len(NAMES)} of {len(NAMES)} parameters" in " ".join(state.notes)
 
 
-@pytest.mark.skipif(not FSBS.exists(), reason="fixture not present")
 def test_wrong_order_is_refused_naming_parameter_and_rule(monkeypatch):
     """A layout that does not prove is refused: linear_qkv put before linear_proj (it is after)."""
     from statekit.frameworks.megatron import bucket_space
@@ -192,7 +190,6 @@ def test_corrupted_bucket_setting_refused_in_one_line(tmp_path):
     assert "neither mcore 0.6's nor 0.7's bucket rule holds" in lines[0] and "Traceback" not in run.stderr
 
 
-@pytest.mark.skipif(not FSBS.exists(), reason="fixture not present")
 def test_convert_to_megatron_writes_fully_reshardable(tmp_path):
     """convert --to megatron re-stacks the proved parameters into the model-space format of current
     megatron-core; reading the written folder back gives every value bit for bit."""
