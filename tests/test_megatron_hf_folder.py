@@ -114,9 +114,60 @@ def _read_megatron(path: str):
             out[p.path] = {k: torch.from_numpy(np.array(v.numpy(), dtype=np.float32).reshape(p.shape))
                            for k, v in p.slots.items()}
             out[p.path]["step"] = p.step
+            out[p.path]["group"] = p.group
         groups = [dict(g.hyperparams) for g in c.optimizer.groups]
         args = {k[len("megatron."):]: v for k, v in c.metadata.items() if k.startswith("megatron.")}
     return out, groups, args
+
+
+def _torch_next_masters(s3: dict, groups3: list, grads: dict) -> dict:
+    """The masters after step 4 as torch's own single-tensor AdamW computes them **on this CPU**: what
+    megatron-core's optimizer runs without TE/apex (``torch.optim.AdamW``, ``foreach`` off on CPU), from the
+    iteration-3 masters and moments with each group's lr / weight decay / betas / eps, one step of ``grads``.
+
+    Why a reference computed here and not only Megatron's iteration-4 file: torch's float32 CPU ``sqrt`` is
+    MKL's ``vmsSqrt``, whose last bit depends on the code path MKL picks for the CPU (the fixture was written on
+    an AMD EPYC; on an Intel Xeon with AVX-512 about 1 element in 20 of a step differs by one ulp). The moments do
+    not take a root and equal the file bit for bit on every CPU; the masters equal this CPU's torch bit for bit
+    and the file's to within that one ulp."""
+    out = {}
+    for name, s in s3.items():
+        g = groups3[s["group"]]
+        p = torch.nn.Parameter(s["fp32_master"].clone())
+        opt = torch.optim.AdamW([p], lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                                weight_decay=g["weight_decay"], foreach=False)
+        opt.state[p] = {"step": torch.tensor(float(s["step"])), "exp_avg": s["exp_avg"].clone(),
+                        "exp_avg_sq": s["exp_avg_sq"].clone()}
+        p.grad = grads[name].clone()
+        opt.step()
+        out[name] = p.detach()
+    return out
+
+
+def assert_megatrons_masters(s3: dict, groups3: list, grads: dict, s4: dict, here: dict) -> None:
+    """Megatron's iteration-4 masters (``s4``, written on the fixture's CPU) are torch's AdamW step from ``s3``
+    with ``grads`` where every element's root is this CPU's torch root or one within 2 ulps of it: the same
+    torch kernels (``mul_``, ``sqrt``, ``div``, ``add_``, ``addcdiv_``, as ``torch.optim.adamw``'s single-tensor
+    path runs them) with only the root's last bits free. ``here`` (this CPU's ``torch.optim.AdamW``,
+    :func:`_torch_next_masters`) must be that arithmetic with no shift at all; a wrong lr, eps, weight decay,
+    moment or order of operations matches no shift."""
+    for name, s in s3.items():
+        g = groups3[s["group"]]
+        lr, wd, (b1, b2), eps, t = g["lr"], g["weight_decay"], g["betas"], g["eps"], float(s["step"]) + 1
+        m, v, want = s4[name]["exp_avg"], s4[name]["exp_avg_sq"], s4[name]["fp32_master"]
+        step_size, bc2_sqrt = lr / (1 - b1 ** t), (1 - b2 ** t) ** 0.5
+        root = v.sqrt()
+        up, down, matched = root.clone(), root.clone(), torch.zeros_like(want, dtype=torch.bool)
+        for shift in range(3):
+            for r in ((up,) if shift == 0 else (up, down)):
+                p = s["fp32_master"].clone().mul_(1 - lr * wd)
+                p.addcdiv_(m, (r / bc2_sqrt).add_(eps), value=-step_size)
+                if shift == 0:
+                    assert torch.equal(p, here[name]), f"{name}: not torch.optim.AdamW's arithmetic"
+                matched |= p == want
+            up = torch.nextafter(up, torch.full_like(up, float("inf")))
+            down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        assert bool(matched.all()), f"{name}: {int((~matched).sum())} masters match no root within 2 ulps"
 
 
 @pytest.mark.hf
@@ -181,8 +232,10 @@ def _recover_gradient(s3: dict, s4: dict, beta1: float, beta2: float) -> dict:
 @pytest.mark.hf
 def test_trainer_resumes_and_takes_megatrons_own_next_step(tmp_path):
     """Megatron iteration 3 → checkpoint-3/ → transformers Trainer(resume_from_checkpoint) → one step with the
-    gradient Megatron's step 4 used: the moments, the step counter and the weights (fp32 masters) equal
-    Megatron's own iteration-4 save bit for bit; statekit's torch AdamW replay from the folder gives the same."""
+    gradient Megatron's step 4 used: the moments and the step counter equal Megatron's own iteration-4 save bit for
+    bit, the weights (fp32 masters) torch's AdamW from Megatron's iteration 3 on this CPU bit for bit (Megatron's
+    own file within the last bits of each root: :func:`assert_megatrons_masters`); statekit's torch AdamW replay
+    from the folder gives the same."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import save_file
 
@@ -226,7 +279,10 @@ def test_trainer_resumes_and_takes_megatrons_own_next_step(tmp_path):
     named = dict(model.named_parameters())
     want_m, want_v = to_hf({n: s["exp_avg"] for n, s in s4.items()}, args), \
         to_hf({n: s["exp_avg_sq"] for n, s in s4.items()}, args)
-    want_p = to_hf({n: s["fp32_master"] for n, s in s4.items()}, args)
+    # the masters: torch's AdamW on this CPU, bit for bit; Megatron's own (its CPU's roots) within their last bits
+    here = _torch_next_masters(s3, groups3, g_megatron)
+    assert_megatrons_masters(s3, groups3, g_megatron, s4, here)
+    want_p = to_hf(here, args)
     for n, p in named.items():
         st = opt.state[p]
         assert float(st["step"]) == 4.0 == float(s4["output_layer.weight"]["step"])
