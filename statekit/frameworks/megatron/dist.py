@@ -39,7 +39,15 @@ from statekit import naming
 from statekit.errors import FormatError, MappingError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import bridge_config, bucket_space, config, proof, regions, stacking
+from statekit.frameworks.megatron import (
+    bridge_config,
+    bridge_state,
+    bucket_space,
+    config,
+    proof,
+    regions,
+    stacking,
+)
 from statekit.frameworks.torch_state import describe_scheduler
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
@@ -421,7 +429,8 @@ def _writers(where: str) -> int:
 def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint:
     where = dist.directory
     common = dist.common()
-    if common.get("args") is None and bridge_config.beside(where):
+    bridge = common.get("args") is None and bridge_config.beside(where) is not None
+    if bridge:
         common = {**common, "args": bridge_config.args_from_run_config(bridge_config.beside(where),
                                                                         _writers(where))}
     args = _fields(common.get("args"))
@@ -477,6 +486,11 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     ckpt.nbytes = sum(p.nbytes for p in params)
     ckpt.metadata.update(_metadata(dist, common, args, sharding, members))
     scheduler = common.get("opt_param_scheduler")
+    position = bridge_state.find(where, dist.path) if bridge else None
+    if position is not None:
+        bridge_state.check(position, common.get("iteration"), scheduler,
+                           common.get("num_floating_point_operations_so_far"))
+        bridge_state.attach(ckpt, position, args)
     if isinstance(scheduler, dict):
         ckpt.schedulers = [{"kind": "megatron opt_param_scheduler (units: samples)", **describe_scheduler(scheduler)}]
         from statekit.frameworks import schedule_megatron
