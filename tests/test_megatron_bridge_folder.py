@@ -282,3 +282,25 @@ def test_to_hf_trainer_from_the_bridge_folder(tmp_path):
         assert torch.equal(opt.state[p]["exp_avg"], moments["exp_avg"][n]), n
         assert torch.equal(opt.state[p]["exp_avg_sq"], moments["exp_avg_sq"][n]), n
         assert float(opt.state[p]["step"]) == 3.0 == ts["step"]
+
+
+@pytest.mark.parametrize("line, new, named", [
+    ("  glu_linear_offset: 0.0\n", "  glu_linear_offset: 0.5\n", "args.glu_linear_offset is 0.5"),
+    ("  rope_scaling: false\n", "  rope_scaling: true\n", "args.use_rope_scaling is True"),
+    ("  position_embedding_type: rope\n", "  position_embedding_type: yarn\n", "args.position_embedding_type is yarn"),
+    ("  window_size: null\n", "  window_size:\n  - 8\n  - 0\n", "args.window_size is [8, 0]"),
+    ("  use_mup: false\n", "  use_mup: true\n", "args.use_mup is True"),
+    ("  seq_length: 32\n  sequence_parallel", "  sequence_parallel", "no max-position-embeddings"),
+])
+def test_a_model_hf_would_not_compute_is_refused(tmp_path, line, new, named):
+    """run_config.yaml edited by hand (the model section's line; seq_length's removal leaves the dataset's)."""
+    copy = tmp_path / "c"
+    shutil.copytree(FIX, copy)
+    cfg = copy / "iter_0000003" / "run_config.yaml"
+    text = cfg.read_text()
+    model = text.index("\nmodel:\n")
+    assert line in text[model:]
+    cfg.write_text(text[:model] + text[model:].replace(line, new, 1))
+    out = tmp_path / "checkpoint-3"
+    err = _one_line(_statekit("convert", str(copy), str(out), "--to", "hf-trainer", ok=False))
+    assert named in err and not out.exists()
