@@ -135,6 +135,10 @@ def test_disagreements_are_said_not_picked(tmp_path):
     out = tmp_path / "checkpoint-3"
     err = _one_line(_statekit("convert", str(copy / "iter_0000003"), str(out), "--to", "hf-trainer", ok=False))
     assert "at step 4, the common state's iteration is 3" in err and not out.exists()
+    doctor = _statekit("doctor", str(copy / "iter_0000003"), "--format", "json", ok=False)
+    found = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "counters"]
+    assert doctor.returncode == 1 and len(found) == 2 and all(f["severity"] == "warning" for f in found)
+    assert "no problems found" in _statekit("doctor", FIX).stdout
     # same step, different counters: latest_train_state.pt against the folder's own
     copy2 = tmp_path / "d"
     shutil.copytree(FIX, copy2)

@@ -86,6 +86,7 @@ class MegatronDistCheckpoint:
     sharding: str = "non_distributed"
     disproofs: list[Disproved] = field(default_factory=list)
     padding: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> (true rows, stored rows)
+    position_disagreements: list[str] = field(default_factory=list)  # a Bridge folder's (bridge_state)
 
     def close(self) -> None:
         self.dist.close()
@@ -113,6 +114,8 @@ class MegatronDistCheckpoint:
                             f"{', '.join(held)} non-zero in the vocabulary padding rows {rows}..{stored - 1} "
                             f"(args.vocab_size {rows}): no token looks them up, so no gradient ever reached them; "
                             "the state there was left by something else"))
+        for d in self.position_disagreements:
+            out.append(("warning", "counters", None, f"Megatron-Bridge's train_state.pt: {d}"))
         return out
 
 
@@ -491,6 +494,7 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
         bridge_state.check(position, common.get("iteration"), scheduler,
                            common.get("num_floating_point_operations_so_far"))
         bridge_state.attach(ckpt, position, args)
+        reading.container.position_disagreements = list(position.disagreements)
     if isinstance(scheduler, dict):
         ckpt.schedulers = [{"kind": "megatron opt_param_scheduler (units: samples)", **describe_scheduler(scheduler)}]
         from statekit.frameworks import schedule_megatron
