@@ -308,3 +308,23 @@ def test_a_model_hf_would_not_compute_is_refused(tmp_path, line, new, named):
     out = tmp_path / "checkpoint-3"
     err = _one_line(_statekit("convert", str(copy), str(out), "--to", "hf-trainer", ok=False))
     assert named in err and not out.exists()
+
+
+@pytest.mark.torch
+def test_older_and_newer_dtypes_of_the_counters_are_read(tmp_path):
+    """Bridge before 0.5 saved the counters as int32 (v0.4.1 training/state.py), and TrainState.state_dict makes
+    the flops a float64 (what a save without the finalize step's float32 would hold)."""
+    torch = pytest.importorskip("torch")
+    copy = tmp_path / "c"
+    shutil.copytree(FIX, copy)
+    path = copy / "iter_0000003" / "train_state.pt"
+    sd = torch.load(path, weights_only=True)
+    sd = {k: (v.to(torch.int32) if v.dtype == torch.int64 else v) for k, v in sd.items()}
+    sd["floating_point_operations_so_far"] = torch.tensor(2.0 ** 60 + 2.0 ** 8, dtype=torch.float64)
+    torch.save(sd, path)
+    want, dtypes = _torch_train_state(path)
+    assert str(dtypes["step"]) == "torch.int32"
+    got = dist.open_checkpoint(str(copy / "iter_0000003")).scalars
+    for k in TRAIN_STATE_KEYS:
+        assert got[f"train_state.{k}"] == want[k], k
+    assert got["train_state.floating_point_operations_so_far"] == 2.0 ** 60 + 2.0 ** 8  # not rounded to float32
