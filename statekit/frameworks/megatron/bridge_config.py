@@ -6,7 +6,10 @@ state has no ``args``; the run's ``ConfigContainer`` is beside the DCP files as 
 maps the fields the bucket layout needs onto Megatron-LM's args names (one table); a needed field
 that is missing refuses naming it and the file. PyYAML is optional (``statekit[megatron]``) and is
 imported only here; ``yaml.safe_load`` only. SwiGLU is ``model.gated_linear_unit`` with the
-activation's ``_target_`` path (never imported).
+activation's ``_target_`` path (never imported). The same table carries the schedule's settings that
+``opt_param_scheduler`` lacks and the model fields a Hugging Face config is built from or refused for
+(:mod:`statekit.ops.megatron_config`); :data:`TRAIN_STATE` names ``train_state.pt``'s keys as Megatron-LM names
+the same counters (read by :mod:`.bridge_state`).
 """
 
 from __future__ import annotations
