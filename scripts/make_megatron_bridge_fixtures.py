@@ -8,7 +8,8 @@ gloo processes (DP 2). It trains 3 iterations (lm loss 4.65 → 3.91) and saves 
 bridge_gpt_torch_dist_dp_reshardable_dp2``, 1.1 MB. Two earlier runs with ``fully_parallel_save=True`` and one
 with it off hung after "Storing distributed optimizer sharded state of type dp_reshardable". The committed run
 (the same settings as that last one, from this file) finished. The cause of the hang was not found: rerun if it
-hangs. statekit does not read the folder yet (it refuses it: "no args in the common state").
+hangs. statekit reads the folder (run_config.yaml for the layout, train_state.pt for the position:
+``tests/test_megatron_bridge_folder.py``).
 
 Run (see ``bridge_cpu_imports.py`` for the venv; HELPERS is Megatron's own
 ``megatron/core/datasets/helpers.cpp`` compiled for Python 3.11 with pybind11, as its ``make`` would, because

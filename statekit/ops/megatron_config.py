@@ -32,7 +32,12 @@ _MUST = (("position_embedding_type", "rope", "the position embedding"),
          ("softmax_type", "vanilla", "the attention softmax"),
          ("attention_output_gate", "False", "a gated attention output"),
          ("qk_l2_norm", "False", "L2-normalised q/k"),
-         ("multi_latent_attention", "False", "multi-latent attention"))
+         ("multi_latent_attention", "False", "multi-latent attention"),
+         ("glu_linear_offset", "0.0", "an offset added to the GLU's linear half"),
+         ("apply_residual_connection_post_layernorm", "False", "the residual taken after the norm"),
+         ("use_mup", "False", "µP multipliers"),
+         ("is_hybrid_model", "False", "a hybrid (Mamba) model"),
+         ("heterogeneous_block_specs", "False", "per-layer block specs"))
 _MUST_MOE = (("moe_router_score_function", "softmax", "the router's score function"),
              ("moe_router_pre_softmax", "False", "softmax before top-k (HF renormalises the top-k)"),
              ("moe_router_enable_expert_bias", "False", "an expert bias in the router"),
@@ -42,7 +47,14 @@ _ABSENT_MOE = (("moe_router_topk_scaling_factor", "a top-k scaling factor"),
                ("moe_router_num_groups", "group-limited routing"),
                ("moe_input_jitter_eps", "router input jitter"),
                ("rope_type", "a RoPE type"),
-               ("no_rope_freq", "layers without RoPE"))
+               ("no_rope_freq", "layers without RoPE"),
+               ("mrope_section", "multimodal RoPE sections"),
+               ("window_size", "sliding-window attention"),
+               ("activation_func_clamp_value", "a clamped activation"),
+               ("softmax_scale", "a softmax scale other than 1/sqrt(head_dim)"),
+               ("mtp_num_layers", "multi-token prediction layers"),
+               ("experimental_attention_variant", "an experimental attention variant"),
+               ("linear_attention_freq", "linear-attention layers"))
 
 
 def _arg(meta: dict, key: str) -> str | None:

@@ -75,9 +75,20 @@ def scheduler_state(groups) -> dict:
             "_get_lr_called_within_step": False, "_last_lr": last, "lr_lambdas": [None] * len(groups)}
 
 
+def _iteration(meta: dict, step: int) -> int:
+    """The run's iteration: the common state's, or a Megatron-Bridge folder's ``train_state.pt`` step (refused
+    where the two disagree)."""
+    common, bridge = meta.get("megatron.iteration"), meta.get("megatron.train_state.step")
+    if common is not None and bridge is not None and int(common) != int(bridge):
+        raise MappingError(f"{meta.get('megatron.train_state.source')} is at step {bridge}, the common state's "
+                           f"iteration is {common}: trainer_state.json's global_step would be a guess")
+    return int(bridge if bridge is not None else common or step)
+
+
 def trainer_state(meta: dict, step: int) -> dict:
-    """``trainer_state.json``: the counters Trainer resumes from (``global_step`` = the iteration)."""
-    iteration = int(meta.get("megatron.iteration") or step)
+    """``trainer_state.json``: the counters Trainer resumes from (``global_step`` = the iteration, a
+    Megatron-Bridge folder's ``train_state.pt`` step)."""
+    iteration = _iteration(meta, step)
     train_iters = meta.get("megatron.args.train_iters")
     flops = meta.get("megatron.flops_so_far")
     micro = meta.get("megatron.args.micro_batch_size")  # per rank and micro-step, as Trainer's per-device size
@@ -132,6 +143,7 @@ def prepare(ckpt, src: str, hf_model_type: str | None, hf_config: str | None, we
                          f"checkpoint, not from a {ckpt.format} one")
     state, meta = ckpt.optimizer, ckpt.metadata
     refuse_bad_steps(state, src)
+    _iteration(meta, 0)
     dtype = _weights_dtype(meta, weights, src)
     masters = {}
     for p in state.params:

@@ -6,7 +6,10 @@ state has no ``args``; the run's ``ConfigContainer`` is beside the DCP files as 
 maps the fields the bucket layout needs onto Megatron-LM's args names (one table); a needed field
 that is missing refuses naming it and the file. PyYAML is optional (``statekit[megatron]``) and is
 imported only here; ``yaml.safe_load`` only. SwiGLU is ``model.gated_linear_unit`` with the
-activation's ``_target_`` path (never imported).
+activation's ``_target_`` path (never imported). The same table carries the schedule's settings that
+``opt_param_scheduler`` lacks and the model fields a Hugging Face config is built from or refused for
+(:mod:`statekit.ops.megatron_config`); :data:`TRAIN_STATE` names ``train_state.pt``'s keys as Megatron-LM names
+the same counters (read by :mod:`.bridge_state`).
 """
 
 from __future__ import annotations
@@ -56,6 +59,48 @@ _TABLE = (
     ("optimizer", "adam_eps", "adam_eps"),
     ("train", "global_batch_size", "global_batch_size"),
     ("train", "micro_batch_size", "micro_batch_size"),
+    ("train", "train_iters", "train_iters"),
+    ("train", "train_samples", "train_samples"),
+    ("train", "rampup_batch_size", "rampup_batch_size"),
+    # the schedule's settings outside opt_param_scheduler (schedule_megatron reads them from args)
+    ("scheduler", "lr_warmup_init", "lr_warmup_init"),
+    ("scheduler", "lr_wsd_decay_style", "lr_wsd_decay_style"),
+    ("scheduler", "lr_wsd_decay_iters", "lr_wsd_decay_iters"),
+    ("scheduler", "lr_wsd_decay_samples", "lr_wsd_decay_samples"),
+    ("scheduler", "override_opt_param_scheduler", "override_opt_param_scheduler"),
+    ("scheduler", "use_checkpoint_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"),
+    # what a Hugging Face config is built from (ops/megatron_config) or refused for. Bridge's model provider
+    # is a TransformerConfig, whose fields Megatron-LM's args carry under the same names, except: the
+    # model's length is seq_length (GPTModelProvider.provide: max_sequence_length=self.seq_length; Bridge's own
+    # CONFIG_MAPPING pairs HF max_position_embeddings with it), and rope_scaling is args' use_rope_scaling
+    ("model", "seq_length", "max_position_embeddings"),
+    ("model", "seq_length", "seq_length"),
+    ("model", "rope_scaling", "use_rope_scaling"),
+    ("model", "rope_scaling_factor", "rope_scaling_factor"),
+    *(("model", f, f) for f in (
+        "layernorm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved", "rotary_scaling_factor",
+        "position_embedding_type", "mrope_section", "no_rope_freq", "init_method_std", "layernorm_zero_centered_gamma",
+        "softmax_type", "softmax_scale", "attention_output_gate", "qk_l2_norm", "multi_latent_attention",
+        "hidden_dropout", "attention_dropout", "window_size", "glu_linear_offset", "activation_func_clamp_value",
+        "apply_residual_connection_post_layernorm", "use_mup", "mtp_num_layers", "experimental_attention_variant",
+        "is_hybrid_model", "heterogeneous_block_specs", "linear_attention_freq", "moe_router_topk",
+        "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
+        "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size", "moe_layer_freq", "moe_grouped_gemm",
+        "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_num_groups", "moe_z_loss_coeff",
+        "moe_input_jitter_eps")),
+)
+# train_state.pt (Bridge's TrainState.state_dict, training/state.py; saved by checkpointing.save_checkpoint) key →
+# what Megatron-LM calls the same counter: the common state's iteration and num_floating_point_operations_so_far,
+# args' sample counters and phase flags
+TRAIN_STATE = (
+    ("step", "iteration"),
+    ("consumed_train_samples", "consumed_train_samples"),
+    ("skipped_train_samples", "skipped_train_samples"),
+    ("consumed_valid_samples", "consumed_valid_samples"),
+    ("floating_point_operations_so_far", "num_floating_point_operations_so_far"),
+    ("do_train", "do_train"),
+    ("do_valid", "do_valid"),
+    ("do_test", "do_test"),
 )
 # fields the layout cannot do without (present, and not null)
 _NEEDED = ("model.tensor_model_parallel_size", "model.pipeline_model_parallel_size", "model.num_layers",

@@ -252,7 +252,10 @@ _HF_ARGS = ("layernorm_epsilon", "norm_epsilon", "rotary_base", "rotary_percent"
             "moe_grouped_gemm", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_num_groups",
             "moe_z_loss_coeff", "moe_input_jitter_eps", "attention_output_gate", "qk_l2_norm", "no_rope_freq",
             "micro_batch_size",
-            "multi_latent_attention", "hidden_dropout", "attention_dropout", "params_dtype")
+            "multi_latent_attention", "hidden_dropout", "attention_dropout", "params_dtype", "window_size",
+            "glu_linear_offset", "activation_func_clamp_value", "softmax_scale",
+            "apply_residual_connection_post_layernorm", "use_mup", "mtp_num_layers", "experimental_attention_variant",
+            "is_hybrid_model", "heterogeneous_block_specs", "linear_attention_freq", "rope_scaling_factor")
 
 
 # args that first appeared in a release (each checked in that tag's arguments.py, §0)

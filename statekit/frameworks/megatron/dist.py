@@ -39,7 +39,15 @@ from statekit import naming
 from statekit.errors import FormatError, MappingError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import bridge_config, bucket_space, config, proof, regions, stacking
+from statekit.frameworks.megatron import (
+    bridge_config,
+    bridge_state,
+    bucket_space,
+    config,
+    proof,
+    regions,
+    stacking,
+)
 from statekit.frameworks.torch_state import describe_scheduler
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
 from statekit.tensor import TensorRef
@@ -78,6 +86,7 @@ class MegatronDistCheckpoint:
     sharding: str = "non_distributed"
     disproofs: list[Disproved] = field(default_factory=list)
     padding: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> (true rows, stored rows)
+    position_disagreements: list[str] = field(default_factory=list)  # a Bridge folder's (bridge_state)
 
     def close(self) -> None:
         self.dist.close()
@@ -105,6 +114,8 @@ class MegatronDistCheckpoint:
                             f"{', '.join(held)} non-zero in the vocabulary padding rows {rows}..{stored - 1} "
                             f"(args.vocab_size {rows}): no token looks them up, so no gradient ever reached them; "
                             "the state there was left by something else"))
+        for d in self.position_disagreements:
+            out.append(("warning", "counters", None, f"Megatron-Bridge's train_state.pt: {d}"))
         return out
 
 
@@ -421,7 +432,8 @@ def _writers(where: str) -> int:
 def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint:
     where = dist.directory
     common = dist.common()
-    if common.get("args") is None and bridge_config.beside(where):
+    bridge = common.get("args") is None and bridge_config.beside(where) is not None
+    if bridge:
         common = {**common, "args": bridge_config.args_from_run_config(bridge_config.beside(where),
                                                                         _writers(where))}
     args = _fields(common.get("args"))
@@ -477,6 +489,12 @@ def _read(dist: megatron_dist.MegatronDist, path: str, prove: str) -> Checkpoint
     ckpt.nbytes = sum(p.nbytes for p in params)
     ckpt.metadata.update(_metadata(dist, common, args, sharding, members))
     scheduler = common.get("opt_param_scheduler")
+    position = bridge_state.find(where, dist.path) if bridge else None
+    if position is not None:
+        bridge_state.check(position, common.get("iteration"), scheduler,
+                           common.get("num_floating_point_operations_so_far"))
+        bridge_state.attach(ckpt, position, args)
+        reading.container.position_disagreements = list(position.disagreements)
     if isinstance(scheduler, dict):
         ckpt.schedulers = [{"kind": "megatron opt_param_scheduler (units: samples)", **describe_scheduler(scheduler)}]
         from statekit.frameworks import schedule_megatron

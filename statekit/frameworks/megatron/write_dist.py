@@ -67,7 +67,7 @@ from statekit.atomic import atomic_write
 from statekit.errors import FormatError, MappingError, UsageError
 from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import Record
-from statekit.frameworks.megatron import config, stacking, write_buckets, write_moe
+from statekit.frameworks.megatron import bridge_config, config, stacking, write_buckets, write_moe
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.frameworks.megatron.write_buckets import sharded_object as _object
 from statekit.tensor import TensorRef
@@ -255,6 +255,11 @@ def write(src: str, dst: str, target: Target, shards: int | None = None) -> Writ
 def _namespace(common: dict, where: str) -> Record:
     args = common.get("args")
     if not isinstance(args, Record) or args.cls != megatron_dist.NAMESPACE:
+        if args is None and bridge_config.beside(where):
+            raise MappingError("a Megatron-Bridge folder (its settings in run_config.yaml, no args in the common "
+                               "state): a Megatron-LM torch_dist folder needs an args Namespace that Megatron's "
+                               "load_checkpoint accepts, which statekit does not synthesize from run_config.yaml; "
+                               "--to hf-trainer reads this folder", where)
         raise FormatError("the common state has no args Namespace: the target run's sizes cannot be written", where)
     return args
 
