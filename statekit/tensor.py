@@ -185,6 +185,33 @@ _new_object = object.__new__
 _SET_FILE, _SET_OFFSET, _SET_LENGTH = (getattr(FileSpan, name).__set__ for name in ("file", "offset", "length"))
 
 
+def file_runs(ref: TensorRef) -> list[FileSpan] | None:
+    """``ref``'s bytes (as :meth:`TensorRef.iter_bytes` gives them) as file spans back to back, or
+    None where they are not known to be: a plain span, or what its ``runs`` answers (checked to
+    add up to the tensor's size)."""
+    if ref.array_loader is not None:
+        return None
+    if ref.span is not None:
+        return [ref.span] if ref.loader is None else None
+    if ref.runs is None:
+        return None
+    spans = ref.runs()
+    if spans is None or sum(sp.length for sp in spans) != ref.nbytes:
+        return None
+    return spans
+
+
+def prefix_runs(spans: list[FileSpan], n: int) -> list[FileSpan]:
+    """The first ``n`` bytes of ``spans`` (back to back) as spans."""
+    out: list[FileSpan] = []
+    for sp in spans:
+        if n <= 0:
+            break
+        out.append(sp if sp.length <= n else FileSpan.at(sp.file, sp.offset, n))
+        n -= sp.length
+    return out
+
+
 @dataclass(slots=True)  # no per-object __dict__: a .pt may hold 10^6 of them
 class TensorRef:
     """A tensor whose bytes live somewhere else (a file span, a transform, an array).
@@ -208,6 +235,9 @@ class TensorRef:
     resident: int = 0
     checks: tuple | None = field(default=None, repr=False)  # (source, label, path) of stream.checked
     transposed: TensorRef | None = field(default=None, repr=False)  # the source of stream.transpose
+    # the bytes ``iter_bytes`` gives are these file spans back to back (asked once, when written; None: they
+    # are not): a writer reads them straight into its output (:func:`file_runs`)
+    runs: Callable[[], list[FileSpan] | None] | None = field(default=None, repr=False)
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:
@@ -343,6 +373,7 @@ def spanned_ref(dtype: str, shape: tuple[int, ...], info: object, span: FileSpan
     ref.resident = 0
     ref.checks = None
     ref.transposed = None
+    ref.runs = None
     return ref
 
 
@@ -353,7 +384,7 @@ def _check_spanned_ref() -> None:
     if hasattr(TensorRef, "__post_init__") or defaults != {
             "dtype": dataclasses.MISSING, "shape": dataclasses.MISSING, "loader": None, "array_loader": None,
             "nbytes_hint": None, "info": dataclasses.MISSING, "chunk_reader": None, "span": None,
-            "piece_source": None, "resident": 0, "checks": None, "transposed": None}:
+            "piece_source": None, "resident": 0, "checks": None, "transposed": None, "runs": None}:
         raise AssertionError("TensorRef's fields changed: spanned_ref sets the old ones")
 
 

@@ -70,7 +70,7 @@ from statekit.formats.torch_pickle import Record
 from statekit.frameworks.megatron import config, stacking, write_buckets, write_moe
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.frameworks.megatron.write_buckets import sharded_object as _object
-from statekit.tensor import TensorRef
+from statekit.tensor import TensorRef, file_runs, prefix_runs
 
 SHARDINGS = ("fully_reshardable", "dp_reshardable")
 LATER: tuple[str, ...] = ()
@@ -128,7 +128,11 @@ def _rows(ref: TensorRef, rows: int) -> TensorRef:
             yield bytes(n)
             extra -= n
 
-    return TensorRef(ref.dtype, (rows, *ref.shape[1:]), chunk_reader=pieces, info=dict(ref.info))
+    def runs():  # a cut: the first rows' spans (padding rows are zeros, no file's bytes)
+        spans = file_runs(ref) if rows < have else None
+        return None if spans is None else prefix_runs(spans, keep)
+
+    return TensorRef(ref.dtype, (rows, *ref.shape[1:]), chunk_reader=pieces, info=dict(ref.info), runs=runs)
 
 
 def _stacked(parts: list[TensorRef], lead_shape: tuple[int, ...], key: str) -> TensorRef:
@@ -145,7 +149,16 @@ def _stacked(parts: list[TensorRef], lead_shape: tuple[int, ...], key: str) -> T
         for p in parts:
             yield from p.iter_bytes(size)
 
-    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces, info={"parts": parts})
+    def runs():
+        spans = []
+        for p in parts:
+            got = file_runs(p)
+            if got is None:
+                return None
+            spans.extend(got)
+        return spans
+
+    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces, info={"parts": parts}, runs=runs)
 
 
 def _held_rows(ref: TensorRef, start: int) -> bool:
