@@ -286,7 +286,7 @@ class PieceStream:
                 out.commit(len(view))
             else:
                 out.write(view)
-        self.nbytes = sum(sp.length for sp in span) if isinstance(span, list) else span.length
+        self.nbytes = sum(tensor.run_length(r) for r in span) if isinstance(span, list) else span.length
         if self._want_crc:
             self.crc = crc
         if nan or inf:
@@ -311,10 +311,19 @@ def _span_views(out, span, item: int) -> Iterator[tuple[memoryview, bool]]:
         pos += n
 
 
-def _runs_views(out, spans: list, item: int) -> Iterator[tuple[memoryview, bool]]:
-    """:func:`_span_views` of each span in turn (a tensor whose bytes are several file spans)."""
-    for span in spans:
-        yield from _span_views(out, span, item)
+_ZEROS = bytes(1 << 20)
+
+
+def _runs_views(out, runs: list, item: int) -> Iterator[tuple[memoryview, bool]]:
+    """:func:`_span_views` of each file span in turn, zeros for an int (a tensor whose bytes are
+    runs back to back: :func:`statekit.tensor.file_runs`)."""
+    zeros = memoryview(_ZEROS)
+    for run in runs:
+        if isinstance(run, int):
+            for lo in range(0, run, len(zeros)):
+                yield zeros[: min(len(zeros), run - lo)], False
+        else:
+            yield from _span_views(out, run, item)
 
 
 BAND = 64 << 20  # the most bytes of output rows a transpose produces at once
@@ -594,7 +603,7 @@ def _direct_source(ref: TensorRef) -> tuple | None:
         return inner.span, check, None
     if inner.runs is not None and inner.span is None:
         spans = tensor.file_runs(inner)  # (a box of several files' chunks, rows cut, parts stacked)
-        if spans is not None:
+        if spans is not None and tensor.worth_runs(spans):  # (else many tiny runs: the pieces, in workers)
             return spans, check, None
     src = inner.transposed
     if src is not None and src.span is not None and src.array_loader is None and len(src.shape) == 2 \

@@ -185,10 +185,18 @@ _new_object = object.__new__
 _SET_FILE, _SET_OFFSET, _SET_LENGTH = (getattr(FileSpan, name).__set__ for name in ("file", "offset", "length"))
 
 
-def file_runs(ref: TensorRef) -> list[FileSpan] | None:
-    """``ref``'s bytes (as :meth:`TensorRef.iter_bytes` gives them) as file spans back to back, or
-    None where they are not known to be: a plain span, or what its ``runs`` answers (checked to
-    add up to the tensor's size)."""
+def run_length(run: FileSpan | int) -> int:
+    """A run's bytes: a file span's length, or an int (that many zero bytes)."""
+    return run if isinstance(run, int) else run.length
+
+
+MIN_RUN = 16 << 10  # the least mean bytes per run worth reading run by run (else pieces, as before)
+
+
+def file_runs(ref: TensorRef) -> list[FileSpan | int] | None:
+    """``ref``'s bytes (as :meth:`TensorRef.iter_bytes` gives them) as runs back to back — file
+    spans, and ints for so many zero bytes (a bucket's padding) — or None where they are not known
+    to be: a plain span, or what its ``runs`` answers (checked to add up to the tensor's size)."""
     if ref.array_loader is not None:
         return None
     if ref.span is not None:
@@ -196,19 +204,54 @@ def file_runs(ref: TensorRef) -> list[FileSpan] | None:
     if ref.runs is None:
         return None
     spans = ref.runs()
-    if spans is None or sum(sp.length for sp in spans) != ref.nbytes:
+    if spans is None:
         return None
-    return spans
+    return spans if sum(run_length(r) for r in spans) == ref.nbytes else None
 
 
-def prefix_runs(spans: list[FileSpan], n: int) -> list[FileSpan]:
-    """The first ``n`` bytes of ``spans`` (back to back) as spans."""
-    out: list[FileSpan] = []
-    for sp in spans:
+def worth_runs(runs: list[FileSpan | int]) -> bool:
+    """Whether reading ``runs`` one by one beats pieces: few of them, or long ones on average."""
+    return len(runs) <= 1 or sum(run_length(r) for r in runs) >= MIN_RUN * len(runs)
+
+
+def extend_runs(out: list[FileSpan | int], runs: list[FileSpan | int]) -> list[FileSpan | int]:
+    """``out`` with ``runs`` appended, neighbours in one file (or zeros) joined; returns ``out``."""
+    for run in runs:
+        cut_runs([run], 0, run_length(run), out)
+    return out
+
+
+def cut_runs(runs: list[FileSpan | int], lo: int, n: int, out: list[FileSpan | int]) -> bool:
+    """Append bytes ``lo:lo + n`` of ``runs`` (back to back) to ``out`` (neighbours in one file,
+    or zeros, joined); False where the runs hold fewer bytes."""
+    pos = 0
+    for run in runs:
         if n <= 0:
             break
-        out.append(sp if sp.length <= n else FileSpan.at(sp.file, sp.offset, n))
-        n -= sp.length
+        length = run_length(run)
+        if lo < pos + length:
+            start = lo - pos
+            k = min(n, length - start)
+            last = out[-1] if out else None
+            if isinstance(run, int):
+                if isinstance(last, int):
+                    out[-1] = last + k
+                else:
+                    out.append(k)
+            elif isinstance(last, FileSpan) and last.file is run.file and last.offset + last.length == run.offset + start:
+                out[-1] = FileSpan.at(run.file, last.offset, last.length + k)
+            else:
+                out.append(FileSpan.at(run.file, run.offset + start, k))
+            lo += k
+            n -= k
+        pos += length
+    return n <= 0
+
+
+def prefix_runs(spans: list[FileSpan | int], n: int) -> list[FileSpan | int]:
+    """The first ``n`` bytes of ``spans`` (back to back) as runs."""
+    out: list[FileSpan | int] = []
+    cut_runs(spans, 0, n, out)
     return out
 
 

@@ -100,31 +100,10 @@ def _file_runs(t: TargetMap, slots: dict[str, TensorRef], item: int) -> list | N
         if name not in spans_of:
             spans_of[name] = tensor.file_runs(slots[name])
         spans = spans_of[name]
-        if spans is None or not _cut(spans, src * item, n * item, out):
+        if spans is None or not tensor.cut_runs(spans, src * item, n * item, out):
             return None
         at += n
     return out if at == t.numel else None
-
-
-def _cut(spans: list, lo: int, n: int, out: list) -> bool:
-    """Append bytes ``lo:lo + n`` of ``spans`` (back to back) to ``out`` as spans (neighbours in
-    one file joined); False where the spans hold fewer bytes."""
-    pos = 0
-    for sp in spans:
-        if n <= 0:
-            break
-        if lo < pos + sp.length:
-            start = lo - pos
-            k = min(n, sp.length - start)
-            last = out[-1] if out else None
-            if last is not None and last.file is sp.file and last.offset + last.length == sp.offset + start:
-                out[-1] = tensor.FileSpan.at(sp.file, last.offset, last.length + k)
-            else:
-                out.append(tensor.FileSpan.at(sp.file, sp.offset + start, k))
-            lo += k
-            n -= k
-        pos += sp.length
-    return n <= 0
 
 
 def _flat(ref: TensorRef) -> np.ndarray:
