@@ -251,7 +251,7 @@ class PieceStream:
     def __init__(self, pieces: Iterator, want_crc: bool, direct: tuple | None = None):
         self._pieces = pieces
         self._want_crc = want_crc
-        self._direct = direct  # (span, check) of a span the consumer reads itself
+        self._direct = direct  # (span or spans, check, source) of bytes the consumer reads itself
         self.nbytes = 0
         self.crc = 0 if want_crc else None
 
@@ -272,8 +272,9 @@ class PieceStream:
         crc32 = crc32_function() if self._want_crc else None
         typed = source if source is not None else check[0] if check is not None else None
         want = dtypes.numpy_dtype(typed.dtype) if typed is not None else None
-        views = _span_views(out, span, want.itemsize if want is not None else 1) if source is None else \
-            _transposed_views(span, source, want)
+        item = want.itemsize if want is not None else 1
+        views = _transposed_views(span, source, want) if source is not None else \
+            _runs_views(out, span, item) if isinstance(span, list) else _span_views(out, span, item)
         crc = nan = inf = 0
         for view, staged in views:
             if check is not None:
@@ -285,7 +286,7 @@ class PieceStream:
                 out.commit(len(view))
             else:
                 out.write(view)
-        self.nbytes = span.length
+        self.nbytes = sum(tensor.run_length(r) for r in span) if isinstance(span, list) else span.length
         if self._want_crc:
             self.crc = crc
         if nan or inf:
@@ -308,6 +309,21 @@ def _span_views(out, span, item: int) -> Iterator[tuple[memoryview, bool]]:
             n = item
             yield memoryview(span.read(pos, item)), False
         pos += n
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def _runs_views(out, runs: list, item: int) -> Iterator[tuple[memoryview, bool]]:
+    """:func:`_span_views` of each file span in turn, zeros for an int (a tensor whose bytes are
+    runs back to back: :func:`statekit.tensor.file_runs`)."""
+    zeros = memoryview(_ZEROS)
+    for run in runs:
+        if isinstance(run, int):
+            for lo in range(0, run, len(zeros)):
+                yield zeros[: min(len(zeros), run - lo)], False
+        else:
+            yield from _span_views(out, run, item)
 
 
 BAND = 64 << 20  # the most bytes of output rows a transpose produces at once
@@ -577,13 +593,18 @@ def _raw(ref: TensorRef, piece: int) -> Iterator:
 
 def _direct_source(ref: TensorRef) -> tuple | None:
     """How a consumer writing to an ``OutputFile`` produces ``ref`` itself, or None (then a worker
-    does): ``(span, check, None)`` for a file span as it is, ``(span, check, source)`` for the
-    transpose of a 2-D file span ``source``; ``check`` is the ``(ref, label, path)`` of
-    :func:`checked` or None."""
+    does): ``(span, check, None)`` for a file span as it is, ``(spans, check, None)`` for a
+    tensor whose bytes are a list of file spans back to back (:func:`statekit.tensor.file_runs`),
+    ``(span, check, source)`` for the transpose of a 2-D file span ``source``; ``check`` is the
+    ``(ref, label, path)`` of :func:`checked` or None."""
     check = ref.checks
     inner = check[0] if check is not None else ref
     if inner.span is not None and inner.array_loader is None:
         return inner.span, check, None
+    if inner.runs is not None and inner.span is None:
+        spans = tensor.file_runs(inner)  # (a box of several files' chunks, rows cut, parts stacked)
+        if spans is not None and tensor.worth_runs(spans):  # (else many tiny runs: the pieces, in workers)
+            return spans, check, None
     src = inner.transposed
     if src is not None and src.span is not None and src.array_loader is None and len(src.shape) == 2 \
             and src.dtype != "QFloat":
@@ -611,8 +632,8 @@ class _Gate:
     """Tensors that hold their whole source (transposes) start in order, as many at once as fit
     in a budget of the largest one's bytes: memory stays one large source, small ones overlap."""
 
-    def __init__(self, refs: list[TensorRef]):
-        self._order = [i for i, r in enumerate(refs) if r.resident]
+    def __init__(self, refs: list[TensorRef], direct: list):
+        self._order = [i for i, r in enumerate(refs) if r.resident and direct[i] is None]  # (workers' only)
         self._size = {i: refs[i].resident for i in self._order}
         self._budget = max(self._size.values(), default=0)
         self._used = 0
@@ -678,7 +699,7 @@ def _size(ref: TensorRef) -> int:
 
 def _concurrent(refs: list[TensorRef], n_jobs: int, piece: int, crc: bool, direct: list) -> Iterator[tuple]:
     cancelled = threading.Event()
-    gate = _Gate(refs)
+    gate = _Gate(refs, direct)
     queues = [queue.Queue(maxsize=QUEUE_PIECES) if d is None else None for d in direct]
     slots = threading.Semaphore(n_jobs)  # tensors in flight: taken by a worker, released by the consumer
     counter = iter([i for i, d in enumerate(direct) if d is None])  # the workers' share, in order

@@ -185,6 +185,76 @@ _new_object = object.__new__
 _SET_FILE, _SET_OFFSET, _SET_LENGTH = (getattr(FileSpan, name).__set__ for name in ("file", "offset", "length"))
 
 
+def run_length(run: FileSpan | int) -> int:
+    """A run's bytes: a file span's length, or an int (that many zero bytes)."""
+    return run if isinstance(run, int) else run.length
+
+
+MIN_RUN = 16 << 10  # the least mean bytes per run worth reading run by run (else pieces, as before)
+
+
+def file_runs(ref: TensorRef) -> list[FileSpan | int] | None:
+    """``ref``'s bytes (as :meth:`TensorRef.iter_bytes` gives them) as runs back to back — file
+    spans, and ints for so many zero bytes (a bucket's padding) — or None where they are not known
+    to be: a plain span, or what its ``runs`` answers (checked to add up to the tensor's size)."""
+    if ref.array_loader is not None:
+        return None
+    if ref.span is not None:
+        return [ref.span] if ref.loader is None else None
+    if ref.runs is None:
+        return None
+    spans = ref.runs()
+    if spans is None:
+        return None
+    return spans if sum(run_length(r) for r in spans) == ref.nbytes else None
+
+
+def worth_runs(runs: list[FileSpan | int]) -> bool:
+    """Whether reading ``runs`` one by one beats pieces: few of them, or long ones on average."""
+    return len(runs) <= 1 or sum(run_length(r) for r in runs) >= MIN_RUN * len(runs)
+
+
+def extend_runs(out: list[FileSpan | int], runs: list[FileSpan | int]) -> list[FileSpan | int]:
+    """``out`` with ``runs`` appended, neighbours in one file (or zeros) joined; returns ``out``."""
+    for run in runs:
+        cut_runs([run], 0, run_length(run), out)
+    return out
+
+
+def cut_runs(runs: list[FileSpan | int], lo: int, n: int, out: list[FileSpan | int]) -> bool:
+    """Append bytes ``lo:lo + n`` of ``runs`` (back to back) to ``out`` (neighbours in one file,
+    or zeros, joined); False where the runs hold fewer bytes."""
+    pos = 0
+    for run in runs:
+        if n <= 0:
+            break
+        length = run_length(run)
+        if lo < pos + length:
+            start = lo - pos
+            k = min(n, length - start)
+            last = out[-1] if out else None
+            if isinstance(run, int):
+                if isinstance(last, int):
+                    out[-1] = last + k
+                else:
+                    out.append(k)
+            elif isinstance(last, FileSpan) and last.file is run.file and last.offset + last.length == run.offset + start:
+                out[-1] = FileSpan.at(run.file, last.offset, last.length + k)
+            else:
+                out.append(FileSpan.at(run.file, run.offset + start, k))
+            lo += k
+            n -= k
+        pos += length
+    return n <= 0
+
+
+def prefix_runs(spans: list[FileSpan | int], n: int) -> list[FileSpan | int]:
+    """The first ``n`` bytes of ``spans`` (back to back) as runs."""
+    out: list[FileSpan | int] = []
+    cut_runs(spans, 0, n, out)
+    return out
+
+
 @dataclass(slots=True)  # no per-object __dict__: a .pt may hold 10^6 of them
 class TensorRef:
     """A tensor whose bytes live somewhere else (a file span, a transform, an array).
@@ -208,6 +278,9 @@ class TensorRef:
     resident: int = 0
     checks: tuple | None = field(default=None, repr=False)  # (source, label, path) of stream.checked
     transposed: TensorRef | None = field(default=None, repr=False)  # the source of stream.transpose
+    # the bytes ``iter_bytes`` gives are these file spans back to back (asked once, when written; None: they
+    # are not): a writer reads them straight into its output (:func:`file_runs`)
+    runs: Callable[[], list[FileSpan] | None] | None = field(default=None, repr=False)
 
     @classmethod
     def from_array(cls, array: np.ndarray, dtype: str | None = None) -> TensorRef:
@@ -343,6 +416,7 @@ def spanned_ref(dtype: str, shape: tuple[int, ...], info: object, span: FileSpan
     ref.resident = 0
     ref.checks = None
     ref.transposed = None
+    ref.runs = None
     return ref
 
 
@@ -353,7 +427,7 @@ def _check_spanned_ref() -> None:
     if hasattr(TensorRef, "__post_init__") or defaults != {
             "dtype": dataclasses.MISSING, "shape": dataclasses.MISSING, "loader": None, "array_loader": None,
             "nbytes_hint": None, "info": dataclasses.MISSING, "chunk_reader": None, "span": None,
-            "piece_source": None, "resident": 0, "checks": None, "transposed": None}:
+            "piece_source": None, "resident": 0, "checks": None, "transposed": None, "runs": None}:
         raise AssertionError("TensorRef's fields changed: spanned_ref sets the old ones")
 
 

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from statekit import dtypes, stream
+from statekit import dtypes, stream, tensor
 from statekit.errors import MappingError
 from statekit.lazy import numpy as np
 from statekit.structure.pieces import Piece, TargetMap
@@ -52,7 +52,58 @@ def assembled(t: TargetMap, slots: dict[str, TensorRef], dtype: str, fill: float
         for lo in range(0, t.numel, elements):
             yield out[lo : lo + elements]
 
-    return stream.derived(dtype, t.shape, source, resident=t.numel * np_dtype.itemsize + largest)
+    ref = stream.derived(dtype, t.shape, source, resident=t.numel * np_dtype.itemsize + largest)
+    if not t.new and all(slots[s].dtype == dtype for s in t.sources):
+        ref.runs = lambda: _file_runs(t, slots, np_dtype.itemsize)
+    return ref
+
+
+MAX_RUNS = 1 << 14  # contiguous runs of a target beyond which it is assembled in memory as before
+
+
+def _element_runs(p: Piece) -> list[tuple[int, int, int]] | None:
+    """The piece as ``(dst_start, src_start, length)`` element runs contiguous in both tensors, or
+    None where there would be more than :data:`MAX_RUNS` (a transpose: one element each)."""
+    k, block = len(p.shape), 1
+    while k > 0 and (p.shape[k - 1] == 1 or (p.src_strides[k - 1] == block and p.dst_strides[k - 1] == block)):
+        k -= 1
+        block *= p.shape[k]
+    outer = p.shape[:k]
+    if math.prod(outer) > MAX_RUNS:
+        return None
+    runs = []
+    for index in np.ndindex(*outer) if outer else [()]:
+        dst = p.dst_offset + sum(i * st for i, st in zip(index, p.dst_strides, strict=False))
+        src = p.src_offset + sum(i * st for i, st in zip(index, p.src_strides, strict=False))
+        runs.append((dst, src, block))
+    return runs
+
+
+def _file_runs(t: TargetMap, slots: dict[str, TensorRef], item: int) -> list | None:
+    """The target's bytes as file spans back to back, where its pieces copy contiguous runs of
+    sources that are themselves file spans (a split of row blocks, a vocabulary cut, q/k/v out of
+    a fused matrix): then a writer reads them straight from the files, nothing assembled in
+    memory; None otherwise."""
+    runs: list[tuple[int, str, int, int]] = []
+    for p in t.pieces:
+        got = _element_runs(p)
+        if got is None or len(runs) + len(got) > MAX_RUNS:
+            return None
+        runs.extend((dst, p.source, src, n) for dst, src, n in got)
+    runs.sort(key=lambda r: r[0])
+    spans_of: dict[str, list | None] = {}
+    out: list = []
+    at = 0
+    for dst, name, src, n in runs:
+        if dst != at:  # (a gap or an overlap: not one run after another)
+            return None
+        if name not in spans_of:
+            spans_of[name] = tensor.file_runs(slots[name])
+        spans = spans_of[name]
+        if spans is None or not tensor.cut_runs(spans, src * item, n * item, out):
+            return None
+        at += n
+    return out if at == t.numel else None
 
 
 def _flat(ref: TensorRef) -> np.ndarray:

@@ -43,7 +43,7 @@ from statekit.frameworks.megatron import buckets, config, names, proof
 from statekit.frameworks.megatron.names import _FC1, TP_AXES, tp_axis  # noqa: F401 (the TP axes: names.py)
 from statekit.lazy import numpy as np
 from statekit.state import Checkpoint, ModelInfo, ModelParam, OptimizerState, ParamGroup, ParamState
-from statekit.tensor import PIECE, FileSpan, TensorRef, spanned_ref
+from statekit.tensor import PIECE, FileSpan, TensorRef, cut_runs, file_runs, spanned_ref
 
 FORMAT = "megatron-legacy"
 MASTER = naming.MASTER_SLOT
@@ -105,8 +105,16 @@ def joined(parts: list[TensorRef], axis: int | None, swiglu: bool = False) -> Te
                 for a in range(lo, lo + n, size):
                     yield _read(ref, a, min(size, lo + n - a))
 
+        def runs():  # each segment's bytes of its shard's runs, in order
+            out: list = []
+            for ref, lo, n in segments:
+                got = file_runs(ref)
+                if got is None or not cut_runs(got, lo, n, out):
+                    return None
+            return out
+
         return TensorRef(dtype, tuple(shape), loader=lambda: b"".join(bytes(c) for c in chunks(PIECE)),
-                         chunk_reader=chunks, info={"megatron_tp_join": f"axis 0 of {len(parts)}"})
+                         chunk_reader=chunks, info={"megatron_tp_join": f"axis 0 of {len(parts)}"}, runs=runs)
     outer = math.prod(shape[:axis])
     widths = [math.prod(p.shape[axis:]) for p in parts]
     row = sum(widths)

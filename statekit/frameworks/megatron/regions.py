@@ -150,10 +150,13 @@ def boxed(reader: dcp.DcpReader, entry: dcp.TensorEntry, box: Box, shape: tuple[
     piece, whatever the box's size; nothing is read (not even a chunk's archive) until asked."""
     plan: list[list[FileSpan] | None] = []
 
-    def pieces(size: int) -> Iterator[bytes | memoryview]:
+    def runs() -> list[FileSpan] | None:
         if not plan:
             plan.append(_runs(reader, entry, box))
-        spans = plan[0]
+        return plan[0]
+
+    def pieces(size: int) -> Iterator[bytes | memoryview]:
+        spans = runs()
         if spans is None:
             yield from _slabs(reader, entry, box, size or PIECE)
             return
@@ -161,7 +164,14 @@ def boxed(reader: dcp.DcpReader, entry: dcp.TensorEntry, box: Box, shape: tuple[
             yield from sp.chunks(size or PIECE)
 
     return TensorRef(entry.dtype, shape, loader=lambda: b"".join(bytes(p) for p in pieces(PIECE)),
-                     chunk_reader=pieces, info=info)
+                     chunk_reader=pieces, info=info, runs=runs)
+
+
+def _joined(chunks: list[TensorRef]) -> list[FileSpan] | None:
+    """The chunks' bytes back to back as file spans (what their ``iter_bytes`` give), or None
+    where one is not a plain span of its file."""
+    spans = [_file_span(c) for c in chunks]
+    return None if any(sp is None for sp in spans) else spans
 
 
 def _whole_chunk(entry: dcp.TensorEntry, box: Box) -> dcp.Chunk | None:
@@ -185,8 +195,11 @@ def plain(reader: dcp.DcpReader, entry: dcp.TensorEntry, lead: tuple[int, ...], 
         def pieces(size: int) -> Iterator[bytes | memoryview]:
             yield from reader.chunk(entry, whole).iter_bytes(size)
 
+        def runs() -> list[FileSpan] | None:
+            return _joined([reader.chunk(entry, whole)])
+
         return TensorRef(entry.dtype, rest, loader=lambda: reader.chunk(entry, whole).raw(),
-                         chunk_reader=pieces, info=info)
+                         chunk_reader=pieces, info=info, runs=runs)
     return boxed(reader, entry, box, rest, info)
 
 
@@ -233,6 +246,9 @@ def reformulated(reader: dcp.DcpReader, entry: dcp.TensorEntry, global_shape: tu
             for c in ranges:
                 yield from reader.chunk(entry, c).iter_bytes(size or PIECE)
 
+        def runs() -> list[FileSpan] | None:
+            return _joined([reader.chunk(entry, c) for c in ranges])
+
         return TensorRef(entry.dtype, rest, loader=lambda: b"".join(bytes(p) for p in pieces(PIECE)),
-                         chunk_reader=pieces, info=info)
+                         chunk_reader=pieces, info=info, runs=runs)
     return TensorRef(entry.dtype, rest, array_loader=assemble, info=info)

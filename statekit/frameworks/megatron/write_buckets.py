@@ -44,7 +44,7 @@ from statekit.formats import dcp, megatron_dist
 from statekit.formats.torch_pickle import STATEKIT_TO_TORCH, TorchDtype
 from statekit.frameworks.megatron import bucket_space, buckets, config
 from statekit.frameworks.megatron.names import tp_axis
-from statekit.tensor import PIECE, TensorRef
+from statekit.tensor import PIECE, TensorRef, cut_runs, extend_runs, file_runs
 
 SLOTS = bucket_space.SLOTS  # ("param", "exp_avg", "exp_avg_sq"): the fp32 master, then the moments
 _ITEM = 4  # the buckets hold F32
@@ -185,7 +185,15 @@ def tp_shard(whole: TensorRef, name: str, cfg: config.MegatronConfig, rank: int)
     def pieces(size: int) -> Iterator[bytes]:
         yield from _select(whole, [(lo * item, hi * item) for lo, hi in ranges], size or PIECE)
 
-    return TensorRef(whole.dtype, local, chunk_reader=pieces, info={"param": name, "megatron_tp_shard": f"{rank} of {tp}"})
+    def runs():  # the ranges' bytes of the whole's runs (few long ones: a column-parallel shard)
+        spans = file_runs(whole)
+        out: list = []
+        if spans is None or any(not cut_runs(spans, lo * item, (hi - lo) * item, out) for lo, hi in ranges):
+            return None
+        return out
+
+    return TensorRef(whole.dtype, local, chunk_reader=pieces, info={"param": name, "megatron_tp_shard": f"{rank} of {tp}"},
+                     runs=runs)
 
 
 def _select(ref: TensorRef, ranges: list[tuple[int, int]], size: int) -> Iterator[bytes | memoryview]:
@@ -248,4 +256,17 @@ def bucket(parts: list[tuple[int, TensorRef]], numel: int, key: str) -> TensorRe
         if numel > at:
             yield bytes((numel - at) * _ITEM)
 
-    return TensorRef("F32", (numel,), chunk_reader=pieces)
+    def runs():  # the parts' runs at their offsets, zeros between (None where a part's are not known)
+        out: list = []
+        at = 0
+        for offset, ref in parts:
+            got = file_runs(ref)
+            if got is None or offset < at or ref.dtype != "F32":
+                return None  # (the pieces refuse what does not fit, with the message)
+            extend_runs(out, ([(offset - at) * _ITEM] if offset > at else []) + got)
+            at = offset + ref.numel
+        if at > numel:
+            return None
+        return extend_runs(out, [(numel - at) * _ITEM] if numel > at else [])
+
+    return TensorRef("F32", (numel,), chunk_reader=pieces, runs=runs)

@@ -70,7 +70,7 @@ from statekit.formats.torch_pickle import Record
 from statekit.frameworks.megatron import bridge_config, config, stacking, write_buckets, write_moe
 from statekit.frameworks.megatron import dist as dist_reader
 from statekit.frameworks.megatron.write_buckets import sharded_object as _object
-from statekit.tensor import TensorRef
+from statekit.tensor import TensorRef, extend_runs, file_runs, prefix_runs
 
 SHARDINGS = ("fully_reshardable", "dp_reshardable")
 LATER: tuple[str, ...] = ()
@@ -128,7 +128,13 @@ def _rows(ref: TensorRef, rows: int) -> TensorRef:
             yield bytes(n)
             extra -= n
 
-    return TensorRef(ref.dtype, (rows, *ref.shape[1:]), chunk_reader=pieces, info=dict(ref.info))
+    def runs():  # the first rows' runs, then the padding rows' zeros
+        spans = file_runs(ref)
+        if spans is None:
+            return None
+        return prefix_runs(spans, keep) + ([(rows - have) * row] if rows > have else [])
+
+    return TensorRef(ref.dtype, (rows, *ref.shape[1:]), chunk_reader=pieces, info=dict(ref.info), runs=runs)
 
 
 def _stacked(parts: list[TensorRef], lead_shape: tuple[int, ...], key: str) -> TensorRef:
@@ -145,7 +151,16 @@ def _stacked(parts: list[TensorRef], lead_shape: tuple[int, ...], key: str) -> T
         for p in parts:
             yield from p.iter_bytes(size)
 
-    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces, info={"parts": parts})
+    def runs():
+        spans = []
+        for p in parts:
+            got = file_runs(p)
+            if got is None:
+                return None
+            extend_runs(spans, got)
+        return spans
+
+    return TensorRef(first.dtype, (*lead_shape, *first.shape), chunk_reader=pieces, info={"parts": parts}, runs=runs)
 
 
 def _held_rows(ref: TensorRef, start: int) -> bool:

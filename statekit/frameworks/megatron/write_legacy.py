@@ -49,7 +49,7 @@ from statekit.formats import torch_pt
 from statekit.formats.torch_pickle import Record
 from statekit.frameworks.megatron import buckets, config, legacy, names, shard
 from statekit.lazy import numpy as np
-from statekit.tensor import PIECE, TensorRef
+from statekit.tensor import PIECE, TensorRef, extend_runs, file_runs
 
 SLOTS = ("exp_avg", "exp_avg_sq")
 
@@ -434,7 +434,20 @@ class _Writer:
             if total > at:
                 yield bytes(4 * (total - at))
 
-        return TensorRef("F32", (total,), loader=lambda: b"".join(chunks(PIECE)), chunk_reader=chunks)
+        def runs():  # the shards' runs at their places, zeros between (None where one's are not known)
+            out: list = []
+            at = 0
+            for pl in order:
+                p = by_local[pl.name]
+                shard_ref = self.tensor(p, p.master if slot == "param" else p.moments[slot], tp_rank)
+                got = file_runs(shard_ref)
+                if got is None or pl.coalesced < at or shard_ref.numel != pl.numel or shard_ref.dtype != "F32":
+                    return None  # (the chunks refuse what does not fit, with the message)
+                extend_runs(out, ([4 * (pl.coalesced - at)] if pl.coalesced > at else []) + got)
+                at = pl.coalesced + pl.numel
+            return extend_runs(out, [4 * (total - at)] if total > at else [])
+
+        return TensorRef("F32", (total,), loader=lambda: b"".join(chunks(PIECE)), chunk_reader=chunks, runs=runs)
 
     def rank_objects(self, tp_rank: int, pp: int, ep: int) -> tuple[dict, object]:
         keys = self.rank_keys(pp, ep)
