@@ -49,6 +49,7 @@ def no_gc():
 
 _SCALARS = frozenset((str, int, float, bool, type(None), bytes))
 _INFO, _OWN = operator.attrgetter("info"), operator.attrgetter("own")
+_NODES = frozenset((tuple, list, set, dict, Record))  # types whose _children is never None
 
 
 def _leaves_only(children) -> bool:
@@ -62,6 +63,22 @@ def _leaves_only(children) -> bool:
 
 
 def _children(node: object):
+    kind = type(node)  # (the exact types first: nearly every node is one)
+    if kind is tuple or kind is list or kind is set:
+        return node
+    if kind is dict:
+        return node.values()
+    if kind is Record:
+        return node.fields.values()
+    if kind is TensorRef:
+        state = node.info.get("python_state")
+        return state.values() if state else None
+    if kind in _SCALARS:
+        return None
+    return _children_of_subclass(node)
+
+
+def _children_of_subclass(node: object):
     if isinstance(node, list | tuple | set):
         return node
     if isinstance(node, dict):
@@ -125,5 +142,5 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
             kind = type(child)
             if kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):
                 continue  # leaves: most children of a large state_dict
-            if _children(child) is not None:
+            if kind in _NODES or _children(child) is not None:  # (_children refuses a float8 tensor here)
                 stack.append((child, False))
