@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import operator
+from itertools import repeat
 
 from statekit.errors import FormatError
 from statekit.formats.torch_pickle.geometry import TensorInfo
@@ -112,17 +113,11 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
         key = id(node)
         if done:
             active.discard(key)
-            size, depth = 1, 1
             if key in flat:
-                size += len(children)
-                children = ()
-            for child in children:
-                inner = sizes.get(id(child))
-                if inner is None:
-                    size += 1
-                else:
-                    size += inner
-                    depth = max(depth, depths[id(child)] + 1)
+                size, depth = 1 + len(children), 1
+            else:  # (a leaf counts 1, at depth 0; in C-level passes)
+                size = 1 + sum(map(sizes.get, map(id, children), repeat(1)))
+                depth = 1 + max(map(depths.get, map(id, children), repeat(0)), default=0)
             if size > max_nodes:
                 raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
             if depth > max_depth:
@@ -140,7 +135,9 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
             continue
         for child in children:
             kind = type(child)
-            if kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):
+            if kind in _NODES:
+                stack.append((child, False))
+            elif kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):
                 continue  # leaves: most children of a large state_dict
-            if kind in _NODES or _children(child) is not None:  # (_children refuses a float8 tensor here)
+            elif _children(child) is not None:  # (_children refuses a float8 tensor here)
                 stack.append((child, False))
