@@ -46,14 +46,15 @@ from statekit.formats.torch_pickle.structure import (
     check_structure,
     no_gc,
 )
-from statekit.formats.torch_pickle.values import RecordClass, _key, _keys, _text
+from statekit.formats.torch_pickle.values import Record, RecordClass, _key, _keys, _text
 
 StorageLoader = Callable[[StorageId], Storage]
 
 _MAX_LONG_BYTES = 1024
-(_MEMOIZE, _SHORT_BINUNICODE, _NEWOBJ, _BUILD, _EMPTY_DICT, _EMPTY_LIST, _SETITEMS, _SETITEM) = (
+(_MEMOIZE, _SHORT_BINUNICODE, _NEWOBJ, _BUILD, _EMPTY_DICT, _EMPTY_LIST, _SETITEMS, _SETITEM, _LONG1) = (
     op[0] for op in (pickle.MEMOIZE, pickle.SHORT_BINUNICODE, pickle.NEWOBJ, pickle.BUILD, pickle.EMPTY_DICT,
-                     pickle.EMPTY_LIST, pickle.SETITEMS, pickle.SETITEM))
+                     pickle.EMPTY_LIST, pickle.SETITEMS, pickle.SETITEM, pickle.LONG1))
+_STR = frozenset((str,))
 _OPS: dict[int, Callable[[_Unpickler], None]] = {}
 
 
@@ -274,7 +275,20 @@ class _Unpickler:
                     stack[-1] = new_record(records, stack[-1], args)
                 elif code == _BUILD:
                     state = stack.pop()
-                    stack[-1] = built(records, stack[-1], state)
+                    inst = stack[-1]
+                    if (type(inst) is Record and type(state) is dict and records.get(id(inst)) is not None
+                            and set(map(type, state)) <= _STR):  # built()'s commonest case: fields by name
+                        inst.fields.update(state)
+                    else:
+                        stack[-1] = built(records, inst, state)
+                elif code == _LONG1:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    n = data[pos]
+                    if pos + 1 + n > end:
+                        raise self.truncated_at(pos + 1, n)
+                    stack.append(int.from_bytes(data[pos + 1 : pos + 1 + n], "little", signed=True))
+                    pos += 1 + n
                 elif code == _EMPTY_DICT:
                     stack.append({})
                 elif code == _EMPTY_LIST:

@@ -103,21 +103,26 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
     sizes: dict[int, int] = {}
     depths: dict[int, int] = {}
     active: set[int] = set()
-    flat: set[int] = set()  # nodes whose children are all leaves
     stack: list = [(root, False)]
     while stack:
         node, done = stack.pop()
-        children = _children(node)
-        if children is None:
-            continue
+        kind = type(node)  # (_children, its commonest cases inline)
+        if kind is tuple or kind is list:
+            children = node
+        elif kind is dict:
+            children = node.values()
+        elif kind is Record:
+            children = node.fields.values()
+        else:
+            children = _children(node)
+            if children is None:
+                continue
         key = id(node)
         if done:
             active.discard(key)
-            if key in flat:
-                size, depth = 1 + len(children), 1
-            else:  # (a leaf counts 1, at depth 0; in C-level passes)
-                size = 1 + sum(map(sizes.get, map(id, children), repeat(1)))
-                depth = 1 + max(map(depths.get, map(id, children), repeat(0)), default=0)
+            # (a leaf counts 1, at depth 0; in C-level passes)
+            size = 1 + sum(map(sizes.get, map(id, children), repeat(1)))
+            depth = 1 + max(map(depths.get, map(id, children), repeat(0)), default=0)
             if size > max_nodes:
                 raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
             if depth > max_depth:
@@ -128,11 +133,16 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
             continue
         if key in active:
             raise FormatError("pickle builds a container that contains itself")
+        if _leaves_only(children):  # (a tuple of ints, a state_dict's tensors: done at once, no loop in Python)
+            size = 1 + len(children)
+            if size > max_nodes:
+                raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
+            if 1 > max_depth:
+                raise FormatError(f"pickle nests containers deeper than {max_depth} levels")
+            sizes[key], depths[key] = size, 1
+            continue
         active.add(key)
         stack.append((node, True))
-        if _leaves_only(children):  # (a state_dict's tensors: no loop in Python)
-            flat.add(key)
-            continue
         for child in children:
             kind = type(child)
             if kind in _NODES:
