@@ -28,6 +28,15 @@ from statekit.formats.torch_pickle import Storage, StorageId, interpreter, templ
 from statekit.formats.torch_pickle.repeats import Repeats
 from statekit.tensor import TensorRef
 
+TEMPLATES_AFTER = interpreter._Unpickler.templates_after  # the default, before the fixture below
+
+
+@pytest.fixture(autouse=True)
+def templates_from_the_first_opcode(monkeypatch):
+    """These pickles are short: templates are tried from their first opcode on (by default only
+    once the loop has run ``_Unpickler.templates_after``: test_templates_wait_for_a_long_pickle)."""
+    monkeypatch.setattr(interpreter._Unpickler, "templates_after", 0)
+
 
 def torch_saved(obj: object) -> tuple[bytes, dict[str, bytes]]:
     """data.pkl and the storages of what real torch.save writes for ``obj``."""
@@ -717,3 +726,25 @@ def test_a_view_plan_at_another_offset_is_tensor_at_that_offset(offset):
             return str(exc)
 
     assert outcome(lambda: at(offset)) == outcome(lambda: _tensor(storage, offset, (2,), (1,)))
+
+
+def test_templates_wait_for_a_long_pickle(monkeypatch):
+    """By default the opcode loop alone reads a pickle's first ``templates_after`` opcodes
+    (learning costs more than it saves on a short pickle: a DCP .metadata); a long pickle's later
+    items then run through templates, and both read what the loop alone reads."""
+    monkeypatch.setattr(interpreter._Unpickler, "templates_after", TEMPLATES_AFTER)
+    assert TEMPLATES_AFTER > 10_000
+    short = memo_less_views([{"offset": i} for i in range(300)])
+    assert sum(1 for _ in pickletools.genops(short)) < TEMPLATES_AFTER
+    fast, slow, items = load_both(short, views_storages(), monkeypatch)
+    assert fast == slow and len(fast[1]) == 300 and items == 0
+    monkeypatch.setattr(interpreter._Unpickler, "templates_after", TEMPLATES_AFTER)  # (load_both's undone)
+    monkeypatch.setattr(interpreter._Unpickler, "templates", True)
+    n = 2 * TEMPLATES_AFTER // 20  # ~20 opcodes a view: twice the loop's share
+    long = memo_less_views([{"offset": i % 60_000} for i in range(n)])
+    ops = sum(1 for _ in pickletools.genops(long))
+    fast, slow, items = load_both(long, views_storages(), monkeypatch)
+    assert fast == slow and len(fast[1]) == n
+    per_item = ops / n
+    assert 0 < items * per_item <= ops - TEMPLATES_AFTER + 1000 * per_item  # (from the first MARK past it)
+    assert items * per_item >= ops - TEMPLATES_AFTER - 1000 * per_item - 100

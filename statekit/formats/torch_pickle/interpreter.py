@@ -7,6 +7,7 @@ import mmap
 import pickle
 import struct
 from collections.abc import Callable, Mapping
+from itertools import repeat
 
 from statekit.errors import FormatError
 from statekit.formats import limits
@@ -42,15 +43,18 @@ from statekit.formats.torch_pickle.structure import (
     MAX_DEPTH,
     MAX_EXPANSION,
     MAX_STEPS,
-    _is_container,
     check_structure,
     no_gc,
 )
-from statekit.formats.torch_pickle.values import RecordClass, _key, _keys, _text
+from statekit.formats.torch_pickle.values import Record, RecordClass, _key, _keys, _text
 
 StorageLoader = Callable[[StorageId], Storage]
 
 _MAX_LONG_BYTES = 1024
+(_MEMOIZE, _SHORT_BINUNICODE, _NEWOBJ, _BUILD, _EMPTY_DICT, _EMPTY_LIST, _SETITEMS, _SETITEM, _LONG1) = (
+    op[0] for op in (pickle.MEMOIZE, pickle.SHORT_BINUNICODE, pickle.NEWOBJ, pickle.BUILD, pickle.EMPTY_DICT,
+                     pickle.EMPTY_LIST, pickle.SETITEMS, pickle.SETITEM, pickle.LONG1))
+_STR = frozenset((str,))
 _OPS: dict[int, Callable[[_Unpickler], None]] = {}
 
 
@@ -67,6 +71,9 @@ class _Unpickler:
     """Interprets one pickle from ``data[pos:]`` using only the opcodes registered in ``_OPS``."""
 
     templates = True  # a container's repeating items through templates (False: the opcode loop alone)
+    # opcodes the loop runs before templates are tried: learning costs more than it saves on a
+    # pickle this short (a DCP .metadata of 2,000 tensors runs 45,000), and a long one repeats anyway
+    templates_after = 1 << 16
 
     def __init__(
         self,
@@ -137,23 +144,21 @@ class _Unpickler:
         Containers of depth 1 (a tuple of ints) are not recorded — a container with no record
         counts as depth 1 — so the many small tuples of a large pickle are not kept alive; those
         recorded are, so that their ids stay unique."""
-        if not any(issubclass(kind, _CONTAINERS) for kind in set(map(type, items))):
+        if not _has_container(items):
             return container  # no container among the items (the values of a state_dict): no deeper
+        return self.nest_in(container, items)
+
+    def nest_in(self, container: object, items) -> object:
+        """:meth:`nest` where ``items`` hold a container: ``container`` is then at least 2 deep
+        (an unrecorded container counts as 1), and one more than the deepest recorded item."""
         depths = self.depths
-        depth = depths.get(id(container), 1)
-        for item in items:
-            inner = depths.get(id(item))
-            if inner is None:
-                if depth < 2 and isinstance(item, _CONTAINERS):
-                    depth = 2
-            elif inner >= depth:
-                depth = inner + 1
-        if depth > 1:
-            if depth > MAX_DEPTH:
-                raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
-            if id(container) not in depths:
-                self.built.append(container)
-            depths[id(container)] = depth
+        key = id(container)
+        depth = max(depths.get(key, 1), 2, max(map(depths.get, map(id, items), repeat(0))) + 1)
+        if depth > MAX_DEPTH:
+            raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
+        if key not in depths:
+            self.built.append(container)
+        depths[key] = depth
         return container
 
     def put(self, index: int, value: object) -> None:
@@ -179,7 +184,7 @@ class _Unpickler:
     def target(self, kind: type) -> object:
         top = self.stack[-1]
         if not isinstance(top, kind):
-            raise FormatError(f"malformed pickle: cannot add items to a {type(top).__name__}")
+            raise _cannot_add(top)
         return top
 
     def dispatch(self, code: int, start: int) -> None:
@@ -191,12 +196,17 @@ class _Unpickler:
             raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
         handler(self)
 
-    def load(self) -> object:
-        """The loop: common opcodes inline (checked as their ``_OPS`` handlers); after a MARK, the
-        items that follow through templates while they fit (:class:`Repeats`)."""
-        data, end, u32 = self.data, len(self.data), _U32.unpack_from
+    def load(self) -> object:  # noqa: C901 (one branch an opcode)
+        """The loop: the common opcodes inline (each as its ``_OPS`` handler does it, in the same
+        order of checks), the others through :meth:`dispatch`; once the pickle has run
+        :attr:`templates_after` opcodes, after a MARK, the items that follow through templates
+        while they fit (:class:`Repeats`)."""
+        data, u32 = self.data, _U32.unpack_from
+        end = len(data)
         pos, start, steps = self.pos, self.pos, self.steps
         stack, metastack, memo, repeats = self.stack, self.metastack, self.memo, self.repeats
+        records, max_steps, after_steps = self.records, MAX_STEPS, self.templates_after
+        nest_in, put = self.nest_in, self.put
         try:
             while True:
                 start = pos
@@ -205,7 +215,13 @@ class _Unpickler:
                 code = data[pos]
                 pos += 1
                 steps += 1
-                if code == _BINGET or code == _LONG_BINGET:
+                if code == _MEMOIZE:
+                    if type(memo) is list:
+                        memo.append(stack[-1])
+                    else:
+                        put(len(memo), stack[-1])
+                        memo = self.memo
+                elif code == _BINGET or code == _LONG_BINGET:
                     width = 1 if code == _BINGET else 4
                     if pos + width > end:
                         raise self.truncated_at(pos, width)
@@ -215,49 +231,105 @@ class _Unpickler:
                     width = 1 if code == _BINPUT else 4
                     if pos + width > end:
                         raise self.truncated_at(pos, width)
-                    self.put(data[pos] if width == 1 else u32(data, pos)[0], stack[-1])
+                    put(data[pos] if width == 1 else u32(data, pos)[0], stack[-1])
                     memo = self.memo
                     pos += width
+                elif code in _INLINE_CONSTANTS:
+                    stack.append(_INLINE_CONSTANTS[code])
                 elif code == _MARK:
                     if len(metastack) >= MAX_DEPTH:
                         raise FormatError(f"pickle nests containers deeper than {MAX_DEPTH} levels")
                     metastack.append(stack)
                     stack = []
-                    if repeats is not None:
+                    if repeats is not None and steps >= after_steps:
                         pos, steps = repeats.run(self, data, pos, stack, steps)
-                elif code == _TUPLE:
-                    if not metastack:
-                        raise FormatError("malformed pickle: no MARK on the stack")
-                    items = tuple(stack)
-                    stack = metastack.pop()
-                    stack.append(self.nest(items, items) if any(map(_is_container, items)) else items)
-                elif code in _INTS:
-                    width = _INTS[code]
-                    if pos + width > end:
-                        raise self.truncated_at(pos, width)
-                    stack.append(data[pos] if width == 1 else _INT_FORMATS[width].unpack_from(data, pos)[0])
-                    pos += width
-                elif code == _REDUCE:
-                    args = stack.pop()
-                    stack[-1] = _call(stack[-1], args)
                 elif _TUPLE1 <= code <= _TUPLE3:
                     n = code - _TUPLE1 + 1
                     if len(stack) < n:
                         raise FormatError("malformed pickle: stack underflow in TUPLE")
                     items = tuple(stack[-n:])
                     del stack[-n:]
-                    stack.append(self.nest(items, items) if any(map(_is_container, items)) else items)
+                    stack.append(nest_in(items, items) if _has_container(items) else items)
+                elif code in _INTS:
+                    width = _INTS[code]
+                    if pos + width > end:
+                        raise self.truncated_at(pos, width)
+                    stack.append(data[pos] if width == 1 else _INT_FORMATS[width].unpack_from(data, pos)[0])
+                    pos += width
                 elif code == _BINUNICODE:
                     n = u32(data, pos)[0] if pos + 4 <= end else -1
                     if n < 0 or pos + 4 + n > end:
                         raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
                     stack.append(_text(data[pos + 4 : pos + 4 + n]))
                     pos += 4 + n
-                elif code in _INLINE_CONSTANTS:
-                    stack.append(_INLINE_CONSTANTS[code])
+                elif code == _SHORT_BINUNICODE:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    n = data[pos]
+                    if pos + 1 + n > end:
+                        raise self.truncated_at(pos + 1, n)
+                    stack.append(_text(data[pos + 1 : pos + 1 + n]))
+                    pos += 1 + n
+                elif code == _NEWOBJ and self.extra_globals is not None:
+                    args = stack.pop()
+                    stack[-1] = new_record(records, stack[-1], args)
+                elif code == _BUILD:
+                    state = stack.pop()
+                    inst = stack[-1]
+                    if (type(inst) is Record and type(state) is dict and records.get(id(inst)) is not None
+                            and set(map(type, state)) <= _STR):  # built()'s commonest case: fields by name
+                        inst.fields.update(state)
+                    else:
+                        stack[-1] = built(records, inst, state)
+                elif code == _LONG1:
+                    if pos >= end:
+                        raise self.truncated_at(pos, 1)
+                    n = data[pos]
+                    if pos + 1 + n > end:
+                        raise self.truncated_at(pos + 1, n)
+                    stack.append(int.from_bytes(data[pos + 1 : pos + 1 + n], "little", signed=True))
+                    pos += 1 + n
+                elif code == _EMPTY_DICT:
+                    stack.append({})
+                elif code == _EMPTY_LIST:
+                    stack.append([])
+                elif code == _SETITEMS:
+                    if steps > max_steps:
+                        raise FormatError(f"pickle runs more than {max_steps} opcodes: refused")
+                    if not metastack:
+                        raise FormatError("malformed pickle: no MARK on the stack")
+                    items, stack = stack, metastack.pop()
+                    values = items[1::2]
+                    top = stack[-1]
+                    if not isinstance(top, dict):
+                        raise _cannot_add(top)
+                    if _has_container(values):
+                        nest_in(top, values)
+                    top.update(zip(_keys(items[::2]), values, strict=True))
+                elif code == _REDUCE:
+                    args = stack.pop()
+                    stack[-1] = _call(stack[-1], args)
+                elif code == _TUPLE:
+                    if not metastack:
+                        raise FormatError("malformed pickle: no MARK on the stack")
+                    items = tuple(stack)
+                    stack = metastack.pop()
+                    stack.append(nest_in(items, items) if _has_container(items) else items)
+                elif code == _SETITEM:
+                    if steps > max_steps:
+                        raise FormatError(f"pickle runs more than {max_steps} opcodes: refused")
+                    value, key = stack.pop(), stack.pop()
+                    top = stack[-1]
+                    if not isinstance(top, dict):
+                        raise _cannot_add(top)
+                    if isinstance(value, _CONTAINERS):
+                        nest_in(top, (value,))
+                    top[_key(key)] = value
                 elif code == _GLOBAL and (after := self.global_at(data, pos, stack)) >= 0:
                     pos = after
                 elif code == _STOP:
+                    if steps > max_steps:
+                        raise FormatError(f"pickle runs more than {max_steps} opcodes: refused")
                     return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
                 else:
                     self.pos, self.code, self.steps, self.stack = pos, code, steps, stack
@@ -303,6 +375,24 @@ class _Unpickler:
 
 def _fail(message: str) -> None:
     raise FormatError(message)
+
+
+def _cannot_add(top: object) -> FormatError:
+    return FormatError(f"malformed pickle: cannot add items to a {type(top).__name__}")
+
+
+_CONTAINER_KIND: dict[type, bool] = {}  # type -> whether it is one of _CONTAINERS (a subclass counts)
+
+
+def _has_container(items) -> bool:
+    """Whether any of ``items`` is a container (``any(map(_is_container, items))``, by type)."""
+    for kind in set(map(type, items)):
+        flag = _CONTAINER_KIND.get(kind)
+        if flag is None:
+            flag = _CONTAINER_KIND[kind] = issubclass(kind, _CONTAINERS)
+        if flag:
+            return True
+    return False
 
 
 def loads(

@@ -54,6 +54,9 @@ class Repeats:
         # waited last; per first opcode: families learned, items their templates ran
         self.next_try: dict[tuple[int, int], int] = {}
         self.gap: dict[tuple[int, int], int] = {}
+        # likewise, where the templates learned fit no item and learning waits: when they are tried again
+        self.idle_until: dict[tuple[int, int], int] = {}
+        self.idle_gap: dict[tuple[int, int], int] = {}
         self.learned, self.ran = [0] * 256, [0] * 256
         self.items = self.ops = 0  # items and opcodes run by templates (the tests count them)
 
@@ -72,10 +75,14 @@ class Repeats:
                 continue
             if code in _NOT_FIRST:
                 break
+            where = (code, len(u.metastack))
+            if pos < self.idle_until.get(where, 0):
+                break
             done = self.known(u, data, pos, stack, steps)
             if done is None:
-                where = (code, len(u.metastack))
-                if pos < self.next_try.get(where, 0):
+                if pos < self.next_try.get(where, 0):  # no template fits, and learning waits: so do they
+                    self.idle_gap[where] = min(2 * self.idle_gap.get(where, 0) or _FIRST_GAP, _MAX_GAP)
+                    self.idle_until[where] = pos + self.idle_gap[where]
                     break
                 done = self.learn(u, data, pos, stack, steps)
                 if done is None or (self.learned[code] > 8 and self.ran[code] < 4 * self.learned[code]):
@@ -85,6 +92,8 @@ class Repeats:
                         break
                 else:
                     self.gap[where] = 0
+            if where in self.idle_gap:
+                del self.idle_gap[where]
             pos, steps = done
         return pos, steps
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import operator
+from itertools import repeat
 
 from statekit.errors import FormatError
 from statekit.formats.torch_pickle.geometry import TensorInfo
@@ -49,6 +50,7 @@ def no_gc():
 
 _SCALARS = frozenset((str, int, float, bool, type(None), bytes))
 _INFO, _OWN = operator.attrgetter("info"), operator.attrgetter("own")
+_NODES = frozenset((tuple, list, set, dict, Record))  # types whose _children is never None
 
 
 def _leaves_only(children) -> bool:
@@ -62,6 +64,22 @@ def _leaves_only(children) -> bool:
 
 
 def _children(node: object):
+    kind = type(node)  # (the exact types first: nearly every node is one)
+    if kind is tuple or kind is list or kind is set:
+        return node
+    if kind is dict:
+        return node.values()
+    if kind is Record:
+        return node.fields.values()
+    if kind is TensorRef:
+        state = node.info.get("python_state")
+        return state.values() if state else None
+    if kind in _SCALARS:
+        return None
+    return _children_of_subclass(node)
+
+
+def _children_of_subclass(node: object):
     if isinstance(node, list | tuple | set):
         return node
     if isinstance(node, dict):
@@ -85,27 +103,26 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
     sizes: dict[int, int] = {}
     depths: dict[int, int] = {}
     active: set[int] = set()
-    flat: set[int] = set()  # nodes whose children are all leaves
     stack: list = [(root, False)]
     while stack:
         node, done = stack.pop()
-        children = _children(node)
-        if children is None:
-            continue
+        kind = type(node)  # (_children, its commonest cases inline)
+        if kind is tuple or kind is list:
+            children = node
+        elif kind is dict:
+            children = node.values()
+        elif kind is Record:
+            children = node.fields.values()
+        else:
+            children = _children(node)
+            if children is None:
+                continue
         key = id(node)
         if done:
             active.discard(key)
-            size, depth = 1, 1
-            if key in flat:
-                size += len(children)
-                children = ()
-            for child in children:
-                inner = sizes.get(id(child))
-                if inner is None:
-                    size += 1
-                else:
-                    size += inner
-                    depth = max(depth, depths[id(child)] + 1)
+            # (a leaf counts 1, at depth 0; in C-level passes)
+            size = 1 + sum(map(sizes.get, map(id, children), repeat(1)))
+            depth = 1 + max(map(depths.get, map(id, children), repeat(0)), default=0)
             if size > max_nodes:
                 raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
             if depth > max_depth:
@@ -116,14 +133,21 @@ def check_structure(root: object, max_depth: int = MAX_DEPTH, max_nodes: int = M
             continue
         if key in active:
             raise FormatError("pickle builds a container that contains itself")
+        if _leaves_only(children):  # (a tuple of ints, a state_dict's tensors: done at once, no loop in Python)
+            size = 1 + len(children)
+            if size > max_nodes:
+                raise FormatError(f"pickle expands to more than {max_nodes} objects by reference (a memo bomb)")
+            if 1 > max_depth:
+                raise FormatError(f"pickle nests containers deeper than {max_depth} levels")
+            sizes[key], depths[key] = size, 1
+            continue
         active.add(key)
         stack.append((node, True))
-        if _leaves_only(children):  # (a state_dict's tensors: no loop in Python)
-            flat.add(key)
-            continue
         for child in children:
             kind = type(child)
-            if kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):
+            if kind in _NODES:
+                stack.append((child, False))
+            elif kind in _SCALARS or (kind is TensorRef and child.info.get("python_state") is None):
                 continue  # leaves: most children of a large state_dict
-            if _children(child) is not None:
+            elif _children(child) is not None:  # (_children refuses a float8 tensor here)
                 stack.append((child, False))
