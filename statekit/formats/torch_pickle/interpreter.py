@@ -55,6 +55,8 @@ _MAX_LONG_BYTES = 1024
     op[0] for op in (pickle.MEMOIZE, pickle.SHORT_BINUNICODE, pickle.NEWOBJ, pickle.BUILD, pickle.EMPTY_DICT,
                      pickle.EMPTY_LIST, pickle.SETITEMS, pickle.SETITEM, pickle.LONG1))
 _STR = frozenset((str,))
+_PUTS = frozenset((_MEMOIZE, _BINPUT, _LONG_BINPUT))
+_SIZED = frozenset((_SHORT_BINUNICODE, _BINUNICODE, _LONG1))
 _OPS: dict[int, Callable[[_Unpickler], None]] = {}
 
 
@@ -85,7 +87,7 @@ class _Unpickler:
         self.data = data
         self.extra_globals = extra_globals
         self.records: dict[int, RecordClass] = {}  # id(Record) -> its class, for BUILD
-        self.pos = pos
+        self.pos = self.at = pos  # (at: the offset of the opcode being run)
         self.code = 0  # the opcode being interpreted
         self.storage_loader = storage_loader
         self.stack: list = []
@@ -196,17 +198,23 @@ class _Unpickler:
             raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")
         handler(self)
 
-    def load(self) -> object:  # noqa: C901 (one branch an opcode)
-        """The loop: the common opcodes inline (each as its ``_OPS`` handler does it, in the same
-        order of checks), the others through :meth:`dispatch`; once the pickle has run
-        :attr:`templates_after` opcodes, after a MARK, the items that follow through templates
-        while they fit (:class:`Repeats`)."""
-        data, u32 = self.data, _U32.unpack_from
-        end = len(data)
+    def load(self) -> object:
+        """The pickle's object (:meth:`run`), a Python error on malformed input one FormatError that
+        names the offset of the opcode that met it."""
+        try:
+            return self.run()
+        except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
+            raise FormatError(f"malformed pickle at offset {self.at}: {type(exc).__name__}: {exc}") from None
+
+    def run(self) -> object:  # noqa: C901 (one branch an opcode)
+        """The loop: the common opcodes inline or through a method of their own (each as its
+        ``_OPS`` handler does it, in the same order of checks), the others through
+        :meth:`dispatch`; once the pickle has run :attr:`templates_after` opcodes, after a MARK,
+        the items that follow through templates while they fit (:class:`Repeats`)."""
+        data, u32, end = self.data, _U32.unpack_from, len(self.data)
         pos, start, steps = self.pos, self.pos, self.steps
         stack, metastack, memo, repeats = self.stack, self.metastack, self.memo, self.repeats
-        records, max_steps, after_steps = self.records, MAX_STEPS, self.templates_after
-        nest_in, put = self.nest_in, self.put
+        records, after_steps = self.records, self.templates_after
         try:
             while True:
                 start = pos
@@ -215,25 +223,17 @@ class _Unpickler:
                 code = data[pos]
                 pos += 1
                 steps += 1
-                if code == _MEMOIZE:
-                    if type(memo) is list:
-                        memo.append(stack[-1])
-                    else:
-                        put(len(memo), stack[-1])
-                        memo = self.memo
+                if code == _MEMOIZE and type(memo) is list:
+                    memo.append(stack[-1])
                 elif code == _BINGET or code == _LONG_BINGET:
                     width = 1 if code == _BINGET else 4
                     if pos + width > end:
                         raise self.truncated_at(pos, width)
                     stack.append(memo[data[pos] if width == 1 else u32(data, pos)[0]])
                     pos += width
-                elif code == _LONG_BINPUT or code == _BINPUT:
-                    width = 1 if code == _BINPUT else 4
-                    if pos + width > end:
-                        raise self.truncated_at(pos, width)
-                    put(data[pos] if width == 1 else u32(data, pos)[0], stack[-1])
+                elif code in _PUTS:
+                    pos = self.put_at(code, pos, stack[-1])
                     memo = self.memo
-                    pos += width
                 elif code in _INLINE_CONSTANTS:
                     stack.append(_INLINE_CONSTANTS[code])
                 elif code == _MARK:
@@ -244,101 +244,118 @@ class _Unpickler:
                     if repeats is not None and steps >= after_steps:
                         pos, steps = repeats.run(self, data, pos, stack, steps)
                 elif _TUPLE1 <= code <= _TUPLE3:
-                    n = code - _TUPLE1 + 1
-                    if len(stack) < n:
-                        raise FormatError("malformed pickle: stack underflow in TUPLE")
-                    items = tuple(stack[-n:])
-                    del stack[-n:]
-                    stack.append(nest_in(items, items) if _has_container(items) else items)
+                    stack.append(self.tuple_of(stack, code - _TUPLE1 + 1))
                 elif code in _INTS:
                     width = _INTS[code]
                     if pos + width > end:
                         raise self.truncated_at(pos, width)
                     stack.append(data[pos] if width == 1 else _INT_FORMATS[width].unpack_from(data, pos)[0])
                     pos += width
-                elif code == _BINUNICODE:
-                    n = u32(data, pos)[0] if pos + 4 <= end else -1
-                    if n < 0 or pos + 4 + n > end:
-                        raise self.truncated_at(pos, 4 if n < 0 else 4 + n)
-                    stack.append(_text(data[pos + 4 : pos + 4 + n]))
-                    pos += 4 + n
-                elif code == _SHORT_BINUNICODE:
-                    if pos >= end:
-                        raise self.truncated_at(pos, 1)
-                    n = data[pos]
-                    if pos + 1 + n > end:
-                        raise self.truncated_at(pos + 1, n)
-                    stack.append(_text(data[pos + 1 : pos + 1 + n]))
-                    pos += 1 + n
+                elif code in _SIZED:
+                    pos = self.sized_at(code, pos, stack)
                 elif code == _NEWOBJ and self.extra_globals is not None:
                     args = stack.pop()
                     stack[-1] = new_record(records, stack[-1], args)
                 elif code == _BUILD:
                     state = stack.pop()
-                    inst = stack[-1]
-                    if (type(inst) is Record and type(state) is dict and records.get(id(inst)) is not None
-                            and set(map(type, state)) <= _STR):  # built()'s commonest case: fields by name
-                        inst.fields.update(state)
-                    else:
-                        stack[-1] = built(records, inst, state)
-                elif code == _LONG1:
-                    if pos >= end:
-                        raise self.truncated_at(pos, 1)
-                    n = data[pos]
-                    if pos + 1 + n > end:
-                        raise self.truncated_at(pos + 1, n)
-                    stack.append(int.from_bytes(data[pos + 1 : pos + 1 + n], "little", signed=True))
-                    pos += 1 + n
+                    stack[-1] = _build_fast(records, stack[-1], state)
                 elif code == _EMPTY_DICT:
                     stack.append({})
                 elif code == _EMPTY_LIST:
                     stack.append([])
                 elif code == _SETITEMS:
-                    if steps > max_steps:
-                        raise FormatError(f"pickle runs more than {max_steps} opcodes: refused")
-                    if not metastack:
-                        raise FormatError("malformed pickle: no MARK on the stack")
-                    items, stack = stack, metastack.pop()
-                    values = items[1::2]
-                    top = stack[-1]
-                    if not isinstance(top, dict):
-                        raise _cannot_add(top)
-                    if _has_container(values):
-                        nest_in(top, values)
-                    top.update(zip(_keys(items[::2]), values, strict=True))
+                    stack = self.set_items(stack, steps)
                 elif code == _REDUCE:
                     args = stack.pop()
                     stack[-1] = _call(stack[-1], args)
                 elif code == _TUPLE:
-                    if not metastack:
-                        raise FormatError("malformed pickle: no MARK on the stack")
-                    items = tuple(stack)
-                    stack = metastack.pop()
-                    stack.append(nest_in(items, items) if _has_container(items) else items)
+                    stack = self.tuple_to_mark(stack)
                 elif code == _SETITEM:
-                    if steps > max_steps:
-                        raise FormatError(f"pickle runs more than {max_steps} opcodes: refused")
-                    value, key = stack.pop(), stack.pop()
-                    top = stack[-1]
-                    if not isinstance(top, dict):
-                        raise _cannot_add(top)
-                    if isinstance(value, _CONTAINERS):
-                        nest_in(top, (value,))
-                    top[_key(key)] = value
+                    self.set_item(stack, steps)
                 elif code == _GLOBAL and (after := self.global_at(data, pos, stack)) >= 0:
                     pos = after
                 elif code == _STOP:
-                    if steps > max_steps:
-                        raise FormatError(f"pickle runs more than {max_steps} opcodes: refused")
+                    self.check_steps(steps)
                     return stack.pop() if stack else _fail("malformed pickle: empty stack at STOP")
                 else:
                     self.pos, self.code, self.steps, self.stack = pos, code, steps, stack
                     self.dispatch(code, start)
                     pos, stack, memo = self.pos, self.stack, self.memo
-        except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError, struct.error) as exc:
-            raise FormatError(f"malformed pickle at offset {start}: {type(exc).__name__}: {exc}") from None
         finally:
-            self.pos, self.steps = pos, steps
+            self.pos, self.steps, self.at = pos, steps, start
+
+    @staticmethod
+    def check_steps(steps: int) -> None:
+        if steps > MAX_STEPS:
+            raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
+
+    def put_at(self, code: int, pos: int, value: object) -> int:
+        """MEMOIZE (into a memo that is a dict), BINPUT or LONG_BINPUT at ``pos``: the offset after."""
+        if code == _MEMOIZE:
+            self.put(len(self.memo), value)
+            return pos
+        width = 1 if code == _BINPUT else 4
+        if pos + width > len(self.data):
+            raise self.truncated_at(pos, width)
+        self.put(self.data[pos] if width == 1 else _U32.unpack_from(self.data, pos)[0], value)
+        return pos + width
+
+    def sized_at(self, code: int, pos: int, stack: list) -> int:
+        """SHORT_BINUNICODE, BINUNICODE or LONG1 at ``pos`` (a length, then that many bytes) pushed:
+        the offset after."""
+        data, width = self.data, 4 if code == _BINUNICODE else 1
+        if pos + width > len(data):
+            raise self.truncated_at(pos, width)
+        n = data[pos] if width == 1 else _U32.unpack_from(data, pos)[0]
+        pos += width
+        if pos + n > len(data):
+            raise self.truncated_at(pos, n) if width == 1 else self.truncated_at(pos - 4, 4 + n)
+        raw = data[pos : pos + n]
+        stack.append(int.from_bytes(raw, "little", signed=True) if code == _LONG1 else _text(raw))
+        return pos + n
+
+    def tuple_of(self, stack: list, n: int) -> tuple:
+        """TUPLE1..3: the top ``n`` items popped into a tuple."""
+        if len(stack) < n:
+            raise FormatError("malformed pickle: stack underflow in TUPLE")
+        items = tuple(stack[-n:])
+        del stack[-n:]
+        return self.nest_in(items, items) if _has_container(items) else items
+
+    def tuple_to_mark(self, stack: list) -> list:
+        """TUPLE: the items since the MARK as one tuple on the stack below; that stack."""
+        if not self.metastack:
+            raise FormatError("malformed pickle: no MARK on the stack")
+        items = tuple(stack)
+        stack = self.metastack.pop()
+        stack.append(self.nest_in(items, items) if _has_container(items) else items)
+        return stack
+
+    def set_items(self, stack: list, steps: int) -> list:
+        """SETITEMS: the pairs since the MARK into the dict below them; the stack below the MARK."""
+        self.check_steps(steps)
+        if not self.metastack:
+            raise FormatError("malformed pickle: no MARK on the stack")
+        items, stack = stack, self.metastack.pop()
+        values = items[1::2]
+        top = stack[-1]
+        if not isinstance(top, dict):
+            raise _cannot_add(top)
+        if _has_container(values):
+            self.nest_in(top, values)
+        top.update(zip(_keys(items[::2]), values, strict=True))
+        return stack
+
+    def set_item(self, stack: list, steps: int) -> None:
+        """SETITEM: the top key and value into the dict below them."""
+        self.check_steps(steps)
+        value, key = stack.pop(), stack.pop()
+        top = stack[-1]
+        if not isinstance(top, dict):
+            raise _cannot_add(top)
+        if isinstance(value, _CONTAINERS):
+            self.nest_in(top, (value,))
+        top[_key(key)] = value
 
     def global_at(self, data, pos: int, stack: list) -> int:
         """GLOBAL's two lines from ``pos`` looked up (once per pickle) and pushed: the offset after
@@ -371,6 +388,15 @@ class _Unpickler:
                 self.sids[pid] = self.last_sid
                 return storage
         return _persistent_load(self, pid)
+
+
+def _build_fast(records: dict[int, RecordClass], inst: object, state: object) -> object:
+    """BUILD: :func:`built`, its commonest case (a NEWOBJ record's fields by name) inline."""
+    if type(inst) is Record and type(state) is dict and records.get(id(inst)) is not None \
+            and set(map(type, state)) <= _STR:
+        inst.fields.update(state)
+        return inst
+    return built(records, inst, state)
 
 
 def _fail(message: str) -> None:
