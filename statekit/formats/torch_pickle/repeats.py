@@ -43,6 +43,7 @@ class _Family:
         self.general = general
         self.special: list[Template] = []
         self.wait = self.misses = 0  # back-off of specialising: calls to skip, short-lived ones so far
+        self.after: _Family | None = None  # the family whose templates ran the item after this one's last run
 
 
 class Repeats:
@@ -59,6 +60,7 @@ class Repeats:
         self.idle_gap: dict[tuple[int, int], int] = {}
         self.learned, self.ran = [0] * 256, [0] * 256
         self.items = self.ops = 0  # items and opcodes run by templates (the tests count them)
+        self.prev: _Family | None = None  # the family that ran the last item (within one run)
 
     def run(self, u, data, pos: int, stack: list, steps: int) -> tuple[int, int]:
         """Items from ``pos`` (a container's items start or go on there) by templates while
@@ -66,6 +68,7 @@ class Repeats:
         end = len(data)
         if type(u.memo) is not list or len(u.metastack) >= MAX_DEPTH:
             return pos, steps
+        self.prev = None
         while pos < end:
             code = data[pos]
             if code == _FRAME:  # between items: what the loop's FRAME does, reading 8 bytes
@@ -112,26 +115,40 @@ class Repeats:
         return after, steps + count * t.ops
 
     def known(self, u, data, pos: int, stack: list, steps: int) -> tuple[int, int] | None:
+        """The item at ``pos`` run by a template learned so far: first the family that followed
+        the last one's family before (items that alternate, a weight's 2-D shape then a bias's
+        1-D one, then cost one attempt each), then the others, most recently run first."""
         families = self.families.get(data[pos])
         if not families:
             return None
-        for fam in list(families):
+        prev = self.prev
+        order = families
+        if prev is not None and prev.after is not None and prev.after in families and prev.after is not families[0]:
+            order = [prev.after, *(f for f in families if f is not prev.after)]
+        for fam in list(order):
             if not fam.general.valid(u):
                 families.remove(fam)
                 continue
-            for t in fam.special:
-                if t.valid(u) and (done := self.attempt(t, u, data, pos, stack, steps)):
-                    fam.special.remove(t)
-                    fam.special.insert(0, t)
-                    return done
-            special = self.specialise(u, data, pos, fam)
-            done = (special and self.attempt(special, u, data, pos, stack, steps)) or self.attempt(
-                fam.general, u, data, pos, stack, steps)
+            done = self.attempt_family(fam, u, data, pos, stack, steps)
             if done:
                 families.remove(fam)
                 families.insert(0, fam)
+                if prev is not None:
+                    prev.after = fam
+                self.prev = fam
                 return done
         return None
+
+    def attempt_family(self, fam: _Family, u, data, pos: int, stack: list, steps: int) -> tuple[int, int] | None:
+        """``fam``'s specialised templates (most recently run first), a new one, then its general one."""
+        for t in fam.special:
+            if t.valid(u) and (done := self.attempt(t, u, data, pos, stack, steps)):
+                fam.special.remove(t)
+                fam.special.insert(0, t)
+                return done
+        special = self.specialise(u, data, pos, fam)
+        return (special and self.attempt(special, u, data, pos, stack, steps)) or self.attempt(
+            fam.general, u, data, pos, stack, steps)
 
     def specialise(self, u, data, pos: int, fam: _Family) -> Template | None:
         """A specialised template of ``fam`` for the items from ``pos``, when the general one fits
@@ -146,15 +163,15 @@ class Repeats:
             fam.misses = 0
         g = fam.general
         var = _varying(g, data, pos, len(u.memo))
-        if var is None or var == g.var:
+        seg = None if var is None or var == g.var else (
+            g.seg if g.seg.start == pos else read_segment(data, pos, len(u.memo)))
+        special = None if seg is None else build(u, data, seg, var)
+        if special is None:  # nothing worth fixing here (or the next item differs): wait longer too
+            fam.misses = min(2 * fam.misses + 1, 255)
+            fam.wait = fam.misses
             return None
-        seg = g.seg if g.seg.start == pos else read_segment(data, pos, len(u.memo))
-        if seg is None:
-            return None
-        special = build(u, data, seg, var)
-        if special is not None:
-            fam.special.insert(0, special)
-            del fam.special[_MAX_SPECIAL:]
+        fam.special.insert(0, special)
+        del fam.special[_MAX_SPECIAL:]
         return special
 
     def learn(self, u, data, pos: int, stack: list, steps: int) -> tuple[int, int] | None:
