@@ -748,3 +748,45 @@ def test_templates_wait_for_a_long_pickle(monkeypatch):
     per_item = ops / n
     assert 0 < items * per_item <= ops - TEMPLATES_AFTER + 1000 * per_item  # (from the first MARK past it)
     assert items * per_item >= ops - TEMPLATES_AFTER - 1000 * per_item - 100
+
+
+def test_alternating_weight_and_bias_items_cost_templates_few_failed_attempts(monkeypatch):
+    """A real Adam state_dict whose params alternate 2-D weight and 1-D bias (their sizes TUPLE2
+    then TUPLE1: two template families taking turns): templates run most of it, as the opcode
+    loop reads it, and the items cost fewer failed attempts and fruitless specialisings than there are items."""
+    torch = pytest.importorskip("torch")
+    params = [p for _ in range(1500) for p in torch.nn.Linear(3, 2).parameters()]
+    opt = torch.optim.Adam(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    pkl, storages = torch_saved(opt.state_dict())
+    made: list[Repeats] = []
+    wasted = [0]
+
+    class Counted(Repeats):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+        def attempt(self, *args):
+            done = super().attempt(*args)
+            wasted[0] += done is None
+            return done
+
+        def specialise(self, *args):
+            special = super().specialise(*args)
+            wasted[0] += special is None and not args[-1].wait
+            return special
+
+    with monkeypatch.context() as patch:
+        patch.setattr(interpreter, "Repeats", Counted)
+        patch.setattr(interpreter._Unpickler, "templates", True)
+        fast = torch_pickle.loads(pkl, storage_loader=lambda sid: Storage(sid, lambda: memoryview(storages[sid.key])))
+    items = sum(r.items for r in made)
+    assert items > 2500  # most of the 3,000 params' entries, after the first 65,536 opcodes
+    assert wasted[0] < items  # (before the follow-on family and the back-off: 3 an item)
+    with monkeypatch.context() as patch:
+        patch.setattr(interpreter._Unpickler, "templates", False)
+        slow = torch_pickle.loads(pkl, storage_loader=lambda sid: Storage(sid, lambda: memoryview(storages[sid.key])))
+    assert normalized(fast[0]) == normalized(slow[0])
