@@ -191,8 +191,7 @@ class _Unpickler:
 
     def dispatch(self, code: int, start: int) -> None:
         """Run one opcode through its handler in ``_OPS`` (those not inlined in :meth:`load`)."""
-        if self.steps > MAX_STEPS:
-            raise FormatError(f"pickle runs more than {MAX_STEPS} opcodes: refused")
+        self.check_steps(self.steps)
         handler = _OPS.get(code)
         if handler is None:
             raise FormatError(f"unsupported pickle opcode {bytes([code])!r} at offset {start}")

@@ -15,7 +15,11 @@ row up to 1 MiB: a container whose items are too large to learn does not hold ba
 nested in its first item); so
 does learning that succeeds but whose templates are not used again (more than eight learned at
 one first opcode, running fewer than four items each). A pickle with nothing repeating thus
-pays little for the looks, and one that repeats after a while is still found."""
+pays little for the looks, and one that repeats after a while is still found.
+
+Items that take turns (a weight's 2-D sizes, then a bias's 1-D ones) are met by remembering, per
+family, the family that ran the next item, and trying it first. Specialising that finds nothing
+worth fixing backs off as a short-lived specialised template does."""
 
 from __future__ import annotations
 
@@ -121,11 +125,12 @@ class Repeats:
         families = self.families.get(data[pos])
         if not families:
             return None
-        prev = self.prev
-        order = families
-        if prev is not None and prev.after is not None and prev.after in families and prev.after is not families[0]:
-            order = [prev.after, *(f for f in families if f is not prev.after)]
-        for fam in list(order):
+        prev, order = self.prev, list(families)
+        follow = prev.after if prev is not None else None
+        if follow in order:
+            order.remove(follow)
+            order.insert(0, follow)
+        for fam in order:
             if not fam.general.valid(u):
                 families.remove(fam)
                 continue
